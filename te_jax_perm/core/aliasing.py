@@ -1,0 +1,48 @@
+"""The alias plan: which custom-call operands are preallocated output buffers.
+
+Both the lowering (``input_output_aliases``) and the autotuner (which buffers to save and
+restore between trials) read this one plan, so they cannot drift apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from te_jax_perm.core.declaration import KernelDecl
+
+
+@dataclasses.dataclass(frozen=True)
+class AliasPlan:
+    num_operands: int
+    num_outputs: int
+    zeroed: tuple[bool, ...]
+
+    @property
+    def input_output_aliases(self) -> dict[int, int]:
+        """Custom-call operand index -> output index (preallocs follow the operands)."""
+        return {self.num_operands + i: i for i in range(self.num_outputs)}
+
+    @property
+    def written_inputs(self) -> tuple[int, ...]:
+        """Operand indices a launch may modify: exactly the aliased ones."""
+        return tuple(self.input_output_aliases)
+
+
+def alias_plan(decl: KernelDecl) -> AliasPlan:
+    return AliasPlan(len(decl.operands), len(decl.outputs), tuple(o.init == "zeros" for o in decl.outputs))
+
+
+def preallocate(decl: KernelDecl, out_avals: Sequence[jax.core.ShapedArray]) -> list[jax.Array]:
+    """Output buffers to pass as aliased operands: zeros where the kernel may skip elements.
+
+    ``jnp.empty`` is zero-filled in JAX today, but we keep the declared intent so that a
+    future uninitialised allocation stays correct for ``init="empty"`` outputs.
+    """
+    bufs = []
+    for o, aval in zip(decl.outputs, out_avals):
+        make = jnp.zeros if o.init == "zeros" else jnp.empty
+        bufs.append(make(aval.shape, aval.dtype))
+    return bufs

@@ -1,0 +1,96 @@
+"""Alias audit: find every custom call of ours in a lowered program and check its aliases.
+
+A custom call is "ours" when its location carries the ``te_jax_perm.<kernel>`` name
+scope that every backend puts around the call it emits. A result is safe when it is
+declared aliased (``output_operand_aliases``) to an operand that is a preallocated buffer
+of the same shape and dtype, so XLA cannot give that output the memory of another input.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+import jax
+
+_SCOPE = re.compile(r"te_jax_perm\.([A-Za-z0-9_]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomCallReport:
+    kernel: str | None           # our kernel name, None for foreign custom calls
+    target: str                  # custom-call target (e.g. triton_kernel_call)
+    operand_types: tuple[str, ...]
+    result_types: tuple[str, ...]
+    aliases: dict[int, int]      # result index -> operand index
+    unaliased_results: tuple[int, ...]
+
+    @property
+    def ours(self) -> bool:
+        return self.kernel is not None
+
+    @property
+    def ok(self) -> bool:
+        return not self.unaliased_results
+
+
+@dataclasses.dataclass(frozen=True)
+class AliasAudit:
+    calls: tuple[CustomCallReport, ...]
+
+    @property
+    def ours(self) -> tuple[CustomCallReport, ...]:
+        return tuple(c for c in self.calls if c.ours)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.ours)
+
+    def __str__(self) -> str:
+        lines = []
+        for c in self.calls:
+            tag = c.kernel or "(foreign)"
+            status = "OK" if c.ok else f"UNALIASED results {list(c.unaliased_results)}"
+            lines.append(f"{tag:32s} {c.target:36s} operands={len(c.operand_types)} "
+                         f"results={len(c.result_types)} aliases={c.aliases} {status}")
+        return "\n".join(lines) if lines else "(no custom calls)"
+
+
+def audit_aliases(fn: Callable, *args: Any, **kwargs: Any) -> AliasAudit:
+    """Lowers ``fn(*args, **kwargs)`` and reports every custom call with its aliasing.
+
+    ``fn`` may be jitted or not. Our calls are identified by their name scope, so the
+    report also lists foreign custom calls (marked ``(foreign)``) without judging them.
+    """
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    module = jitted.lower(*args, **kwargs).compiler_ir("stablehlo")
+    calls: list[CustomCallReport] = []
+    _walk(module.operation, calls)
+    return AliasAudit(tuple(calls))
+
+
+def _walk(op, out: list[CustomCallReport]) -> None:
+    for region in op.regions:
+        for block in region.blocks:
+            for child in block.operations:
+                if child.operation.name == "stablehlo.custom_call":
+                    out.append(_report(child.operation))
+                _walk(child.operation, out)
+
+
+def _report(op) -> CustomCallReport:
+    attrs = op.attributes
+    target = str(attrs["call_target_name"]).strip('"')
+    m = _SCOPE.search(str(op.location))
+    operand_types = tuple(str(v.type) for v in op.operands)
+    result_types = tuple(str(r.type) for r in op.results)
+    aliases: dict[int, int] = {}
+    if "output_operand_aliases" in attrs:
+        for a in attrs["output_operand_aliases"]:
+            text = str(a)
+            out_idx = re.search(r"output_tuple_indices = \[([0-9]*)\]", text).group(1)
+            opnd = int(re.search(r"operand_index = ([0-9]+)", text).group(1))
+            aliases[int(out_idx) if out_idx else 0] = opnd
+    unaliased = tuple(i for i in range(len(result_types))
+                      if i not in aliases or operand_types[aliases[i]] != result_types[i])
+    return CustomCallReport(m.group(1) if m else None, target, operand_types, result_types, aliases, unaliased)

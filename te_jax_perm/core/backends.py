@@ -1,0 +1,81 @@
+"""Backend selection: ``triton`` (GPU), ``interpret`` (CPU, Triton interpreter), ``xla``.
+
+Precedence: the ``backend=`` keyword of an op, then the innermost :func:`use_backend`
+context, then the ``TE_JAX_PERM_BACKEND`` environment variable, then the platform
+default (``triton`` when JAX's default backend is a GPU, else ``xla``).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib.util
+import os
+from typing import Iterator
+
+import jax
+
+BACKENDS = ("triton", "interpret", "xla")
+ENV_VAR = "TE_JAX_PERM_BACKEND"
+
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar("te_jax_perm_backend", default=None)
+
+
+class BackendUnavailableError(RuntimeError):
+    """Raised when a requested backend cannot run here; says what is missing."""
+
+
+def _check_name(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[str]:
+    """Context manager selecting the default backend for ops traced inside it."""
+    token = _current.set(_check_name(name))
+    try:
+        yield name
+    finally:
+        _current.reset(token)
+
+
+def default_backend() -> str:
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return _check_name(env)
+    return "triton" if jax.default_backend() == "gpu" else "xla"
+
+
+def resolve_backend(name: str | None = None) -> str:
+    """The backend an op call will use; raises if it is not available here."""
+    chosen = _check_name(name) if name is not None else (_current.get() or default_backend())
+    ensure_available(chosen)
+    return chosen
+
+
+def ensure_available(name: str) -> None:
+    if name == "triton":
+        if jax.default_backend() != "gpu":
+            raise BackendUnavailableError(
+                "backend 'triton' needs a CUDA GPU visible to JAX (jax.default_backend() is "
+                f"{jax.default_backend()!r}); install a CUDA jax (pip install 'jax[cuda13]') or use "
+                "backend 'interpret' (CPU, Triton interpreter) or 'xla'")
+        if importlib.util.find_spec("jax_triton") is None:
+            raise BackendUnavailableError(
+                "backend 'triton' needs the jax-triton package: pip install 'te_jax_perm[cuda]' "
+                "(jax-triton>=0.3.1; use 0.3.1 with triton 3.6)")
+    if name in ("triton", "interpret") and importlib.util.find_spec("triton") is None:
+        raise BackendUnavailableError(f"backend {name!r} needs the triton package: pip install triton")
+    if name == "interpret" and jax.default_backend() != "cpu":
+        # The interpreter dereferences host pointers; GPU buffers would crash it.
+        cpu = [d for d in jax.devices("cpu")] if _has_cpu() else []
+        if not cpu:
+            raise BackendUnavailableError("backend 'interpret' runs on the CPU platform only")
+
+
+def _has_cpu() -> bool:
+    try:
+        return bool(jax.devices("cpu"))
+    except RuntimeError:
+        return False

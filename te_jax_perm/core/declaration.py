@@ -1,0 +1,155 @@
+"""Kernel declarations: the single source every primitive property is derived from.
+
+A :class:`KernelDecl` names a Triton kernel together with everything the framework needs
+to turn it into a JAX primitive: operands, outputs (and how each output buffer is
+initialised), static parameters, runtime scalar arguments, compile-time constants, the
+grid, candidate configs with their validity constraints, and a pure-JAX reference.
+
+Kernel calling convention (all backends pass arguments in this order)::
+
+    kernel(*operand_ptrs, *scalar_args, *prealloc_ptrs, *output_ptrs, **constexprs)
+
+``prealloc_ptrs[i]`` and ``output_ptrs[i]`` always point at the same memory: the
+preallocated buffer is an extra custom-call operand declared as aliased to output ``i``
+(this is how jax-triton passes aliased outputs). Kernels write through ``output_ptrs``
+and never read ``prealloc_ptrs`` except for outputs declared ``init="zeros"``, which
+they may accumulate into.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+Dims = Mapping[str, int]
+Params = Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """An array operand.
+
+    ``dims`` names each axis symbolically (e.g. ``("T", "H")``); equal names must have
+    equal sizes across operands, which is how mismatched leading dims are caught.
+    ``dtypes`` is a tuple of allowed dtype *kinds* or names: ``"float"``, ``"int"``,
+    ``"bool"``, or a concrete name such as ``"int32"``; ``None`` allows any.
+    """
+
+    name: str
+    dims: tuple[str, ...]
+    dtypes: tuple[str, ...] | None = None
+
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """An output written by the kernel into a preallocated, alias-declared buffer.
+
+    ``init`` is ``"empty"`` when the kernel writes every element, ``"zeros"`` when it
+    accumulates or leaves elements untouched (e.g. padding rows).
+    """
+
+    name: str
+    shape: Callable[[Dims, Params], tuple[int, ...]]
+    dtype: Callable[[Mapping[str, np.dtype], Params], Any]
+    init: str = "empty"
+
+    def __post_init__(self):
+        if self.init not in ("empty", "zeros"):
+            raise ValueError(f"Output {self.name!r}: init must be 'empty' or 'zeros', got {self.init!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One tuning point: compile-time constants plus launch options."""
+
+    constants: tuple[tuple[str, Any], ...] = ()
+    num_warps: int = 4
+    num_stages: int = 1
+
+    @staticmethod
+    def make(num_warps: int = 4, num_stages: int = 1, **constants: Any) -> "Config":
+        return Config(tuple(sorted(constants.items())), num_warps, num_stages)
+
+    @property
+    def kw(self) -> dict[str, Any]:
+        return dict(self.constants)
+
+    def to_json(self) -> dict:
+        return {"constants": dict(self.constants), "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    @staticmethod
+    def from_json(d: Mapping) -> "Config":
+        return Config.make(d["num_warps"], d["num_stages"], **d["constants"])
+
+    def __str__(self) -> str:
+        c = ",".join(f"{k}={v}" for k, v in self.constants)
+        return f"Config({c},warps={self.num_warps},stages={self.num_stages})"
+
+
+Constraint = Callable[[Dims, Params, Config], "str | None"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelDecl:
+    """Everything about one kernel, declared once.
+
+    Attributes:
+      name: unique kernel name (used in custom-call scopes, logs, caches).
+      kernel: the ``@triton.jit`` function.
+      operands: array operands, in kernel-argument order.
+      outputs: outputs, in kernel-argument order.
+      params: names of static (hashable, trace-time) parameters.
+      scalars: ``(dims, params) -> {name: int}``: runtime scalar kernel arguments, in
+        kernel-argument order. Values here must not change the compiled binary.
+      constexprs: ``(dims, params, config) -> {name: value}``: compile-time constants
+        (beyond the config's own), e.g. dtype-dependent flags.
+      grid: ``(dims, params, config) -> tuple[int, ...]``.
+      reference: ``(*operands, **params) -> tuple of outputs``: pure JAX.
+      configs: the autotuning search space.
+      default_config: ``(dims, params) -> Config`` used when nothing is tuned.
+      constraints: each returns ``None`` when a config is valid for the shapes, or a
+        reason string when it must be pruned.
+      key_dims: dims whose value changes the best config (bucketed by ``key_bucket``).
+      key_params: static params that change the compiled code or grid shape.
+      exact: outputs must match the reference bit-exactly (pure data movement).
+      params_check: optional ``(dims, params) -> None`` raising ``ValueError``.
+      validate: optional ``(operands, dims, params) -> None`` for checks needing
+        concrete values (run only when operands are concrete).
+    """
+
+    name: str
+    kernel: Any
+    operands: tuple[Operand, ...]
+    outputs: tuple[Output, ...]
+    reference: Callable[..., Sequence[Any]]
+    grid: Callable[[Dims, Params, Config], tuple[int, ...]]
+    default_config: Callable[[Dims, Params], Config]
+    params: tuple[str, ...] = ()
+    scalars: Callable[[Dims, Params], Mapping[str, int]] = lambda d, p: {}
+    constexprs: Callable[[Dims, Params, Config], Mapping[str, Any]] = lambda d, p, c: {}
+    configs: tuple[Config, ...] = ()
+    constraints: tuple[Constraint, ...] = ()
+    key_dims: tuple[str, ...] = ()
+    key_params: tuple[str, ...] = ()
+    key_bucket: Callable[[str, int], int] = lambda name, v: v
+    exact: bool = True
+    rtol: float = 1e-2
+    atol: float = 1e-2
+    params_check: Callable[[Dims, Params], None] | None = None
+    validate: Callable[..., None] | None = None
+
+    def output_names(self) -> tuple[str, ...]:
+        return tuple(o.name for o in self.outputs)
+
+    def violated(self, dims: Dims, params: Params, config: Config) -> str | None:
+        """First violated constraint's reason, or None if ``config`` is valid."""
+        for c in self.constraints:
+            why = c(dims, params, config)
+            if why:
+                return why
+        return None

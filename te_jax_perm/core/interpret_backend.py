@@ -1,0 +1,136 @@
+"""``interpret`` backend: the real Triton kernel, run by Triton's interpreter on the CPU.
+
+The kernel runs inside a ``jax.experimental.buffer_callback`` custom call whose
+preallocated output operands carry the same declared ``input_output_aliases`` as the GPU
+custom call, so CPU tests exercise the exact aliasing contract of the ``triton`` backend.
+
+Launches can be observed (the hazard sanitizer does): observers see every buffer passed
+to the kernel, by operand name, and are told when each program starts.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from typing import Any, Iterator, Mapping, Protocol, Sequence
+
+import jax
+import numpy as np
+
+from te_jax_perm.core.aliasing import alias_plan, preallocate
+from te_jax_perm.core.declaration import Config, KernelDecl
+from te_jax_perm.core.kernel_args import KernelArgs
+
+
+class HostPointer:
+    """Adapter giving a host NumPy buffer the ``data_ptr()``/``dtype`` face Triton expects."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self.dtype = array.dtype
+
+    def data_ptr(self) -> int:
+        return self.array.ctypes.data
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferInfo:
+    name: str          # operand/output name; preallocs are "<output>.prealloc"
+    role: str          # "input", "prealloc" or "output"
+    address: int
+    nbytes: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+class LaunchObserver(Protocol):
+    def launch_begin(self, kernel_name: str, buffers: Sequence[BufferInfo], grid: tuple[int, int, int]) -> None: ...
+    def program_begin(self, pid: tuple[int, int, int]) -> None: ...
+    def launch_end(self) -> None: ...
+
+
+_observers: list[LaunchObserver] = []
+
+
+@contextlib.contextmanager
+def observe_launches(observer: LaunchObserver) -> Iterator[LaunchObserver]:
+    _observers.append(observer)
+    try:
+        yield observer
+    finally:
+        _observers.remove(observer)
+
+
+def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any],
+                       constexprs: Mapping[str, Any], *, name: str = "",
+                       buffers: Sequence[BufferInfo] = ()) -> None:
+    """Runs ``kernel`` (a ``@triton.jit`` function) over ``grid`` with the interpreter.
+
+    ``args`` maps kernel parameter names to :class:`HostPointer` or Python scalars.
+    """
+    from triton.runtime import interpreter as interp  # lazy: keep import cost off xla-only use
+
+    grid3 = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+    if any(g == 0 for g in grid3):
+        return
+    fn = interp.InterpretedFunction(kernel.fn).rewrite()
+    scope = interp._patch_lang(kernel.fn)
+    observers = list(_observers)
+    for ob in observers:
+        ob.launch_begin(name or kernel.fn.__name__, buffers, grid3)
+    try:
+        call_args = {k: interp._implicit_cvt(v) for k, v in args.items()}
+        call_args.update(constexprs)
+        interp.interpreter_builder.set_grid_dim(*grid3)
+        for x, y, z in itertools.product(*(range(g) for g in grid3)):
+            interp.interpreter_builder.set_grid_idx(x, y, z)
+            for ob in observers:
+                ob.program_begin((x, y, z))
+            fn(**call_args)
+    finally:
+        scope.restore()
+        for ob in observers:
+            ob.launch_end()
+
+
+def _param_names(kernel: Any) -> list[str]:
+    return list(kernel.arg_names)
+
+
+def interpret_call(decl: KernelDecl, operands: Sequence[jax.Array], params: Mapping[str, Any],
+                   config: Config, out_avals: Sequence[jax.core.ShapedArray]) -> list[jax.Array]:
+    """Traceable function emitting one aliased buffer_callback custom call."""
+    from jax.experimental.buffer_callback import buffer_callback
+
+    kargs = KernelArgs.build(decl, [o.aval for o in operands], params, config)
+    plan = alias_plan(decl)
+    preallocs = preallocate(decl, out_avals)
+    names = _param_names(decl.kernel)
+
+    def callback(ctx, outs, *ins):
+        del ctx
+        in_arrays = [np.asarray(b) for b in ins]
+        out_arrays = [np.asarray(b) for b in outs]
+        ptrs = ([HostPointer(a) for a in in_arrays[:plan.num_operands]] + list(kargs.scalars.values())
+                + [HostPointer(a) for a in in_arrays[plan.num_operands:]]
+                + [HostPointer(a) for a in out_arrays])
+        if len(ptrs) + len(kargs.constexprs) != len(names):
+            raise TypeError(f"{decl.name}: kernel {decl.kernel.fn.__name__} takes {len(names)} parameters "
+                            f"{names}; the declaration supplies {len(ptrs)} positional + "
+                            f"{sorted(kargs.constexprs)} constexprs")
+        infos = ([_info(op.name, "input", a) for op, a in zip(decl.operands, in_arrays)]
+                 + [_info(o.name + ".prealloc", "prealloc", a)
+                    for o, a in zip(decl.outputs, in_arrays[plan.num_operands:])]
+                 + [_info(o.name, "output", a) for o, a in zip(decl.outputs, out_arrays)])
+        launch_interpreted(decl.kernel, kargs.grid, dict(zip(names, ptrs)), kargs.constexprs,
+                           name=decl.name, buffers=infos)
+
+    result_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
+    with jax.named_scope(f"te_jax_perm.{decl.name}"):
+        outs = buffer_callback(callback, result_types, input_output_aliases=plan.input_output_aliases)(
+            *operands, *preallocs)
+    return list(outs)
+
+
+def _info(name: str, role: str, a: np.ndarray) -> BufferInfo:
+    return BufferInfo(name, role, a.ctypes.data, a.nbytes, a.dtype, tuple(a.shape))

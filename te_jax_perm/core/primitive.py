@@ -1,0 +1,116 @@
+"""Declaration -> JAX primitive: abstract eval, per-platform lowering, batching.
+
+Every lowering path except ``xla`` emits one custom call whose outputs are preallocated
+operands with declared ``input_output_aliases`` (see :mod:`te_jax_perm.core.aliasing`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.extend  # noqa: F401  (jax.extend is not imported by `import jax`)
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from te_jax_perm.core import backends
+from te_jax_perm.core.config_select import select_config
+from te_jax_perm.core.declaration import Config, KernelDecl
+from te_jax_perm.core.shapes import bind_dims, check_static_params, output_avals
+
+_RESERVED = ("backend", "config")
+
+
+class KernelPrimitive:
+    """A declared kernel bound to a JAX primitive. Call it like a function."""
+
+    def __init__(self, decl: KernelDecl):
+        clash = set(decl.params) & set(_RESERVED)
+        if clash:
+            raise ValueError(f"{decl.name}: parameter names {sorted(clash)} are reserved")
+        self.decl = decl
+        self.prim = Primitive(f"te_jax_perm_{decl.name}")
+        self.prim.multiple_results = True
+        self.prim.def_abstract_eval(self._abstract_eval)
+        self.prim.def_impl(self._impl)
+        for platform in ("cpu", "cuda", "rocm"):
+            mlir.register_lowering(self.prim, functools.partial(self._lower, platform), platform=platform)
+        batching.primitive_batchers[self.prim] = self._batch
+
+    # -- user entry point -------------------------------------------------------------
+    def __call__(self, *operands: jax.Array, backend: str | None = None, config: Config | None = None,
+                 **params: Any) -> tuple[jax.Array, ...]:
+        decl = self.decl
+        check_static_params(decl, params)
+        operands = tuple(jnp.asarray(o) for o in operands)
+        dims = bind_dims(decl, [o for o in operands])
+        if decl.params_check is not None:
+            decl.params_check(dims, params)
+        if decl.validate is not None and not any(isinstance(o, jax.core.Tracer) for o in operands):
+            decl.validate(operands, dims, params)
+        chosen = backends.resolve_backend(backend)
+        return tuple(self.prim.bind(*operands, backend=chosen, config=config, **params))
+
+    # -- primitive rules --------------------------------------------------------------
+    def _abstract_eval(self, *avals, backend: str, config: Config | None, **params):
+        del backend, config
+        return output_avals(self.decl, avals, params)
+
+    def _impl(self, *args, **kw):
+        return jax.jit(functools.partial(self.prim.bind, **kw))(*args)
+
+    def _lower(self, platform: str, ctx, *args, backend: str, config: Config | None, **params):
+        fn = self._backend_fn(platform, backend)
+        decl = self.decl
+
+        def traced(*ops):
+            avals = [o.aval for o in ops]
+            outs = output_avals(decl, avals, params)
+            if backend == "xla":
+                return list(decl.reference(*ops, **params))
+            cfg = select_config(decl, avals, params, backend, config)
+            return fn(decl, ops, params, cfg, outs)
+
+        return mlir.lower_fun(traced, multiple_results=True)(ctx, *args)
+
+    def _backend_fn(self, platform: str, backend: str) -> Callable | None:
+        if backend == "xla":
+            return None
+        if backend == "interpret":
+            if platform != "cpu":
+                raise backends.BackendUnavailableError(
+                    f"{self.decl.name}: backend 'interpret' lowers for the CPU platform only, not {platform!r}")
+            from te_jax_perm.core.interpret_backend import interpret_call
+            return interpret_call
+        if backend == "triton":
+            if platform not in ("cuda", "rocm"):
+                raise backends.BackendUnavailableError(
+                    f"{self.decl.name}: backend 'triton' needs a GPU platform; this computation is placed "
+                    f"on {platform!r}. Use backend='interpret' or 'xla' on CPU.")
+            from te_jax_perm.core.triton_backend import triton_call
+            return triton_call
+        raise ValueError(f"unknown backend {backend!r}")
+
+    def _batch(self, args: Sequence[jax.Array], dims: Sequence[Any], **kw):
+        """vmap as a sequential loop over the batch: correct for every kernel.
+
+        Unbatched operands are shared by every iteration rather than broadcast, so a
+        vmapped call moves no more bytes than the loop it replaces.
+        """
+        batched_idx = [i for i, d in enumerate(dims) if d is not None]
+        moved = [jnp.moveaxis(args[i], dims[i], 0) for i in batched_idx]
+
+        def body(xs):
+            full = list(args)
+            for i, x in zip(batched_idx, xs):
+                full[i] = x
+            return tuple(self.prim.bind(*full, **kw))
+
+        outs = jax.lax.map(body, tuple(moved))
+        return list(outs), [0] * len(outs)
+
+
+def declare(decl: KernelDecl) -> KernelPrimitive:
+    """Turns a declaration into a callable JAX primitive."""
+    return KernelPrimitive(decl)
