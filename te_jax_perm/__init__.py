@@ -1,0 +1,38 @@
+"""te_jax_perm: MoE token permutation primitives for JAX, as Triton kernels behind aliased
+XLA custom calls. Public names are loaded lazily so that importing the package stays cheap
+and never imports jax-triton (which needs a CUDA jaxlib)."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from te_jax_perm.core.audit import audit_aliases
+from te_jax_perm.core.backends import BACKENDS, BackendUnavailableError, use_backend
+
+_LAZY = {
+    # ops/dispatch.py: the TE-compatible high-level API
+    "token_dispatch": "te_jax_perm.ops.dispatch",
+    "token_combine": "te_jax_perm.ops.dispatch",
+    "sort_chunks_by_index": "te_jax_perm.ops.chunk_sort",
+    # lower-level primitives
+    "make_row_id_map": "te_jax_perm.ops.row_id_map",
+    "permute_with_mask_map": "te_jax_perm.ops.permute",
+    "unpermute_with_mask_map": "te_jax_perm.ops.permute",
+    "make_chunk_sort_map": "te_jax_perm.ops.chunk_sort",
+    "sort_chunks_by_map": "te_jax_perm.ops.chunk_sort",
+    # sanitizer and autotuner entry points
+    "sanitize": "te_jax_perm.sanitize",
+    "autotune": "te_jax_perm.autotune",
+    "parallel": "te_jax_perm.parallel",
+}
+
+__all__ = ["BACKENDS", "BackendUnavailableError", "audit_aliases", "use_backend", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = importlib.import_module(_LAZY[name])
+        value = module if module.__name__.endswith("." + name) else getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'te_jax_perm' has no attribute {name!r}")
