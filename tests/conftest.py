@@ -10,8 +10,9 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 
 ON_GPU = jax.default_backend() == "gpu"
-CPU_BACKENDS = ("xla", "interpret")
-ALL_BACKENDS = ("xla", "interpret", "triton") if ON_GPU else ("xla", "interpret")
+# The kernel backends that can run here: the interpreter on CPU, the compiled kernel on GPU.
+KERNEL_BACKEND = "triton" if ON_GPU else "interpret"
+BACKENDS_HERE = ("xla", KERNEL_BACKEND)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,11 +24,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(params=CPU_BACKENDS)
-def cpu_backend(request):
+@pytest.fixture(params=BACKENDS_HERE)
+def backend(request):
+    """Every op test runs on the reference and on the real kernel of this machine."""
     return request.param
 
 
-@pytest.fixture(params=("triton",) if ON_GPU else ())
-def gpu_backend(request):
-    return request.param
+@pytest.fixture
+def kernel_backend():
+    return KERNEL_BACKEND
