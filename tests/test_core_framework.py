@@ -1,0 +1,212 @@
+"""The framework promise, tested on the worked example kernels (issue: framework core)."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.buffer_callback import buffer_callback
+
+import te_jax_perm
+from te_jax_perm.core import BackendUnavailableError, Config
+from tests.conftest import KERNEL_BACKEND, ON_GPU
+from tests.example_kernels import gather_rows, histogram
+
+
+def _inputs(n, h, r, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    src = rng.standard_normal((n, h)).astype(np.float32)
+    return jnp.asarray(src, dtype), jnp.asarray(rng.integers(0, n, size=r), jnp.int32)
+
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("n,h,r", [(1, 1, 1), (7, 33, 5), (16, 64, 16), (5, 130, 9)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_gather_bit_exact_every_backend(backend, n, h, r, dtype):
+    src, idx = _inputs(n, h, r, dtype)
+    (out,) = jax.jit(lambda s, i: gather_rows(s, i, backend=backend))(src, idx)
+    expected = np.asarray(src)[np.asarray(idx)]
+    assert out.dtype == src.dtype and out.shape == (r, h)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), expected.view(np.uint8))
+
+
+def test_every_config_gives_same_bits(kernel_backend):
+    src, idx = _inputs(9, 70, 6, jnp.bfloat16)
+    expected = np.asarray(src)[np.asarray(idx)]
+    for cfg in gather_rows.decl.configs:
+        (out,) = jax.jit(lambda s, i: gather_rows(s, i, backend=kernel_backend, config=cfg))(src, idx)
+        np.testing.assert_array_equal(np.asarray(out), expected, err_msg=str(cfg))
+
+
+def test_vmap_equals_python_loop(backend):
+    src, idx = _inputs(6, 40, 4, jnp.float32)
+    srcs = jnp.stack([src, src * 2, src - 1])
+    idxs = jnp.stack([idx, idx[::-1], jnp.zeros_like(idx)])
+    f = lambda s, i: gather_rows(s, i, backend=backend)[0]
+    batched = jax.jit(jax.vmap(f))(srcs, idxs)
+    looped = jnp.stack([f(s, i) for s, i in zip(srcs, idxs)])
+    np.testing.assert_array_equal(np.asarray(batched), np.asarray(looped))
+    # Only some operands batched: the unbatched source is shared by every iteration.
+    shared = jax.jit(jax.vmap(f, in_axes=(None, 0)))(src, idxs)
+    np.testing.assert_array_equal(np.asarray(shared), np.stack([np.asarray(src)[np.asarray(i)] for i in idxs]))
+    # Batch axis not leading.
+    moved = jax.jit(jax.vmap(f, in_axes=(2, 1), out_axes=1))(jnp.moveaxis(srcs, 0, 2), idxs.T)
+    np.testing.assert_array_equal(np.asarray(moved), np.asarray(jnp.moveaxis(looped, 0, 1)))
+
+
+def test_donated_inputs_give_identical_results(backend):
+    src, idx = _inputs(12, 48, 12, jnp.float32)
+    expected = np.asarray(src)[np.asarray(idx)]
+
+    def step(s, i):
+        (g,) = gather_rows(s, i, backend=backend)
+        # Same shape as `s`: XLA may reuse the donated buffer for the result; only the
+        # declared alias keeps it from handing the kernel's input memory to its output.
+        return g, s + 1
+
+    f = jax.jit(step, donate_argnums=(0,))
+    out, bumped = f(jnp.array(src), idx)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    np.testing.assert_array_equal(np.asarray(bumped), np.asarray(src) + 1)
+
+
+def test_zero_initialised_accumulator(backend):
+    values = jnp.asarray(np.random.default_rng(1).integers(-2, 12, size=300), jnp.int32)
+    (counts,) = jax.jit(lambda v: histogram(v, num_bins=10, backend=backend))(values)
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(np.clip(np.asarray(values), -1, 10) + 1,
+                                                                   minlength=12)[1:11])
+
+
+def test_empty_grid_is_not_launched(backend):
+    src, _ = _inputs(4, 8, 1, jnp.float32)
+    (out,) = gather_rows(src, jnp.zeros((0,), jnp.int32), backend=backend)
+    assert out.shape == (0, 8)
+
+
+# -- alias audit -------------------------------------------------------------------------
+
+def test_audit_finds_declared_alias_for_every_output(kernel_backend):
+    src, idx = _inputs(5, 16, 3, jnp.float32)
+    values = jnp.arange(10, dtype=jnp.int32)
+
+    def f(s, i, v):
+        return gather_rows(s, i, backend=kernel_backend)[0], histogram(v, num_bins=4, backend=kernel_backend)[0]
+
+    report = te_jax_perm.audit_aliases(f, src, idx, values)
+    assert {c.kernel for c in report.ours} == {"example_gather_rows", "example_histogram"}, str(report)
+    assert report.ok, str(report)
+    for call in report.ours:
+        assert call.aliases == {0: len(call.operand_types) - 1}, str(report)
+
+
+def test_audit_covers_vmapped_and_differentiated_code(kernel_backend):
+    src, idx = _inputs(5, 16, 3, jnp.float32)
+    f = jax.vmap(lambda s, i: gather_rows(s, i, backend=kernel_backend)[0])
+    report = te_jax_perm.audit_aliases(f, jnp.stack([src, src]), jnp.stack([idx, idx]))
+    assert len(report.ours) == 1 and report.ok, str(report)
+
+
+def test_audit_flags_handwritten_call_without_alias():
+    x = jnp.ones((4, 4), jnp.float32)
+
+    def handwritten(a):
+        with jax.named_scope("te_jax_perm.handwritten_unaliased"):
+            return buffer_callback(lambda ctx, out, inp: None, jax.ShapeDtypeStruct(a.shape, a.dtype))(a)
+
+    report = te_jax_perm.audit_aliases(handwritten, x)
+    (call,) = report.ours
+    assert call.kernel == "handwritten_unaliased"
+    assert call.unaliased_results == (0,)
+    assert not report.ok
+    assert "UNALIASED" in str(report)
+
+
+def test_audit_ignores_xla_backend_and_reports_no_calls():
+    src, idx = _inputs(5, 16, 3, jnp.float32)
+    report = te_jax_perm.audit_aliases(lambda s, i: gather_rows(s, i, backend="xla"), src, idx)
+    assert report.ours == ()
+
+
+# -- trace-time errors -------------------------------------------------------------------
+
+def test_wrong_rank_names_argument_and_shape():
+    src, idx = _inputs(5, 16, 3, jnp.float32)
+    with pytest.raises(ValueError, match=r"argument 'idx' has shape \(3, 1\).*expected rank 1 with axes \(R\)"):
+        gather_rows(src, idx[:, None], backend="xla")
+
+
+def test_wrong_dtype_names_argument():
+    src, idx = _inputs(5, 16, 3, jnp.float32)
+    with pytest.raises(TypeError, match=r"argument 'idx' has dtype float32; expected one of \['int32'\]"):
+        gather_rows(src, idx.astype(jnp.float32), backend="xla")
+
+
+def test_mismatched_dims_name_both_arguments():
+    values = jnp.arange(4, dtype=jnp.int32)
+    from te_jax_perm.core import KernelDecl, Operand, Output, declare
+    pair = declare(KernelDecl(
+        name="pair_check", kernel=None,
+        operands=(Operand("inp", ("T", "H")), Operand("routing_map", ("T", "E"))),
+        outputs=(Output("o", lambda d, p: (d["T"],), lambda t, p: jnp.float32),),
+        reference=lambda a, b: (a[:, 0],), grid=lambda d, p, c: (1,),
+        default_config=lambda d, p: Config.make()))
+    with pytest.raises(ValueError, match=r"argument 'routing_map' has shape \(3, 2\); expected \(T=4, E\) "
+                                         r"\(axis T=4 from 'inp'\)"):
+        pair(jnp.ones((4, 8)), jnp.ones((3, 2)), backend="xla")
+    del values
+
+
+def test_non_static_param_is_rejected_at_trace_time():
+    values = jnp.arange(4, dtype=jnp.int32)
+    with pytest.raises(TypeError, match=r"parameter 'num_bins' must be a static Python value"):
+        jax.jit(lambda v, n: histogram(v, num_bins=n, backend="xla"))(values, 3)
+    with pytest.raises(ValueError, match=r"num_bins must be a positive int, got 0"):
+        histogram(values, num_bins=0, backend="xla")
+
+
+def test_invalid_explicit_config_is_rejected():
+    from te_jax_perm.core import KernelDecl
+    assert isinstance(gather_rows.decl, KernelDecl)
+    src, idx = _inputs(5, 16, 3, jnp.float32)
+    with pytest.raises(Exception, match="BLOCK_H"):
+        jax.jit(lambda s, i: gather_rows(s, i, backend=KERNEL_BACKEND, config=Config.make()))(src, idx)
+
+
+# -- backend selection -------------------------------------------------------------------
+
+def test_use_backend_context_and_keyword_precedence():
+    src, idx = _inputs(5, 16, 3, jnp.float32)
+    with te_jax_perm.use_backend(KERNEL_BACKEND):
+        assert len(te_jax_perm.audit_aliases(lambda s, i: gather_rows(s, i), src, idx).ours) == 1
+        # The keyword wins over the context.
+        assert te_jax_perm.audit_aliases(lambda s, i: gather_rows(s, i, backend="xla"), src, idx).ours == ()
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        with te_jax_perm.use_backend("cuda"):
+            pass
+
+
+def test_env_var_sets_default_backend_in_fresh_process():
+    code = ("import jax.numpy as jnp, te_jax_perm\n"
+            "from tests.example_kernels import gather_rows\n"
+            "r = te_jax_perm.audit_aliases(lambda s, i: gather_rows(s, i), jnp.ones((3, 4)), jnp.zeros((2,), jnp.int32))\n"
+            "print('OURS', len(r.ours))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TE_JAX_PERM_BACKEND=KERNEL_BACKEND, PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert "OURS 1" in out.stdout, out.stderr
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the error raised where no GPU exists")
+def test_triton_backend_unavailable_gives_one_clear_error():
+    src, idx = _inputs(5, 16, 3, jnp.float32)
+    with pytest.raises(BackendUnavailableError, match=r"needs a CUDA GPU.*backend 'interpret'"):
+        gather_rows(src, idx, backend="triton")
+
+
+def test_default_backend_on_this_platform():
+    from te_jax_perm.core.backends import default_backend
+    assert default_backend() == ("triton" if ON_GPU else "xla")
