@@ -1,0 +1,4 @@
+# Source this on the GPU machine: installs the carried jax-triton wheel (the image lacks it).
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+export PYTHONPATH=/tmp/site:$PWD
+export PYTHONUNBUFFERED=1
