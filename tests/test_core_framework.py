@@ -195,7 +195,8 @@ def test_env_var_sets_default_backend_in_fresh_process():
             "r = te_jax_perm.audit_aliases(lambda s, i: gather_rows(s, i), jnp.ones((3, 4)), jnp.zeros((2,), jnp.int32))\n"
             "print('OURS', len(r.ours))\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TE_JAX_PERM_BACKEND=KERNEL_BACKEND, PYTHONPATH=root)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TE_JAX_PERM_BACKEND=KERNEL_BACKEND, PYTHONPATH=path)
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert "OURS 1" in out.stdout, out.stderr
 

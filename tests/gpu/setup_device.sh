@@ -2,3 +2,5 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
+# Tests start subprocesses that need the GPU too; don't let the first one take 75% of it.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
