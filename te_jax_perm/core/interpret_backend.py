@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import threading
 from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 import jax
@@ -50,6 +51,9 @@ class LaunchObserver(Protocol):
 
 
 _observers: list[LaunchObserver] = []
+# Triton's interpreter keeps the grid position in one global builder, and XLA's CPU runtime
+# may run independent custom calls on different threads: launches must not interleave.
+_launch_lock = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -73,6 +77,11 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
     grid3 = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
     if any(g == 0 for g in grid3):
         return
+    with _launch_lock:
+        _launch_locked(interp, kernel, grid3, args, constexprs, name, buffers)
+
+
+def _launch_locked(interp, kernel, grid3, args, constexprs, name, buffers) -> None:
     fn = interp.InterpretedFunction(kernel.fn).rewrite()
     scope = interp._patch_lang(kernel.fn)
     observers = list(_observers)

@@ -58,7 +58,12 @@ class KernelPrimitive:
         return output_avals(self.decl, avals, params)
 
     def _impl(self, *args, **kw):
-        return jax.jit(functools.partial(self.prim.bind, **kw))(*args)
+        return self._jitted_bind(tuple(sorted(kw.items())))(*args)
+
+    @functools.lru_cache(maxsize=256)
+    def _jitted_bind(self, kw_items):
+        # One jitted callable per parameter set, so eager calls reuse compiled executables.
+        return jax.jit(functools.partial(self.prim.bind, **dict(kw_items)))
 
     def _lower(self, platform: str, ctx, *args, backend: str, config: Config | None, **params):
         fn = self._backend_fn(platform, backend)
