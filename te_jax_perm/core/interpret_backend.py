@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import os
 import threading
 from typing import Any, Iterator, Mapping, Protocol, Sequence
 
@@ -51,6 +52,7 @@ class LaunchObserver(Protocol):
 
 
 _observers: list[LaunchObserver] = []
+SANITIZE_ENV_VAR = "TE_JAX_PERM_SANITIZE"
 # Triton's interpreter keeps the grid position in one global builder, and XLA's CPU runtime
 # may run independent custom calls on different threads: launches must not interleave.
 _launch_lock = threading.RLock()
@@ -77,13 +79,16 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
     grid3 = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
     if any(g == 0 for g in grid3):
         return
-    with _launch_lock:
+    with _launch_lock, _nested_jit_calls(interp):
         _launch_locked(interp, kernel, grid3, args, constexprs, name, buffers)
 
 
 def _launch_locked(interp, kernel, grid3, args, constexprs, name, buffers) -> None:
     fn = interp.InterpretedFunction(kernel.fn).rewrite()
     scope = interp._patch_lang(kernel.fn)
+    if os.environ.get(SANITIZE_ENV_VAR):
+        from te_jax_perm.sanitize.session import env_session  # the env switch opens a sanitizer session
+        env_session()
     observers = list(_observers)
     for ob in observers:
         ob.launch_begin(name or kernel.fn.__name__, buffers, grid3)
@@ -100,6 +105,36 @@ def _launch_locked(interp, kernel, grid3, args, constexprs, name, buffers) -> No
         scope.restore()
         for ob in observers:
             ob.launch_end()
+
+
+_rewritten: dict[Any, Any] = {}
+
+
+@contextlib.contextmanager
+def _nested_jit_calls(interp: Any) -> Iterator[None]:
+    """Lets a kernel call other ``@triton.jit`` functions (its helpers, ``tl.sum``,
+    ``tl.cumsum``...): outside ``TRITON_INTERPRET=1`` those are ``JITFunction`` objects whose
+    ``__call__`` refuses to run, so for the launch each such call runs the function's
+    interpreter rewrite, with the language patched for its module and restored after."""
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.__call__
+
+    def call(self, *a, **kw):
+        fn = _rewritten.get(self.fn)
+        if fn is None:
+            fn = _rewritten[self.fn] = interp.InterpretedFunction(self.fn).rewrite()
+        scope = interp._patch_lang(self.fn)
+        try:
+            return fn(*a, **kw)
+        finally:
+            scope.restore()
+
+    JITFunction.__call__ = call
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
 
 
 def _param_names(kernel: Any) -> list[str]:
