@@ -120,6 +120,8 @@ class KernelDecl:
       params_check: optional ``(dims, params) -> None`` raising ``ValueError``.
       validate: optional ``(operands, dims, params) -> None`` for checks needing
         concrete values (run only when operands are concrete).
+      partitioning: optional ``core.sharding.Partitioning``: output axis names and the
+        axes along which the kernel is shard-local under jit/SPMD; ``None`` replicates.
     """
 
     name: str
@@ -142,6 +144,7 @@ class KernelDecl:
     atol: float = 1e-2
     params_check: Callable[[Dims, Params], None] | None = None
     validate: Callable[..., None] | None = None
+    partitioning: Any = None  # core.sharding.Partitioning; None: every axis replicated
 
     def output_names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.outputs)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from te_jax_perm.core import backends
+from te_jax_perm.core import backends, sharding
 from te_jax_perm.core.config_select import select_config
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.shapes import bind_dims, check_static_params, output_avals
@@ -37,6 +37,16 @@ class KernelPrimitive:
         for platform in ("cpu", "cuda", "rocm"):
             mlir.register_lowering(self.prim, functools.partial(self._lower, platform), platform=platform)
         batching.primitive_batchers[self.prim] = self._batch
+        # Sharding (core/sharding.py): `prim` lowers through custom_partitioning, whose
+        # per-shard function binds `local` (same kernel, lowered directly); vmap binds `vmapped`.
+        self.local = Primitive(f"te_jax_perm_{decl.name}_local")
+        self.local.multiple_results = True
+        self.local.def_abstract_eval(self._abstract_eval)
+        self.local.def_impl(self._impl)
+        for platform in ("cpu", "cuda", "rocm"):
+            mlir.register_lowering(self.local, functools.partial(self._lower_local, platform), platform=platform)
+        self.vmapped = sharding.VmappedPrimitive(self)
+        sharding.requires_devices(self.prim)
 
     # -- user entry point -------------------------------------------------------------
     def __call__(self, *operands: jax.Array, backend: str | None = None, config: Config | None = None,
@@ -65,7 +75,10 @@ class KernelPrimitive:
         # One jitted callable per parameter set, so eager calls reuse compiled executables.
         return jax.jit(functools.partial(self.prim.bind, **dict(kw_items)))
 
-    def _lower(self, platform: str, ctx, *args, backend: str, config: Config | None, **params):
+    def _lower(self, platform: str, ctx, *args, **kw):
+        return sharding.lower_partitioned(self, ctx, *args, **kw)
+
+    def _lower_local(self, platform: str, ctx, *args, backend: str, config: Config | None, **params):
         fn = self._backend_fn(platform, backend)
         decl = self.decl
 
@@ -100,20 +113,11 @@ class KernelPrimitive:
     def _batch(self, args: Sequence[jax.Array], dims: Sequence[Any], **kw):
         """vmap as a sequential loop over the batch: correct for every kernel.
 
-        Unbatched operands are shared by every iteration rather than broadcast, so a
-        vmapped call moves no more bytes than the loop it replaces.
+        The loop is one ``vmapped`` primitive (core/sharding.py) whose batch axis shards with
+        no collectives. Unbatched operands are shared by every iteration rather than
+        broadcast, so a vmapped call moves no more bytes than the loop it replaces.
         """
-        batched_idx = [i for i, d in enumerate(dims) if d is not None]
-        moved = [jnp.moveaxis(args[i], dims[i], 0) for i in batched_idx]
-
-        def body(xs):
-            full = list(args)
-            for i, x in zip(batched_idx, xs):
-                full[i] = x
-            return tuple(self.prim.bind(*full, **kw))
-
-        outs = jax.lax.map(body, tuple(moved))
-        return list(outs), [0] * len(outs)
+        return self.vmapped.bind(args, dims, **kw)
 
 
 def declare(decl: KernelDecl) -> KernelPrimitive:

@@ -1,0 +1,244 @@
+"""Sharding rules: how a declared kernel runs under JAX's SPMD partitioner.
+
+A kernel declares, through :class:`Partitioning`, the axis names of its outputs and which
+axis names are *local*: axes along which every device can run the kernel on its own shard
+and produce its own shard of the outputs, with no data from other shards. Every other axis
+must be replicated; when an operand arrives sharded along one, the partitioner gathers it
+first (that is the rule saying "replicate", not a hidden cost of ours).
+
+Two places use the rule, both at lowering time, so that ``vmap``, ``grad`` and ``jit`` see
+the ordinary primitive and only the emitted module changes:
+
+* a plain call lowers through :func:`jax.experimental.custom_partitioning` with a Shardy
+  rule (``sharding_rule=``) and the GSPMD callbacks (``infer_sharding_from_operands``,
+  ``propagate_user_sharding``), whichever partitioner is active; the per-shard function
+  binds the kernel again on local shapes, so the per-device module still holds our aliased
+  custom call (or, for ``backend="xla"``, the reference).
+* a ``vmap``-ed call becomes one ``vmapped`` primitive whose leading batch axis is always
+  local - each batch row is an independent call - so a batch of routing groups sharded over
+  devices is processed group by group on the device that holds it.
+
+With one device, or inside a fully manual ``shard_map``, the wrapper lowers straight to the
+per-device function: there is no custom-partitioning call in single-device programs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING, Any, Sequence
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from te_jax_perm.core.primitive import KernelPrimitive
+
+BATCH_AXIS = "__vmap__"
+
+
+@dataclasses.dataclass(frozen=True)
+class Partitioning:
+    """How a kernel's axes may be split across devices.
+
+    Attributes:
+      outputs: the axis names of each output, in output order; names shared with operand
+        axes (``Operand.dims``) denote the same axis, new names denote output-only axes.
+      local: axis names along which the kernel is shard-local: the outputs' shard ``i``
+        depends only on the operands' shard ``i``. Output shapes must follow from operand
+        dims (not from static params), so per-shard shapes come out right.
+    """
+
+    outputs: tuple[tuple[str, ...], ...]
+    local: tuple[str, ...] = ()
+
+
+REPLICATED = None  # a decl without ``partitioning``: every axis replicated
+
+
+# -- rules ----------------------------------------------------------------------------------
+def _axis_names(kp: "KernelPrimitive", out_ranks: Sequence[int], in_batched: Sequence[bool] | None):
+    """(operand axis names, output axis names, local names) for a (possibly vmapped) call."""
+    decl = kp.decl
+    part: Partitioning | None = getattr(decl, "partitioning", None)
+    ops = [tuple(o.dims) for o in decl.operands]
+    if part is None:
+        outs = [tuple(f"{o.name}.{i}" for i in range(r)) for o, r in zip(decl.outputs, out_ranks)]
+        local: tuple[str, ...] = ()
+    else:
+        if len(part.outputs) != len(decl.outputs):
+            raise ValueError(f"{decl.name}: partitioning names {len(part.outputs)} outputs, "
+                             f"the kernel has {len(decl.outputs)}")
+        outs = [tuple(o) for o in part.outputs]
+        local = tuple(part.local)
+    if in_batched is not None:
+        ops = [((BATCH_AXIS,) + d) if b else d for d, b in zip(ops, in_batched)]
+        outs = [(BATCH_AXIS,) + d for d in outs]
+        local = (BATCH_AXIS,) + local
+    return ops, outs, local
+
+
+def sdy_rule(ops: Sequence[tuple[str, ...]], outs: Sequence[tuple[str, ...]], local: Sequence[str]):
+    """Shardy rule string and need-replication factors for named axes."""
+    names: dict[str, str] = {}
+
+    def factor(n: str) -> str:
+        return names.setdefault(n, f"f{len(names)}")
+
+    def value(dims):
+        return " ".join(factor(n) for n in dims)
+
+    rule = ", ".join(value(d) for d in ops) + " -> " + ", ".join(value(d) for d in outs)
+    replicate = tuple(f for n, f in names.items() if n not in local)
+    return rule, replicate
+
+
+def _spec_axes(sharding, ndim: int) -> list[Any]:
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+        return list(spec[:ndim])
+    return [None] * ndim
+
+
+def _choose(ops, local, arg_shapes) -> dict[str, Any]:
+    """Mesh axes of each local axis name: taken from the first operand sharded along it."""
+    chosen: dict[str, Any] = {}
+    for dims, a in zip(ops, arg_shapes):
+        for n, ax in zip(dims, _spec_axes(a.sharding, len(dims))):
+            if n in local and n not in chosen and ax is not None:
+                chosen[n] = ax
+    return chosen
+
+
+def _shardings(mesh, dims_list, chosen):
+    return [NamedSharding(mesh, PartitionSpec(*(chosen.get(n) for n in dims))) for dims in dims_list]
+
+
+def partitioned(fn, ops, outs, local):
+    """``fn`` (per-device, local shapes) wrapped in custom_partitioning per the named axes."""
+    rule, replicate = sdy_rule(ops, outs, local)
+
+    def infer(mesh, arg_shapes, result_shape):
+        chosen = _choose(ops, local, arg_shapes)
+        return tuple(_shardings(mesh, outs, chosen))
+
+    def propagate(mesh, user_shape):
+        return user_shape.sharding
+
+    def partition(mesh, arg_shapes, result_shape):
+        chosen = _choose(ops, local, arg_shapes)
+        return mesh, fn, tuple(_shardings(mesh, outs, chosen)), tuple(_shardings(mesh, ops, chosen))
+
+    wrapped = custom_partitioning(fn)
+    wrapped.def_partition(partition, infer_sharding_from_operands=infer, propagate_user_sharding=propagate,
+                          sharding_rule=rule, need_replication_factors=replicate)
+    return wrapped
+
+
+# -- lowering of a plain call ------------------------------------------------------------------
+def _multi_device(ctx) -> bool:
+    """Whether custom_partitioning would emit a partitioner call here (mirrors its rule)."""
+    from jax._src import sharding_impls
+    ac = ctx.module_context.axis_context
+    if isinstance(ac, sharding_impls.SPMDAxisContext):
+        return set(ac.manual_axes) != set(ac.mesh.axis_names) and len(ac.mesh._flat_devices_tuple) > 1
+    if isinstance(ac, sharding_impls.ShardingContext):
+        return ac.device_assignment is not None and len(ac.device_assignment) > 1
+    return False
+
+
+def _callback_fallback(name: str, ctx, backend: str) -> bool:
+    """The interpret backend runs the kernel in a host callback; callbacks inside a
+    custom_partitioning per-shard module index the wrong executable's callback table (a JAX
+    limitation: it crashes), so there it lowers unpartitioned: correct, but XLA gathers."""
+    if backend != "interpret" or not _multi_device(ctx):
+        return False
+    logging.warning("%s: backend 'interpret' under a multi-device jit runs unpartitioned "
+                    "(operands are gathered); use shard_map, or backend 'xla'/'triton', to "
+                    "keep it shard-local", name)
+    return True
+
+
+def lower_partitioned(kp: "KernelPrimitive", ctx, *args, **kw):
+    """Lowers ``kp`` through custom_partitioning; the per-shard function binds ``kp.local``."""
+    if _callback_fallback(kp.decl.name, ctx, kw.get("backend")):
+        return mlir.lower_fun(lambda *xs: kp.local.bind(*xs, **kw), multiple_results=True)(ctx, *args)
+    ops, outs, local = _axis_names(kp, [len(a.shape) for a in ctx.avals_out], None)
+    fn = partitioned(lambda *xs: tuple(kp.local.bind(*xs, **kw)), ops, outs, local)
+    return mlir.lower_fun(lambda *xs: list(fn(*xs)), multiple_results=True)(ctx, *args)
+
+
+# -- vmap: one primitive for the whole batch, batch axis local --------------------------------
+class VmappedPrimitive:
+    """The batched form of a kernel primitive: a loop over the leading axis of the batched
+    operands, lowered through custom_partitioning with that axis local."""
+
+    def __init__(self, kp: "KernelPrimitive"):
+        self.kp = kp
+        self.prim = Primitive(f"{kp.prim.name}_vmapped")
+        self.prim.multiple_results = True
+        self.prim.def_abstract_eval(self._abstract_eval)
+        self.prim.def_impl(lambda *a, **kw: jax.jit(functools.partial(self.prim.bind, **kw))(*a))
+        mlir.register_lowering(self.prim, self._lower)
+        batching.primitive_batchers[self.prim] = self._batch
+        requires_devices(self.prim)
+
+    def _item_avals(self, avals, in_batched):
+        return [jax.core.ShapedArray(a.shape[1:], a.dtype) if b else a for a, b in zip(avals, in_batched)]
+
+    def _abstract_eval(self, *avals, in_batched, **kw):
+        n = next(a.shape[0] for a, b in zip(avals, in_batched) if b)
+        outs = self.kp._abstract_eval(*self._item_avals(avals, in_batched), **kw)
+        return [jax.core.ShapedArray((n,) + tuple(o.shape), o.dtype) for o in outs]
+
+    def _loop(self, *args, in_batched, **kw):
+        xs = tuple(a for a, b in zip(args, in_batched) if b)
+
+        def body(items):
+            it = iter(items)
+            full = [next(it) if b else a for a, b in zip(args, in_batched)]
+            return tuple(self.kp.local.bind(*full, **kw))
+
+        return tuple(jax.lax.map(body, xs))
+
+    def _lower(self, ctx, *args, in_batched, **kw):
+        if _callback_fallback(self.kp.decl.name, ctx, kw.get("backend")):
+            return mlir.lower_fun(lambda *xs: list(self._loop(*xs, in_batched=in_batched, **kw)),
+                                  multiple_results=True)(ctx, *args)
+        ops, outs, local = _axis_names(self.kp, [len(a.shape) - 1 for a in ctx.avals_out], in_batched)
+        fn = partitioned(lambda *xs: self._loop(*xs, in_batched=in_batched, **kw), ops, outs, local)
+        return mlir.lower_fun(lambda *xs: list(fn(*xs)), multiple_results=True)(ctx, *args)
+
+    def bind(self, args: Sequence[jax.Array], dims: Sequence[Any], **kw):
+        in_batched = tuple(d is not None for d in dims)
+        moved = [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
+        outs = self.prim.bind(*moved, in_batched=in_batched, **kw)
+        return list(outs), [0] * len(outs)
+
+    def _batch(self, args, dims, *, in_batched, **kw):
+        """Nested vmap: a sequential loop over the outer axis (its partitioning is not local)."""
+        outer = [i for i, d in enumerate(dims) if d is not None]
+        moved = [jnp.moveaxis(args[i], dims[i], 0) for i in outer]
+
+        def body(xs):
+            full = list(args)
+            for i, x in zip(outer, xs):
+                full[i] = x
+            return tuple(self.prim.bind(*full, in_batched=in_batched, **kw))
+
+        outs = jax.lax.map(body, tuple(moved))
+        return list(outs), [0] * len(outs)
+
+
+def requires_devices(prim) -> None:
+    """custom_partitioning needs the device assignment at lowering time; so do we, since we
+    emit it from our own lowering rule."""
+    try:
+        from jax._src import dispatch
+        dispatch.prim_requires_devices_during_lowering.add(prim)
+    except (ImportError, AttributeError):  # pragma: no cover - private registry moved
+        pass
