@@ -1,0 +1,136 @@
+"""Hazard records and the report that collects them: structured objects with readable text."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+Pid = tuple[int, int, int]
+
+# Hazard kinds, in the order the issue lists them.
+OOB = "out_of_bounds"
+WRITE_WRITE = "write_write"
+READ_WRITE = "read_write"
+IN_PLACE = "in_place"
+INPUT_WRITE = "input_write"
+KINDS = (OOB, WRITE_WRITE, READ_WRITE, IN_PLACE, INPUT_WRITE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hazard:
+    """One hazard found in one launch.
+
+    Element offsets are in units of ``buffer``'s own dtype and half-open: ``elements``
+    is ``(first, last + 1)`` over the ``count`` offending elements.
+
+    Attributes:
+      kind: one of :data:`KINDS`.
+      kernel: the declared kernel name.
+      buffer: operand/output name the access belongs to (for ``in_place``: the output).
+      programs: the program ids involved: ``(pid,)`` for ``out_of_bounds`` and
+        ``input_write``; ``(reader_or_first_writer, writer)`` for overlap kinds.
+      access: ``"load"``, ``"store"`` or ``"atomic"``.
+      elements: half-open element-offset range of the offending elements.
+      count: number of offending elements.
+      buffer_elements: number of elements in ``buffer``.
+      input: for ``in_place``: the input hypothetically sharing ``buffer``'s memory.
+    """
+
+    kind: str
+    kernel: str
+    buffer: str
+    programs: tuple[Pid, ...]
+    access: str
+    elements: tuple[int, int]
+    count: int
+    buffer_elements: int
+    input: str | None = None
+
+    def text(self) -> str:
+        lo, hi = self.elements
+        span = f"{self.count} element(s) in element offsets [{lo}, {hi})"
+        k = f"kernel {self.kernel!r}"
+        if self.kind == OOB:
+            return (f"{k}: out-of-bounds {self.access} by program {self.programs[0]} on {self.buffer!r} "
+                    f"({self.buffer_elements} elements): {span}")
+        if self.kind == INPUT_WRITE:
+            return f"{k}: program {self.programs[0]} stores into input {self.buffer!r}: {span}"
+        a, b = self.programs
+        if self.kind == WRITE_WRITE:
+            return f"{k}: programs {a} and {b} both store to {self.buffer!r}: {span}"
+        if self.kind == READ_WRITE:
+            return f"{k}: program {a} loads {self.buffer!r} where program {b} stores: {span}"
+        return (f"{k} is not in-place safe for (input {self.input!r}, output {self.buffer!r}): program {a} "
+                f"loads {self.input!r} where program {b} stores {self.buffer!r}: {span}")
+
+
+@dataclasses.dataclass
+class LaunchSummary:
+    """What one observed launch touched, and its in-place verdicts."""
+
+    kernel: str
+    grid: Pid
+    bytes_loaded: dict[str, int]
+    bytes_stored: dict[str, int]
+    bytes_atomic: dict[str, int]
+    in_place_checked: tuple[tuple[str, str], ...]
+    in_place_unsafe: tuple[tuple[str, str], ...]
+    hazards: int
+    truncated: int = 0  # hazards found but not recorded (per-class cap)
+
+
+class HazardError(RuntimeError):
+    """Raised by the sanitizer in raise-on-first mode."""
+
+    def __init__(self, hazard: Hazard):
+        super().__init__(hazard.text())
+        self.hazard = hazard
+
+
+@dataclasses.dataclass
+class Report:
+    """Every hazard and launch the sanitizer saw.
+
+    ``hazards`` are bugs of the launches as they ran (a report is truthy when there are
+    any). ``in_place`` holds the :data:`IN_PLACE` findings: hazards that *would* occur if
+    an input shared memory with an output of the same shape and dtype. They are verdicts,
+    not bugs: the framework never lets XLA alias an input to an output (outputs live in
+    declared preallocated buffers), but a caller wanting in-place use must heed them.
+    """
+
+    hazards: list[Hazard] = dataclasses.field(default_factory=list)
+    in_place: list[Hazard] = dataclasses.field(default_factory=list)
+    launches: list[LaunchSummary] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.hazards)
+
+    def of_kind(self, kind: str) -> list[Hazard]:
+        return [h for h in self.hazards + self.in_place if h.kind == kind]
+
+    def kernels(self) -> list[str]:
+        return sorted({s.kernel for s in self.launches})
+
+    def in_place_unsafe(self, kernel: str | None = None) -> set[tuple[str, str]]:
+        """``(input, output)`` pairs some launch showed are unsafe to share memory."""
+        return {p for s in self.launches if kernel in (None, s.kernel) for p in s.in_place_unsafe}
+
+    def text(self, limit: int = 20) -> str:
+        if not self.hazards:
+            lines = [f"sanitizer: no hazards in {len(self.launches)} launch(es) of {self.kernels()}"]
+        else:
+            lines = [f"sanitizer: {len(self.hazards)} hazard(s) in {len(self.launches)} launch(es):"]
+            lines += ["  " + h.text() for h in self.hazards[:limit]]
+            if len(self.hazards) > limit:
+                lines.append(f"  ... and {len(self.hazards) - limit} more")
+        for kernel in self.kernels():
+            for i, o in sorted(self.in_place_unsafe(kernel)):
+                lines.append(f"  note: kernel {kernel!r} is not in-place safe for (input {i!r}, output {o!r})")
+        truncated = sum(s.truncated for s in self.launches)
+        if truncated:
+            lines.append(f"  ({truncated} further hazard(s) not recorded: per-launch cap)")
+        return "\n".join(lines)
+
+    __str__ = text
+
+    def extend(self, hazards: Iterable[Hazard]) -> None:
+        self.hazards.extend(hazards)

@@ -1,0 +1,143 @@
+"""Sanitizer sessions: the context manager, the environment switch, and ``check``.
+
+One launch observer is registered with the interpret backend while any session is open;
+each launch is recorded once and its hazards go to every open session.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any, Callable, Iterator, Sequence
+
+from absl import logging
+
+from te_jax_perm.core import interpret_backend
+from te_jax_perm.core.interpret_backend import BufferInfo
+from te_jax_perm.sanitize import analysis, tracer
+from te_jax_perm.sanitize.hazards import HazardError, Report
+from te_jax_perm.sanitize.regions import RegionMap
+
+ENV_VAR = "TE_JAX_PERM_SANITIZE"
+ENV_MODES = ("raise", "collect")
+
+
+class Session:
+    """One open sanitizer scope: collects a :class:`Report`."""
+
+    def __init__(self, raise_first: bool):
+        self.raise_first = raise_first
+        self.report = Report()
+
+
+class _Hub:
+    """The single launch observer; fans results out to open sessions."""
+
+    def __init__(self):
+        self.sessions: list[Session] = []
+        self.rec: tracer.LaunchRecord | None = None
+        self.lock = threading.RLock()
+
+    def launch_begin(self, kernel_name: str, buffers: Sequence[BufferInfo], grid: tuple[int, int, int]) -> None:
+        raise_first = any(s.raise_first for s in self.sessions)
+        self.rec = tracer.LaunchRecord(kernel_name, RegionMap(buffers), tuple(grid), raise_first)
+        tracer.begin(self.rec)
+
+    def program_begin(self, pid: tuple[int, int, int]) -> None:
+        self.rec.set_pid(pid)
+
+    def launch_end(self) -> None:
+        rec, self.rec = self.rec, None
+        tracer.end(rec)
+        hazards, in_place, summary = analysis.analyse(rec)
+        hazards = rec.oob + hazards
+        for s in self.sessions:
+            s.report.launches.append(summary)
+            s.report.extend(hazards)
+            s.report.in_place.extend(in_place)
+        for h in hazards:
+            logging.warning("te_jax_perm sanitizer: %s", h.text())
+        if hazards and not rec.failed and rec.raise_first:
+            raise HazardError(hazards[0])
+
+
+_hub = _Hub()
+_hub_cm: contextlib.AbstractContextManager | None = None
+
+
+def _open(session: Session) -> None:
+    global _hub_cm
+    with _hub.lock:
+        if not _hub.sessions:
+            _hub_cm = interpret_backend.observe_launches(_hub)
+            _hub_cm.__enter__()
+        _hub.sessions.append(session)
+
+
+def _close(session: Session) -> None:
+    global _hub_cm
+    with _hub.lock:
+        _hub.sessions.remove(session)
+        if not _hub.sessions:
+            _hub_cm.__exit__(None, None, None)
+            _hub_cm = None
+
+
+@contextlib.contextmanager
+def sanitize(raise_on_first: bool = False) -> Iterator[Report]:
+    """Sanitizes every kernel launched through the ``interpret`` backend inside the scope.
+
+    Yields a :class:`Report` that fills in as launches run. With ``raise_on_first``, the
+    first hazard raises :class:`HazardError` (out-of-bounds accesses at the access; overlaps
+    when the launch ends); otherwise all hazards are collected.
+
+    JAX dispatches asynchronously: block on results (``jax.block_until_ready``) inside the
+    scope, or use :func:`check`, so that launches run before the scope closes.
+    """
+    session = Session(raise_on_first)
+    _open(session)
+    try:
+        yield session.report
+    except HazardError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a hazard raised inside XLA's callback arrives wrapped
+        if raise_on_first and session.report.hazards:
+            raise HazardError(session.report.hazards[0]) from e
+        raise
+    finally:
+        _close(session)
+
+
+def check(fn: Callable[..., Any], *args: Any, raise_on_first: bool = False, **kwargs: Any) -> Report:
+    """Runs ``fn(*args, **kwargs)`` to completion under the sanitizer; returns the report."""
+    import jax
+
+    with sanitize(raise_on_first) as report:
+        jax.block_until_ready(fn(*args, **kwargs))
+    return report
+
+
+_env_session: Session | None = None
+
+
+def env_session() -> Session | None:
+    """Opens (once) the process-wide session requested by ``TE_JAX_PERM_SANITIZE``.
+
+    ``raise`` raises on the first hazard; ``collect`` (or ``1``) logs and collects into
+    :func:`env_report`. Called by the interpret backend before each launch.
+    """
+    global _env_session
+    mode = os.environ.get(ENV_VAR, "").strip().lower()
+    if not mode or mode in ("0", "false", "off"):
+        return None
+    if _env_session is None:
+        if mode not in ENV_MODES + ("1", "true", "on"):
+            raise ValueError(f"{ENV_VAR}={mode!r}: expected one of {ENV_MODES}")
+        _env_session = Session(mode == "raise")
+        _open(_env_session)
+    return _env_session
+
+
+def env_report() -> Report | None:
+    """The report of the environment-enabled session, if one is open."""
+    return None if _env_session is None else _env_session.report

@@ -1,0 +1,234 @@
+"""The hazard sanitizer on planted-bug kernels: each hazard class is reported precisely,
+and the fixed twins (and atomics) are reported clean."""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_jax_perm
+from te_jax_perm.core import Config, declare
+from te_jax_perm.core.interpret_backend import BufferInfo, HostPointer, launch_interpreted
+from te_jax_perm.sanitize import (IN_PLACE, OOB, READ_WRITE, WRITE_WRITE, Hazard, HazardError, check,
+                                  sanitize)
+from tests import planted_kernels as pk
+
+INTERP = "interpret"
+
+
+def _info(name, role, a):
+    return BufferInfo(name, role, a.ctypes.data, a.nbytes, a.dtype, tuple(a.shape))
+
+
+def test_public_name_is_the_package():
+    assert te_jax_perm.sanitize.sanitize is sanitize
+
+
+# -- out of bounds ----------------------------------------------------------------------
+@pytest.mark.parametrize("H", [5, 16, 70])
+def test_off_by_one_mask_is_out_of_bounds(H):
+    N, idx = 6, [5, 0, 2, 2, 5]
+    src = jnp.arange(N * H, dtype=jnp.float32).reshape(N, H)
+    r = check(lambda: pk.gather_off_by_one(src, jnp.array(idx, jnp.int32), backend=INTERP))
+    oob = r.of_kind(OOB)
+    # Loads overrun `src` only in programs gathering its last row; the store overruns
+    # `out` only in the last program.
+    want = {(("src", (p, 0, 0), "load", (N * H, N * H + 1))) for p, s in enumerate(idx) if s == N - 1}
+    want.add(("out", (len(idx) - 1, 0, 0), "store", (len(idx) * H, len(idx) * H + 1)))
+    assert {(h.buffer, h.programs[0], h.access, h.elements) for h in oob} == want, r.text()
+    assert all(h.kernel == "planted_gather_off_by_one" and h.count == 1 for h in oob)
+    assert {h.buffer_elements for h in oob if h.buffer == "src"} == {N * H}
+    # The extra lane of each row also lands on the next row's first element.
+    ww = r.of_kind(WRITE_WRITE)
+    assert {(h.programs, h.elements) for h in ww} == {
+        (((p, 0, 0), (p + 1, 0, 0)), ((p + 1) * H, (p + 1) * H + 1)) for p in range(len(idx) - 1)}
+    assert "out-of-bounds store by program (4, 0, 0) on 'out'" in r.text()
+
+
+@pytest.mark.parametrize("H", [1, 5, 70])
+@pytest.mark.parametrize("block", [16, 128])
+def test_masked_lanes_are_not_accesses(H, block):
+    src = jnp.arange(4 * H, dtype=jnp.bfloat16).reshape(4, H)
+    idx = jnp.array([3, 0, 3], jnp.int32)
+    r = check(lambda: pk.gather_ok(src, idx, backend=INTERP, config=Config.make(
+        BLOCK_H=block)))
+    assert not r, r.text()
+    (launch,) = r.launches
+    assert launch.bytes_stored["out"] == 3 * H * 2
+    assert launch.bytes_loaded["src"] == 2 * H * 2  # rows 0 and 3, each read in full
+
+
+def test_overrun_into_a_neighbouring_buffer_is_charged_to_its_source():
+    # `src` and `out` are adjacent in one allocation: src's overrun lands inside `out`.
+    N, H, idx = 3, 4, np.array([2, 1], np.int32)
+    arena = np.zeros(N * H + len(idx) * H, np.float32)
+    src, out = arena[:N * H].reshape(N, H), arena[N * H:].reshape(len(idx), H)
+    src[:] = np.arange(N * H).reshape(N, H)
+    bufs = [_info("src", "input", src), _info("idx", "input", idx), _info("out", "output", out)]
+    args = {"src_ptr": HostPointer(src), "idx_ptr": HostPointer(idx), "H": H,
+            "out_prealloc_ptr": HostPointer(out), "out_ptr": HostPointer(out)}
+    with sanitize() as r:
+        launch_interpreted(pk.gather_rows_kernel, (len(idx),), args, {"BLOCK_H": 8, "OFF_BY_ONE": True},
+                           name="adjacent", buffers=bufs)
+    assert ("src", (0, 0, 0), "load", (N * H, N * H + 1)) in {
+        (h.buffer, h.programs[0], h.access, h.elements) for h in r.of_kind(OOB)}, r.text()
+    assert not [h for h in r.hazards if h.buffer == "out" and h.access == "load"], r.text()
+
+
+def test_raise_on_first_stops_at_the_first_hazard():
+    src = jnp.ones((3, 5), jnp.float32)
+    with pytest.raises(HazardError) as e:
+        with sanitize(raise_on_first=True):
+            jax.block_until_ready(pk.gather_off_by_one(src, jnp.array([2], jnp.int32), backend=INTERP))
+    h = e.value.hazard
+    assert (h.kind, h.buffer, h.programs, h.elements) == (OOB, "src", ((0, 0, 0),), (15, 16))
+
+
+def test_out_of_bounds_lanes_are_suppressed_not_performed():
+    x = jnp.zeros((2, 5), jnp.float32)
+    # Under the sanitizer the bad lane is masked off, so the output equals the reference
+    # (and no host memory past the buffer is touched).
+    with sanitize() as r:
+        out = jax.block_until_ready(pk.gather_off_by_one(x + 1, jnp.array([1, 0], jnp.int32), backend=INTERP))
+    assert r.of_kind(OOB)
+    np.testing.assert_array_equal(out[0], np.ones((2, 5), np.float32))
+
+
+# -- write-write overlap (lesson 2) -------------------------------------------------------
+def test_tiled_writer_with_rows_per_program_below_tile_overlaps():
+    T, H, NS, BT = 10, 3, 5, 4   # BS = cdiv(10, 5) = 2 < BT = 4
+    unchecked = declare(dataclasses.replace(pk.tiled_scale.decl, name="planted_tiled_unchecked", constraints=()))
+    cfg = Config.make(NS=NS, BT=BT)
+    assert pk.tiled_scale.decl.violated({"T": T, "H": H}, {}, cfg)
+    x = jnp.arange(T * H, dtype=jnp.float32).reshape(T, H)
+    r = check(lambda: unchecked(x, backend=INTERP, config=cfg))
+    ww = r.of_kind(WRITE_WRITE)
+    assert ww and {h.kind for h in r.hazards} == {WRITE_WRITE}, r.text()
+    # Program p writes rows [2p, 2p+4): neighbours share rows 2p+2, 2p+3; p and p+2 none.
+    got = {(h.programs, h.elements, h.count) for h in ww}
+    want = {(((p, 0, 0), (p + 1, 0, 0)), ((2 * p + 2) * H, min(2 * p + 4, T) * H), (min(2 * p + 4, T) - 2 * p - 2) * H)
+            for p in range(NS - 1)}
+    assert got == want, r.text()
+
+
+@pytest.mark.parametrize("T", [1, 7, 10])
+def test_every_unpruned_tiled_config_is_clean_and_every_overlap_is_pruned(T):
+    decl = pk.tiled_scale.decl
+    unchecked = declare(dataclasses.replace(decl, name=f"planted_tiled_unchecked_{T}", constraints=()))
+    x = jnp.arange(T * 3, dtype=jnp.float32).reshape(T, 3)
+    for cfg in decl.configs:
+        r = check(lambda: unchecked(x, backend=INTERP, config=cfg))
+        if r.of_kind(WRITE_WRITE):
+            assert decl.violated({"T": T, "H": 3}, {}, cfg), f"{cfg} races at T={T} but is not pruned"
+        if not decl.violated({"T": T, "H": 3}, {}, cfg):
+            assert not r, r.text()
+
+
+# -- cross-program read/write, and in-place safety (lesson 1) ----------------------------
+def test_row_permutation_is_clean_as_passed_but_not_in_place_safe():
+    T, H = 5, 3
+    dst = np.array([1, 2, 3, 4, 0], np.int32)
+    x = jnp.arange(T * H, dtype=jnp.float32).reshape(T, H)
+    r = check(lambda: pk.scatter_rows(x, jnp.asarray(dst), backend=INTERP))
+    assert not r and r.in_place, r.text()   # a verdict on hypothetical aliasing, not a bug
+    assert {h.kind for h in r.in_place} == {IN_PLACE}
+    assert r.in_place_unsafe("planted_scatter_rows") == {("x", "out")}
+    # Program r loads row r of x; program q with dst[q] == r stores it.
+    got = {(h.input, h.buffer, h.programs, h.elements) for h in r.in_place}
+    want = {("x", "out", ((row, 0, 0), (int(np.flatnonzero(dst == row)[0]), 0, 0)), (row * H, row * H + H))
+            for row in range(T)}
+    assert got == want
+    assert "is not in-place safe for (input 'x', output 'out')" in r.text()
+    assert "is not in-place safe for (input 'x', output 'out'): program (0, 0, 0) loads 'x' where program (4, 0, 0)" \
+        in r.in_place[0].text()
+
+
+def test_identity_permutation_is_in_place_safe():
+    x = jnp.ones((4, 3), jnp.float32)
+    r = check(lambda: pk.scatter_rows(x, jnp.arange(4, dtype=jnp.int32), backend=INTERP))
+    assert not r and not r.in_place, r.text()
+    (launch,) = r.launches
+    assert launch.in_place_checked == (("x", "out"),) and launch.in_place_unsafe == ()
+
+
+def test_row_permutation_run_with_input_aliased_to_output():
+    # Really share the memory, as XLA did in lesson 1: x and out are one buffer.
+    T, H = 4, 3
+    buf = np.arange(T * H, dtype=np.float32).reshape(T, H)
+    dst = np.array([3, 0, 1, 2], np.int32)
+    bufs = [_info("x", "input", buf), _info("dst", "input", dst), _info("out.prealloc", "prealloc", buf),
+            _info("out", "output", buf)]
+    args = {"x_ptr": HostPointer(buf), "dst_ptr": HostPointer(dst), "H": H,
+            "out_prealloc_ptr": HostPointer(buf), "out_ptr": HostPointer(buf)}
+    with sanitize() as r:
+        launch_interpreted(pk.scatter_rows_kernel, (T,), args, {"BLOCK_H": 4}, name="aliased_scatter",
+                           buffers=bufs)
+    rw = r.of_kind(READ_WRITE)
+    assert {(h.buffer, h.programs) for h in rw} == {
+        ("out", ((q, 0, 0), (int(np.flatnonzero(dst == q)[0]), 0, 0))) for q in range(T)}, r.text()
+
+
+# -- atomics -----------------------------------------------------------------------------
+def test_atomic_accumulator_is_not_an_overlap():
+    v = jnp.array([0, 1, 2, 3, 1, 1, 2, 0, 0, 3, 3, 2, 2], jnp.int32)
+    with sanitize() as r:
+        out = jax.block_until_ready(pk.bin_count_atomic(v, num_bins=4, backend=INTERP))
+    assert not r, r.text()
+    np.testing.assert_array_equal(out[0], np.bincount(np.asarray(v), minlength=4))
+    assert r.launches[0].bytes_atomic["counts"] == 16 and r.launches[0].bytes_stored["counts"] == 0
+
+
+def test_non_atomic_accumulator_is_reported():
+    v = jnp.array([0, 1, 2, 3, 1, 1, 2, 0, 0, 3, 3], jnp.int32)   # 2 programs of 8
+    r = check(lambda: pk.bin_count_racy(v, num_bins=4, backend=INTERP))
+    assert {(h.kind, h.programs) for h in r.hazards} == {
+        (WRITE_WRITE, ((0, 0, 0), (1, 0, 0))), (READ_WRITE, ((0, 0, 0), (1, 0, 0))),
+        (READ_WRITE, ((1, 0, 0), (0, 0, 0)))}, r.text()
+    assert all(h.buffer == "counts" and h.elements == (0, 4) for h in r.hazards)
+
+
+# -- modes -------------------------------------------------------------------------------
+def test_nested_sessions_both_see_the_launch_and_none_after_exit():
+    src = jnp.ones((3, 5), jnp.float32)
+    idx = jnp.array([2], jnp.int32)
+    with sanitize() as outer:
+        with sanitize() as inner:
+            jax.block_until_ready(pk.gather_off_by_one(src, idx, backend=INTERP))
+    assert outer.hazards == inner.hazards and outer.of_kind(OOB)
+    # Outside any session nothing is recorded (and the interpreter is unpatched).
+    with sanitize() as later:
+        pass
+    jax.block_until_ready(pk.gather_off_by_one(src, idx, backend=INTERP))
+    assert not later.launches
+
+
+def test_hazard_is_structured():
+    h = Hazard(OOB, "k", "out", ((3, 0, 0),), "store", (10, 11), 1, 10)
+    assert dataclasses.asdict(h)["programs"] == ((3, 0, 0),)
+    assert "program (3, 0, 0)" in h.text() and "'out'" in h.text()
+
+
+@pytest.mark.parametrize("mode", ["raise", "collect"])
+def test_environment_variable_enables_the_sanitizer(mode):
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from tests import planted_kernels as pk\n"
+        "import te_jax_perm.sanitize as s\n"
+        "try:\n"
+        "    jax.block_until_ready(pk.gather_off_by_one(jnp.ones((3, 5)), jnp.array([2], jnp.int32),"
+        " backend='interpret'))\n"
+        "except Exception as e:\n"
+        "    print('RAISED', 'out-of-bounds load by program (0, 0, 0)' in str(e))\n"
+        "r = s.env_report()\n"
+        "print('OOB', len(r.of_kind(s.OOB)))\n")
+    env = {**os.environ, "TE_JAX_PERM_SANITIZE": mode, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if mode == "raise":
+        assert "RAISED True" in out.stdout, out.stdout + out.stderr
+    else:
+        assert "RAISED" not in out.stdout and "OOB 2" in out.stdout, out.stdout + out.stderr
