@@ -1,0 +1,360 @@
+"""Permute token rows into expert-sorted rows and back, through a row-id map.
+
+``permute_with_mask_map`` / ``unpermute_with_mask_map`` are differentiable (custom VJPs
+whose backward passes are the opposite kernel), jit-able and vmap-able. Every launch,
+forward and backward, is a declared kernel with aliased preallocated outputs.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import triton
+
+from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
+from te_jax_perm.kernels import permute as K
+from te_jax_perm.ops import _checks
+
+FILL_ROWS = 16  # output rows per zero-fill program (only rows no token writes are touched)
+
+
+# -- configs shared by all row-moving kernels ------------------------------------------
+def _key_bucket(name: str, v: int) -> int:
+    return triton.next_power_of_2(max(v, 1)) if name == "T" else v
+
+
+def _default_config(d, p) -> Config:
+    block_h = min(triton.next_power_of_2(max(d["H"], 16)), 1024)
+    return Config.make(num_warps=4 if block_h >= 512 else 2, BLOCK_H=block_h, ROWS=1)
+
+
+_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BLOCK_H=bh, ROWS=r)
+                 for bh in (128, 256, 512, 1024, 2048, 4096) for r in (1, 2, 4)
+                 for w in (2, 4, 8) for s in (1, 2))
+
+
+def _block_h_ok(d, p, c) -> str | None:
+    bh = c.kw["BLOCK_H"]
+    if bh <= 0 or bh & (bh - 1):
+        return f"BLOCK_H={bh} is not a power of two"
+    if bh > 2 * triton.next_power_of_2(max(d["H"], 16)):
+        return f"BLOCK_H={bh} is over twice the row width H={d['H']} (all-masked lanes)"
+    return None
+
+
+def _rows_ok(d, p, c) -> str | None:
+    # Programs own the disjoint token ranges [pid*ROWS, pid*ROWS+ROWS) by construction;
+    # ROWS beyond the token count would only add idle iterations.
+    r = c.kw["ROWS"]
+    if r < 1:
+        return f"ROWS={r} must be >= 1"
+    if r > 1 and r > d["T"]:
+        return f"ROWS={r} exceeds the token count T={d['T']}"
+    return None
+
+
+_CONSTRAINTS = (_block_h_ok, _rows_ok)
+
+
+def _map_check(d, p) -> None:
+    if d["W"] != 2 * d["E"] + 1:
+        raise ValueError(f"row_id_map has {d['W']} columns; expected 2*E+1 = {2 * d['E'] + 1} for E={d['E']} "
+                         "experts (from pad_offsets)")
+
+
+def _common(**kw: Any) -> dict:
+    return dict(configs=_CONFIGS, constraints=_CONSTRAINTS, default_config=_default_config,
+                key_dims=("T", "H"), key_bucket=_key_bucket, params_check=_map_check, **kw)
+
+
+# -- pure-JAX references (the ``xla`` backend) -----------------------------------------
+def _dests(rid, pad, padded):
+    e = (rid.shape[1] - 1) // 2
+    dest, ex = rid[:, :e], rid[:, e:2 * e]
+    valid = dest >= 0
+    if padded:
+        dest = dest + pad[jnp.clip(ex, 0, e - 1)]
+    return jnp.where(valid, dest, -1), jnp.clip(ex, 0, e - 1), valid
+
+
+def _scatter_ref(x, rid, pad, seg_start, seg_count, probs=None, *, num_out_rows, padded):
+    del seg_start, seg_count
+    dest, ex, valid = _dests(rid, pad, padded)
+    t = x.shape[0]
+    safe = jnp.where(valid, dest, num_out_rows).ravel()
+    src = jnp.repeat(jnp.arange(t), dest.shape[1])
+    out = jnp.zeros((num_out_rows + 1, x.shape[1]), x.dtype).at[safe].set(x[src])[:num_out_rows]
+    if probs is None:
+        return (out,)
+    vals = jnp.take_along_axis(probs, ex, axis=1).ravel()
+    pout = jnp.zeros((num_out_rows + 1,), probs.dtype).at[safe].set(vals)[:num_out_rows]
+    return out, pout
+
+
+def _scatter_weighted_ref(g, rid, pad, seg_start, seg_count, w, y, *, padded):
+    del seg_start, seg_count
+    n = y.shape[0]
+    dest, ex, valid = _dests(rid, pad, padded)
+    safe = jnp.where(valid, dest, n)
+    wk = jnp.where(valid, jnp.take_along_axis(w, ex, axis=1), 0.0)
+    gf = g.astype(jnp.float32)
+    rows = gf[:, None, :] * wk[:, :, None]
+    out = jnp.zeros((n + 1, g.shape[1]), y.dtype).at[safe.ravel()].set(
+        rows.reshape(-1, g.shape[1]).astype(y.dtype))[:n]
+    yk = jnp.where(valid[:, :, None], y[jnp.clip(safe, 0, n - 1)].astype(jnp.float32), 0.0)
+    dots = jnp.einsum("th,tkh->tk", gf, yk)
+    e = w.shape[1]
+    dw = jnp.zeros((g.shape[0], e + 1), jnp.float32).at[
+        jnp.arange(g.shape[0])[:, None], jnp.where(valid, ex, e)].set(dots)[:, :e]
+    return out, dw
+
+
+def _gather_ref(y, rid, pad, w=None, gpp=None, *, padded):
+    n, h = y.shape
+    dest, ex, valid = _dests(rid, pad, padded)
+    safe = jnp.clip(dest, 0, n - 1)
+    rows = jnp.where(valid[:, :, None], y[safe].astype(jnp.float32), 0.0)
+    if w is not None:
+        rows = rows * jnp.take_along_axis(w, ex, axis=1)[:, :, None]
+    out = rows.sum(axis=1).astype(y.dtype)
+    if gpp is None:
+        return (out,)
+    t, e = rid.shape[0], (rid.shape[1] - 1) // 2
+    dprobs = jnp.zeros((t, e + 1), jnp.float32).at[
+        jnp.arange(t)[:, None], jnp.where(valid, ex, e)].set(jnp.where(valid, gpp[safe], 0.0))[:, :e]
+    return out, dprobs
+
+
+# -- declarations ----------------------------------------------------------------------
+_X = Operand("inp", ("T", "H"), ("float", "uint8"))
+_RID = Operand("row_id_map", ("T", "W"), ("int32",))
+_PAD = Operand("pad_offsets", ("E",), ("int32",))
+_SEG = (Operand("seg_start", ("E",), ("int32",)), Operand("seg_count", ("E",), ("int32",)))
+_TE32 = lambda name: Operand(name, ("T", "E"), ("float32",))  # noqa: E731
+
+
+def _scatter_scalars(d, p):
+    return {"T": d["T"], "H": d["H"], "E": d["E"], "N_OUT": p["num_out_rows"]}
+
+
+def _scatter_grid(d, p, c):
+    return (-(-d["T"] // c.kw["ROWS"]) + -(-p["num_out_rows"] // FILL_ROWS),)
+
+
+def _scatter_constexprs(d, p, c):
+    return {"PADDED": p["padded"], "FILL_ROWS": FILL_ROWS, "BLOCK_E": triton.next_power_of_2(max(d["E"], 1))}
+
+
+_out_rows = Output("out", lambda d, p: (p["num_out_rows"], d["H"]), lambda t, p: t["inp"])
+
+permute_rows = declare(KernelDecl(
+    name="permute", kernel=K.permute_kernel,
+    operands=(_X, _RID, _PAD, *_SEG), outputs=(_out_rows,),
+    params=("num_out_rows", "padded"), reference=_scatter_ref,
+    grid=_scatter_grid, scalars=_scatter_scalars, constexprs=_scatter_constexprs,
+    key_params=("padded",), **_common()))
+
+permute_rows_probs = declare(KernelDecl(
+    name="permute_probs", kernel=K.permute_probs_kernel,
+    operands=(_X, _RID, _PAD, *_SEG, _TE32("probs")),
+    outputs=(_out_rows, Output("permuted_probs", lambda d, p: (p["num_out_rows"],), lambda t, p: jnp.float32)),
+    params=("num_out_rows", "padded"), reference=_scatter_ref,
+    grid=_scatter_grid, scalars=_scatter_scalars, constexprs=_scatter_constexprs,
+    key_params=("padded",), **_common()))
+
+scatter_weighted = declare(KernelDecl(
+    name="unpermute_bwd_weighted", kernel=K.scatter_weighted_kernel,
+    operands=(Operand("grad", ("T", "H"), ("float",)), _RID, _PAD, *_SEG, _TE32("merging_probs"),
+              Operand("fwd_inp", ("N", "H"), ("float",))),
+    outputs=(Output("grad_inp", lambda d, p: (d["N"], d["H"]), lambda t, p: t["fwd_inp"]),
+             Output("grad_probs", lambda d, p: (d["T"], d["E"]), lambda t, p: jnp.float32, init="zeros")),
+    params=("padded",), reference=_scatter_weighted_ref,
+    grid=lambda d, p, c: (-(-d["T"] // c.kw["ROWS"]) + -(-d["N"] // FILL_ROWS),),
+    scalars=lambda d, p: {"T": d["T"], "H": d["H"], "E": d["E"], "N_OUT": d["N"]},
+    constexprs=_scatter_constexprs, exact=False, rtol=1e-5, atol=1e-5,
+    key_params=("padded",), **_common()))
+
+
+def _gather_pgrad_ref(y, rid, pad, gpp, *, padded):
+    return _gather_ref(y, rid, pad, None, gpp, padded=padded)
+
+
+def _gather_decl(name, kernel, extra_ops, extra_outs, exact=True, reference=_gather_ref):
+    return declare(KernelDecl(
+        name=name, kernel=kernel,
+        operands=(Operand("inp", ("N", "H"), ("float",)), _RID, _PAD, *extra_ops),
+        outputs=(Output("out", lambda d, p: (d["T"], d["H"]), lambda t, p: t["inp"]), *extra_outs),
+        params=("padded",), reference=reference,
+        grid=lambda d, p, c: (-(-d["T"] // c.kw["ROWS"]),),
+        scalars=lambda d, p: {"T": d["T"], "H": d["H"], "E": d["E"]},
+        constexprs=lambda d, p, c: {"PADDED": p["padded"]},
+        exact=exact, rtol=1e-2, atol=1e-2, key_params=("padded",), **_common()))
+
+
+unpermute_rows = _gather_decl("unpermute", K.unpermute_kernel, (), (), exact=False)
+unpermute_rows_weighted = _gather_decl("unpermute_weighted", K.unpermute_weighted_kernel,
+                                       (_TE32("merging_probs"),), (), exact=False)
+unpermute_rows_pgrad = _gather_decl(
+    "permute_bwd_probs", K.unpermute_pgrad_kernel, (Operand("grad_permuted_probs", ("N",), ("float32",)),),
+    (Output("grad_probs", lambda d, p: (d["T"], d["E"]), lambda t, p: jnp.float32, init="zeros"),), exact=False,
+    reference=_gather_pgrad_ref)
+
+
+# -- helpers -----------------------------------------------------------------------------
+def _is_fp8(dt) -> bool:
+    return np.dtype(dt).name.startswith("float8")
+
+
+def _segments(tokens_per_expert: jax.Array, pad: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Output row range [start, start+count) each expert's kept rows occupy."""
+    kept = tokens_per_expert.astype(jnp.int32)
+    return (jnp.cumsum(kept) - kept + pad).astype(jnp.int32), kept
+
+
+def kept_per_expert(row_id_map: jax.Array) -> jax.Array:
+    """Rows kept per expert, recovered from a row-id map (int32 [E])."""
+    e = _checks.num_experts_of_map(row_id_map)
+    valid = row_id_map[:, :e] >= 0
+    ids = jnp.where(valid, row_id_map[:, e:2 * e], e).ravel()
+    return jax.ops.segment_sum(valid.ravel().astype(jnp.int32), ids, num_segments=e + 1)[:e]
+
+
+# -- differentiable cores ------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _permute(inp, probs, rid, pad, seg_start, seg_count, num_out_rows, padded, backend):
+    return _permute_fwd(inp, probs, rid, pad, seg_start, seg_count, num_out_rows, padded, backend)[0]
+
+
+def _permute_fwd(inp, probs, rid, pad, seg_start, seg_count, num_out_rows, padded, backend):
+    kw = dict(backend=backend, num_out_rows=num_out_rows, padded=padded)
+    x = jax.lax.bitcast_convert_type(inp, jnp.uint8) if _is_fp8(inp.dtype) else inp
+    if probs is None:
+        (out,), pout = permute_rows(x, rid, pad, seg_start, seg_count, **kw), None
+    else:
+        out, pout = permute_rows_probs(x, rid, pad, seg_start, seg_count, probs, **kw)
+    if out.dtype != inp.dtype:
+        out = jax.lax.bitcast_convert_type(out, inp.dtype)
+    return (out, pout), (rid, pad)
+
+
+def _permute_bwd(num_out_rows, padded, backend, res, cts):
+    rid, pad = res
+    g_out, g_pout = cts
+    if g_pout is not None:
+        g_inp, g_probs = unpermute_rows_pgrad(g_out, rid, pad, g_pout, backend=backend, padded=padded)
+    else:
+        (g_inp,), g_probs = unpermute_rows(g_out, rid, pad, backend=backend, padded=padded), None
+    return g_inp, g_probs, None, None, None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _unpermute(inp, merging_probs, rid, pad, tokens_per_expert, padded, backend):
+    return _unpermute_fwd(inp, merging_probs, rid, pad, tokens_per_expert, padded, backend)[0]
+
+
+def _unpermute_fwd(inp, merging_probs, rid, pad, tokens_per_expert, padded, backend):
+    if merging_probs is None:
+        (out,) = unpermute_rows(inp, rid, pad, backend=backend, padded=padded)
+    else:
+        (out,) = unpermute_rows_weighted(inp, rid, pad, merging_probs, backend=backend, padded=padded)
+    return out, (inp, merging_probs, rid, pad, tokens_per_expert)
+
+
+def _unpermute_bwd(padded, backend, res, g):
+    inp, merging_probs, rid, pad, tokens_per_expert = res
+    kept = kept_per_expert(rid) if tokens_per_expert is None else tokens_per_expert
+    seg_start, seg_count = _segments(kept, pad)
+    if merging_probs is None:
+        g_inp, _ = _permute_fwd(g.astype(inp.dtype), None, rid, pad, seg_start, seg_count,
+                                inp.shape[0], padded, backend)[0]
+        g_w = None
+    else:
+        g_inp, g_w = scatter_weighted(g, rid, pad, seg_start, seg_count, merging_probs, inp,
+                                      backend=backend, padded=padded)
+    return g_inp, g_w, None, None, None
+
+
+_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
+
+
+# -- public API ------------------------------------------------------------------------------
+def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expert: jax.Array,
+                          num_out_rows: int, probs: jax.Array | None = None,
+                          pad_offsets: jax.Array | None = None, backend: str | None = None
+                          ) -> tuple[jax.Array, jax.Array | None]:
+    """Scatters token rows to expert-sorted rows.
+
+    Args:
+      inp: ``[T, H]`` tokens (bf16, fp16, fp32 or fp8 e4m3; copied bit-exactly).
+      row_id_map: int32 ``[T, 2E+1]`` from :func:`make_row_id_map`.
+      tokens_per_expert: int32 ``[E]`` rows *kept* per expert before padding (the second
+        result of :func:`make_row_id_map`); it tells which output rows are padding.
+      num_out_rows: static output row count (``num_out_tokens``, plus ``E*(align_size-1)``
+        when padded).
+      probs: optional float32 ``[T, E]``; permuted alongside the rows.
+      pad_offsets: optional int32 ``[E]``: rows of padding inserted before each expert.
+      backend: ``"triton"``, ``"interpret"``, ``"xla"`` or ``None`` (default).
+
+    Returns:
+      ``(out [num_out_rows, H] inp.dtype, permuted_probs [num_out_rows] float32 or None)``.
+      Output rows that no token fills (padding, unused budget) are zero.
+    """
+    _checks.check_rank("inp", inp, (2,), "[T, H]")
+    _checks.check_token_dtype("inp", inp)
+    e = _checks.num_experts_of_map(row_id_map)
+    _checks.check_shape("row_id_map", row_id_map, (inp.shape[0], 2 * e + 1),
+                        f"[T={inp.shape[0]}, 2E+1] (T from inp {tuple(inp.shape)})")
+    _checks.check_shape("tokens_per_expert", tokens_per_expert, (e,), f"[E={e}]")
+    num_out_rows = _checks.check_static_int("num_out_rows", num_out_rows, 0)
+    if probs is not None:
+        _checks.check_shape("probs", probs, (inp.shape[0], e), f"[T={inp.shape[0]}, E={e}]")
+        _checks.check_float32("probs", probs)
+    padded = pad_offsets is not None
+    pad = _pad_or_zeros(pad_offsets, e)
+    seg_start, seg_count = _segments(tokens_per_expert, pad)
+    return _permute(inp, probs, row_id_map, pad, seg_start, seg_count, num_out_rows, padded, backend)
+
+
+def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,
+                            pad_offsets: jax.Array | None = None, tokens_per_expert: jax.Array | None = None,
+                            backend: str | None = None) -> jax.Array:
+    """Gathers each token's expert rows and sums them (weighted by ``merging_probs``).
+
+    Args:
+      inp: ``[N, H]`` expert-sorted rows (as produced by :func:`permute_with_mask_map`).
+      row_id_map: int32 ``[T, 2E+1]``.
+      merging_probs: optional float32 ``[T, E]`` weights; unweighted sum when ``None``.
+      pad_offsets: int32 ``[E]`` when ``inp`` is padded; padding rows are ignored.
+      tokens_per_expert: optional int32 ``[E]`` kept rows per expert (unpadded); only the
+        backward pass uses it (to know which gradient rows are padding) and recovers it
+        from ``row_id_map`` when omitted.
+      backend: as for :func:`permute_with_mask_map`.
+
+    Returns:
+      ``[T, H]`` in ``inp.dtype``, accumulated in float32.
+    """
+    _checks.check_rank("inp", inp, (2,), "[N, H]")
+    _checks.check_token_dtype("inp", inp)
+    e = _checks.num_experts_of_map(row_id_map)
+    t = row_id_map.shape[0]
+    if merging_probs is not None:
+        _checks.check_shape("merging_probs", merging_probs, (t, e), f"[T={t}, E={e}] (from row_id_map)")
+        _checks.check_float32("merging_probs", merging_probs)
+    if tokens_per_expert is not None:
+        _checks.check_shape("tokens_per_expert", tokens_per_expert, (e,), f"[E={e}]")
+    padded = pad_offsets is not None
+    pad = _pad_or_zeros(pad_offsets, e)
+    return _unpermute(inp, merging_probs, row_id_map, pad, tokens_per_expert, padded, backend)
+
+
+def _pad_or_zeros(pad_offsets, e):
+    if pad_offsets is None:
+        return jnp.zeros((e,), jnp.int32)
+    _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}]")
+    return jnp.asarray(pad_offsets).astype(jnp.int32)
