@@ -5,6 +5,8 @@ import it; without a resolver the declaration's default config is used.
 """
 from __future__ import annotations
 
+import importlib
+import os
 from typing import Any, Callable, Mapping, Sequence
 
 from absl import logging
@@ -26,6 +28,9 @@ def select_config(decl: KernelDecl, avals: Sequence[Any], params: Mapping[str, A
     dims = bind_dims(decl, avals)
     if explicit is not None:
         return explicit
+    if _resolver is None and os.environ.get("TE_JAX_PERM_AUTOTUNE", "").lower() in ("1", "true", "yes", "on"):
+        # The env var alone must enable tuning; importing the autotuner installs its resolver.
+        importlib.import_module("te_jax_perm.autotune")
     if _resolver is not None:
         cfg = _resolver(decl, avals, params, backend)
         if cfg is not None:

@@ -122,6 +122,9 @@ class KernelDecl:
         concrete values (run only when operands are concrete).
       partitioning: optional ``core.sharding.Partitioning``: output axis names and the
         axes along which the kernel is shard-local under jit/SPMD; ``None`` replicates.
+      example_inputs: optional ``(dims, params, dtypes, rng) -> tuple of np.ndarray``
+        making valid operands (e.g. in-range indices) for autotuning trials; ``dtypes``
+        maps operand names to ``np.dtype``, ``rng`` is a ``np.random.Generator``.
     """
 
     name: str
@@ -145,6 +148,7 @@ class KernelDecl:
     params_check: Callable[[Dims, Params], None] | None = None
     validate: Callable[..., None] | None = None
     partitioning: Any = None  # core.sharding.Partitioning; None: every axis replicated
+    example_inputs: Callable[..., Sequence[Any]] | None = None
 
     def output_names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.outputs)

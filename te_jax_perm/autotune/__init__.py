@@ -1,0 +1,42 @@
+"""Safe autotuning for declared kernels.
+
+Tuning never corrupts data (aliased buffers are saved and restored around identical
+trials), never crashes the process (candidates compile in a crash-isolated worker pool),
+never picks a wrong config (outputs are checked against the declared reference), and
+never re-tunes for a value outside the declared key (results persist per key on disk).
+
+Use ``TE_JAX_PERM_AUTOTUNE=1`` / :func:`enable` / :func:`autotuning` to tune on a cache
+miss while tracing, :func:`tune` or :func:`tune_ahead` to tune explicitly, and
+:func:`print_cache` (or ``python -m te_jax_perm.autotune --print-cache``) to inspect.
+Importing this module installs its resolver in ``te_jax_perm.core.config_select``.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+from te_jax_perm.autotune.cache import cache_dir, format_cache, set_cache_dir
+from te_jax_perm.autotune.faults import inject_compile_fault
+from te_jax_perm.autotune.key import make_key
+from te_jax_perm.autotune.resolver import autotuning, enable, enabled, install, resolve
+from te_jax_perm.autotune.space import candidates
+from te_jax_perm.autotune.tuner import TuneOptions, TuneResult, stats, tune
+
+
+def tune_ahead(kernel: Any, shapes_and_params: Iterable[tuple[Sequence[Any], Mapping[str, Any]]],
+               backend: str = "triton", options: TuneOptions = TuneOptions()) -> list[TuneResult]:
+    """Tunes ``kernel`` (a ``KernelDecl`` or declared primitive) for each
+    ``(operand shapes, static params)``; operand shapes as in :func:`tune`."""
+    decl = getattr(kernel, "decl", kernel)
+    return [tune(decl, shapes, params, backend, options) for shapes, params in shapes_and_params]
+
+
+def print_cache() -> None:
+    """Prints every cached tuning result (kernel, key, best config, counts)."""
+    print(format_cache())
+
+
+install()
+
+__all__ = ["TuneOptions", "TuneResult", "autotuning", "cache_dir", "candidates", "enable", "enabled",
+           "format_cache", "inject_compile_fault", "make_key", "print_cache", "resolve", "set_cache_dir", "stats",
+           "tune", "tune_ahead"]

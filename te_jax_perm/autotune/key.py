@@ -1,0 +1,56 @@
+"""The tuning key: exactly what can change the best config, and nothing more.
+
+From the declaration: the bucketed ``key_dims``, the ``key_params``, the operand dtypes
+and the kernel source; from the environment: backend, device kind and the Triton/jax
+versions. A dim or param the declaration does not list never forces a re-tune.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import json
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from te_jax_perm.core.declaration import KernelDecl
+
+
+def kernel_source_hash(decl: KernelDecl) -> str:
+    fn = getattr(decl.kernel, "fn", decl.kernel)
+    src = getattr(decl.kernel, "src", None) or inspect.getsource(fn)
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def versions() -> dict[str, str]:
+    import jax
+    import triton
+    return {"jax": jax.__version__, "triton": triton.__version__}
+
+
+def device_kind(backend: str) -> str:
+    if backend == "interpret":
+        return "cpu-interpreter"
+    import jax
+    return jax.devices()[0].device_kind
+
+
+def make_key(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, Any],
+             dtypes: Sequence[Any], backend: str) -> dict[str, Any]:
+    """The key as a JSON-able dict; ``dtypes`` are the operand dtypes in order."""
+    return {
+        "kernel": decl.name,
+        "backend": backend,
+        "dims": {d: int(decl.key_bucket(d, int(dims[d]))) for d in decl.key_dims},
+        "params": {p: repr(params[p]) for p in decl.key_params},
+        "dtypes": {op.name: np.dtype(dt).name for op, dt in zip(decl.operands, dtypes)},
+        "device": device_kind(backend),
+        "versions": versions(),
+        "source": kernel_source_hash(decl),
+    }
+
+
+def key_digest(key: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]

@@ -1,0 +1,247 @@
+"""A long-lived pool of spawned compile workers that survives crashing compiles.
+
+Each worker imports Triton once and then loops on jobs, so isolation costs no import
+time per config. A worker that dies (``abort()``, segfault) or overruns the timeout fails
+only its current job; it is replaced and the remaining jobs continue. Workers share the
+parent's ``TRITON_CACHE_DIR``, so the parent loads their binaries as cache hits.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import subprocess
+import sys
+import os
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any, Sequence
+
+from absl import logging
+
+from te_jax_perm.autotune.compile_job import CompileJob
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclasses.dataclass
+class CompileResult:
+    ok: bool
+    info: dict[str, Any]
+    error: str = ""
+
+
+def triton_cache_dir() -> str:
+    d = os.environ.get("TRITON_CACHE_DIR")
+    if d:
+        return d
+    try:
+        from triton.runtime.cache import default_cache_dir
+        return default_cache_dir()
+    except Exception:  # noqa: BLE001 - older/newer layouts: fall back to Triton's documented default
+        return os.path.join(os.path.expanduser("~"), ".triton", "cache")
+
+
+def _inject(fault: str | None) -> None:
+    if fault == "abort":
+        os.abort()
+    if fault == "segfault":
+        import ctypes
+        ctypes.string_at(0)
+    if fault == "hang":
+        while True:
+            time.sleep(3600)
+    if fault == "raise":
+        raise RuntimeError("injected compile error")
+
+
+def _worker_main(read_fd: int, write_fd: int) -> None:
+    conn = _Duplex(Connection(read_fd, writable=False), Connection(write_fd, readable=False))
+    import triton  # noqa: F401  (the point of a long-lived worker: import once)
+    from te_jax_perm.autotune.compile_job import compile_job
+    conn.send(("ready", None))
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        try:
+            _inject(job.fault)
+            conn.send(("ok", compile_job(job)))
+        except Exception:  # noqa: BLE001 - a compile error fails this job, not the worker
+            conn.send(("error", traceback.format_exc(limit=4)))
+
+
+class _Worker:
+    """One worker: a ``python -c`` subprocess (never re-imports the parent's ``__main__``,
+    so it works from scripts without a main guard) talking pickles over two pipes."""
+
+    def __init__(self, cache_dir: str):
+        p_read, c_write = os.pipe()
+        c_read, p_write = os.pipe()
+        env = dict(os.environ, TRITON_CACHE_DIR=cache_dir,
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        code = f"from te_jax_perm.autotune.pool import _worker_main; _worker_main({c_read}, {c_write})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, pass_fds=(c_read, c_write),
+                                     stdin=subprocess.DEVNULL)
+        os.close(c_read)
+        os.close(c_write)
+        self.conn = _Duplex(Connection(p_read, writable=False), Connection(p_write, readable=False))
+        self.ready = False
+        self.job: int | None = None
+        self.started = 0.0
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, kill: bool = False) -> None:
+        if kill:
+            self.proc.kill()
+        else:
+            try:
+                self.conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        self.conn.close()
+
+
+class _Duplex:
+    def __init__(self, r: Connection, w: Connection):
+        self.r, self.w = r, w
+
+    def fileno(self) -> int:
+        return self.r.fileno()
+
+    def send(self, obj: Any) -> None:
+        self.w.send(obj)
+
+    def recv(self) -> Any:
+        return self.r.recv()
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self.r.poll(timeout)
+
+    def close(self) -> None:
+        """Stops every worker (also called at exit for the shared pool)."""
+        self.r.close()
+        self.w.close()
+
+
+class CompilePool:
+    """``compile_many(jobs)`` compiles in parallel; results come back in job order."""
+
+    def __init__(self, workers: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 cache_dir: str | None = None):
+        self.size = max(1, workers or min(os.cpu_count() or 1, 8))
+        self.timeout_s = timeout_s
+        self.cache_dir = cache_dir or triton_cache_dir()
+        self._workers = [_Worker(self.cache_dir) for _ in range(self.size)]
+        self.replaced = 0
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Blocks until every worker has imported Triton (for fair timing)."""
+        deadline = time.monotonic() + timeout_s
+        for w in self._workers:
+            while not w.ready and time.monotonic() < deadline:
+                if w.conn.poll(0.05):
+                    w.conn.recv()
+                    w.ready = True
+                elif not w.alive():
+                    self._replace(w, kill=False)
+                    break
+
+    def _replace(self, w: _Worker, kill: bool) -> _Worker:
+        w.stop(kill=kill)
+        self.replaced += 1
+        nw = _Worker(self.cache_dir)
+        self._workers[self._workers.index(w)] = nw
+        return nw
+
+    def compile_many(self, jobs: Sequence[CompileJob]) -> list[CompileResult]:
+        results: list[CompileResult | None] = [None] * len(jobs)
+        todo = list(range(len(jobs)))[::-1]
+        while todo or any(w.job is not None for w in self._workers):
+            for w in self._workers:
+                if w.job is None and todo:
+                    w.job = todo.pop()
+                    w.started = time.monotonic()
+                    w.conn.send(jobs[w.job])
+            busy = [w for w in self._workers if w.job is not None]
+            next_deadline = min(w.started + self.timeout_s for w in busy)
+            # A dead worker's pipe reads as EOF, so waiting on the pipes also sees deaths.
+            ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - time.monotonic()))
+            for w in busy:
+                if w.conn in ready and self._receive(w, jobs, results):
+                    continue
+                if w.job is None:
+                    continue
+                if not w.alive() or (w.conn in ready and _eof(w)):
+                    w.proc.wait(timeout=10)
+                    code = w.proc.returncode
+                    results[w.job] = CompileResult(False, {}, f"compile worker died (exit code {code})")
+                    logging.warning("autotune: %s killed its compile worker (exit code %s); config skipped",
+                                    jobs[w.job].label, code)
+                    self._replace(w, kill=False)
+                elif time.monotonic() - w.started > self.timeout_s:
+                    results[w.job] = CompileResult(False, {}, f"compile timed out after {self.timeout_s:.1f}s")
+                    logging.warning("autotune: %s hung past %.1fs; worker killed, config skipped",
+                                    jobs[w.job].label, self.timeout_s)
+                    self._replace(w, kill=True)
+        return results  # type: ignore[return-value]
+
+    def _receive(self, w: _Worker, jobs: Sequence[CompileJob], results: list) -> bool:
+        """Reads one message; True when it finished ``w``'s job."""
+        try:
+            kind, payload = w.conn.recv()
+        except (EOFError, OSError):
+            return False
+        if kind == "ready":
+            w.ready = True
+            return False
+        idx, w.job = w.job, None
+        if kind == "ok":
+            results[idx] = CompileResult(True, payload)
+        else:
+            results[idx] = CompileResult(False, {}, payload)
+            logging.warning("autotune: %s failed to compile: %s", jobs[idx].label, payload.strip().splitlines()[-1])
+        return True
+
+    def close(self) -> None:
+        """Stops every worker (also called at exit for the shared pool)."""
+        for w in self._workers:
+            w.stop()
+        self._workers = []
+
+
+def _eof(w: _Worker) -> bool:
+    try:
+        w.proc.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+_pool: CompilePool | None = None
+
+
+def get_pool() -> CompilePool:
+    """The process-wide pool, started on first use and stopped at exit."""
+    global _pool
+    if _pool is None:
+        _pool = CompilePool()
+        atexit.register(shutdown_pool)
+    return _pool
+
+
+def shutdown_pool() -> None:
+    global _pool
+    if _pool is not None:
+        _pool.close()
+        _pool = None

@@ -1,0 +1,86 @@
+"""The hook into ``core.config_select``: cached winners always, tuning on a miss when enabled.
+
+Enabled by ``TE_JAX_PERM_AUTOTUNE=1``, :func:`enable` or the :func:`autotuning` context.
+Disabled, a cached winner is still used and a miss falls back to the default config.
+Any tuner failure is logged and falls back to the default: tuning never breaks a call.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator, Mapping, Sequence
+
+from absl import logging
+
+from te_jax_perm.autotune import cache
+from te_jax_perm.autotune.key import make_key
+from te_jax_perm.autotune.tuner import TuneOptions, stats, tune
+from te_jax_perm.core import config_select
+from te_jax_perm.core.declaration import Config, KernelDecl
+from te_jax_perm.core.shapes import bind_dims
+
+ENV_VAR = "TE_JAX_PERM_AUTOTUNE"
+TUNABLE_BACKENDS = ("interpret", "triton")
+_enabled: list[bool] = []
+_options = TuneOptions()
+
+
+def enabled() -> bool:
+    if _enabled:
+        return _enabled[-1]
+    return os.environ.get(ENV_VAR, "").lower() in ("1", "true", "yes", "on")
+
+
+def enable(on: bool = True, options: TuneOptions | None = None) -> None:
+    """Turns tuning-on-miss on or off for this process (overrides the env var)."""
+    global _options
+    _enabled[:] = [on]
+    if options is not None:
+        _options = options
+
+
+@contextlib.contextmanager
+def autotuning(on: bool = True) -> Iterator[None]:
+    """Within the context, kernels traced with no explicit config are tuned on a cache miss."""
+    _enabled.append(on)
+    try:
+        yield
+    finally:
+        _enabled.pop()
+
+
+def pick(decl: KernelDecl, entry: Mapping[str, Any], dims: Mapping[str, int], params: Mapping[str, Any]
+         ) -> Config | None:
+    """The fastest cached config that is valid for these exact dims (a key bucket spans
+    several shapes, and a constraint may rule the winner out for some of them)."""
+    for cfg_json, _t in entry.get("ranking", []):
+        cfg = Config.from_json(cfg_json)
+        if decl.violated(dims, params, cfg) is None:
+            return cfg
+    return None
+
+
+def resolve(decl: KernelDecl, avals: Sequence[Any], params: Mapping[str, Any], backend: str) -> Config | None:
+    if backend not in TUNABLE_BACKENDS or not decl.configs:
+        return None
+    try:
+        dims = bind_dims(decl, avals)
+        key = make_key(decl, dims, params, [a.dtype for a in avals], backend)
+        entry = cache.load(key)
+        if entry is not None:
+            stats["cache_hits"] += 1
+        elif enabled():
+            entry = tune(decl, [(tuple(a.shape), a.dtype) for a in avals], params, backend, _options).entry
+        if entry is None:
+            return None
+        cfg = pick(decl, entry, dims, params)
+        logging.vlog(1, "autotune %s: using %s for %s", decl.name, cfg, dict(dims))
+        return cfg
+    except Exception as e:  # noqa: BLE001 - never let tuning fail the user's computation
+        logging.warning("autotune %s: tuning failed (%s: %s); using the default config", decl.name,
+                        type(e).__name__, e)
+        return None
+
+
+def install() -> None:
+    config_select.set_config_resolver(resolve)

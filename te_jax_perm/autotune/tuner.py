@@ -1,0 +1,169 @@
+"""Tuning one kernel for one launch shape: prune, compile in isolation, time identical
+trials, reject wrong outputs, and persist the result under the tuning key."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from absl import logging
+
+from te_jax_perm.autotune import cache
+from te_jax_perm.autotune.compile_job import make_job
+from te_jax_perm.autotune.faults import fault_for
+from te_jax_perm.autotune.inputs import initial_prealloc, make_inputs
+from te_jax_perm.autotune.key import make_key
+from te_jax_perm.autotune.space import candidates
+from te_jax_perm.autotune.trials import HostRunner, TrialResult, log_result, run_trials
+from te_jax_perm.core.declaration import Config, KernelDecl
+from te_jax_perm.core.shapes import bind_dims, output_avals
+
+# Process-wide counters; tests and the CLI use them to prove a warm cache does no work.
+stats: collections.Counter = collections.Counter()
+
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneOptions:
+    """``compile_target``: ``("cuda", 90, 32)``-style target to compile candidates for in the
+    worker pool; ``"auto"`` = the GPU's own target on ``triton`` and none on ``interpret``."""
+
+    reps: int | None = None          # timed launches per config (default: 1 interpret, 25 triton)
+    warmup: int | None = None
+    compile_target: Any = AUTO
+    compile_timeout_s: float | None = None
+    force: bool = False              # re-tune even on a cache hit
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class TuneResult:
+    key: dict
+    entry: dict
+    cached: bool
+
+    @property
+    def best(self) -> Config | None:
+        b = self.entry.get("best")
+        return Config.from_json(b) if b else None
+
+
+def _avals(shapes: Sequence[Any]) -> list[Any]:
+    import jax
+    return [s if hasattr(s, "shape") and hasattr(s, "dtype") else jax.ShapeDtypeStruct(*s) for s in shapes]
+
+
+def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | None = None,
+         backend: str = "interpret", options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
+    """Tunes ``decl`` for operands of ``shapes`` (arrays, ShapeDtypeStructs or
+    ``(shape, dtype)`` pairs) and static ``params``; returns the cached result if present."""
+    params = dict(params or {})
+    avals = _avals(shapes)
+    dims = bind_dims(decl, avals)
+    key = make_key(decl, dims, params, [a.dtype for a in avals], backend)
+    if not options.force:
+        entry = cache.load(key)
+        if entry is not None:
+            stats["cache_hits"] += 1
+            logging.vlog(1, "autotune %s: cache hit for %s", decl.name, key["dims"])
+            return TuneResult(key, entry, cached=True)
+    stats["tunes"] += 1
+    t_start = time.perf_counter()
+    valid, pruned = candidates(decl, dims, params)
+    default = decl.default_config(dims, params)
+    logging.info("autotune %s: tuning %d configs for dims %s params %s (%d pruned)", decl.name, len(valid),
+                 dict(dims), params, len(pruned))
+    out_avals = output_avals(decl, avals, params)
+
+    failed: list[tuple[Config, str]] = []
+    target = options.compile_target
+    if target == AUTO:
+        target = _device_target() if backend == "triton" else None
+    jobs = {}
+    if target is not None:
+        valid, failed, jobs = _compile_stage(decl, avals, out_avals, params, valid, tuple(target), options, pool)
+
+    inputs = make_inputs(decl, dims, params, [a.dtype for a in avals], seed=options.seed)
+    preallocs = [initial_prealloc(o.init, a.shape, a.dtype, seed=options.seed + 1 + i)
+                 for i, (o, a) in enumerate(zip(decl.outputs, out_avals))]
+    expected = _reference(decl, inputs, params)
+    if backend == "triton":
+        from te_jax_perm.autotune.gpu_trials import GpuRunner
+        runner = GpuRunner(decl, inputs, preallocs, params, jobs)
+        reps, warmup = options.reps or 25, 3 if options.warmup is None else options.warmup
+    elif backend == "interpret":
+        runner = HostRunner(decl, inputs, preallocs, params)
+        reps, warmup = options.reps or 1, options.warmup or 0
+    else:
+        raise ValueError(f"autotune: backend {backend!r} has nothing to tune")
+
+    done: list[TrialResult] = []
+
+    def progress(r: TrialResult) -> None:
+        stats["trials"] += 1
+        done.append(r)
+        timed = [x for x in done if x.time_s is not None]
+        log_result(decl, r, len(done), len(valid), min(timed, key=lambda x: x.time_s) if timed else None)
+
+    results = run_trials(decl, runner, valid, expected, reps=reps, warmup=warmup, on_result=progress)
+    ok = sorted((r for r in results if r.time_s is not None), key=lambda r: r.time_s)
+    rejected = [(r.config, r.rejected, min(r.times_s) if r.times_s else None) for r in results if r.rejected]
+    failed += [(r.config, r.error) for r in results if r.error]
+    default_time = next((r.time_s for r in results if r.config == default), None)
+    entry = {
+        "best": ok[0].config.to_json() if ok else None,
+        "best_time_s": ok[0].time_s if ok else None,
+        "default": default.to_json(),
+        "default_time_s": default_time,
+        "ranking": [[r.config.to_json(), r.time_s] for r in ok],
+        "rejected": [[c.to_json(), why, t] for c, why, t in rejected],
+        "failed": [[c.to_json(), why] for c, why in failed],
+        "pruned": [[c.to_json(), why] for c, why in pruned],
+        "tuned_dims": dict(dims),
+        "tuning_s": time.perf_counter() - t_start,
+    }
+    if not ok:
+        logging.error("autotune %s: no config produced the reference output for %s; using the default %s",
+                      decl.name, dict(dims), default)
+    else:
+        logging.info("autotune %s: best %s (%.3g ms; default %s) after %.1fs", decl.name, ok[0].config,
+                     1e3 * ok[0].time_s, "%.3g ms" % (1e3 * default_time) if default_time else "n/a",
+                     entry["tuning_s"])
+    cache.store(key, entry)
+    return TuneResult(key, entry, cached=False)
+
+
+def _compile_stage(decl, avals, out_avals, params, valid, target, options, pool):
+    from te_jax_perm.autotune.pool import get_pool
+    pool = pool or get_pool()
+    if options.compile_timeout_s is not None:
+        pool.timeout_s = options.compile_timeout_s
+    jobs = {c: make_job(decl, avals, out_avals, params, c, target, fault=fault_for(decl.name, c)) for c in valid}
+    results = pool.compile_many(list(jobs.values()))
+    stats["compiles"] += len(jobs)
+    kept, failed = [], []
+    for c, r in zip(valid, results):
+        if r.ok:
+            kept.append(c)
+            logging.info("autotune %s: compiled %s (%.2fs, %s regs)", decl.name, c, r.info.get("compile_s", 0),
+                         r.info.get("n_regs"))
+        else:
+            failed.append((c, r.error.strip().splitlines()[-1] if r.error else "failed"))
+    return kept, failed, {c: jobs[c] for c in kept}
+
+
+def _device_target() -> tuple[str, int, int]:
+    from triton.runtime import driver
+    t = driver.active.get_current_target()
+    return (t.backend, t.arch, t.warp_size)
+
+
+def _reference(decl: KernelDecl, inputs: Sequence[np.ndarray], params: Mapping[str, Any]) -> list[np.ndarray]:
+    import jax
+    # Tuning may run inside a lowering rule: evaluate eagerly rather than stage into it.
+    with jax.ensure_compile_time_eval():
+        outs = decl.reference(*[jax.numpy.asarray(a) for a in inputs], **params)
+        return [np.asarray(o) for o in outs]
