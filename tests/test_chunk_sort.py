@@ -1,0 +1,310 @@
+"""Chunk sort: forward/backward against an independent NumPy reference, transforms, aliasing.
+
+Includes the regression test for lessons.md #1 (the backward inverse sort written into a
+buffer XLA was free to share with the incoming gradient).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import te_jax_perm
+from te_jax_perm.core import Config
+from te_jax_perm.ops import chunk_sort as cs
+
+
+# -- independent NumPy reference ------------------------------------------------------
+def np_sort_chunks(x, sizes, order):
+    """Output chunk j = input chunk order[j]; rows past sum(sizes) are zero."""
+    x = np.asarray(x)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+    out = np.zeros_like(x)
+    pieces = [x[starts[c]:starts[c] + sizes[c]] for c in order]
+    cat = np.concatenate(pieces) if pieces else x[:0]
+    out[:len(cat)] = cat
+    return out
+
+
+def np_source_rows(n, sizes, order):
+    """src[j] = input row that lands in output row j, or -1."""
+    return np_sort_chunks(np.arange(1, n + 1), sizes, order) - 1
+
+
+def np_grad(w, n, sizes, order):
+    """d/dx sum(sort(x) * w): the inverse sort of w, zero for unmapped input rows."""
+    src = np_source_rows(n, sizes, order)
+    g = np.zeros((n,) + w.shape[1:], w.dtype)
+    g[src[src >= 0]] = w[src >= 0]
+    return g
+
+
+CASES = [  # (N, H, sizes, order)
+    (1, 1, [1], [0]),                        # N=1, C=1
+    (1, 5, [0, 1], [1, 0]),
+    (7, 3, [7], [0]),                        # C=1 covering everything
+    (10, 5, [3, 0, 4, 2], [2, 0, 3, 1]),     # empty chunk, one unmapped tail row
+    (13, 37, [2, 5, 0, 6], [3, 1, 2, 0]),    # odd H, exact cover
+    (16, 8, [0, 0, 0], [2, 1, 0]),           # nothing mapped: all zero
+    (24, 20, [3, 3, 3, 3, 3, 3], [0, 3, 1, 4, 2, 5]),  # (rank, expert) -> (expert, rank), EP=2 x 3
+]
+
+
+def _inputs(n, h, dtype=jnp.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((n, h)), dtype)
+    p = jnp.asarray(rng.random(n), jnp.float32)
+    return x, p
+
+
+@pytest.mark.parametrize("n,h,sizes,order", CASES)
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_forward_matches_numpy(backend, n, h, sizes, order, with_probs):
+    x, p = _inputs(n, h)
+    out, pp, row_map = te_jax_perm.sort_chunks_by_index(
+        x, jnp.array(sizes, jnp.int32), jnp.array(order, jnp.int32), p if with_probs else None, backend=backend)
+    np.testing.assert_array_equal(np.asarray(out), np_sort_chunks(x, sizes, order))
+    if with_probs:
+        np.testing.assert_array_equal(np.asarray(pp), np_sort_chunks(p, sizes, order))
+    else:
+        assert pp is None
+    src = np_source_rows(n, sizes, order)
+    expect_map = np.full(n, -1, np.int32)
+    expect_map[src[src >= 0]] = np.nonzero(src >= 0)[0]
+    np.testing.assert_array_equal(np.asarray(row_map), expect_map)
+
+
+@pytest.mark.parametrize("n,h,sizes,order", CASES)
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_backward_matches_numpy(backend, n, h, sizes, order, with_probs):
+    x, p = _inputs(n, h, seed=1)
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((n, h)).astype(np.float32)
+    v = rng.standard_normal(n).astype(np.float32)
+    ss, si = jnp.array(sizes, jnp.int32), jnp.array(order, jnp.int32)
+
+    def loss(x, p):
+        out, pp, _ = te_jax_perm.sort_chunks_by_index(x, ss, si, p, backend=backend)
+        return jnp.sum(out * w) + (jnp.sum(pp * v) if pp is not None else 0.0)
+
+    if with_probs:
+        gx, gp = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, p)
+    else:
+        gx = jax.jit(jax.grad(lambda x: loss(x, None)))(x)
+    np.testing.assert_array_equal(np.asarray(gx), np_grad(w, n, sizes, order))
+    if with_probs:
+        np.testing.assert_array_equal(np.asarray(gp), np_grad(v, n, sizes, order))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int32])
+def test_dtypes_copy_exactly(backend, dtype):
+    n, h, sizes, order = 12, 9, [4, 1, 5], [1, 2, 0]
+    x = jnp.asarray(np.random.default_rng(3).integers(-50, 50, (n, h)), dtype)
+    out, _, _ = te_jax_perm.sort_chunks_by_index(x, jnp.array(sizes), jnp.array(order), backend=backend)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out), np_sort_chunks(x, sizes, order))
+
+
+def test_traced_split_sizes_under_jit_and_round_trip(backend):
+    n, h = 20, 6
+    x, p = _inputs(n, h, seed=4)
+
+    @jax.jit
+    def fwd_back(x, p, sizes, order):
+        out, pp, row_map = te_jax_perm.sort_chunks_by_index(x, sizes, order, p, backend=backend)
+        back, pb = te_jax_perm.sort_chunks_by_map(out, row_map, pp, is_forward=False, backend=backend)
+        return out, back, pb
+
+    # Alternate shapes of the chunk split quickly in one process (lessons.md #3).
+    for sizes, order in [([5, 5, 5, 5], [3, 2, 1, 0]), ([0, 19, 0, 1], [1, 3, 0, 2]), ([20, 0, 0, 0], [0, 1, 2, 3])]:
+        out, back, pb = fwd_back(x, p, jnp.array(sizes), jnp.array(order))
+        np.testing.assert_array_equal(np.asarray(out), np_sort_chunks(x, sizes, order))
+        mapped = np.arange(n) < sum(sizes)
+        np.testing.assert_array_equal(np.asarray(back), np.where(mapped[:, None], x, 0))
+        np.testing.assert_array_equal(np.asarray(pb), np.where(mapped, p, 0))
+
+
+def test_traced_oversized_splits_are_truncated(backend):
+    """Traced sizes summing past N: chunks truncated where the input ends, nothing out of bounds."""
+    n, h = 10, 4
+    x, _ = _inputs(n, h, seed=5)
+    sizes, order = [4, 9, 3], [2, 1, 0]
+    out, _, row_map = jax.jit(lambda x, s, o: te_jax_perm.sort_chunks_by_index(x, s, o, backend=backend))(
+        x, jnp.array(sizes), jnp.array(order))
+    # Effective sizes [4, 6, 0]: the same as an exact split with those sizes.
+    np.testing.assert_array_equal(np.asarray(out), np_sort_chunks(x, [4, 6, 0], order))
+    assert sorted(np.asarray(row_map).tolist()) == list(range(n))
+
+
+def test_vmap(backend):
+    b, n, h = 3, 9, 5
+    xs = jnp.asarray(np.random.default_rng(6).standard_normal((b, n, h)), jnp.float32)
+    sizes = jnp.array([[2, 3, 4], [0, 9, 0], [1, 1, 1]], jnp.int32)
+    orders = jnp.array([[2, 0, 1], [1, 0, 2], [0, 2, 1]], jnp.int32)
+    f = lambda x, s, o: te_jax_perm.sort_chunks_by_index(x, s, o, backend=backend)[0]
+    out = jax.jit(jax.vmap(f))(xs, sizes, orders)
+    for i in range(b):
+        np.testing.assert_array_equal(np.asarray(out[i]),
+                                      np_sort_chunks(xs[i], np.asarray(sizes[i]), np.asarray(orders[i])))
+    # vmap of grad: each batch member gets its own inverse sort.
+    g = jax.jit(jax.vmap(jax.grad(lambda x, s, o: jnp.sum(f(x, s, o) * jnp.arange(n * h).reshape(n, h)))))(
+        xs, sizes, orders)
+    for i in range(b):
+        w = np.arange(n * h, dtype=np.float32).reshape(n, h)
+        np.testing.assert_array_equal(np.asarray(g[i]), np_grad(w, n, np.asarray(sizes[i]), np.asarray(orders[i])))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_map_kernel_property(data):
+    """The Triton map kernel (interpreted) agrees with the xla reference and NumPy."""
+    c = data.draw(st.integers(1, 9))
+    n = data.draw(st.integers(1, 40))
+    sizes = data.draw(st.lists(st.integers(0, 12), min_size=c, max_size=c))
+    order = data.draw(st.permutations(list(range(c))))
+    traced = sum(sizes) > n  # only traced sizes may exceed N
+    make = lambda b: (lambda s, o: te_jax_perm.make_chunk_sort_map(s, o, n, backend=b))
+    args = (jnp.array(sizes, jnp.int32), jnp.array(order, jnp.int32))
+    got = np.asarray((jax.jit(make("interpret")) if traced else make("interpret"))(*args))
+    ref = np.asarray(jax.jit(make("xla"))(*args))
+    np.testing.assert_array_equal(got, ref)
+    if not traced:
+        src = np_source_rows(n, sizes, order)
+        assert (got[src[src >= 0]] == np.nonzero(src >= 0)[0]).all()
+        assert (got[sum(sizes):] == -1).all()
+
+
+@pytest.mark.parametrize("cfg", [Config.make(ROWS=1, BLOCK_H=16), Config.make(ROWS=4, BLOCK_H=16),
+                                 Config.make(ROWS=8, BLOCK_H=64)])
+@pytest.mark.parametrize("is_forward", [True, False])
+def test_move_kernel_configs(cfg, is_forward):
+    """Row tiles that straddle N and column loops over an odd H, both directions."""
+    n, h, sizes, order = 11, 37, [3, 0, 6, 1], [2, 3, 0, 1]
+    x, p = _inputs(n, h, seed=7)
+    row_map = te_jax_perm.make_chunk_sort_map(jnp.array(sizes), jnp.array(order), n, backend="xla")
+    got = cs._move_probs(x, row_map, p, backend="interpret", config=cfg, is_forward=is_forward)
+    ref = cs._move_probs(x, row_map, p, backend="xla", is_forward=is_forward)
+    for a, b in zip(got, ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("cfg", [Config.make(BLOCK_N=16, BLOCK_C=4), Config.make(BLOCK_N=64, BLOCK_C=16)])
+def test_map_kernel_configs(cfg):
+    sizes, order = [5, 0, 7, 3, 9, 1], [5, 3, 1, 0, 4, 2]
+    args = (jnp.array(sizes, jnp.int32), jnp.array(order, jnp.int32))
+    got = cs._chunk_sort_map(*args, backend="interpret", config=cfg, num_tokens=30)
+    ref = cs._chunk_sort_map(*args, backend="xla", num_tokens=30)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
+
+
+@pytest.mark.parametrize("decl", [cs.MAP_DECL, cs.MOVE_DECL, cs.MOVE_PROBS_DECL], ids=lambda d: d.name)
+def test_default_config_valid_for_real_shapes(decl):
+    """Default configs satisfy the declared constraints across shapes.md (incl. H=2880, 7168)."""
+    for n in (1, 7, 4096, 16384):
+        for h in (1, 37, 2880, 4096, 7168):
+            for c in (1, 3, 8, 256, 1024):
+                dims = {"C": c} if decl is cs.MAP_DECL else {"N": n, "H": h}
+                params = {"num_tokens": n} if decl is cs.MAP_DECL else {"is_forward": True}
+                cfg = decl.default_config(dims, params)
+                assert decl.violated(dims, params, cfg) is None, (dims, cfg)
+    assert all(isinstance(c, Config) for c in decl.configs) and decl.configs
+    assert set(decl.key_dims) <= ({"C"} if decl is cs.MAP_DECL else {"N", "H"})
+
+
+# -- aliasing ---------------------------------------------------------------------------
+def _ours(audit, name):
+    calls = [c for c in audit.ours if c.kernel == name]
+    assert calls, str(audit)
+    return calls
+
+
+def test_alias_audit_forward_and_backward(kernel_backend):
+    n, h = 12, 8
+    x, p = _inputs(n, h)
+    ss, si = jnp.array([4, 8]), jnp.array([1, 0])
+    fwd = lambda x, p: te_jax_perm.sort_chunks_by_index(x, ss, si, p, backend=kernel_backend)[:2]
+    audit = te_jax_perm.audit_aliases(fwd, x, p)
+    assert audit.ok, str(audit)
+    _ours(audit, "chunk_sort_map")
+    _ours(audit, "sort_chunks_probs")
+    loss = lambda x, p: jnp.sum(fwd(x, p)[0] ** 2) + jnp.sum(fwd(x, p)[1])
+    audit_bwd = te_jax_perm.audit_aliases(jax.grad(loss, argnums=(0, 1)), x, p)
+    assert audit_bwd.ok, str(audit_bwd)
+    # forward + backward both present
+    assert len(_ours(audit_bwd, "sort_chunks_probs")) >= 2
+
+
+def test_lesson1_backward_with_donated_gradient(kernel_backend):
+    """Regression for lessons.md #1.
+
+    The backward inverse sort reads row ``map[i]`` of the incoming gradient and writes row
+    ``i``: if its output shared the gradient's memory, programs would overwrite rows others
+    have not read yet. Here the gradient buffer is donated (XLA may reuse it for anything)
+    and the call runs in one process among other calls of other shapes; the result must be
+    exact, and the backward custom call's output must be aliased to its preallocated
+    operand, never to the gradient operand.
+    """
+    n, h = 40, 24
+    sizes, order = [7, 0, 13, 9, 11], [4, 2, 0, 3, 1]  # every mapped row moves: dst != src
+    ss, si = jnp.array(sizes), jnp.array(order)
+    x, _ = _inputs(n, h, seed=8)
+
+    def vjp_fn(x, g):
+        _, pull = jax.vjp(lambda x: te_jax_perm.sort_chunks_by_index(x, ss, si, backend=kernel_backend)[0], x)
+        return pull(g)[0]
+
+    bwd = jax.jit(vjp_fn, donate_argnums=(1,))
+
+    # The backward's custom call: inputs (g, row_map, prealloc); its result must alias the
+    # prealloc (operand 2), of which XLA then cannot hand out the gradient's memory.
+    audit = te_jax_perm.audit_aliases(bwd, x, jnp.zeros((n, h), jnp.float32))
+    assert audit.ok, str(audit)
+    moves = _ours(audit, "sort_chunks")
+    num_operands = len(cs.MOVE_DECL.operands)
+    for call in moves:
+        assert call.aliases == {0: num_operands}, str(audit)
+        assert call.aliases[0] != 0
+
+    rng = np.random.default_rng(9)
+    for it in range(6):
+        g_np = rng.standard_normal((n, h)).astype(np.float32)
+        expect = np_grad(g_np, n, sizes, order)
+        got = np.asarray(bwd(x, jnp.asarray(g_np)))  # the fresh gradient array is donated
+        np.testing.assert_array_equal(got, expect)
+        # Interleave other calls and shapes in the same process.
+        m = 8 + it
+        y, _ = _inputs(m, 5, seed=it)
+        other = te_jax_perm.sort_chunks_by_index(y, jnp.array([m - 3, 3]), jnp.array([1, 0]), backend=kernel_backend)[0]
+        np.testing.assert_array_equal(np.asarray(other), np_sort_chunks(y, [m - 3, 3], [1, 0]))
+
+
+# -- errors -----------------------------------------------------------------------------
+def test_errors():
+    x = jnp.zeros((10, 4))
+    with pytest.raises(ValueError, match="sorted_indices.*shape \\(2,\\).*expected \\(3,\\)"):
+        te_jax_perm.sort_chunks_by_index(x, jnp.array([1, 2, 3]), jnp.array([0, 1]))
+    with pytest.raises(ValueError, match="not a permutation"):
+        te_jax_perm.sort_chunks_by_index(x, jnp.array([1, 2, 3]), jnp.array([0, 0, 1]))
+    with pytest.raises(ValueError, match="not a permutation"):
+        te_jax_perm.sort_chunks_by_index(x, jnp.array([1, 2, 3]), jnp.array([0, 1, 3]))
+    with pytest.raises(TypeError, match="split_sizes.*dtype float32"):
+        te_jax_perm.sort_chunks_by_index(x, jnp.array([1.0, 2.0]), jnp.array([0, 1]))
+    with pytest.raises(ValueError, match="split_sizes.*shape \\(1, 2\\).*rank 1"):
+        te_jax_perm.sort_chunks_by_index(x, jnp.array([[1, 2]]), jnp.array([0, 1]))
+    with pytest.raises(ValueError, match="'inp' has shape \\(10,\\).*rank 2"):
+        te_jax_perm.sort_chunks_by_index(jnp.zeros(10), jnp.array([1]), jnp.array([0]))
+    with pytest.raises(ValueError, match="'probs' has shape \\(9,\\).*expected \\(10,\\)"):
+        te_jax_perm.sort_chunks_by_index(x, jnp.array([1]), jnp.array([0]), jnp.zeros(9))
+    with pytest.raises(ValueError, match="sum\\(split_sizes\\) = 11 exceeds.*10"):
+        te_jax_perm.sort_chunks_by_index(x, jnp.array([5, 6]), jnp.array([0, 1]))
+    with pytest.raises(ValueError, match="negative"):
+        te_jax_perm.sort_chunks_by_index(x, jnp.array([5, -1]), jnp.array([0, 1]))
+    with pytest.raises(ValueError, match="at least one chunk"):
+        te_jax_perm.sort_chunks_by_index(x, jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32))
+    with pytest.raises(ValueError, match="row_id_map.*expected \\(10,\\) int32"):
+        te_jax_perm.sort_chunks_by_map(x, jnp.zeros(9, jnp.int32))
+    # Shape errors also fire at trace time under jit (sizes traced).
+    with pytest.raises(ValueError, match="sorted_indices"):
+        jax.jit(lambda s, o: te_jax_perm.sort_chunks_by_index(x, s, o)[0])(jnp.array([1, 2]), jnp.array([0]))
