@@ -1,0 +1,156 @@
+"""Expert-parallel MoE layer: local dispatch -> all-to-all -> chunk sort -> expert FFN ->
+inverse sort -> all-to-all back -> local combine, under ``shard_map`` over mesh axis ``ep``.
+
+Each of the ``ep`` devices holds ``T`` tokens (its data shard) and ``E / ep`` experts
+(global experts ``r*E_l .. (r+1)*E_l - 1`` live on rank ``r``). Per device:
+
+1. ``make_row_id_map`` + ``permute_with_mask_map`` sort the device's token rows by global
+   expert, keeping at most ``num_out_tokens`` rows (later rows in expert-major order drop).
+   Because experts are rank-major, the rows bound for rank ``r`` are one contiguous chunk.
+2. Each chunk is cut to ``capacity`` rows (``jax.lax.all_to_all`` needs a static size; the
+   rows past it, in the same expert-major order, drop) and exchanged, together with the
+   per-expert row counts.
+3. Received rows arrive grouped by (source rank, local expert); ``sort_chunks_by_index``
+   regroups them by (local expert, source rank) so each local expert's rows are contiguous.
+4. The expert FFN is two ``jax.lax.ragged_dot`` over those groups.
+5. The inverse chunk sort, the reverse all-to-all and ``unpermute_with_mask_map`` (weighted
+   by the routing probabilities) bring each token's expert outputs home and sum them.
+
+Dropped rows contribute zero. Everything is differentiable: the ops have custom VJPs and
+``all_to_all`` transposes to itself. :func:`te_jax_perm.parallel.reference_moe_layer`
+computes the same function densely on one device, with the same drop rules.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from te_jax_perm.ops.chunk_sort import sort_chunks_by_index, sort_chunks_by_map
+from te_jax_perm.ops.permute import permute_with_mask_map, unpermute_with_mask_map
+from te_jax_perm.ops.row_id_map import make_row_id_map
+
+def _shard_map(fn, **kw):
+    # Our primitives' abstract evals do not track varying-manual-axes types, so the check is
+    # off (custom VJPs would otherwise see mismatched {V:ep} types in the backward pass).
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, check_vma=False, **kw)
+    from jax.experimental.shard_map import shard_map  # pragma: no cover - older jax
+    return shard_map(fn, check_rep=False, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class EPConfig:
+    """Static settings of the expert-parallel layer.
+
+    Attributes:
+      num_out_tokens: rows each device keeps after its local dispatch (``T * topk`` keeps
+        every routed row); ``None`` keeps all.
+      capacity: rows each device may send to each rank; ``None`` is the worst case
+        (``min(num_out_tokens, T * E_local)``), so nothing drops at the exchange.
+      axis: the mesh axis name of the expert-parallel group.
+      activation: the FFN nonlinearity; must map 0 to 0 (padding rows stay zero).
+      backend: the ops backend (``None``: the default).
+    """
+
+    num_out_tokens: int | None = None
+    capacity: int | None = None
+    axis: str = "ep"
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu
+    backend: str | None = None
+
+
+def _chunk_order(ep: int, el: int) -> np.ndarray:
+    """Chunk ids, as (source rank, local expert | pad) -> (local expert, source rank), pads last."""
+    k = el + 1
+    return np.array([s * k + j for j in range(el) for s in range(ep)] + [s * k + el for s in range(ep)],
+                    np.int32)
+
+
+def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax.Array, w2: jax.Array,
+                 cfg: EPConfig = EPConfig()) -> jax.Array:
+    """The per-device body; call it inside ``shard_map`` over ``cfg.axis``.
+
+    Args:
+      x: ``[T, H]`` this device's tokens.
+      routing_map: ``[T, E]`` bool, global experts.
+      probs: ``[T, E]`` float32 routing weights (only routed entries are used).
+      w1: ``[E_l, H, F]`` this device's experts' first weights; ``E = ep * E_l``.
+      w2: ``[E_l, F, H]``.
+      cfg: :class:`EPConfig`.
+
+    Returns:
+      ``[T, H]`` in ``x.dtype``.
+    """
+    ep = jax.lax.axis_size(cfg.axis)
+    t, h = x.shape
+    e = routing_map.shape[1]
+    el = w1.shape[0]
+    if e != ep * el:
+        raise ValueError(f"ep_moe_local: routing_map has E={e} experts but w1 {tuple(w1.shape)} holds "
+                         f"E_local={el} on each of {ep} ranks (expected E = ep * E_local = {ep * el})")
+    n = t * e if cfg.num_out_tokens is None else int(cfg.num_out_tokens)
+    cap = min(n, t * el) if cfg.capacity is None else int(cfg.capacity)
+    be = cfg.backend
+
+    # 1. local dispatch, rows sorted by global expert (rank-major)
+    rid, kept = make_row_id_map(routing_map, num_out_tokens=n, backend=be)
+    rows, _ = permute_with_mask_map(x, rid, kept, n, backend=be)
+
+    # 2. cut per-destination chunks to the capacity and exchange them
+    kr = kept.reshape(ep, el)
+    in_rank = jnp.cumsum(kr, axis=1) - kr
+    sent = jnp.clip(cap - in_rank, 0, kr)                              # [ep, E_l] rows sent
+    rank_start = jnp.cumsum(kr.sum(1)) - kr.sum(1)
+    slot = jnp.arange(cap, dtype=jnp.int32)
+    src_row = rank_start[:, None] + slot[None, :]                      # [ep, C]
+    valid = slot[None, :] < sent.sum(1)[:, None]
+    send = jnp.where(valid[..., None], rows[jnp.where(valid, src_row, 0)], jnp.zeros((), x.dtype))
+    recv = jax.lax.all_to_all(send, cfg.axis, 0, 0)                    # [ep(src), C, H]
+    recv_sizes = jax.lax.all_to_all(sent, cfg.axis, 0, 0)              # [ep(src), E_l]
+
+    # 3. (source rank, local expert) -> (local expert, source rank)
+    pad = cap - recv_sizes.sum(1)
+    split_sizes = jnp.concatenate([recv_sizes, pad[:, None]], axis=1).reshape(-1)
+    grouped, _, smap = sort_chunks_by_index(recv.reshape(ep * cap, h), split_sizes,
+                                            jnp.asarray(_chunk_order(ep, el)), backend=be)
+
+    # 4. expert FFN; the padding tail is one extra all-zero group
+    group_sizes = recv_sizes.sum(0)
+    gs = jnp.concatenate([group_sizes, (ep * cap - group_sizes.sum())[None]]).astype(jnp.int32)
+    zero = lambda w: jnp.concatenate([w, jnp.zeros((1,) + w.shape[1:], w.dtype)])
+    hid = jax.lax.ragged_dot(grouped, zero(w1), gs, preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(cfg.activation(hid).astype(w2.dtype), zero(w2), gs,
+                           preferred_element_type=jnp.float32).astype(x.dtype)
+
+    # 5. back home and combine
+    back, _ = sort_chunks_by_map(y, smap, is_forward=False, backend=be)
+    ret = jax.lax.all_to_all(back.reshape(ep, cap, h), cfg.axis, 0, 0)  # [ep(dst), C, H]
+    home = jnp.zeros((n, h), x.dtype).at[jnp.where(valid, src_row, n)].set(ret, mode="drop")
+    weights = jnp.where(routing_map, probs, 0.0).astype(jnp.float32)
+    return unpermute_with_mask_map(home, rid, merging_probs=weights, tokens_per_expert=kept, backend=be)
+
+
+def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax.Array, w2: jax.Array,
+                 mesh: Mesh, cfg: EPConfig = EPConfig()) -> jax.Array:
+    """The expert-parallel MoE layer over ``mesh`` axis ``cfg.axis`` (size ``ep``).
+
+    Args:
+      x: ``[ep * T, H]`` tokens; device ``r`` holds rows ``r*T .. (r+1)*T - 1``.
+      routing_map: ``[ep * T, E]`` bool.
+      probs: ``[ep * T, E]`` float32.
+      w1: ``[E, H, F]``; device ``r`` holds experts ``r*E/ep .. (r+1)*E/ep - 1``.
+      w2: ``[E, F, H]``.
+      mesh: a mesh with axis ``cfg.axis``.
+      cfg: :class:`EPConfig`; ``num_out_tokens`` and ``capacity`` are per device.
+
+    Returns:
+      ``[ep * T, H]``, sharded like ``x``.
+    """
+    spec = P(cfg.axis)
+    body = lambda *a: ep_moe_local(*a, cfg=cfg)
+    return _shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)(x, routing_map, probs, w1, w2)

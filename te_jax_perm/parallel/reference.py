@@ -1,0 +1,42 @@
+"""Single-device, dense reference of the expert-parallel MoE layer, with its drop rules."""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def _kept(routing_map: jax.Array, num_out_tokens: int, capacity: int, ep: int) -> jax.Array:
+    """[T, E] bool: which routed (token, expert) rows of one device's shard survive."""
+    t, e = routing_map.shape
+    el = e // ep
+    r = routing_map.astype(jnp.int32)
+    cnt = r.sum(0)
+    # position of row (t, e) in the expert-major, token-ascending order of the dispatch
+    pos = (jnp.cumsum(cnt) - cnt)[None, :] + jnp.cumsum(r, axis=0) - 1
+    keep = routing_map & (pos < num_out_tokens)
+    kept = jnp.clip(num_out_tokens - (jnp.cumsum(cnt) - cnt), 0, cnt)
+    rank_start = jnp.repeat(jnp.cumsum(kept.reshape(ep, el).sum(1)) - kept.reshape(ep, el).sum(1), el)
+    return keep & (pos - rank_start[None, :] < capacity)
+
+
+def reference_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax.Array,
+                        w2: jax.Array, *, ep: int, num_out_tokens: int | None = None,
+                        capacity: int | None = None,
+                        activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu) -> jax.Array:
+    """What :func:`ep_moe_layer` computes, densely: every expert on every token, masked.
+
+    Shapes as for :func:`te_jax_perm.parallel.ep_moe_layer`; ``x`` is split into ``ep``
+    equal contiguous shards whose drop rules apply separately.
+    """
+    tt, h = x.shape
+    e = routing_map.shape[1]
+    t = tt // ep
+    n = t * e if num_out_tokens is None else num_out_tokens
+    cap = min(n, t * (e // ep)) if capacity is None else capacity
+    keep = jax.vmap(lambda m: _kept(m, n, cap, ep))(routing_map.reshape(ep, t, e)).reshape(tt, e)
+    hid = jnp.einsum("th,ehf->etf", x, w1, preferred_element_type=jnp.float32)
+    y = jnp.einsum("etf,efh->eth", activation(hid).astype(w2.dtype), w2, preferred_element_type=jnp.float32)
+    w = jnp.where(keep, probs, 0.0).astype(jnp.float32)
+    return jnp.einsum("te,eth->th", w, y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)
