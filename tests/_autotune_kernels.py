@@ -39,6 +39,7 @@ RACY_CONFIG = Config.make(BS=40, BT=32)  # 2 programs x 2 tiles: fewest launches
 
 
 def accumulate_decl(name="test_accumulate", configs=SAFE_CONFIGS, constraints=(_tiles_own_rows,), **kw):
+    kw.setdefault("default_config", lambda d, p: Config.make(BS=8, BT=8))
     return KernelDecl(
         name=name, kernel=accumulate_rows_kernel,
         operands=(Operand("x", ("T", "H"), ("float",)),),
@@ -49,5 +50,17 @@ def accumulate_decl(name="test_accumulate", configs=SAFE_CONFIGS, constraints=(_
         constexprs=lambda d, p, c: {"BH": triton.next_power_of_2(d["H"])},
         configs=configs, constraints=constraints,
         key_dims=("T", "H"), key_bucket=lambda n, v: triton.next_power_of_2(v),
-        default_config=lambda d, p: Config.make(BS=8, BT=8),
         exact=False, rtol=1e-6, atol=1e-6, **kw)
+
+
+@triton.jit
+def copy_rows_kernel(x_ptr, T, H, out_alias_ptr, out_ptr, BS: tl.constexpr, BT: tl.constexpr,
+                     BH: tl.constexpr):
+    """out[r] = x[r] with the same tiling (a different source: a different tuning key)."""
+    p = tl.program_id(0)
+    c = tl.arange(0, BH)
+    for t0 in range(0, BS, BT):
+        r = p * BS + t0 + tl.arange(0, BT)
+        m = (r[:, None] < T) & (c[None, :] < H)
+        off = r[:, None] * H + c[None, :]
+        tl.store(out_ptr + off, tl.load(x_ptr + off, mask=m), mask=m)

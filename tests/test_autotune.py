@@ -1,0 +1,211 @@
+"""Autotuner: pruning, key contents, identical trials, validation, cache, resolver."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests import _autotune_kernels as K
+from te_jax_perm import autotune
+from te_jax_perm.autotune import cache, key as keymod
+from te_jax_perm.autotune.inputs import initial_prealloc
+from te_jax_perm.autotune.trials import HostRunner, run_trials
+from te_jax_perm.core import Config, declare
+from te_jax_perm.core.aliasing import alias_plan
+
+SHAPE = [((64, 16), np.float32)]
+
+
+@pytest.fixture(autouse=True)
+def tmp_cache(tmp_path):
+    autotune.set_cache_dir(tmp_path / "cache")
+    autotune.stats.clear()
+    yield tmp_path / "cache"
+    autotune.set_cache_dir(None)
+
+
+def test_pruning_drops_invalid_configs_before_trials():
+    cfgs = K.SAFE_CONFIGS + (K.RACY_CONFIG, Config.make(BS=128, BT=4))
+    decl = K.accumulate_decl(configs=cfgs, constraints=(K._tiles_own_rows, K._not_wider_than_rows))
+    valid, pruned = autotune.candidates(decl, {"T": 64, "H": 16}, {})
+    assert {c for c, _ in pruned} == {K.RACY_CONFIG, Config.make(BS=128, BT=4)}
+    assert "not a multiple" in dict(pruned)[K.RACY_CONFIG]
+    assert set(valid) == set(K.SAFE_CONFIGS) | {Config.make(BS=8, BT=8)}  # + the default
+    res = autotune.tune(decl, SHAPE)
+    timed = {Config.from_json(c) for c, _ in res.entry["ranking"]}
+    assert K.RACY_CONFIG not in timed and len(res.entry["pruned"]) == 2
+    assert autotune.stats["trials"] == len(valid)
+
+
+def _key(decl, dims=None, params=None, dtype=np.float32, backend="interpret"):
+    return keymod.make_key(decl, dims or {"T": 64, "H": 16}, params or {}, [dtype], backend)
+
+
+def test_key_holds_exactly_the_declared_values(monkeypatch):
+    decl = K.accumulate_decl()
+    base = _key(decl)
+    assert set(base) == {"kernel", "backend", "dims", "params", "dtypes", "device", "versions", "source"}
+    # Same bucket (next power of two) -> same key; a new bucket of each key dim -> new key.
+    assert _key(decl, {"T": 40, "H": 16}) == base
+    assert _key(decl, {"T": 64, "H": 9}) == base
+    assert _key(decl, {"T": 65, "H": 16}) != base
+    assert _key(decl, {"T": 64, "H": 17}) != base
+    assert _key(decl, dtype=np.float16) != base
+    assert _key(decl, backend="triton" if False else "interpret") == base
+    # Params: only key_params count.
+    pdecl = K.accumulate_decl(name="p", params=("mode", "tag"), key_params=("mode",))
+    pk = _key(pdecl, params={"mode": 1, "tag": "a"})
+    assert _key(pdecl, params={"mode": 1, "tag": "b"}) == pk
+    assert _key(pdecl, params={"mode": 2, "tag": "a"}) != pk
+    # Environment: versions and device.
+    monkeypatch.setattr(keymod, "versions", lambda: {"jax": "0", "triton": "0"})
+    assert _key(decl) != base
+    monkeypatch.undo()
+    monkeypatch.setattr(keymod, "device_kind", lambda b: "H100")
+    assert _key(decl) != base
+
+
+def test_key_changes_with_kernel_source():
+    from te_jax_perm.core.declaration import KernelDecl  # noqa: F401
+    import dataclasses
+    decl = K.accumulate_decl()
+    other = dataclasses.replace(decl, kernel=K.copy_rows_kernel)
+    assert _key(decl)["source"] != _key(other)["source"]
+
+
+def test_value_outside_key_does_not_retune_and_key_values_do():
+    decl = K.accumulate_decl(name="p2", params=("mode", "tag"), key_params=("mode",))
+    autotune.tune(decl, [((64, 16), np.float32)], {"mode": 1, "tag": "a"})
+    assert autotune.stats["tunes"] == 1
+    autotune.tune(decl, [((40, 12), np.float32)], {"mode": 1, "tag": "b"})  # same buckets, tag not in key
+    assert autotune.stats["tunes"] == 1 and autotune.stats["cache_hits"] == 1
+    for shapes, params in [([((65, 16), np.float32)], {"mode": 1, "tag": "a"}),
+                           ([((64, 16), np.float16)], {"mode": 1, "tag": "a"}),
+                           ([((64, 16), np.float32)], {"mode": 2, "tag": "a"})]:
+        before = autotune.stats["tunes"]
+        autotune.tune(decl, shapes, params)
+        assert autotune.stats["tunes"] == before + 1
+
+
+def test_inplace_accumulate_applied_once_after_tuning_many_configs():
+    """out += x over >= 8 configs must leave out == out0 + x: saved/restored per the alias plan."""
+    decl = K.accumulate_decl()
+    assert alias_plan(decl).written_inputs == (1,)  # the prealloc operand, same as the lowering's alias table
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 16)).astype(np.float32)
+    out0 = rng.standard_normal((64, 16)).astype(np.float32)
+    runner = HostRunner(decl, [x], [out0.copy()], {})
+    results = run_trials(decl, runner, K.SAFE_CONFIGS, [out0 + x], reps=2)
+    assert len(results) >= 8 and all(r.time_s is not None for r in results), [r.rejected for r in results]
+    np.testing.assert_array_equal(runner.buffers[1], out0)   # restored after the last trial
+    np.testing.assert_array_equal(runner.buffers[0], x)      # the read-only operand untouched
+    best = min((r for r in results), key=lambda r: r.time_s).config
+    runner.launch(best)                                      # the real launch that follows tuning
+    np.testing.assert_array_equal(runner.buffers[1], out0 + x)  # exactly one application
+
+
+def test_without_restore_trials_would_accumulate():
+    """The check above can fail: skipping the save/restore makes later trials see n*x."""
+    decl = K.accumulate_decl()
+    x = np.ones((64, 16), np.float32)
+    runner = HostRunner(decl, [x], [np.zeros_like(x)], {})
+    runner.save = lambda idx: None  # no buffers saved
+    results = run_trials(decl, runner, K.SAFE_CONFIGS[:3], [x])
+    assert results[0].rejected is None and all(r.rejected for r in results[1:])
+
+
+def test_racy_config_faster_but_rejected():
+    # A buggy declaration without the tiling constraint: only output validation can save us.
+    decl = K.accumulate_decl(name="racy", configs=K.SAFE_CONFIGS + (K.RACY_CONFIG,), constraints=(),
+                             default_config=lambda d, p: Config.make(BS=16, BT=4))
+    res = autotune.tune(decl, SHAPE, options=autotune.TuneOptions(reps=3, warmup=1))
+    rejected = {Config.from_json(c): (why, t) for c, why, t in res.entry["rejected"]}
+    assert set(rejected) == {K.RACY_CONFIG}
+    assert "outside rtol" in rejected[K.RACY_CONFIG][0]
+    assert rejected[K.RACY_CONFIG][1] < min(t for _, t in res.entry["ranking"])  # it was the fastest
+    assert res.best != K.RACY_CONFIG and res.best in K.SAFE_CONFIGS
+
+
+def test_empty_output_garbage_is_caught():
+    """init='empty' buffers start as random bytes, so a config writing too few rows fails."""
+    buf = initial_prealloc("empty", (4, 4), np.float32, seed=3)
+    assert np.any(buf != 0)
+    np.testing.assert_array_equal(initial_prealloc("zeros", (2,), np.int32), 0)
+
+
+def test_warm_cache_reuse_across_processes(tmp_cache):
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
+        import numpy as np
+        from tests import _autotune_kernels as K
+        from te_jax_perm import autotune
+        autotune.set_cache_dir({str(tmp_cache)!r})
+        r = autotune.tune(K.accumulate_decl(), [((64, 16), np.float32)])
+        print(json.dumps({{"stats": dict(autotune.stats), "cached": r.cached, "best": str(r.best)}}))
+    """)
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert not runs[0]["cached"] and runs[0]["stats"]["trials"] >= 8
+    assert runs[1]["cached"] and runs[1]["stats"].get("trials", 0) == 0 and runs[1]["stats"].get("compiles", 0) == 0
+    assert runs[0]["best"] == runs[1]["best"]
+    files = list(tmp_cache.glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"]["kernel"] == "test_accumulate"
+    assert "test_accumulate" in autotune.format_cache()
+
+
+def test_concurrent_writers_leave_a_complete_file(tmp_cache):
+    k = _key(K.accumulate_decl())
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        from te_jax_perm.autotune import cache
+        cache.set_cache_dir({str(tmp_cache)!r})
+        for i in range(200):
+            cache.store({k!r}, {{"best": None, "ranking": [[{{"constants": {{}}, "num_warps": 4, "num_stages": 1}}, i]] * 50, "writer": {w}}})
+    """)], env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))) for w in range(3)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    entry = cache.load(k)
+    assert entry is not None and entry["writer"] in (0, 1, 2) and len(entry["ranking"]) == 50
+    assert not list(tmp_cache.glob("*.tmp"))
+
+
+def test_resolver_tunes_on_miss_when_enabled_and_uses_cache_when_disabled():
+    decl = K.accumulate_decl(name="resolved", default_config=lambda d, p: Config.make(BS=16, BT=2))
+    prim = declare(decl)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((48, 10)).astype(np.float32))
+    with autotune.autotuning(False):
+        (y,) = prim(x, backend="interpret")
+    assert autotune.stats["tunes"] == 0
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x))
+    with autotune.autotuning(True):
+        (y,) = jax.jit(lambda a: prim(a, backend="interpret"))(x)
+    assert autotune.stats["tunes"] == 1 and autotune.stats["trials"] >= 8
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))  # out(=0) += x applied exactly once
+    entry = cache.load(keymod.make_key(decl, {"T": 48, "H": 10}, {}, [np.float32], "interpret"))
+    best = autotune.resolve(decl, [x], {}, "interpret")
+    assert best is not None and best.to_json() == entry["best"]
+    with autotune.autotuning(False):  # disabled: the cached winner is still used, nothing re-tuned
+        assert autotune.resolve(decl, [jax.ShapeDtypeStruct((40, 12), np.float32)], {}, "interpret") == best
+    assert autotune.stats["tunes"] == 1
+
+
+def test_cached_winner_invalid_for_exact_dims_is_skipped(tmp_cache):
+    decl = K.accumulate_decl(name="bucket", constraints=(K._tiles_own_rows, K._not_wider_than_rows))
+    autotune.tune(decl, [((64, 16), np.float32)])
+    k = keymod.make_key(decl, {"T": 64, "H": 16}, {}, [np.float32], "interpret")
+    entry = cache.load(k)
+    entry["ranking"].insert(0, [Config.make(BS=64, BT=4).to_json(), 0.0])
+    cache.store(k, entry)
+    # T=33 shares T=64's bucket, but BS=64 > next_power_of_2(33)... is allowed (64); use T=20 bucket 32 instead
+    from te_jax_perm.autotune.resolver import pick
+    assert pick(decl, entry, {"T": 64, "H": 16}, {}) == Config.make(BS=64, BT=4)
+    assert pick(decl, entry, {"T": 32, "H": 16}, {}) != Config.make(BS=64, BT=4)
