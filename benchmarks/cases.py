@@ -1,0 +1,194 @@
+"""What is benchmarked: each op and direction at one shape, its inputs, and its honest bytes.
+
+A :class:`Case` builds ``(fn, args)`` for a backend, where ``fn(*args)`` is one call of the
+op (forward, or backward through the op's VJP with residuals precomputed), and counts the
+bytes that call must move (shared/perf.md):
+
+* dispatch fwd: read each token once (``T*H``), the routing map and the routed probs;
+  write every output (permuted rows, permuted probs, row-id map, counts).
+* combine fwd: read the permuted rows, routed merging probs and the row-id map; write ``T*H``.
+* chunk sort: read and write the rows and probs; write the row map.
+* backward passes: read the cotangents (and, for combine with probs, the forward rows
+  that the prob gradient needs) and residual maps; write every gradient.
+* make_row_id_map: read the routing map; write the map.
+* copy: read and write the buffer once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.shapes import MoEShape
+from benchmarks.workloads import ep_chunks, tokens, topk_routing
+
+F32 = 4
+
+
+def nbytes(tree: Any) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+@dataclasses.dataclass
+class Problem:
+    """One shape's device-resident inputs, shared by every case at that shape."""
+
+    shape: MoEShape
+    inp: jax.Array            # [T, H] tokens
+    routing_map: jax.Array    # bool [T, E]
+    probs: jax.Array          # f32 [T, E]
+    permuted: jax.Array       # [num_out, H] rows in expert order (combine / chunk-sort input)
+    row_id_map: jax.Array     # the dispatch row-id map for routing_map
+    split_sizes: jax.Array    # int32 [ep * E/ep]
+    sorted_indices: jax.Array
+    sort_probs: jax.Array     # f32 [num_out]
+
+    @staticmethod
+    def make(shape: MoEShape, seed: int = 0) -> "Problem":
+        import te_jax_perm as tp
+
+        rng = np.random.default_rng(seed)
+        r = topk_routing(rng, shape.T, shape.E, shape.k)
+        dtype = jnp.dtype(shape.dtype)
+        inp = jnp.asarray(tokens(rng, shape.T, shape.H, dtype))
+        rm, probs = jnp.asarray(r.routing_map), jnp.asarray(r.probs)
+        # The reference backend builds the map: every backend must agree on it exactly.
+        permuted, _, row_id_map, _, _ = jax.jit(
+            lambda x, m: tp.token_dispatch(x, m, shape.num_out, backend="xla"))(inp, rm)
+        split, order = ep_chunks(rng, shape.num_out, shape.ep, max(1, shape.E // shape.ep))
+        return Problem(shape, inp, rm, probs, permuted, row_id_map, jnp.asarray(split), jnp.asarray(order),
+                       jnp.asarray(rng.random(shape.num_out, np.float32)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]     # args[0] is an array: the timing chain perturbs and donates it
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: str            # "token_dispatch", "token_combine", "sort_chunks_by_index", "make_row_id_map", "copy"
+    direction: str     # "fwd" or "bwd"
+    build: Callable[[Problem, str], Built]
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}.{self.direction}"
+
+
+def _vjp_case(fwd: Callable[..., Any], primals: tuple[Any, ...], extra_read: Callable[[Problem], int]):
+    """Backward-only timing: the VJP closure (residuals included) is built once, outside."""
+
+    def build(p: Problem, backend: str) -> Built:
+        outs, vjp = jax.jit(lambda *xs: jax.vjp(lambda *d: fwd(p, backend, *d), *xs))(*primals(p))
+        cts = jax.tree.map(lambda o: jnp.ones_like(o), outs)
+        grads = jax.eval_shape(vjp, cts)
+        # Cotangents first: the timing chain perturbs args[0].
+        return Built(lambda c, v: v(c), (cts, vjp), nbytes(cts) + nbytes(grads) + extra_read(p))
+
+    return build
+
+
+# -- token_dispatch ----------------------------------------------------------------------
+def _dispatch(p: Problem, backend: str, inp, probs):
+    import te_jax_perm as tp
+
+    out, pprobs, *_ = tp.token_dispatch(inp, p.routing_map, p.shape.num_out, probs=probs, backend=backend)
+    return out, pprobs
+
+
+def _dispatch_fwd(p: Problem, backend: str) -> Built:
+    import te_jax_perm as tp
+
+    s = p.shape
+    fn = lambda inp, rm, probs: tp.token_dispatch(inp, rm, s.num_out, probs=probs, backend=backend)  # noqa: E731
+    outs = jax.eval_shape(fn, p.inp, p.routing_map, p.probs)
+    read = nbytes(p.inp) + nbytes(p.routing_map) + s.num_out * F32
+    return Built(fn, (p.inp, p.routing_map, p.probs), read + nbytes(outs))
+
+
+# -- token_combine -----------------------------------------------------------------------
+def _combine(p: Problem, backend: str, x, merging_probs):
+    import te_jax_perm as tp
+
+    return tp.token_combine(x, p.row_id_map, merging_probs=merging_probs, backend=backend)
+
+
+def _combine_fwd(p: Problem, backend: str) -> Built:
+    import te_jax_perm as tp
+
+    fn = lambda x, rid, mp: tp.token_combine(x, rid, merging_probs=mp, backend=backend)  # noqa: E731
+    read = nbytes(p.permuted) + nbytes(p.row_id_map) + p.shape.num_out * F32
+    return Built(fn, (p.permuted, p.row_id_map, p.probs), read + nbytes(p.inp))
+
+
+# -- sort_chunks_by_index ----------------------------------------------------------------
+def _sort(p: Problem, backend: str, x, probs):
+    import te_jax_perm as tp
+
+    out, pprobs, _ = tp.sort_chunks_by_index(x, p.split_sizes, p.sorted_indices, probs=probs, backend=backend)
+    return out, pprobs
+
+
+def _sort_fwd(p: Problem, backend: str) -> Built:
+    import te_jax_perm as tp
+
+    fn = lambda x, s, i, pr: tp.sort_chunks_by_index(x, s, i, probs=pr, backend=backend)  # noqa: E731
+    args = (p.permuted, p.split_sizes, p.sorted_indices, p.sort_probs)
+    outs = jax.eval_shape(fn, *args)
+    return Built(fn, args, nbytes(args) + nbytes(outs))
+
+
+# -- make_row_id_map ---------------------------------------------------------------------
+def _row_id_map(p: Problem, backend: str) -> Built:
+    import te_jax_perm as tp
+
+    fn = lambda rm: tp.make_row_id_map(rm, p.shape.num_out, backend=backend)  # noqa: E731
+    return Built(fn, (p.routing_map,), nbytes(p.routing_map) + nbytes(jax.eval_shape(fn, p.routing_map)))
+
+
+# -- copy baselines ----------------------------------------------------------------------
+def copy_xla(p: Problem) -> Built:
+    """XLA's elementwise copy of a buffer the size of the dispatch output (x * one)."""
+    one = jnp.ones((), p.permuted.dtype)
+    return Built(lambda x, s: x * s, (p.permuted, one), 2 * nbytes(p.permuted))
+
+
+def copy_triton(p: Problem, config) -> Built:
+    """The declared Triton copy kernel through our own ``triton`` backend (or interpreter)."""
+    from te_jax_perm.ops.copy import device_copy
+
+    backend = "triton" if jax.default_backend() == "gpu" else "interpret"
+    return Built(lambda x: device_copy(x, backend=backend, config=config), (p.permuted,), 2 * nbytes(p.permuted))
+
+
+CASES: tuple[Case, ...] = (
+    Case("token_dispatch", "fwd", _dispatch_fwd),
+    Case("token_dispatch", "bwd", _vjp_case(_dispatch, lambda p: (p.inp, p.probs),
+                                            lambda p: nbytes(p.row_id_map))),
+    Case("token_combine", "fwd", _combine_fwd),
+    # The merging-prob gradient reads the forward rows as well as the cotangent.
+    Case("token_combine", "bwd", _vjp_case(_combine, lambda p: (p.permuted, p.probs),
+                                           lambda p: nbytes(p.row_id_map) + nbytes(p.permuted)
+                                           + p.shape.num_out * F32)),
+    Case("sort_chunks_by_index", "fwd", _sort_fwd),
+    Case("sort_chunks_by_index", "bwd", _vjp_case(_sort, lambda p: (p.permuted, p.sort_probs),
+                                                  lambda p: p.shape.num_out * F32)),
+    Case("make_row_id_map", "fwd", _row_id_map),
+)
+
+
+def select(ops: str) -> tuple[Case, ...]:
+    """Cases whose name contains any of the comma-separated ``ops`` substrings (all if empty)."""
+    if not ops:
+        return CASES
+    wanted = [o.strip() for o in ops.split(",") if o.strip()]
+    picked = tuple(c for c in CASES if any(w in c.name for w in wanted))
+    if not picked:
+        raise ValueError(f"--ops {ops!r} matches none of {[c.name for c in CASES]}")
+    return picked

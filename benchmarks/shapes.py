@@ -1,0 +1,58 @@
+"""Benchmark shapes: the real MoE shapes of shared/shapes.md, and a tiny CPU smoke sweep."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+    """One MoE layer's permutation problem: ``T`` tokens of hidden size ``H``, top-``k`` of ``E``."""
+
+    model: str
+    T: int
+    H: int
+    E: int
+    k: int
+    ep: int = 8            # expert-parallel ranks, for the chunk-sort problem (E//ep local experts)
+    dtype: str = "bfloat16"
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/T{self.T}/H{self.H}/E{self.E}/k{self.k}"
+
+    @property
+    def num_out(self) -> int:
+        return self.T * self.k
+
+
+# shared/shapes.md. DeepSeek-V3 at T=16384 is there for the row-id-map target of the issue
+# ("make_row_id_map for T=16384, E=256: <= 10% of the dispatch time at H=7168").
+GPU_SHAPES: tuple[MoEShape, ...] = (
+    MoEShape("Mixtral-8x7B", 8192, 4096, 8, 2),
+    MoEShape("Mixtral-8x7B", 16384, 4096, 8, 2),
+    MoEShape("Qwen3-235B-A22B", 8192, 4096, 128, 8),
+    MoEShape("DeepSeek-V3", 4096, 7168, 256, 8),
+    MoEShape("DeepSeek-V3", 8192, 7168, 256, 8),
+    MoEShape("DeepSeek-V3", 16384, 7168, 256, 8),
+    MoEShape("gpt-oss-120b", 8192, 2880, 128, 4),
+)
+
+# Shapes whose whole-layer speedup over xla has a target (>= 3x).
+LAYER_TARGET_MODELS = ("DeepSeek-V3", "Qwen3-235B-A22B")
+
+# CPU smoke: small enough for the Triton interpreter (T<=64, H<=96), odd sizes included.
+CPU_SHAPES: tuple[MoEShape, ...] = (
+    MoEShape("small", 16, 64, 4, 2, ep=2, dtype="float32"),
+    MoEShape("small", 33, 96, 8, 2, ep=2, dtype="bfloat16"),
+)
+
+
+def by_name(names: str, table: tuple[MoEShape, ...]) -> tuple[MoEShape, ...]:
+    """Filters ``table`` by comma-separated substrings of shape names (empty keeps all)."""
+    if not names:
+        return table
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    picked = tuple(s for s in table if any(w in s.name for w in wanted))
+    if not picked:
+        raise ValueError(f"--shapes {names!r} matches none of {[s.name for s in table]}")
+    return picked
