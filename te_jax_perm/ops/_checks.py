@@ -36,7 +36,7 @@ def check_int32(name: str, x: Any) -> None:
 
 def check_token_dtype(name: str, x: Any) -> None:
     dt = _dt(x)
-    if not (np.issubdtype(dt, np.floating) or dt.name.startswith("float8")):
+    if not (jnp.issubdtype(dt, jnp.floating) or dt.name.startswith("float8")):  # np misses bfloat16
         raise TypeError(f"{name} has dtype {dt.name}; expected a floating dtype "
                         "(bfloat16, float16, float32 or float8_e4m3fn)")
 
