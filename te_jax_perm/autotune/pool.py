@@ -22,6 +22,7 @@ from absl import logging
 from te_jax_perm.autotune.compile_job import CompileJob
 
 DEFAULT_TIMEOUT_S = 120.0
+STARTUP_TIMEOUT_S = 300.0
 
 
 @dataclasses.dataclass
@@ -90,6 +91,7 @@ class _Worker:
         os.close(c_write)
         self.conn = _Duplex(Connection(p_read, writable=False), Connection(p_write, readable=False))
         self.ready = False
+        self.spawned = time.monotonic()
         self.job: int | None = None
         self.started = 0.0
 
@@ -145,17 +147,13 @@ class CompilePool:
         self._workers = [_Worker(self.cache_dir) for _ in range(self.size)]
         self.replaced = 0
 
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
+    def wait_ready(self) -> None:
         """Blocks until every worker has imported Triton (for fair timing)."""
-        deadline = time.monotonic() + timeout_s
-        for w in self._workers:
-            while not w.ready and time.monotonic() < deadline:
-                if w.conn.poll(0.05):
-                    w.conn.recv()
-                    w.ready = True
-                elif not w.alive():
-                    self._replace(w, kill=False)
-                    break
+        while not all(w.ready for w in self._workers):
+            for w in list(self._workers):
+                if not w.ready:
+                    self._check_startup(w)
+            time.sleep(0.02)
 
     def _replace(self, w: _Worker, kill: bool) -> _Worker:
         w.stop(kill=kill)
@@ -168,15 +166,22 @@ class CompilePool:
         results: list[CompileResult | None] = [None] * len(jobs)
         todo = list(range(len(jobs)))[::-1]
         while todo or any(w.job is not None for w in self._workers):
+            for w in list(self._workers):
+                if not w.ready:
+                    self._check_startup(w)
             for w in self._workers:
-                if w.job is None and todo:
+                # The timeout clock starts at dispatch to a warm worker: start-up is not compile time.
+                if w.ready and w.job is None and todo:
                     w.job = todo.pop()
                     w.started = time.monotonic()
                     w.conn.send(jobs[w.job])
             busy = [w for w in self._workers if w.job is not None]
-            next_deadline = min(w.started + self.timeout_s for w in busy)
+            starting = [w for w in self._workers if not w.ready]
+            deadlines = ([w.started + self.timeout_s for w in busy]
+                         + [w.spawned + STARTUP_TIMEOUT_S for w in starting])
             # A dead worker's pipe reads as EOF, so waiting on the pipes also sees deaths.
-            ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - time.monotonic()))
+            ready = wait([w.conn for w in busy + starting],
+                         timeout=max(0.0, min(deadlines) - time.monotonic()) if deadlines else None)
             for w in busy:
                 if w.conn in ready and self._receive(w, jobs, results):
                     continue
@@ -195,6 +200,21 @@ class CompilePool:
                                     jobs[w.job].label, self.timeout_s)
                     self._replace(w, kill=True)
         return results  # type: ignore[return-value]
+
+    def _check_startup(self, w: _Worker) -> None:
+        if w.conn.poll():
+            try:
+                w.conn.recv()
+                w.ready = True
+                return
+            except (EOFError, OSError):
+                pass
+        if not w.alive() or time.monotonic() - w.spawned > STARTUP_TIMEOUT_S:
+            logging.warning("autotune: compile worker failed to start (exit code %s); replacing it",
+                            w.proc.poll())
+            if self.replaced > 4 * self.size + 8:
+                raise RuntimeError("autotune: compile workers keep failing to start")
+            self._replace(w, kill=True)
 
     def _receive(self, w: _Worker, jobs: Sequence[CompileJob], results: list) -> bool:
         """Reads one message; True when it finished ``w``'s job."""
