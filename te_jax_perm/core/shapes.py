@@ -9,7 +9,8 @@ import numpy as np
 from te_jax_perm.core.declaration import Dims, KernelDecl, Operand, Params
 
 _KIND = {
-    "float": lambda dt: np.issubdtype(dt, np.floating) or dt.name.startswith("float8"),
+    # jnp.issubdtype: NumPy does not count ml_dtypes floats (bfloat16) as np.floating.
+    "float": lambda dt: jax.numpy.issubdtype(dt, jax.numpy.floating) or dt.name.startswith("float8"),
     "int": lambda dt: np.issubdtype(dt, np.integer),
     "bool": lambda dt: dt == np.bool_,
 }
