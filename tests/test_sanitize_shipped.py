@@ -1,0 +1,187 @@
+"""Every kernel the library ships, under the hazard sanitizer, must report nothing.
+
+Public ops run forward and backward with ``backend="interpret"`` over a shape sweep
+(T=1, odd H, empty experts, skewed routing, dropping, padding, chunk sorts with empty
+chunks and unmapped rows); a config sweep then re-runs some scenarios once per distinct
+unpruned autotune candidate of every kernel they launch (``num_warps``/``num_stages`` do
+not change what the interpreter runs, so configs differing only in those are one).
+"""
+import importlib
+import inspect
+import pkgutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_jax_perm.ops
+from te_jax_perm.autotune.space import candidates
+from te_jax_perm.core import KernelPrimitive, config_select
+from te_jax_perm.core.shapes import bind_dims
+from te_jax_perm.sanitize import sanitize
+
+BE = "interpret"
+
+
+def shipped_kernels() -> dict[str, KernelPrimitive]:
+    """Module-level kernel primitives of every ``te_jax_perm.ops`` module, by decl name."""
+    found = {}
+    for mod in pkgutil.iter_modules(te_jax_perm.ops.__path__):
+        m = importlib.import_module(f"te_jax_perm.ops.{mod.name}")
+        for _, v in inspect.getmembers(m, lambda v: isinstance(v, KernelPrimitive)):
+            found[v.decl.name] = v
+    return found
+
+
+# -- routing patterns -------------------------------------------------------------------
+def _topk(rng, t, e, k):
+    rm = np.zeros((t, e), bool)
+    for i in range(t):
+        rm[i, rng.choice(e, size=k, replace=False)] = True
+    return rm
+
+
+def _skewed(rng, t, e, k):
+    # Expert 0 takes every token of the first half (k distinct experts per token still).
+    rm = np.zeros((t, e), bool)
+    for i in range(t):
+        if i < (t + 1) // 2:
+            rm[i, [0, *rng.choice(np.arange(1, e), size=k - 1, replace=False)]] = True
+        else:
+            rm[i, rng.choice(e, size=k, replace=False)] = True
+    return rm
+
+
+def _empty_experts(rng, t, e, k):
+    # Only the first k+1 experts receive tokens; the rest are empty.
+    rm = np.zeros((t, e), bool)
+    for i in range(t):
+        rm[i, rng.choice(k + 1, size=k, replace=False)] = True
+    return rm
+
+
+ROUTINGS = {"topk": _topk, "skewed": _skewed, "empty": _empty_experts}
+
+
+def run_moe(T, H, E, k, routing, *, drop=0, align=None, probs=True, dtype=jnp.float32, seed=0):
+    """token_dispatch -> token_combine, forward and backward (all cotangents non-zero)."""
+    from te_jax_perm import token_combine, token_dispatch
+
+    rng = np.random.default_rng(seed)
+    rm = jnp.asarray(ROUTINGS[routing](rng, T, E, k))
+    num_out = max(int(rm.sum()) - drop, 0)
+    x = jnp.asarray(rng.standard_normal((T, H)), dtype)
+    p = jnp.asarray(rng.random((T, E)), jnp.float32) * rm if probs else None
+
+    def f(x, p):
+        out, pp, rid, pad, _ = token_dispatch(x, rm, num_out, probs=p, align_size=align, backend=BE)
+        y = token_combine(out, rid, merging_probs=p, pad_offsets=pad, backend=BE)
+        return (y, out) if pp is None else (y, out, pp)
+
+    primals, vjp = jax.vjp(f, x, p)
+    cts = tuple(jnp.ones_like(v) for v in primals)
+    return primals, vjp(cts)
+
+
+def run_chunk_sort(N, H, sizes, order, *, probs=True, seed=0):
+    from te_jax_perm import sort_chunks_by_index
+
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((N, H)), jnp.float32)
+    p = jnp.asarray(rng.random(N), jnp.float32) if probs else None
+
+    def f(x, p):
+        out, pp, _ = sort_chunks_by_index(x, jnp.asarray(sizes, jnp.int32), jnp.asarray(order, jnp.int32),
+                                          probs=p, backend=BE)
+        return (out,) if pp is None else (out, pp)
+
+    primals, vjp = jax.vjp(f, x, p)
+    return primals, vjp(tuple(jnp.ones_like(v) for v in primals))
+
+
+def run_copy(shape, dtype=jnp.bfloat16):
+    from te_jax_perm.ops.copy import device_copy
+
+    return device_copy(jnp.arange(int(np.prod(shape)), dtype=dtype).reshape(shape), backend=BE)
+
+
+SCENARIOS = {
+    "moe_T1_oddH": lambda: run_moe(1, 5, 4, 2, "topk"),
+    "moe_topk_odd": lambda: run_moe(13, 33, 5, 2, "topk", dtype=jnp.float16),
+    "moe_empty_experts": lambda: run_moe(12, 16, 8, 2, "empty"),
+    "moe_skewed_k1": lambda: run_moe(17, 24, 4, 1, "skewed", probs=False),
+    "moe_dropping": lambda: run_moe(16, 20, 4, 2, "skewed", drop=7),
+    "moe_padding": lambda: run_moe(11, 70, 4, 2, "empty", align=4),
+    "moe_drop_and_pad_noprobs": lambda: run_moe(9, 7, 3, 2, "topk", drop=3, align=8, probs=False),
+    "chunks_empty_and_unmapped": lambda: run_chunk_sort(20, 9, [3, 0, 5, 4, 0, 2], [5, 2, 0, 4, 3, 1]),
+    "chunks_T1": lambda: run_chunk_sort(1, 3, [1], [0], probs=False),
+    "chunks_full": lambda: run_chunk_sort(24, 96, [8, 8, 8], [2, 0, 1]),
+    "copy_odd": lambda: run_copy((7, 13)),
+}
+
+# Scenarios re-run once per distinct unpruned config; together they launch every kernel.
+CONFIG_SWEEP = ("moe_padding", "chunks_full", "chunks_empty_and_unmapped", "copy_odd")
+
+
+@pytest.fixture(scope="module")
+def launched():
+    return set()
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_shipped_kernels_are_clean(name, launched):
+    with sanitize() as report:
+        jax.block_until_ready(SCENARIOS[name]())
+    assert report.launches, f"{name}: no kernel launch was observed"
+    assert not report, report.text()
+    launched.update(s.kernel for s in report.launches)
+
+
+class _EveryConfig:
+    """Config resolver picking, per launch, the ``k``-th distinct unpruned candidate."""
+
+    def __init__(self):
+        self.k = 0
+        self.rounds = 1
+        self.seen: dict[tuple, set] = {}
+
+    def __call__(self, decl, avals, params, backend):
+        dims = bind_dims(decl, avals)
+        valid, _ = candidates(decl, dims, params)
+        distinct = list({c.constants: c for c in valid}.values())
+        if not distinct:
+            return None
+        self.rounds = max(self.rounds, len(distinct))
+        cfg = distinct[self.k % len(distinct)]
+        key = (decl.name, tuple(sorted(dims.items())), tuple(sorted(params.items())))
+        self.seen.setdefault(key, set()).add(cfg.constants)
+        self.want = getattr(self, "want", {})
+        self.want[key] = {c.constants for c in distinct}
+        return cfg
+
+
+@pytest.mark.parametrize("name", CONFIG_SWEEP)
+def test_every_unpruned_config_is_clean(name, launched):
+    pick = _EveryConfig()
+    saved = config_select._resolver
+    config_select.set_config_resolver(pick)
+    try:
+        while pick.k < pick.rounds:
+            jax.clear_caches()  # the resolver runs at lowering time
+            with sanitize() as report:
+                jax.block_until_ready(SCENARIOS[name]())
+            assert not report, f"config round {pick.k}:\n{report.text()}"
+            launched.update(s.kernel for s in report.launches)
+            pick.k += 1
+    finally:
+        config_select.set_config_resolver(saved)
+        jax.clear_caches()
+    assert pick.seen and pick.seen == pick.want
+
+
+def test_every_shipped_kernel_ran_under_the_sanitizer(launched):
+    if len(launched) == 0:
+        pytest.skip("runs after the sweeps in the same session")
+    missing = set(shipped_kernels()) - launched
+    assert not missing, f"shipped kernels never launched by the sanitizer sweep: {sorted(missing)}"
