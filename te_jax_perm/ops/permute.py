@@ -129,7 +129,8 @@ def _gather_ref(y, rid, pad, w=None, gpp=None, *, padded):
 
 
 # -- declarations ----------------------------------------------------------------------
-_X = Operand("inp", ("T", "H"), ("float", "uint8"))
+# Token dtypes are checked by the public functions (core's "float" kind misses bfloat16).
+_X = Operand("inp", ("T", "H"))
 _RID = Operand("row_id_map", ("T", "W"), ("int32",))
 _PAD = Operand("pad_offsets", ("E",), ("int32",))
 _SEG = (Operand("seg_start", ("E",), ("int32",)), Operand("seg_count", ("E",), ("int32",)))
@@ -167,8 +168,8 @@ permute_rows_probs = declare(KernelDecl(
 
 scatter_weighted = declare(KernelDecl(
     name="unpermute_bwd_weighted", kernel=K.scatter_weighted_kernel,
-    operands=(Operand("grad", ("T", "H"), ("float",)), _RID, _PAD, *_SEG, _TE32("merging_probs"),
-              Operand("fwd_inp", ("N", "H"), ("float",))),
+    operands=(Operand("grad", ("T", "H")), _RID, _PAD, *_SEG, _TE32("merging_probs"),
+              Operand("fwd_inp", ("N", "H"))),
     outputs=(Output("grad_inp", lambda d, p: (d["N"], d["H"]), lambda t, p: t["fwd_inp"]),
              Output("grad_probs", lambda d, p: (d["T"], d["E"]), lambda t, p: jnp.float32, init="zeros")),
     params=("padded",), reference=_scatter_weighted_ref,
@@ -185,7 +186,7 @@ def _gather_pgrad_ref(y, rid, pad, gpp, *, padded):
 def _gather_decl(name, kernel, extra_ops, extra_outs, exact=True, reference=_gather_ref):
     return declare(KernelDecl(
         name=name, kernel=kernel,
-        operands=(Operand("inp", ("N", "H"), ("float",)), _RID, _PAD, *extra_ops),
+        operands=(Operand("inp", ("N", "H")), _RID, _PAD, *extra_ops),
         outputs=(Output("out", lambda d, p: (d["T"], d["H"]), lambda t, p: t["inp"]), *extra_outs),
         params=("padded",), reference=reference,
         grid=lambda d, p, c: (-(-d["T"] // c.kw["ROWS"]),),

@@ -1,0 +1,110 @@
+"""TransformerEngine-compatible MoE dispatch and combine.
+
+``token_dispatch`` groups token rows by expert (expert ascending, tokens in their original
+order within an expert), optionally dropping rows beyond a static budget and padding each
+expert's rows to a multiple of ``align_size``. ``token_combine`` brings the expert rows
+back and sums each token's rows, weighted by ``merging_probs`` when given.
+
+Batch shape: inputs may be ``[B, S, ...]``; they are flattened to ``T = B*S`` tokens.
+``token_combine`` returns ``[T, H]`` (the row-id map keeps no batch shape); reshape to
+``[B, S, H]`` if needed.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from te_jax_perm.ops import _checks
+from te_jax_perm.ops.permute import permute_with_mask_map, unpermute_with_mask_map
+from te_jax_perm.ops.row_id_map import make_row_id_map
+
+
+def _flatten(name: str, x: jax.Array, last: str) -> jax.Array:
+    _checks.check_rank(name, x, (2, 3), f"[T, {last}] or [B, S, {last}]")
+    return x.reshape(-1, x.shape[-1]) if x.ndim == 3 else x
+
+
+def padding_layout(tokens_per_expert: jax.Array, align_size: int) -> tuple[jax.Array, jax.Array]:
+    """``(padded_counts, pad_offsets)`` for kept counts padded to multiples of ``align_size``.
+
+    ``pad_offsets[e]`` is the number of padding rows inserted before expert ``e``'s rows.
+    """
+    kept = tokens_per_expert.astype(jnp.int32)
+    padded = ((kept + align_size - 1) // align_size) * align_size
+    return padded, (jnp.cumsum(padded) - padded) - (jnp.cumsum(kept) - kept)
+
+
+def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
+                   probs: jax.Array | None = None, align_size: int | None = None,
+                   backend: str | None = None):
+    """Dispatches tokens to experts.
+
+    Args:
+      inp: ``[T, H]`` or ``[B, S, H]`` tokens (bf16, fp16, fp32, fp8 e4m3).
+      routing_map: ``[T, E]`` or ``[B, S, E]``, bool or integer 0/1.
+      num_out_tokens: static number of output rows before padding, usually ``T * k``.
+        Routed rows whose expert-sorted position is ``>= num_out_tokens`` are dropped
+        (deterministically: the tail of the highest experts). Rows beyond the routed count
+        are zero.
+      probs: optional float32 ``[T, E]`` (or ``[B, S, E]``) routing probabilities.
+      align_size: optional static int; pads each expert's rows with zero rows up to a
+        multiple of it. The output then has ``num_out_tokens + E*(align_size-1)`` rows.
+      backend: ``"triton"``, ``"interpret"``, ``"xla"`` or ``None`` (default).
+
+    Returns:
+      ``(output, permuted_probs, row_id_map, pad_offsets, tokens_per_expert)``:
+      ``output [R, H]`` in ``inp.dtype``; ``permuted_probs`` float32 ``[R]`` or ``None``;
+      ``row_id_map`` int32 ``[T, 2E+1]``; ``pad_offsets`` int32 ``[E]`` (``None`` without
+      ``align_size``); ``tokens_per_expert`` int32 ``[E]`` rows per expert (kept rows,
+      padded up when ``align_size`` is given).
+    """
+    inp = jnp.asarray(inp)
+    routing_map = jnp.asarray(routing_map)
+    x = _flatten("inp", inp, "H")
+    _checks.check_token_dtype("inp", inp)
+    rm = _flatten("routing_map", routing_map, "E")
+    _checks.check_routing_dtype("routing_map", routing_map)
+    if rm.shape[0] != x.shape[0]:
+        raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected {x.shape[0]} tokens "
+                         f"like inp {tuple(inp.shape)} (i.e. {tuple(inp.shape[:-1]) + ('E',)})")
+    num_out_tokens = _checks.check_static_int("num_out_tokens", num_out_tokens, 0)
+    e = rm.shape[1]
+    if probs is not None:
+        probs = jnp.asarray(probs)
+        if tuple(probs.shape) != tuple(routing_map.shape):
+            raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} "
+                             "(the routing_map shape)")
+        _checks.check_float32("probs", probs)
+        probs = probs.reshape(-1, e)
+    row_id_map, kept = make_row_id_map(rm, num_out_tokens, backend=backend)
+    if align_size is None:
+        pad_offsets, tokens_per_expert, rows = None, kept, num_out_tokens
+    else:
+        align_size = _checks.check_static_int("align_size", align_size, 1)
+        tokens_per_expert, pad_offsets = padding_layout(kept, align_size)
+        rows = num_out_tokens + e * (align_size - 1)
+    out, permuted_probs = permute_with_mask_map(x, row_id_map, kept, rows, probs=probs, pad_offsets=pad_offsets,
+                                                backend=backend)
+    return out, permuted_probs, row_id_map, pad_offsets, tokens_per_expert
+
+
+def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,
+                  pad_offsets: jax.Array | None = None, backend: str | None = None) -> jax.Array:
+    """Combines expert rows back into tokens.
+
+    Args:
+      inp: ``[R, H]`` expert rows, laid out as :func:`token_dispatch` produced them.
+      row_id_map: int32 ``[T, 2E+1]`` from :func:`token_dispatch`.
+      merging_probs: optional float32 ``[T, E]`` (or ``[B, S, E]``) weights.
+      pad_offsets: the ``pad_offsets`` from :func:`token_dispatch` when it padded.
+      backend: as for :func:`token_dispatch`.
+
+    Returns:
+      ``[T, H]`` in ``inp.dtype``: each token's expert rows summed (fp32 accumulation),
+      weighted by ``merging_probs`` when given. Dropped rows contribute nothing.
+    """
+    inp = jnp.asarray(inp)
+    if merging_probs is not None:
+        merging_probs = jnp.asarray(merging_probs)
+        merging_probs = _flatten("merging_probs", merging_probs, "E")
+    return unpermute_with_mask_map(inp, row_id_map, merging_probs, pad_offsets, backend=backend)

@@ -1,0 +1,114 @@
+"""Independent NumPy reference for MoE dispatch/combine: plain loops, no shared code."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def routing(rng: np.random.Generator, t: int, e: int, k: int, mode: str = "topk") -> np.ndarray:
+    """bool [T, E] with k distinct experts per token.
+
+    mode: "topk" random; "skew" one hot expert takes ~half the tokens; "empty" only the
+    first half of the experts are ever used; "all_one" every token goes to expert 0.
+    """
+    k = min(k, e)
+    m = np.zeros((t, e), bool)
+    pool = np.arange(e) if mode != "empty" else np.arange(max(k, e // 2))
+    for i in range(t):
+        if mode == "all_one":
+            chosen = [0] + list(rng.choice(np.arange(1, e), k - 1, replace=False)) if k > 1 else [0]
+        elif mode == "skew" and rng.random() < 0.5 and e > 1:
+            chosen = [0] + list(rng.choice(np.arange(1, e), k - 1, replace=False))
+        else:
+            chosen = rng.choice(pool, k, replace=False)
+        m[i, chosen] = True
+    return m
+
+
+def dispatch_layout(rm: np.ndarray, num_out_tokens: int, align: int | None):
+    """dest[t, e] output row (-1 if not routed or dropped), kept counts, pad_offsets, rows."""
+    t, e = rm.shape
+    order = [(tok, ex) for ex in range(e) for tok in range(t) if rm[tok, ex]]
+    kept = np.zeros(e, np.int64)
+    unpadded = -np.ones((t, e), np.int64)
+    for i, (tok, ex) in enumerate(order):
+        if i < num_out_tokens:
+            unpadded[tok, ex] = i
+            kept[ex] += 1
+    if align is None:
+        return unpadded, kept, None, num_out_tokens
+    padded_counts = [(c + align - 1) // align * align for c in kept]
+    pad = np.zeros(e, np.int64)
+    for ex in range(1, e):
+        pad[ex] = pad[ex - 1] + padded_counts[ex - 1] - kept[ex - 1]
+    dest = -np.ones((t, e), np.int64)
+    for tok in range(t):
+        for ex in range(e):
+            if unpadded[tok, ex] >= 0:
+                dest[tok, ex] = unpadded[tok, ex] + pad[ex]
+    return dest, np.array(padded_counts), pad, num_out_tokens + e * (align - 1)
+
+
+def row_id_map(rm: np.ndarray, num_out_tokens: int) -> np.ndarray:
+    t, e = rm.shape
+    unpadded, _, _, _ = dispatch_layout(rm, num_out_tokens, None)
+    out = -np.ones((t, 2 * e + 1), np.int64)
+    for tok in range(t):
+        j = 0
+        for ex in range(e):
+            if rm[tok, ex]:
+                out[tok, j] = unpadded[tok, ex]
+                out[tok, e + j] = ex
+                j += 1
+        out[tok, 2 * e] = j
+    return out
+
+
+def dispatch(x, rm, num_out_tokens, probs=None, align=None):
+    dest, tpe, pad, rows = dispatch_layout(rm, num_out_tokens, align)
+    out = np.zeros((rows, x.shape[1]), x.dtype)
+    pp = np.zeros(rows, np.float32)
+    for tok in range(rm.shape[0]):
+        for ex in range(rm.shape[1]):
+            if dest[tok, ex] >= 0:
+                out[dest[tok, ex]] = x[tok]
+                if probs is not None:
+                    pp[dest[tok, ex]] = probs[tok, ex]
+    return out, (pp if probs is not None else None), dest, pad, tpe
+
+
+def combine(y, dest, w=None):
+    t, e = dest.shape
+    out = np.zeros((t, y.shape[1]), np.float64)
+    for tok in range(t):
+        for ex in range(e):
+            if dest[tok, ex] >= 0:
+                out[tok] += y[dest[tok, ex]].astype(np.float64) * (1.0 if w is None else float(w[tok, ex]))
+    return out
+
+
+def dispatch_vjp(g_out, g_pp, dest):
+    """Gradients of dispatch w.r.t. tokens and probs."""
+    t, e = dest.shape
+    gx = np.zeros((t, g_out.shape[1]), np.float64)
+    gp = np.zeros((t, e), np.float64)
+    for tok in range(t):
+        for ex in range(e):
+            if dest[tok, ex] >= 0:
+                gx[tok] += g_out[dest[tok, ex]]
+                if g_pp is not None:
+                    gp[tok, ex] = g_pp[dest[tok, ex]]
+    return gx, gp
+
+
+def combine_vjp(g, y, dest, w=None):
+    """Gradients of combine w.r.t. expert rows and merging probs."""
+    t, e = dest.shape
+    gy = np.zeros(y.shape, np.float64)
+    gw = np.zeros((t, e), np.float64)
+    for tok in range(t):
+        for ex in range(e):
+            d = dest[tok, ex]
+            if d >= 0:
+                gy[d] = g[tok] * (1.0 if w is None else float(w[tok, ex]))
+                gw[tok, ex] = float(np.dot(y[d].astype(np.float64), g[tok].astype(np.float64)))
+    return gy, gw

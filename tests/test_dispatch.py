@@ -1,0 +1,219 @@
+"""token_dispatch / token_combine against the independent NumPy reference (issue 3)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from jax.test_util import check_grads
+
+import te_jax_perm
+from tests import numpy_reference as ref
+
+FIXTURE_OK = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _case(seed, t, h, e, k, mode, budget, with_probs):
+    rng = np.random.default_rng(seed)
+    rm = ref.routing(rng, t, e, k, mode)
+    n = max(0, int(round(rm.sum() * budget)))
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    probs = rng.random((t, e)).astype(np.float32) if with_probs else None
+    return rm, n, x, probs
+
+
+def _run(backend, rm, n, x, probs, align, w=None):
+    def f(x, probs, w):
+        out, pp, rid, pad, tpe = te_jax_perm.token_dispatch(x, rm, n, probs=probs, align_size=align, backend=backend)
+        back = te_jax_perm.token_combine(out, rid, w, pad, backend=backend)
+        return out, pp, rid, pad, tpe, back
+    return jax.jit(f)(x, probs, w)
+
+
+@settings(max_examples=10, **FIXTURE_OK)
+@given(t=st.sampled_from([1, 3, 17, 64]), h=st.sampled_from([64, 71, 96]), e=st.integers(1, 16),
+       k=st.integers(1, 4), mode=st.sampled_from(["topk", "skew", "empty", "all_one"]),
+       budget=st.sampled_from([1.0, 0.6, 1.3]), align=st.sampled_from([None, 1, 4, 16]),
+       with_probs=st.booleans(), weighted=st.booleans(), seed=st.integers(0, 2**16))
+def test_dispatch_combine_forward(backend, t, h, e, k, mode, budget, align, with_probs, weighted, seed):
+    rm, n, x, probs = _case(seed, t, h, e, k, mode, budget, with_probs)
+    w = np.random.default_rng(seed + 1).random((t, e)).astype(np.float32) if weighted else None
+    out, pp, rid, pad, tpe, back = _run(backend, rm, n, x, probs, align, w)
+    e_out, e_pp, dest, e_pad, e_tpe = ref.dispatch(x, rm, n, probs, align)
+    np.testing.assert_array_equal(np.asarray(out), e_out)
+    np.testing.assert_array_equal(np.asarray(tpe), e_tpe)
+    if with_probs:
+        np.testing.assert_array_equal(np.asarray(pp), e_pp)
+    else:
+        assert pp is None
+    if align is None:
+        assert pad is None
+    else:
+        np.testing.assert_array_equal(np.asarray(pad), e_pad)
+    np.testing.assert_allclose(np.asarray(back), ref.combine(e_out, dest, w), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=8, **FIXTURE_OK)
+@given(t=st.sampled_from([1, 5, 32]), h=st.sampled_from([64, 67]), e=st.integers(1, 8), k=st.integers(1, 4),
+       mode=st.sampled_from(["topk", "skew", "empty"]), budget=st.sampled_from([1.0, 0.5, 1.25]),
+       align=st.sampled_from([None, 4]), seed=st.integers(0, 2**16))
+def test_dispatch_and_combine_gradients_match_reference_vjp(backend, t, h, e, k, mode, budget, align, seed):
+    rm, n, x, probs = _case(seed, t, h, e, k, mode, budget, True)
+    rng = np.random.default_rng(seed + 7)
+    _, _, dest, _, _ = ref.dispatch(x, rm, n, probs, align)
+    rows = n if align is None else n + e * (align - 1)
+    g_out = rng.standard_normal((rows, h)).astype(np.float32)
+    g_pp = rng.standard_normal(rows).astype(np.float32)
+
+    def disp(x, p):
+        out, pp, *_ = te_jax_perm.token_dispatch(x, rm, n, probs=p, align_size=align, backend=backend)
+        return out, pp
+    _, vjp = jax.vjp(disp, x, probs)
+    gx, gp = jax.jit(vjp)((g_out, g_pp))
+    e_gx, e_gp = ref.dispatch_vjp(g_out, g_pp, dest)
+    np.testing.assert_allclose(np.asarray(gx), e_gx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gp), e_gp, rtol=1e-6, atol=0)
+
+    # combine: gradient w.r.t. expert rows (padded/unused rows get none) and merging probs
+    _, _, rid, pad, _ = te_jax_perm.token_dispatch(x, rm, n, align_size=align, backend="xla")
+    y = rng.standard_normal((rows, h)).astype(np.float32)
+    w = rng.random((t, e)).astype(np.float32)
+    g = rng.standard_normal((t, h)).astype(np.float32)
+    _, vjp = jax.vjp(lambda y, w: te_jax_perm.token_combine(y, rid, w, pad, backend=backend), y, w)
+    gy, gw = jax.jit(vjp)(g)
+    e_gy, e_gw = ref.combine_vjp(g, y, dest, w)
+    np.testing.assert_allclose(np.asarray(gy), e_gy, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gw), e_gw, rtol=1e-4, atol=1e-4)
+    _, vjp = jax.vjp(lambda y: te_jax_perm.token_combine(y, rid, None, pad, backend=backend), y)
+    (gy,) = jax.jit(vjp)(g)
+    np.testing.assert_allclose(np.asarray(gy), ref.combine_vjp(g, y, dest)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_check_grads_numerically(backend):
+    rm, n, x, probs = _case(3, 6, 64, 4, 2, "skew", 0.75, True)
+    w = np.random.default_rng(4).random((6, 4)).astype(np.float32)
+
+    def f(x, p, w):
+        out, pp, rid, pad, _ = te_jax_perm.token_dispatch(x, rm, n, probs=p, align_size=4, backend=backend)
+        return te_jax_perm.token_combine(out * pp[:, None], rid, w, pad, backend=backend)
+    check_grads(jax.jit(f), (x, probs, w), order=1, modes=("rev",), atol=2e-2, rtol=2e-2, eps=1e-2)
+
+
+@pytest.mark.parametrize("t,e,k,mode", [(1, 1, 1, "topk"), (1, 4, 4, "topk"), (9, 1, 1, "topk"),
+                                        (12, 5, 5, "topk"), (10, 6, 1, "all_one"), (10, 8, 2, "empty")])
+@pytest.mark.parametrize("align", [None, 8])
+def test_edge_cases(backend, t, e, k, mode, align):
+    rm, n, x, probs = _case(11, t, 65, e, k, mode, 1.0, True)
+    out, pp, rid, pad, tpe, back = _run(backend, rm, n, x, probs, align)
+    e_out, e_pp, dest, _, e_tpe = ref.dispatch(x, rm, n, probs, align)
+    np.testing.assert_array_equal(np.asarray(out), e_out)
+    np.testing.assert_array_equal(np.asarray(pp), e_pp)
+    np.testing.assert_array_equal(np.asarray(tpe), e_tpe)
+    np.testing.assert_allclose(np.asarray(back), x * rm.sum(1, keepdims=True), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
+def test_token_dtypes_copied_bit_exactly(backend, dtype):
+    rm, n, x, _ = _case(5, 19, 72, 6, 2, "topk", 0.8, False)
+    xd = jnp.asarray(x, dtype)
+    out, _, rid, pad, _ = jax.jit(lambda x: te_jax_perm.token_dispatch(x, rm, n, align_size=4, backend=backend))(xd)
+    e_out, _, dest, _, _ = ref.dispatch(np.asarray(xd), rm, n, None, 4)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), e_out.view(np.uint8))
+    if dtype != jnp.float8_e4m3fn:  # combine does math; fp8 is for copies only
+        back = te_jax_perm.token_combine(out, rid, None, pad, backend=backend)
+        assert back.dtype == dtype
+        np.testing.assert_allclose(np.asarray(back, np.float32), ref.combine(e_out.astype(np.float32), dest),
+                                   rtol=1e-2, atol=1e-2)
+
+
+def test_batched_input_shape(backend):
+    rng = np.random.default_rng(0)
+    rm = ref.routing(rng, 10, 4, 2, "topk").reshape(2, 5, 4)
+    x = rng.standard_normal((2, 5, 64)).astype(np.float32)
+    p = rng.random((2, 5, 4)).astype(np.float32)
+    out, pp, rid, pad, _ = te_jax_perm.token_dispatch(x, rm, 20, probs=p, backend=backend)
+    e_out, e_pp, _, _, _ = ref.dispatch(x.reshape(10, 64), rm.reshape(10, 4), 20, p.reshape(10, 4))
+    np.testing.assert_array_equal(np.asarray(out), e_out)
+    back = te_jax_perm.token_combine(out, rid, p, backend=backend)
+    assert back.shape == (10, 64)
+    np.testing.assert_allclose(np.asarray(back), x.reshape(10, 64) * (p * rm).sum(-1).reshape(10, 1), rtol=1e-5)
+
+
+def test_vmap_equals_python_loop(backend):
+    rng = np.random.default_rng(2)
+    rms = np.stack([ref.routing(rng, 8, 4, 2, m) for m in ("topk", "skew", "all_one")])
+    xs = rng.standard_normal((3, 8, 64)).astype(np.float32)
+    ps = rng.random((3, 8, 4)).astype(np.float32)
+
+    def f(x, m, p):
+        out, pp, rid, pad, tpe = te_jax_perm.token_dispatch(x, m, 14, probs=p, align_size=2, backend=backend)
+        return out, pp, rid, pad, tpe, te_jax_perm.token_combine(out, rid, p, pad, backend=backend)
+    batched = jax.jit(jax.vmap(f))(xs, rms, ps)
+    for i in range(3):
+        for b, l in zip(batched, f(xs[i], rms[i], ps[i])):
+            np.testing.assert_array_equal(np.asarray(b[i]), np.asarray(l))
+    g = jax.jit(jax.vmap(jax.grad(lambda x, m, p: (f(x, m, p)[-1] ** 2).sum(), argnums=(0, 2))))(xs, rms, ps)
+    for i in range(3):
+        gl = jax.grad(lambda x, p: (f(x, rms[i], p)[-1] ** 2).sum(), argnums=(0, 1))(xs[i], ps[i])
+        np.testing.assert_allclose(np.asarray(g[0][i]), np.asarray(gl[0]), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(g[1][i]), np.asarray(gl[1]), rtol=1e-6)
+
+
+def test_alias_audit_every_kernel_forward_and_backward(kernel_backend):
+    rm, n, x, probs = _case(1, 9, 64, 4, 2, "topk", 0.9, True)
+    w = np.random.default_rng(1).random((9, 4)).astype(np.float32)
+
+    def loss(x, p, w):
+        out, pp, rid, pad, _ = te_jax_perm.token_dispatch(x, rm, n, probs=p, align_size=4, backend=kernel_backend)
+        a = te_jax_perm.token_combine(out * pp[:, None], rid, w, pad, backend=kernel_backend)
+        b = te_jax_perm.token_combine(out, rid, None, pad, backend=kernel_backend)
+        return (a * b).sum()
+
+    audit = te_jax_perm.audit_aliases(jax.grad(loss, argnums=(0, 1, 2)), x, probs, w)
+    names = {c.kernel for c in audit.ours}
+    assert audit.ok, str(audit)
+    assert {"row_id_map_block_counts", "row_id_map_block_scan", "row_id_map_fill", "permute_probs",
+            "unpermute", "unpermute_weighted", "permute_bwd_probs", "unpermute_bwd_weighted",
+            "permute"} <= names, names
+    for c in audit.ours:
+        assert len(c.aliases) == len(c.result_types) >= 1
+
+
+def test_errors_name_argument_and_shapes():
+    x = np.zeros((4, 64), np.float32)
+    rm = np.zeros((4, 3), bool)
+    with pytest.raises(ValueError, match=r"routing_map has shape \(5, 3\); expected 4 tokens like inp \(4, 64\)"):
+        te_jax_perm.token_dispatch(x, np.zeros((5, 3), bool), 4)
+    with pytest.raises(TypeError, match="inp has dtype int32"):
+        te_jax_perm.token_dispatch(x.astype(np.int32), rm, 4)
+    with pytest.raises(TypeError, match="routing_map has dtype float32"):
+        te_jax_perm.token_dispatch(x, rm.astype(np.float32), 4)
+    with pytest.raises(ValueError, match="num_out_tokens must be >= 0, got -2"):
+        te_jax_perm.token_dispatch(x, rm, -2)
+    with pytest.raises(ValueError, match="align_size must be >= 1, got 0"):
+        te_jax_perm.token_dispatch(x, rm, 4, align_size=0)
+    with pytest.raises(ValueError, match=r"probs has shape \(4, 2\); expected \(4, 3\)"):
+        te_jax_perm.token_dispatch(x, rm, 4, probs=np.zeros((4, 2), np.float32))
+    with pytest.raises(TypeError, match="probs has dtype float16; expected float32"):
+        te_jax_perm.token_dispatch(x, rm, 4, probs=np.zeros((4, 3), np.float16))
+    rid = np.zeros((4, 7), np.int32)
+    with pytest.raises(ValueError, match=r"merging_probs has shape \(4, 2\); expected \[T=4, E=3\]"):
+        te_jax_perm.token_combine(x, rid, np.zeros((4, 2), np.float32))
+    with pytest.raises(ValueError, match=r"row_id_map has shape \(4, 6\); expected \[T, 2\*E\+1\]"):
+        te_jax_perm.token_combine(x, np.zeros((4, 6), np.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,h,e,k", [(4096, 7168, 256, 8), (8192, 2880, 128, 4)])
+def test_real_size_matches_xla(kernel_backend, t, h, e, k):
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((t, e))
+    top = np.argsort(-logits, axis=1)[:, :k]
+    rm = np.zeros((t, e), bool)
+    np.put_along_axis(rm, top, True, axis=1)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
+    p = jnp.asarray(rng.random((t, e)), jnp.float32)
+    res = [jax.jit(lambda x, p: te_jax_perm.token_dispatch(x, rm, t * k, probs=p, align_size=16, backend=b))(x, p)
+           for b in ("xla", kernel_backend)]
+    for a, b in zip(res[0], res[1]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
