@@ -1,0 +1,96 @@
+"""``triton`` trials: each candidate's pool-compiled binary launched on device buffers.
+
+Buffers are torch CUDA tensors (torch is on the GPU machine; Triton launches on torch's
+current stream), timed with CUDA events. The binary is loaded from the Triton cache the
+pool workers filled, so nothing is recompiled here. Imported only on the GPU path.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from te_jax_perm.autotune.compile_job import CompileJob, load_compiled
+from te_jax_perm.core.declaration import Config, KernelDecl
+from te_jax_perm.core.kernel_args import KernelArgs
+
+# NumPy dtypes torch cannot take directly travel as same-width integers, then are viewed back.
+_VIA_INT = {"bfloat16": ("int16", "bfloat16"), "float8_e4m3fn": ("uint8", "float8_e4m3fn"),
+            "float8_e5m2": ("uint8", "float8_e5m2")}
+
+
+def to_device(a: np.ndarray) -> Any:
+    import torch
+    a = np.ascontiguousarray(a)
+    if a.dtype.name in _VIA_INT:
+        carrier, name = _VIA_INT[a.dtype.name]
+        return torch.from_numpy(a.view(carrier)).cuda().view(getattr(torch, name))
+    if a.dtype == np.bool_:
+        return torch.from_numpy(a).cuda()
+    return torch.from_numpy(a).cuda()
+
+
+def to_host(t: Any, dtype: np.dtype) -> np.ndarray:
+    import torch  # noqa: F401
+    dtype = np.dtype(dtype)
+    if dtype.name in _VIA_INT:
+        carrier, _ = _VIA_INT[dtype.name]
+        import torch as _t
+        return t.view(getattr(_t, carrier)).cpu().numpy().view(dtype)
+    return t.cpu().numpy()
+
+
+class GpuRunner:
+    def __init__(self, decl: KernelDecl, inputs: Sequence[np.ndarray], preallocs: Sequence[np.ndarray],
+                 params: Mapping[str, Any], jobs: Mapping[Config, CompileJob]):
+        import torch
+        self.torch = torch
+        self.decl, self.params, self.jobs = decl, dict(params), jobs
+        self.in_avals = [_Shaped(a.shape, a.dtype) for a in inputs]
+        self.out_dtypes = [a.dtype for a in preallocs]
+        self.buffers = [to_device(a) for a in inputs] + [to_device(a) for a in preallocs]
+        self.n_in = len(inputs)
+        self.saved: dict[int, Any] = {}
+        self._compiled: dict[Config, Any] = {}
+
+    def save(self, indices: Sequence[int]) -> None:
+        self.saved = {i: self.buffers[i].clone() for i in indices}
+
+    def restore(self) -> None:
+        for i, snap in self.saved.items():
+            self.buffers[i].copy_(snap)
+
+    def _kernel(self, config: Config) -> Any:
+        if config not in self._compiled:
+            self._compiled[config] = load_compiled(self.jobs[config])
+        return self._compiled[config]
+
+    def launch(self, config: Config) -> float:
+        torch, decl = self.torch, self.decl
+        ins, outs = self.buffers[:self.n_in], self.buffers[self.n_in:]
+        kargs = KernelArgs.build(decl, self.in_avals, self.params, config)
+        grid = tuple(kargs.grid) + (1,) * (3 - len(kargs.grid))
+        args = [*ins, *kargs.scalars.values(), *outs, *outs]
+        names = list(decl.kernel.arg_names)
+        args += [kargs.constexprs[n] for n in names[len(args):]]
+        kernel = self._kernel(config)
+        if any(g == 0 for g in grid):
+            return 0.0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        kernel[grid](*args)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def outputs(self) -> list[np.ndarray]:
+        return [to_host(b, dt) for b, dt in zip(self.buffers[self.n_in:], self.out_dtypes)]
+
+
+class _Shaped:
+    """Shape/dtype of a device buffer for ``bind_dims`` (which reads ``.shape``/``.dtype``)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any):
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)

@@ -1,0 +1,85 @@
+"""The real ops at the shapes.md sizes, and the kernel launches they make.
+
+``record_launches`` lowers a function and records every declared kernel launch in it
+(through the config resolver hook), which gives the tuner and the compile-time benchmark
+the exact ``(decl, operand avals, params)`` of each launch without duplicating op logic.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from te_jax_perm.core import config_select
+
+# model, hidden, experts, top-k, tokens (shared/shapes.md)
+MOE_SHAPES = (
+    ("mixtral-8x7b", 4096, 8, 2, (8192, 16384)),
+    ("qwen3-235b", 4096, 128, 8, (8192,)),
+    ("deepseek-v3", 7168, 256, 8, (4096, 8192)),
+    ("gpt-oss-120b", 2880, 128, 4, (8192,)),
+)
+SMALL_SHAPES = (("small", 96, 8, 2, (64,)),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    decl: Any
+    avals: tuple[Any, ...]
+    params: dict
+    backend: str
+
+
+def record_launches(fn: Callable, args: Sequence[Any]) -> list[Launch]:
+    """Lowers ``jax.jit(fn)(*args)`` and returns each kernel launch it contains, in order.
+
+    The installed resolver still runs (so lowering under autotuning also tunes)."""
+    import jax
+    inner = config_select._resolver
+    seen: list[Launch] = []
+
+    def recording(decl, avals, params, backend):
+        seen.append(Launch(decl, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals), dict(params),
+                           backend))
+        return inner(decl, avals, params, backend) if inner else None
+
+    config_select.set_config_resolver(recording)
+    try:
+        jax.jit(fn).lower(*args)
+    finally:
+        config_select.set_config_resolver(inner)
+    return seen
+
+
+def moe_problem(T: int, H: int, E: int, k: int, dtype: Any, seed: int = 0) -> tuple[np.ndarray, ...]:
+    """Tokens ``[T, H]``, a top-k routing map ``[T, E]`` (bool) and probs ``[T, E]`` (fp32)."""
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    top = np.argsort(-logits, axis=1)[:, :k]
+    rmap = np.zeros((T, E), bool)
+    np.put_along_axis(rmap, top, True, axis=1)
+    probs = np.where(rmap, np.exp(logits), 0).astype(np.float32)
+    probs /= probs.sum(1, keepdims=True)
+    x = rng.standard_normal((T, H)).astype(np.float32).astype(dtype)
+    return x, rmap, probs
+
+
+def moe_step(backend: str, k: int) -> Callable:
+    """Dispatch then combine (forward), the ops' main kernels in one function."""
+    import te_jax_perm
+
+    def step(x, rmap, probs):
+        out, pprobs, row_id_map, _, _ = te_jax_perm.token_dispatch(x, rmap, x.shape[0] * k, probs=probs,
+                                                                    backend=backend)
+        return te_jax_perm.token_combine(out, row_id_map, probs, backend=backend)
+    return step
+
+
+def chunk_sort_step(backend: str, ep: int, local_experts: int, seed: int = 0) -> Callable:
+    import jax.numpy as jnp
+    import te_jax_perm
+
+    def step(x, split_sizes, sorted_idx):
+        return te_jax_perm.sort_chunks_by_index(x, split_sizes, sorted_idx, backend=backend)
+    return step
