@@ -148,7 +148,8 @@ def plot(result: dict, path: str) -> None:
         else:
             ax.axhline(LAYER_SPEEDUP, color="k", linestyle="--", linewidth=0.8)
             ax.set_yscale("log")
-        ax.legend(fontsize=7, ncol=4)
+        if shapes:
+            ax.legend(fontsize=7, ncol=4)
     meta = result["meta"]
     axes[0].set_title(f"te_jax_perm {kb} vs copy / xla on {meta['device']} (jax {meta['jax']}, "
                       f"triton {meta['triton']}; median of {meta['reps']} chains)", fontsize=9)

@@ -1,0 +1,117 @@
+"""CPU smoke of the benchmark suite and of the GPU stress harness (tests/gpu/ skips here).
+
+The benchmark runs its tiny sweep (xla vs interpret) and must write a consistent JSON and a
+PNG; the timing chain must really run the op n times; the stress harness must run and its
+comparison must catch a single flipped bit.
+"""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import cases, run, timing
+from benchmarks.shapes import CPU_SHAPES
+from tests.gpu import stress
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def test_chain_runs_the_op_n_times_and_leaves_inputs_unchanged():
+    calls = [0]
+
+    def op(x, s):
+        jax.debug.callback(lambda: calls.__setitem__(0, calls[0] + 1))
+        return x * s
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    first, out = jax.block_until_ready(timing.chain(op, 5)(jnp.copy(x), jnp.float32(2)))
+    assert calls[0] == 5
+    np.testing.assert_array_equal(first, x)   # the dependency rewrites x[0, 0] with itself
+    np.testing.assert_array_equal(out, 2 * x)
+    t = timing.time_fn(op, (x, jnp.float32(2)), n=3, reps=3)
+    assert t.n_chain == 3 and t.reps == 3 and 0 < t.min_s <= t.median_s <= t.p90_s
+
+
+def test_chain_length_is_clamped():
+    assert timing.chain_length(1e-3, 0.02) == 20
+    assert timing.chain_length(1.0, 0.02) == 2
+    assert timing.chain_length(1e-9, 0.02, hi=50) == 50
+
+
+def test_dispatch_bytes_count_reads_once_and_every_output():
+    shape = CPU_SHAPES[0]
+    p = cases.Problem.make(shape)
+    built = cases._dispatch_fwd(p, "xla")
+    T, H, E, k = shape.T, shape.H, shape.E, shape.k
+    item = np.dtype(shape.dtype).itemsize
+    expected = (T * H * item + T * E + T * k * 4                    # tokens once, routing map, routed probs
+                + T * k * H * item + T * k * 4 + T * (2 * E + 1) * 4 + E * 4)  # rows, probs, map, counts
+    assert built.bytes == expected
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU smoke sweep; the GPU runs the real one")
+def test_cpu_sweep_writes_json_and_png(tmp_path):
+    out = str(tmp_path)
+    code = run.main(["--out", out, "--mode", "cpu", "--shapes", "T16/", "--ops", "dispatch,combine,row_id_map",
+                     "--reps", "2"])
+    assert code == 0
+    with open(os.path.join(out, "bench.json")) as f:
+        res = json.load(f)
+    with open(os.path.join(out, "bench.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert res["meta"]["kernel_backend"] == "interpret"
+    rows = res["results"]
+    assert rows and all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
+    names = {(r["op"], r["direction"], r["backend"]) for r in rows}
+    for op, d in (("token_dispatch", "fwd"), ("token_dispatch", "bwd"), ("token_combine", "fwd"),
+                  ("token_combine", "bwd"), ("make_row_id_map", "fwd")):
+        assert {(op, d, "interpret"), (op, d, "xla")} <= names
+    assert {("copy", "fwd", "xla"), ("copy", "fwd", "interpret")} <= names
+    for r in rows:
+        assert r["bytes"] > 0 and r["median_s"] > 0 and r["p10_s"] <= r["median_s"] <= r["p90_s"]
+        assert r["bandwidth_GBps"] == pytest.approx(r["bytes"] / r["median_s"] / 1e9)
+    kern = [r for r in rows if r["backend"] == "interpret" and r["op"] != "copy"]
+    assert all("pct_copy" in r and "speedup_vs_xla" in r for r in kern)
+    (layer,) = res["layer"]
+    assert layer["speedup_vs_xla"] == pytest.approx(layer["xla_s"] / layer["kernel_s"])
+    assert res["targets"] and not any(t["binding"] for t in res["targets"])
+
+
+@pytest.mark.skipif(ON_GPU, reason="a tiny-budget CPU run")
+def test_budget_marks_rest_skipped(tmp_path):
+    res = run.run(run.parse(["--out", str(tmp_path), "--mode", "cpu", "--budget-s", "0", "--ops", "sort"]))
+    assert res["results"] and all(r["status"].startswith("skipped") for r in res["results"])
+    assert all(t["pass"] is None for t in res["targets"]) or not res["targets"]
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpret backend runs on the CPU platform; tests/gpu covers the GPU")
+def test_stress_harness_interpret_tiny():
+    rep = stress.run_stress("interpret", n_cases=2, passes=2, small=True, dtypes=("float32", "bfloat16"))
+    assert rep.calls == 4 and rep.cases == 2
+    assert not rep.failures, "\n".join(rep.failures)
+
+
+def test_stress_cases_are_distinct_and_cover_dtypes_and_alignments():
+    cs = stress.make_cases(np.random.default_rng(0), 40, small=False)
+    assert len(set(cs)) == 40
+    assert {c.dtype for c in cs} == {"bfloat16", "float16", "float32", stress.FP8}
+    assert {c.align for c in cs} == {None, 16, 32}
+    assert {c.skew for c in cs} == {"uniform", "hot", "empty"}
+    assert any(c.drop for c in cs) and any(not c.with_probs for c in cs)
+
+
+def test_stress_comparison_catches_one_flipped_bit_and_large_errors():
+    want = np.arange(12, dtype=np.float32).reshape(3, 4)
+    got = want.copy()
+    assert stress._same("dispatch", got, want, "float32") is None
+    got[1, 2] = np.nextafter(got[1, 2], np.float32(100))
+    assert "1 of 12" in stress._same("dispatch", got, want, "float32")
+    assert stress._same("combine", got, want, "float32") is None  # within fp32 tolerance
+    got[0, 0] += 1.0
+    assert "max abs error" in stress._same("combine", got, want, "float32")
+    assert "shape/dtype" in stress._same("combine", got[:2], want, "float32")
+    zero = np.zeros(3, np.float32)
+    assert stress._same("sort", -zero, zero, "float32") is not None
