@@ -108,7 +108,7 @@ def run_copy(shape, dtype=jnp.bfloat16):
 
 SCENARIOS = {
     "moe_T1_oddH": lambda: run_moe(1, 5, 4, 2, "topk"),
-    "moe_topk_odd": lambda: run_moe(13, 33, 5, 2, "topk", dtype=jnp.float16),
+    "moe_topk_odd": lambda: run_moe(13, 33, 5, 2, "topk", dtype=jnp.bfloat16),
     "moe_empty_experts": lambda: run_moe(12, 16, 8, 2, "empty"),
     "moe_skewed_k1": lambda: run_moe(17, 24, 4, 1, "skewed", probs=False),
     "moe_dropping": lambda: run_moe(16, 20, 4, 2, "skewed", drop=7),
