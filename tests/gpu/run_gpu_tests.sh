@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# GPU test steps, run from the repository root on the GPU machine:
+#   tests/gpu/run_gpu_tests.sh OUT_DIR
+# (a) pytest: every test (op tests get backend in {xla, triton}; gpu-marked tests run),
+# (b) the unsynchronised alternating-shape stress (python3 -m tests.gpu.stress),
+# (c) the stress at tiny sizes under compute-sanitizer --tool memcheck.
+# Each step logs to OUT_DIR/<step>.log and prints one "STEP ..." line (also appended to
+# OUT_DIR/summary.txt). Env: STEPS (default "pytest,stress,memcheck"), PYTEST_S, STRESS_S,
+# MEMCHECK_S (per-step time limits, s), PYTEST_ARGS (extra pytest args, e.g. "-k dispatch").
+# DRY_RUN=1 checks the plumbing anywhere (CPU included): a few fast tests, a 2-case stress.
+set -u
+OUT=${1:?usage: tests/gpu/run_gpu_tests.sh OUT_DIR}
+mkdir -p "$OUT"
+STEPS=${STEPS:-pytest,stress,memcheck}
+PYTEST_S=${PYTEST_S:-180}
+STRESS_S=${STRESS_S:-90}
+MEMCHECK_S=${MEMCHECK_S:-120}
+PYTEST_ARGS=${PYTEST_ARGS:-}
+
+if [ "${DRY_RUN:-0}" != 1 ] && ! python3 -c "import jax_triton" 2>/dev/null && [ -f tests/gpu/setup_device.sh ]; then
+  # shellcheck disable=SC1091
+  source tests/gpu/setup_device.sh || echo "setup_device.sh failed" >&2
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+export PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
+
+say() { echo "$*"; echo "$*" >> "$OUT/summary.txt"; }
+
+# run_step NAME LIMIT_S CMD...: runs CMD under a time limit, logs, prints one line.
+run_step() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS rc
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  local dt=$((SECONDS - t0)) tail
+  case "$name" in
+    pytest) tail=$(grep -E "(passed|failed|error)" "$OUT/$name.log" | tail -1) ;;
+    stress*) tail=$(grep -E "^STRESS" "$OUT/$name.log" | tail -1) ;;
+    memcheck) tail=$(grep -E "ERROR SUMMARY|^STRESS" "$OUT/$name.log" | tr '\n' ' ') ;;
+    *) tail=$(tail -1 "$OUT/$name.log") ;;
+  esac
+  local verdict=PASS
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && verdict="TIMEOUT(${limit}s)"
+  [ $rc -ne 0 ] && [ "$verdict" = PASS ] && verdict="FAIL(rc=$rc)"
+  say "STEP $name: $verdict in ${dt}s :: ${tail:-see $OUT/$name.log}"
+  return $rc
+}
+
+find_sanitizer() {
+  command -v compute-sanitizer 2>/dev/null && return
+  local c
+  for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda-*/bin/compute-sanitizer \
+           /opt/nvidia/*/compute-sanitizer /usr/bin/compute-sanitizer; do
+    [ -x "$c" ] && { echo "$c"; return; }
+  done
+  # pip's nvidia-cuda-sanitizer-api wheels ship the binary inside site-packages.
+  python3 - <<'PY' 2>/dev/null
+import glob, os, site, sys
+roots = site.getsitepackages() + [site.getusersitepackages()] + [p for p in sys.path if "site-packages" in p]
+for r in roots:
+    for c in glob.glob(os.path.join(r, "nvidia", "**", "compute-sanitizer"), recursive=True):
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            print(c); raise SystemExit
+PY
+}
+
+PYTEST_TARGET=tests
+STRESS_ARGS="--cases 40 --passes 4"
+MEMCHECK_ARGS="--small --cases 8 --passes 2"
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  PYTEST_TARGET="tests/test_benchmarks_smoke.py -k bytes_count"
+  STRESS_ARGS="--small --cases 2 --passes 2 --dtypes float32"
+  MEMCHECK_ARGS="--small --cases 1 --passes 1 --dtypes float32"
+fi
+
+status=0
+case ",$STEPS," in *,pytest,*)
+  # The stress test runs as its own step; everything else, every backend of this machine.
+  # shellcheck disable=SC2086
+  run_step pytest "$PYTEST_S" python3 -m pytest -q -rfE --durations=15 -p no:cacheprovider \
+    --deselect tests/gpu/test_stress.py::test_stress_triton_alternating_shapes_dtypes_align $PYTEST_TARGET $PYTEST_ARGS \
+    || status=1 ;;
+esac
+case ",$STEPS," in *,stress,*)
+  # Backend: triton on a GPU (interpret elsewhere, for DRY_RUN).
+  # shellcheck disable=SC2086
+  run_step stress "$STRESS_S" python3 -m tests.gpu.stress $STRESS_ARGS || status=1 ;;
+esac
+case ",$STEPS," in *,memcheck,*)
+  SAN=$(find_sanitizer)
+  if [ -z "$SAN" ]; then
+    say "STEP memcheck: SKIPPED :: compute-sanitizer not found (PATH, /usr/local/cuda*, pip nvidia wheels)"
+  else
+    # One cudaMalloc per buffer (no pooling) so memcheck sees every buffer's real bounds;
+    # no CUDA graphs so each report names the kernel launch directly.
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+      run_step memcheck "$MEMCHECK_S" "$SAN" --tool memcheck --error-exitcode 99 --report-api-errors no \
+        --print-limit 50 python3 -m tests.gpu.stress $MEMCHECK_ARGS || status=1
+  fi ;;
+esac
+exit $status
