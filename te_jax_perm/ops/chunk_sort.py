@@ -62,6 +62,9 @@ def _map_params_check(dims, params) -> None:
         raise ValueError(f"chunk_sort_map: num_tokens must be a non-negative Python int, got {n!r}")
     if dims["C"] < 1:
         raise ValueError("chunk_sort_map: argument 'split_sizes' has shape (0,); expected at least one chunk")
+    if dims["C"] > MAX_CHUNKS:
+        raise ValueError(f"chunk_sort_map: argument 'split_sizes' has shape ({dims['C']},); at most "
+                         f"{MAX_CHUNKS} chunks are supported (the chunk table lives in registers)")
 
 
 def _map_validate(operands, dims, params) -> None:
@@ -101,8 +104,17 @@ def _map_example(dims, params, dtypes, rng) -> tuple[np.ndarray, ...]:
     return sizes.astype(dtypes["split_sizes"]), order.astype(dtypes["sorted_indices"])
 
 
+# Chunk tables are padded to at least 16 lanes: no size-1 aranges, friendlier layouts.
+MIN_LANES = 16
+MAX_CHUNKS = 2048
+
+
+def _chunk_lanes(c: int) -> int:
+    return max(MIN_LANES, _pow2_bucket("C", c))
+
+
 def _map_fits(dims, params, cfg: Config) -> str | None:
-    cp = _pow2_bucket("C", dims["C"])
+    cp = _chunk_lanes(dims["C"])
     kw = cfg.kw
     if kw["BLOCK_N"] * cp > 32768:
         return f"BLOCK_N*next_pow2(C) = {kw['BLOCK_N'] * cp} > 32768 (register tile too large)"
@@ -112,9 +124,8 @@ def _map_fits(dims, params, cfg: Config) -> str | None:
 
 
 def _map_default(dims, params) -> Config:
-    cp = _pow2_bucket("C", dims["C"])
-    block = max(1, min(256, 8192 // cp))
-    return Config.make(num_warps=4, BLOCK_N=block, BLOCK_C=max(1, min(16, 8192 // cp)))
+    cp = _chunk_lanes(dims["C"])
+    return Config.make(num_warps=4, BLOCK_N=max(16, min(256, 8192 // cp)), BLOCK_C=max(4, min(16, 8192 // cp)))
 
 
 # The autotuner needs valid operands (a permutation, an in-range row map); older cores
@@ -136,7 +147,7 @@ MAP_DECL = KernelDecl(
     reference=_map_reference,
     grid=lambda d, p, c: (triton.cdiv(p["num_tokens"], c.kw["BLOCK_N"]),),
     scalars=lambda d, p: {"C": d["C"], "N": p["num_tokens"]},
-    constexprs=lambda d, p, c: {"C_POW2": _pow2_bucket("C", d["C"])},
+    constexprs=lambda d, p, c: {"C_POW2": _chunk_lanes(d["C"])},
     configs=tuple(Config.make(num_warps=w, BLOCK_N=bn, BLOCK_C=bc)
                   for bn in (16, 32, 64, 128, 256) for bc in (4, 16) for w in (2, 4, 8)),
     constraints=(_map_fits,),
@@ -217,14 +228,16 @@ def _move_decl(with_probs: bool) -> KernelDecl:
         params=("is_forward",),
         reference=_move_reference,
         grid=lambda d, p, c: (triton.cdiv(d["N"], c.kw["ROWS"]),),
-        scalars=lambda d, p: {"N": d["N"], "H": d["H"]},
-        constexprs=lambda d, p, c: {"FORWARD": bool(p["is_forward"])},
+        scalars=lambda d, p: {"N": d["N"]},
+        # H is compiled in (vectorised rows; see the kernel); it is a key dim, so each H
+        # has its own cache entry and tuning.
+        constexprs=lambda d, p, c: {"FORWARD": bool(p["is_forward"]), "H": d["H"]},
         configs=_MOVE_CONFIGS,
         constraints=(_move_fits,),
         default_config=_move_default,
         key_dims=("N", "H"),
         key_params=("is_forward",),
-        key_bucket=_pow2_bucket,
+        key_bucket=lambda name, v: _pow2_bucket(name, v) if name == "N" else int(v),  # H is compiled in
     )
 
 
