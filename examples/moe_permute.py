@@ -13,6 +13,11 @@ the backend, max errors and the step time, and exits non-zero on a mismatch.
     python examples/moe_permute.py                          # small on CPU, Mixtral-size on GPU
     python examples/moe_permute.py --backend=interpret --tokens=32 --hidden=32
     python examples/moe_permute.py --align_size=16 --probs_in=dispatch
+    python examples/moe_permute.py --ep_ranks=4 --align_size=16   # + chunk sort (EP regrouping)
+
+With ``--ep_ranks`` > 1 the layer simulates expert parallelism on one device: each source
+rank dispatches its own tokens and ``te_jax_perm.sort_chunks_by_index`` regroups the
+received rows from (source rank, expert) to (expert, source rank) and back.
 """
 from __future__ import annotations
 
@@ -42,6 +47,9 @@ flags.DEFINE_string("backend", None, "te_jax_perm backend: triton, interpret or 
 flags.DEFINE_enum("probs_in", "combine", ["combine", "dispatch"],
                   "apply routing probabilities as token_combine's merging_probs, or to the "
                   "dispatched rows via token_dispatch's permuted_probs")
+flags.DEFINE_integer("ep_ranks", 1, "simulate expert parallelism on one device: tokens split over this many "
+                     "source ranks, each dispatching its own tokens; the received rows, grouped by "
+                     "(source rank, expert), are regrouped by expert with sort_chunks_by_index and back")
 flags.DEFINE_integer("steps", None, "timed steps (default: 3 on CPU, 20 on GPU)")
 flags.DEFINE_integer("seed", 0, "random seed")
 
@@ -59,6 +67,7 @@ class MoEConfig:
     align_size: int | None = None
     backend: str | None = None
     probs_in: str = "combine"
+    ep_ranks: int = 1
     steps: int = 3
     seed: int = 0
 
@@ -104,17 +113,23 @@ def route(router: jax.Array, x: jax.Array, topk: int) -> tuple[jax.Array, jax.Ar
     return onehot.sum(1) > 0, jnp.einsum("tk,tke->te", weights, onehot)
 
 
+def expert_ffn(params: dict[str, jax.Array], rows: jax.Array, group_sizes: jax.Array, dtype: Any) -> jax.Array:
+    """Grouped GEMMs; padded rows are zero and stay zero (no biases), rows past the groups too."""
+    h = jax.lax.ragged_dot(rows, params["w_in"], group_sizes, preferred_element_type=jnp.float32)
+    h = jax.nn.silu(h).astype(dtype)
+    return jax.lax.ragged_dot(h, params["w_out"], group_sizes, preferred_element_type=jnp.float32)
+
+
 def moe_layer(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, dict]:
     """x [T, H] -> ([T, H], intermediates) through dispatch, grouped FFN and combine."""
+    if cfg.ep_ranks > 1:
+        return moe_layer_ep(params, x, cfg)
     routing_map, probs = route(params["router"], x, cfg.topk)
     num_out = x.shape[0] * cfg.topk
     dispatch_probs = probs if cfg.probs_in == "dispatch" else None
     rows, permuted_probs, row_id_map, pad_offsets, tokens_per_expert = te_jax_perm.token_dispatch(
         x, routing_map, num_out, probs=dispatch_probs, align_size=cfg.align_size, backend=cfg.backend)
-    # Grouped GEMMs; padded rows are zero and stay zero (no biases), rows past the groups too.
-    h = jax.lax.ragged_dot(rows, params["w_in"], tokens_per_expert, preferred_element_type=jnp.float32)
-    h = jax.nn.silu(h).astype(x.dtype)
-    y = jax.lax.ragged_dot(h, params["w_out"], tokens_per_expert, preferred_element_type=jnp.float32)
+    y = expert_ffn(params, rows, tokens_per_expert, x.dtype)
     if cfg.probs_in == "dispatch":
         y = y * permuted_probs[:, None]
         merging = None
@@ -123,7 +138,56 @@ def moe_layer(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig) -> tup
     out = te_jax_perm.token_combine(y.astype(x.dtype), row_id_map, merging_probs=merging,
                                     pad_offsets=pad_offsets, backend=cfg.backend)
     return out, {"dispatched rows": rows, "row_id_map": row_id_map, "tokens_per_expert": tokens_per_expert,
-                 "ffn hidden": h, "output": out}
+                 "output": out}
+
+
+def moe_layer_ep(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, dict]:
+    """Expert parallelism simulated on one device (the all-to-all is the identity here).
+
+    Each of ``ep`` source ranks dispatches its own tokens; the rows one expert device
+    receives are grouped by (source rank, expert), each rank's block ending in its unused
+    tail rows. ``sort_chunks_by_index`` regroups them by (expert, source rank) so that one
+    grouped GEMM covers each expert, and the inverse sort restores the rank layout for
+    each rank's combine.
+    """
+    ep, e = cfg.ep_ranks, cfg.experts
+    t, hdim = x.shape
+    if t % ep:
+        raise ValueError(f"--tokens={t} must be divisible by --ep_ranks={ep}")
+    routing_map, probs = route(params["router"], x, cfg.topk)
+    xs, rms, ps = x.reshape(ep, t // ep, hdim), routing_map.reshape(ep, t // ep, e), probs.reshape(ep, t // ep, e)
+    num_out = (t // ep) * cfg.topk
+    use_dispatch_probs = cfg.probs_in == "dispatch"
+
+    def dispatch(x, rm, p):
+        return te_jax_perm.token_dispatch(x, rm, num_out, probs=p if use_dispatch_probs else None,
+                                          align_size=cfg.align_size, backend=cfg.backend)
+
+    rows, permuted_probs, row_id_map, pad_offsets, tpe = jax.vmap(dispatch)(xs, rms, ps)
+    per_rank = rows.shape[1]
+    # Chunks: per rank, its E expert groups then its tail; target order: (expert, rank), tails last.
+    tails = per_rank - tpe.sum(axis=1, keepdims=True)
+    split_sizes = jnp.concatenate([tpe, tails], axis=1).reshape(-1).astype(jnp.int32)   # [ep*(E+1)]
+    chunk = lambda r, j: r * (e + 1) + j
+    order = jnp.array([chunk(r, j) for j in range(e) for r in range(ep)] + [chunk(r, e) for r in range(ep)],
+                      jnp.int32)
+    flat_rows = rows.reshape(ep * per_rank, hdim)
+    flat_probs = permuted_probs.reshape(-1) if use_dispatch_probs else None
+    sorted_rows, sorted_probs, sort_map = te_jax_perm.sort_chunks_by_index(
+        flat_rows, split_sizes, order, flat_probs, backend=cfg.backend)
+    y = expert_ffn(params, sorted_rows, tpe.sum(axis=0).astype(jnp.int32), x.dtype)
+    if use_dispatch_probs:
+        y = y * sorted_probs[:, None]
+    y_back, _ = te_jax_perm.sort_chunks_by_map(y.astype(x.dtype), sort_map, is_forward=False, backend=cfg.backend)
+    y_back = y_back.reshape(ep, per_rank, hdim)
+
+    def combine(y, rid, p, pad):
+        return te_jax_perm.token_combine(y, rid, merging_probs=None if use_dispatch_probs else p,
+                                         pad_offsets=pad, backend=cfg.backend)
+
+    out = jax.vmap(combine)(y_back, row_id_map, ps, pad_offsets).reshape(t, hdim)
+    return out, {"rows per source rank": rows, "regrouped rows": sorted_rows, "chunk sort map": sort_map,
+                 "tokens_per_expert": tpe, "output": out}
 
 
 def dense_reference(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig) -> jax.Array:
@@ -194,12 +258,12 @@ def config_from_flags() -> MoEConfig:
     return MoEConfig.for_platform(
         tokens=FLAGS.tokens, hidden=FLAGS.hidden, ffn=FLAGS.ffn, experts=FLAGS.experts, topk=FLAGS.topk,
         dtype=FLAGS.dtype, align_size=FLAGS.align_size or None, backend=FLAGS.backend,
-        probs_in=FLAGS.probs_in, steps=FLAGS.steps, seed=FLAGS.seed)
+        probs_in=FLAGS.probs_in, ep_ranks=FLAGS.ep_ranks, steps=FLAGS.steps, seed=FLAGS.seed)
 
 
 def print_report(cfg: MoEConfig, rep: Report) -> None:
     print(f"MoE layer: T={cfg.tokens} H={cfg.hidden} F={cfg.ffn} E={cfg.experts} k={cfg.topk} "
-          f"dtype={cfg.dtype} align_size={cfg.align_size} probs_in={cfg.probs_in}")
+          f"dtype={cfg.dtype} align_size={cfg.align_size} probs_in={cfg.probs_in} ep_ranks={cfg.ep_ranks}")
     print(f"platform={jax.default_backend()} te_jax_perm backend={rep.backend}")
     for name, shape in rep.shapes.items():
         print(f"  {name:18s} {shape}")

@@ -5,6 +5,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 from absl.testing import flagsaver
 
@@ -26,27 +27,47 @@ def example():
     return sys.modules[name]
 
 
-CASES = [  # backend, tokens, hidden, experts, topk, align_size, probs_in, dtype
-    ("xla", 64, 32, 4, 2, None, "combine", "float32"),
-    ("xla", 37, 24, 6, 3, 8, "dispatch", "bfloat16"),
-    ("xla", 1, 16, 4, 1, 4, "combine", "float32"),
-    ("interpret", 16, 16, 4, 2, None, "combine", "float32"),
-    ("interpret", 13, 16, 4, 2, 4, "dispatch", "float32"),
+CASES = [  # backend, tokens, hidden, experts, topk, align_size, probs_in, dtype, ep_ranks
+    ("xla", 64, 32, 4, 2, None, "combine", "float32", 1),
+    ("xla", 37, 24, 6, 3, 8, "dispatch", "bfloat16", 1),
+    ("xla", 1, 16, 4, 1, 4, "combine", "float32", 1),
+    ("xla", 48, 24, 6, 3, 8, "dispatch", "bfloat16", 3),   # EP: chunk sort regrouping
+    ("interpret", 16, 16, 4, 2, None, "combine", "float32", 1),
+    ("interpret", 13, 16, 4, 2, 4, "dispatch", "float32", 1),
+    ("interpret", 16, 16, 4, 2, 4, "combine", "float32", 2),
 ]
 
 
-@pytest.mark.parametrize("backend,tokens,hidden,experts,topk,align,probs_in,dtype", CASES)
-def test_example_matches_dense_reference(example, backend, tokens, hidden, experts, topk, align, probs_in, dtype):
+@pytest.mark.parametrize("backend,tokens,hidden,experts,topk,align,probs_in,dtype,ep", CASES)
+def test_example_matches_dense_reference(example, backend, tokens, hidden, experts, topk, align, probs_in, dtype,
+                                         ep):
     cfg = example.MoEConfig(tokens=tokens, hidden=hidden, ffn=2 * hidden, experts=experts, topk=topk,
-                            dtype=dtype, align_size=align, backend=backend, probs_in=probs_in, steps=1)
+                            dtype=dtype, align_size=align, backend=backend, probs_in=probs_in, ep_ranks=ep, steps=1)
     rep = example.run_example(cfg)
     assert rep.ok, rep.errors
     assert rep.backend == backend
     assert set(rep.errors) == {"output", "loss", "grad input", "grad router", "grad w_in", "grad w_out"}
-    rows = tokens * topk + (experts * (align - 1) if align else 0)
-    assert rep.shapes["dispatched rows"] == (rows, hidden)
+    rows = (tokens // ep) * topk + (experts * (align - 1) if align else 0)
     assert rep.shapes["output"] == (tokens, hidden)
-    assert rep.shapes["tokens_per_expert"] == (experts,)
+    if ep == 1:
+        assert rep.shapes["dispatched rows"] == (rows, hidden)
+        assert rep.shapes["tokens_per_expert"] == (experts,)
+    else:
+        assert rep.shapes["rows per source rank"] == (ep, rows, hidden)
+        assert rep.shapes["regrouped rows"] == (ep * rows, hidden)
+
+
+def test_example_ep_detects_a_missing_regrouping(example, monkeypatch):
+    """With EP, skipping the chunk sort (identity) must break the grouped GEMM and fail."""
+    def identity_sort(inp, split_sizes, sorted_indices, probs=None, backend=None):
+        n = inp.shape[0]
+        return inp, probs, jax.numpy.arange(n, dtype=jax.numpy.int32)
+
+    monkeypatch.setattr(te_jax_perm, "sort_chunks_by_index", identity_sort)
+    cfg = example.MoEConfig(tokens=32, hidden=16, ffn=32, experts=4, topk=2, backend="xla", ep_ranks=2, steps=1)
+    rep = example.run_example(cfg)
+    assert not rep.ok
+    assert rep.errors["output"] > rep.tolerance
 
 
 def test_example_detects_a_broken_combine(example, monkeypatch):
