@@ -190,6 +190,19 @@ def test_move_kernel_configs(cfg, is_forward):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_map_kernel_many_chunks():
+    """64 chunk lanes, several sorted-order tiles and row blocks (EP=8 x 5 local experts)."""
+    rng = np.random.default_rng(11)
+    c, n = 40, 300
+    sizes = rng.multinomial(n - 7, np.full(c, 1.0 / c)).astype(np.int32)
+    order = np.array([r * 5 + e for e in range(5) for r in range(8)], np.int32)
+    got = np.asarray(te_jax_perm.make_chunk_sort_map(jnp.asarray(sizes), jnp.asarray(order), n, backend="interpret"))
+    src = np_source_rows(n, sizes, order)
+    expect = np.full(n, -1, np.int32)
+    expect[src[src >= 0]] = np.nonzero(src >= 0)[0]
+    np.testing.assert_array_equal(got, expect)
+
+
 @pytest.mark.parametrize("cfg", [Config.make(BLOCK_N=16, BLOCK_C=4), Config.make(BLOCK_N=64, BLOCK_C=16)])
 def test_map_kernel_configs(cfg):
     sizes, order = [5, 0, 7, 3, 9, 1], [5, 3, 1, 0, 4, 2]
@@ -301,6 +314,8 @@ def test_errors():
         te_jax_perm.sort_chunks_by_index(x, jnp.array([5, 6]), jnp.array([0, 1]))
     with pytest.raises(ValueError, match="negative"):
         te_jax_perm.sort_chunks_by_index(x, jnp.array([5, -1]), jnp.array([0, 1]))
+    with pytest.raises(ValueError, match="at most 2048 chunks"):
+        te_jax_perm.make_chunk_sort_map(jnp.zeros(2049, jnp.int32), jnp.arange(2049), 10)
     with pytest.raises(ValueError, match="at least one chunk"):
         te_jax_perm.sort_chunks_by_index(x, jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32))
     with pytest.raises(ValueError, match="row_id_map.*expected \\(10,\\) int32"):
