@@ -211,3 +211,26 @@ def test_triton_backend_unavailable_gives_one_clear_error():
 def test_default_backend_on_this_platform():
     from te_jax_perm.core.backends import default_backend
     assert default_backend() == ("triton" if ON_GPU else "xla")
+
+
+# -- preallocated buffers ------------------------------------------------------------------
+
+def test_empty_outputs_are_poisoned_on_cpu_so_unwritten_elements_show():
+    if ON_GPU:
+        pytest.skip("GPU buffers are uninitialised, not poisoned")
+    from te_jax_perm.core.uninitialized import uninitialized
+    vals = jax.jit(lambda: (uninitialized((3,), jnp.float32), uninitialized((2,), jnp.int32),
+                            uninitialized((2,), jnp.bfloat16)))()
+    assert np.isnan(np.asarray(vals[0])).all()
+    np.testing.assert_array_equal(np.asarray(vals[1]), [-1, -1])
+    assert np.isnan(np.asarray(vals[2], np.float32)).all()
+
+
+@pytest.mark.gpu
+def test_empty_outputs_cost_no_memset_on_gpu():
+    src, idx = _inputs(64, 256, 64, jnp.bfloat16)
+    f = jax.jit(lambda s, i: gather_rows(s, i, backend="triton")[0])
+    hlo = f.lower(src, idx).compile().as_text()
+    # The only work in the program is our kernel: no fusion filling the output first.
+    assert "fusion" not in hlo and "broadcast" not in hlo, hlo
+    np.testing.assert_array_equal(np.asarray(f(src, idx)), np.asarray(src)[np.asarray(idx)])

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax_perm.core.declaration import KernelDecl
+from te_jax_perm.core.uninitialized import uninitialized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,13 +37,11 @@ def alias_plan(decl: KernelDecl) -> AliasPlan:
 
 
 def preallocate(decl: KernelDecl, out_avals: Sequence[jax.core.ShapedArray]) -> list[jax.Array]:
-    """Output buffers to pass as aliased operands: zeros where the kernel may skip elements.
+    """Output buffers to pass as aliased operands.
 
-    ``jnp.empty`` is zero-filled in JAX today, but we keep the declared intent so that a
-    future uninitialised allocation stays correct for ``init="empty"`` outputs.
+    ``init="zeros"`` outputs start as zeros; ``init="empty"`` ones are uninitialised on GPU
+    (no memset: the kernel writes every element) and poisoned on CPU, so a kernel that
+    breaks its "writes every element" promise fails its tests (core/uninitialized.py).
     """
-    bufs = []
-    for o, aval in zip(decl.outputs, out_avals):
-        make = jnp.zeros if o.init == "zeros" else jnp.empty
-        bufs.append(make(aval.shape, aval.dtype))
-    return bufs
+    return [jnp.zeros(aval.shape, aval.dtype) if o.init == "zeros" else uninitialized(aval.shape, aval.dtype)
+            for o, aval in zip(decl.outputs, out_avals)]
