@@ -10,6 +10,7 @@ produces visibly wrong results in tests rather than silently correct zeros.
 from __future__ import annotations
 
 import jax
+import jax.ffi
 import jax.extend  # noqa: F401
 import jax.numpy as jnp
 import numpy as np
@@ -22,12 +23,8 @@ uninitialized_p.def_impl(lambda *, shape, dtype: jnp.zeros(shape, dtype))
 
 
 def _lower_allocate_buffer(ctx, *, shape, dtype):
-    del shape, dtype
-    (aval,) = ctx.avals_out
-    from jax._src.interpreters import mlir as mlir_internal  # custom_call has no public home
-    op = mlir_internal.custom_call("AllocateBuffer", result_types=[mlir.aval_to_ir_type(aval)],
-                                   operands=[], api_version=1)
-    return op.results
+    del shape, dtype  # the result type comes from ctx.avals_out
+    return jax.ffi.ffi_lowering("AllocateBuffer", api_version=1)(ctx)
 
 
 def _lower_poison(ctx, *, shape, dtype):
