@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 import te_jax_perm
 from te_jax_perm.core import Config
 from te_jax_perm.ops import chunk_sort as cs
+from tests.conftest import KERNEL_BACKEND
 
 
 # -- independent NumPy reference ------------------------------------------------------
@@ -159,7 +160,7 @@ def test_vmap(backend):
 @settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_map_kernel_property(data):
-    """The Triton map kernel (interpreted) agrees with the xla reference and NumPy."""
+    """The Triton map kernel (interpreted on CPU, compiled on GPU) agrees with the xla reference and NumPy."""
     c = data.draw(st.integers(1, 9))
     n = data.draw(st.integers(1, 40))
     sizes = data.draw(st.lists(st.integers(0, 12), min_size=c, max_size=c))
@@ -167,7 +168,7 @@ def test_map_kernel_property(data):
     traced = sum(sizes) > n  # only traced sizes may exceed N
     make = lambda b: (lambda s, o: te_jax_perm.make_chunk_sort_map(s, o, n, backend=b))
     args = (jnp.array(sizes, jnp.int32), jnp.array(order, jnp.int32))
-    got = np.asarray((jax.jit(make("interpret")) if traced else make("interpret"))(*args))
+    got = np.asarray((jax.jit(make(KERNEL_BACKEND)) if traced else make(KERNEL_BACKEND))(*args))
     ref = np.asarray(jax.jit(make("xla"))(*args))
     np.testing.assert_array_equal(got, ref)
     if not traced:
@@ -184,7 +185,7 @@ def test_move_kernel_configs(cfg, is_forward):
     n, h, sizes, order = 11, 37, [3, 0, 6, 1], [2, 3, 0, 1]
     x, p = _inputs(n, h, seed=7)
     row_map = te_jax_perm.make_chunk_sort_map(jnp.array(sizes), jnp.array(order), n, backend="xla")
-    got = cs._move_probs(x, row_map, p, backend="interpret", config=cfg, is_forward=is_forward)
+    got = cs._move_probs(x, row_map, p, backend=KERNEL_BACKEND, config=cfg, is_forward=is_forward)
     ref = cs._move_probs(x, row_map, p, backend="xla", is_forward=is_forward)
     for a, b in zip(got, ref):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -196,7 +197,7 @@ def test_map_kernel_many_chunks():
     c, n = 40, 300
     sizes = rng.multinomial(n - 7, np.full(c, 1.0 / c)).astype(np.int32)
     order = np.array([r * 5 + e for e in range(5) for r in range(8)], np.int32)
-    got = np.asarray(te_jax_perm.make_chunk_sort_map(jnp.asarray(sizes), jnp.asarray(order), n, backend="interpret"))
+    got = np.asarray(te_jax_perm.make_chunk_sort_map(jnp.asarray(sizes), jnp.asarray(order), n, backend=KERNEL_BACKEND))
     src = np_source_rows(n, sizes, order)
     expect = np.full(n, -1, np.int32)
     expect[src[src >= 0]] = np.nonzero(src >= 0)[0]
@@ -207,7 +208,7 @@ def test_map_kernel_many_chunks():
 def test_map_kernel_configs(cfg):
     sizes, order = [5, 0, 7, 3, 9, 1], [5, 3, 1, 0, 4, 2]
     args = (jnp.array(sizes, jnp.int32), jnp.array(order, jnp.int32))
-    got = cs._chunk_sort_map(*args, backend="interpret", config=cfg, num_tokens=30)
+    got = cs._chunk_sort_map(*args, backend=KERNEL_BACKEND, config=cfg, num_tokens=30)
     ref = cs._chunk_sort_map(*args, backend="xla", num_tokens=30)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
 
