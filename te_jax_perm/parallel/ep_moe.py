@@ -7,18 +7,20 @@ Each of the ``ep`` devices holds ``T`` tokens (its data shard) and ``E / ep`` ex
 1. ``make_row_id_map`` + ``permute_with_mask_map`` sort the device's token rows by global
    expert, keeping at most ``num_out_tokens`` rows (later rows in expert-major order drop).
    Because experts are rank-major, the rows bound for rank ``r`` are one contiguous chunk.
-2. Each chunk is cut to ``capacity`` rows (``jax.lax.all_to_all`` needs a static size; the
-   rows past it, in the same expert-major order, drop) and exchanged, together with the
-   per-expert row counts.
+2. Each chunk is cut to ``capacity`` rows (the rows past it, in the same expert-major
+   order, drop) and exchanged, together with the per-expert row counts: either densely
+   (``jax.lax.all_to_all`` of capacity-padded chunks) or raggedly
+   (``jax.lax.ragged_all_to_all``, exactly the kept rows), see
+   :mod:`te_jax_perm.parallel.exchange`; ``EPConfig.a2a`` picks, ``"auto"`` probes.
 3. Received rows arrive grouped by (source rank, local expert); ``sort_chunks_by_index``
    regroups them by (local expert, source rank) so each local expert's rows are contiguous.
 4. The expert FFN is two ``jax.lax.ragged_dot`` over those groups.
 5. The inverse chunk sort, the reverse all-to-all and ``unpermute_with_mask_map`` (weighted
    by the routing probabilities) bring each token's expert outputs home and sum them.
 
-Dropped rows contribute zero. Everything is differentiable: the ops have custom VJPs and
-``all_to_all`` transposes to itself. :func:`te_jax_perm.parallel.reference_moe_layer`
-computes the same function densely on one device, with the same drop rules.
+Dropped rows contribute zero. Everything is differentiable: the ops have custom VJPs,
+``all_to_all`` transposes to itself and ``ragged_all_to_all`` to the reverse ragged
+exchange. :func:`te_jax_perm.parallel.reference_moe_layer` computes the same function densely on one device, with the same drop rules.
 """
 from __future__ import annotations
 
@@ -33,15 +35,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 from te_jax_perm.ops.chunk_sort import sort_chunks_by_index, sort_chunks_by_map
 from te_jax_perm.ops.permute import permute_with_mask_map, unpermute_with_mask_map
 from te_jax_perm.ops.row_id_map import make_row_id_map
-
-def _shard_map(fn, **kw):
-    # Our primitives' abstract evals do not track varying-manual-axes types, so the check is
-    # off (custom VJPs would otherwise see mismatched {V:ep} types in the backward pass).
-    if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, check_vma=False, **kw)
-    from jax.experimental.shard_map import shard_map  # pragma: no cover - older jax
-    return shard_map(fn, check_rep=False, **kw)
-
+from te_jax_perm.parallel.a2a_support import resolve_a2a
+from te_jax_perm.parallel.exchange import return_rows, send_rows
+from te_jax_perm.parallel.shard_map_compat import shard_map
 
 @dataclasses.dataclass(frozen=True)
 class EPConfig:
@@ -55,6 +51,9 @@ class EPConfig:
       axis: the mesh axis name of the expert-parallel group.
       activation: the FFN nonlinearity; must map 0 to 0 (padding rows stay zero).
       backend: the ops backend (``None``: the default).
+      a2a: how rows cross devices: ``"dense"`` (``all_to_all`` of capacity-padded chunks),
+        ``"ragged"`` (``ragged_all_to_all``, exactly the kept rows; needs backend support)
+        or ``"auto"`` (ragged where a probe finds it works, else dense). Same results.
     """
 
     num_out_tokens: int | None = None
@@ -62,6 +61,7 @@ class EPConfig:
     axis: str = "ep"
     activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu
     backend: str | None = None
+    a2a: str = "auto"
 
 
 def _chunk_order(ep: int, el: int) -> np.ndarray:
@@ -96,6 +96,7 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
     n = t * e if cfg.num_out_tokens is None else int(cfg.num_out_tokens)
     cap = min(n, t * el) if cfg.capacity is None else int(cfg.capacity)
     be = cfg.backend
+    mode = cfg.a2a if cfg.a2a != "auto" else resolve_a2a("auto", tuple(jax.devices()[:ep]))
 
     # 1. local dispatch, rows sorted by global expert (rank-major)
     rid, kept = make_row_id_map(routing_map, num_out_tokens=n, backend=be)
@@ -105,18 +106,15 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
     kr = kept.reshape(ep, el)
     in_rank = jnp.cumsum(kr, axis=1) - kr
     sent = jnp.clip(cap - in_rank, 0, kr)                              # [ep, E_l] rows sent
-    rank_start = jnp.cumsum(kr.sum(1)) - kr.sum(1)
-    slot = jnp.arange(cap, dtype=jnp.int32)
-    src_row = rank_start[:, None] + slot[None, :]                      # [ep, C]
-    valid = slot[None, :] < sent.sum(1)[:, None]
-    send = jnp.where(valid[..., None], rows[jnp.where(valid, src_row, 0)], jnp.zeros((), x.dtype))
-    recv = jax.lax.all_to_all(send, cfg.axis, 0, 0)                    # [ep(src), C, H]
+    rank_start = (jnp.cumsum(kr.sum(1)) - kr.sum(1)).astype(jnp.int32)
     recv_sizes = jax.lax.all_to_all(sent, cfg.axis, 0, 0)              # [ep(src), E_l]
+    sent_tot, recv_tot = sent.sum(1).astype(jnp.int32), recv_sizes.sum(1).astype(jnp.int32)
+    recv = send_rows(rows, rank_start, sent_tot, recv_tot, cap, cfg.axis, mode)  # [ep*C, H]
 
     # 3. (source rank, local expert) -> (local expert, source rank)
     pad = cap - recv_sizes.sum(1)
     split_sizes = jnp.concatenate([recv_sizes, pad[:, None]], axis=1).reshape(-1)
-    grouped, _, smap = sort_chunks_by_index(recv.reshape(ep * cap, h), split_sizes,
+    grouped, _, smap = sort_chunks_by_index(recv, split_sizes,
                                             jnp.asarray(_chunk_order(ep, el)), backend=be)
 
     # 4. expert FFN; the padding tail is one extra all-zero group
@@ -129,8 +127,7 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
 
     # 5. back home and combine
     back, _ = sort_chunks_by_map(y, smap, is_forward=False, backend=be)
-    ret = jax.lax.all_to_all(back.reshape(ep, cap, h), cfg.axis, 0, 0)  # [ep(dst), C, H]
-    home = jnp.zeros((n, h), x.dtype).at[jnp.where(valid, src_row, n)].set(ret, mode="drop")
+    home = return_rows(back, rank_start, sent_tot, recv_tot, n, cfg.axis, mode)
     weights = jnp.where(routing_map, probs, 0.0).astype(jnp.float32)
     return unpermute_with_mask_map(home, rid, merging_probs=weights, tokens_per_expert=kept, backend=be)
 
@@ -152,5 +149,6 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
       ``[ep * T, H]``, sharded like ``x``.
     """
     spec = P(cfg.axis)
+    cfg = dataclasses.replace(cfg, a2a=resolve_a2a(cfg.a2a, tuple(mesh.devices.flat)))
     body = lambda *a: ep_moe_local(*a, cfg=cfg)
-    return _shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)(x, routing_map, probs, w1, w2)
+    return shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)(x, routing_map, probs, w1, w2)

@@ -1,0 +1,77 @@
+"""Whether ``jax.lax.ragged_all_to_all`` runs on a platform, found out once by trying it.
+
+XLA:CPU (jax 0.10) rejects the op at compile time ("HLO opcode `ragged-all-to-all` is not
+supported by XLA:CPU ThunkEmitter"); XLA:GPU implements it. Rather than keep a table of
+versions, the probe compiles and runs a tiny exchange on the devices in question and checks
+its result, and the answer is cached per (platform, device kind, device count).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from te_jax_perm.parallel.shard_map_compat import shard_map
+
+
+def ragged_all_to_all_supported(devices: Sequence[jax.Device]) -> bool:
+    """True when a ragged all-to-all over ``devices`` compiles and gives the right result."""
+    devices = tuple(devices)
+    return _probe_cached(devices[0].platform, getattr(devices[0], "device_kind", ""), len(devices), devices)
+
+
+def _probe_cached(platform: str, kind: str, n: int, devices: tuple) -> bool:
+    key = (platform, kind, n)
+    if key not in _cache:
+        _cache[key] = _probe(devices)
+        logging.info("ragged_all_to_all on %s (%s) x%d: %s", platform, kind, n,
+                     "supported" if _cache[key] else "not supported, using the dense all_to_all")
+    return _cache[key]
+
+
+_cache: dict[tuple, bool] = {}
+
+
+def _probe(devices: tuple) -> bool:
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("probe",))
+
+    def body(x):
+        # Rank r sends its rows [0, d+1) to rank d, placed there at rows [r*n, r*n + d + 1).
+        me = jax.lax.axis_index("probe")
+        sizes = jnp.arange(1, n + 1, dtype=jnp.int32)
+        out = jnp.zeros((n * n, 1), x.dtype)
+        return jax.lax.ragged_all_to_all(x, out, jnp.zeros((n,), jnp.int32), sizes,
+                                         jnp.full((n,), me * n, jnp.int32),
+                                         jnp.full((n,), me + 1, jnp.int32), axis_name="probe")
+
+    x = jnp.tile(jnp.arange(n, dtype=jnp.float32)[:, None], (n, 1)) + 100 * jnp.repeat(
+        jnp.arange(n, dtype=jnp.float32), n)[:, None]          # rank r's row i = 100 r + i
+    try:
+        fn = jax.jit(shard_map(body, mesh=mesh, in_specs=P("probe"), out_specs=P("probe")))
+        got = np.asarray(fn(x)).reshape(n, n, n)               # [dst, src, slot]
+    except Exception as e:  # noqa: BLE001 - any failure to compile or run means "unsupported"
+        logging.info("ragged_all_to_all probe failed: %s", str(e).splitlines()[0] if str(e) else type(e))
+        return False
+    slot = np.arange(n)
+    want = np.where(slot[None, None, :] <= np.arange(n)[:, None, None],
+                    100.0 * np.arange(n)[None, :, None] + slot[None, None, :], 0.0)
+    ok = bool(np.array_equal(got, want))
+    if not ok:
+        logging.warning("ragged_all_to_all probe ran but returned a wrong result; not using it")
+    return ok
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_a2a(mode: str, devices: tuple) -> str:
+    """``"dense"`` or ``"ragged"`` for ``mode`` in ``("dense", "ragged", "auto")``."""
+    if mode not in ("dense", "ragged", "auto"):
+        raise ValueError(f"EPConfig.a2a = {mode!r}; expected 'dense', 'ragged' or 'auto'")
+    if mode != "auto":
+        return mode
+    return "ragged" if ragged_all_to_all_supported(devices) else "dense"
