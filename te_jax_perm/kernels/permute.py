@@ -10,6 +10,17 @@ signatures follow the framework convention (operands, scalars, preallocs, output
 * ``_gather_body``: expert-sorted rows -> token rows, summed in fp32 (combine forward,
   dispatch backward). Each program owns ROWS tokens and writes each of their rows once.
 
+Performance notes (H100-class, bandwidth bound):
+
+* ``H`` is a compile-time constant. jax-triton passes runtime ints without divisibility
+  hints, so a runtime row stride makes Triton emit 2-byte accesses for bf16; a known H
+  (e.g. 7168 = 1024*7, 2880 = 64*45) proves row starts 16-byte aligned and gives 128-bit
+  vector loads/stores. Token counts stay runtime so they never recompile.
+* A program handles its ROWS tokens as one ``[ROWS, BLOCK_H]`` tile: all ROWS row loads
+  are issued before any store, and each map column ``j`` is one ``[ROWS]`` vector load.
+* The map entries of step ``j + 1`` are fetched before step ``j``'s row traffic, so the
+  dependent index load overlaps the row load/store instead of serialising with it.
+
 Row offsets are int64: ``rows * H`` exceeds 2**31 at real sizes.
 """
 import triton
@@ -17,58 +28,65 @@ import triton.language as tl
 
 
 @triton.jit
+def _dest(rid_row, pad_ptr, j, E, live, PADDED: tl.constexpr):
+    """Destination rows (int64, -1 where absent) and expert ids of map column ``j``."""
+    dest = tl.load(rid_row + j, mask=live, other=-1)
+    ok = live & (dest >= 0)
+    e = tl.load(rid_row + E + j, mask=ok, other=0)
+    dest = dest.to(tl.int64)
+    if PADDED:
+        dest += tl.load(pad_ptr + e, mask=ok, other=0)
+    return dest, e, ok
+
+
+@triton.jit
 def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_ptr, w_ptr, y_ptr,
-                  T, H, E, N_OUT, out_ptr, pout_ptr, dw_ptr,
+                  T, E, N_OUT, out_ptr, pout_ptr, dw_ptr, H: tl.constexpr,
                   HAS_PROBS: tl.constexpr, WEIGHTED: tl.constexpr, PADDED: tl.constexpr,
-                  BLOCK_H: tl.constexpr, ROWS: tl.constexpr, FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+                  BLOCK_H: tl.constexpr, ROWS: tl.constexpr, FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+                  FILL_H: tl.constexpr):
     pid = tl.program_id(0)
     n_tok = tl.cdiv(T, ROWS)
-    W = 2 * E + 1
     if pid < n_tok:
-        for r in tl.static_range(ROWS):
-            t = (pid * ROWS + r).to(tl.int64)
-            if t < T:
-                row = rid_ptr + t * W
-                cnt = tl.load(row + 2 * E)
-                xrow = x_ptr + t * H
-                if WEIGHTED:
-                    # Combine backward: one pass per destination, since each needs its own dot.
-                    for j in range(cnt):
-                        dest = tl.load(row + j).to(tl.int64)
-                        if dest >= 0:
-                            e = tl.load(row + E + j)
-                            if PADDED:
-                                dest += tl.load(pad_ptr + e)
-                            w = tl.load(w_ptr + t * E + e)
-                            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-                            for h0 in range(0, H, BLOCK_H):
-                                off = h0 + tl.arange(0, BLOCK_H)
-                                hm = off < H
-                                g = tl.load(xrow + off, mask=hm, other=0).to(tl.float32)
-                                yv = tl.load(y_ptr + dest * H + off, mask=hm, other=0).to(tl.float32)
-                                acc += g * yv
-                                tl.store(out_ptr + dest * H + off, (g * w).to(out_ptr.dtype.element_ty), mask=hm)
-                            tl.store(dw_ptr + t * E + e, tl.sum(acc, axis=0))
-                else:
-                    if HAS_PROBS:
-                        for j in range(cnt):
-                            dest = tl.load(row + j).to(tl.int64)
-                            if dest >= 0:
-                                e = tl.load(row + E + j)
-                                if PADDED:
-                                    dest += tl.load(pad_ptr + e)
-                                tl.store(pout_ptr + dest, tl.load(probs_ptr + t * E + e))
-                    # Read each slice of the token once and write it to all its experts.
-                    for h0 in range(0, H, BLOCK_H):
-                        off = h0 + tl.arange(0, BLOCK_H)
-                        hm = off < H
-                        v = tl.load(xrow + off, mask=hm)
-                        for j in range(cnt):
-                            dest = tl.load(row + j).to(tl.int64)
-                            if dest >= 0:
-                                if PADDED:
-                                    dest += tl.load(pad_ptr + tl.load(row + E + j))
-                                tl.store(out_ptr + dest * H + off, v, mask=hm)
+        t = pid * ROWS + tl.arange(0, ROWS)
+        tm = t < T
+        t64 = t.to(tl.int64)
+        rid_row = rid_ptr + t64 * (2 * E + 1)
+        cnt = tl.load(rid_row + 2 * E, mask=tm, other=0)
+        kmax = tl.max(cnt, axis=0)
+        live0 = tm & (0 < cnt)
+        if WEIGHTED:
+            # Combine backward: one pass per map column, since each destination needs its dot.
+            for j in range(kmax):
+                dest, e, ok = _dest(rid_row, pad_ptr, j, E, tm & (j < cnt), PADDED)
+                w = tl.load(w_ptr + t64 * E + e, mask=ok, other=0)
+                acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+                for h0 in range(0, H, BLOCK_H):
+                    off = h0 + tl.arange(0, BLOCK_H)
+                    hm = (off < H)[None, :]
+                    g = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0)
+                    g = g.to(tl.float32)
+                    yv = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0)
+                    acc += g * yv.to(tl.float32)
+                    tl.store(out_ptr + dest[:, None] * H + off[None, :],
+                             (g * w[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None] & hm)
+                tl.store(dw_ptr + t64 * E + e, tl.sum(acc, axis=1), mask=ok)
+        else:
+            if HAS_PROBS:
+                for j in range(kmax):
+                    dest, e, ok = _dest(rid_row, pad_ptr, j, E, tm & (j < cnt), PADDED)
+                    tl.store(pout_ptr + dest, tl.load(probs_ptr + t64 * E + e, mask=ok), mask=ok)
+            # Read each slice of the tokens once and write it to all their experts.
+            for h0 in range(0, H, BLOCK_H):
+                off = h0 + tl.arange(0, BLOCK_H)
+                hm = (off < H)[None, :]
+                v = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=tm[:, None] & hm)
+                nxt, _e, nok = _dest(rid_row, pad_ptr, 0, E, live0, PADDED)
+                for j in range(kmax):
+                    dest = nxt
+                    ok = nok
+                    nxt, _e, nok = _dest(rid_row, pad_ptr, j + 1, E, tm & (j + 1 < cnt), PADDED)
+                    tl.store(out_ptr + dest[:, None] * H + off[None, :], v, mask=ok[:, None] & hm)
     else:
         rows = (pid - n_tok) * FILL_ROWS + tl.arange(0, FILL_ROWS)
         e = tl.arange(0, BLOCK_E)
@@ -82,96 +100,94 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_p
             r64 = rows.to(tl.int64)
             if HAS_PROBS:
                 tl.store(pout_ptr + r64, tl.zeros([FILL_ROWS], dtype=pout_ptr.dtype.element_ty), mask=zero)
-            for h0 in range(0, H, BLOCK_H):
-                off = h0 + tl.arange(0, BLOCK_H)
+            for h0 in range(0, H, FILL_H):
+                off = h0 + tl.arange(0, FILL_H)
                 m = zero[:, None] & (off < H)[None, :]
                 tl.store(out_ptr + r64[:, None] * H + off[None, :],
-                         tl.zeros([FILL_ROWS, BLOCK_H], dtype=out_ptr.dtype.element_ty), mask=m)
+                         tl.zeros([FILL_ROWS, FILL_H], dtype=out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def permute_kernel(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, T, H, E, N_OUT,
-                   out_prealloc, out_ptr,
+def permute_kernel(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, T, E, N_OUT,
+                   out_prealloc, out_ptr, H: tl.constexpr,
                    PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-                   FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+                   FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, FILL_H: tl.constexpr):
     _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, x_ptr, x_ptr, x_ptr,
-                  T, H, E, N_OUT, out_ptr, out_ptr, out_ptr,
-                  False, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, BLOCK_E)
+                  T, E, N_OUT, out_ptr, out_ptr, out_ptr, H,
+                  False, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, BLOCK_E, FILL_H)
 
 
 @triton.jit
-def permute_probs_kernel(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_ptr, T, H, E, N_OUT,
-                         out_prealloc, pout_prealloc, out_ptr, pout_ptr,
+def permute_probs_kernel(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_ptr, T, E, N_OUT,
+                         out_prealloc, pout_prealloc, out_ptr, pout_ptr, H: tl.constexpr,
                          PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-                         FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+                         FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, FILL_H: tl.constexpr):
     _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_ptr, x_ptr, x_ptr,
-                  T, H, E, N_OUT, out_ptr, pout_ptr, out_ptr,
-                  True, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, BLOCK_E)
+                  T, E, N_OUT, out_ptr, pout_ptr, out_ptr, H,
+                  True, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, BLOCK_E, FILL_H)
 
 
 @triton.jit
-def scatter_weighted_kernel(g_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, w_ptr, y_ptr, T, H, E, N_OUT,
-                            out_prealloc, dw_prealloc, out_ptr, dw_ptr,
+def scatter_weighted_kernel(g_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, w_ptr, y_ptr, T, E, N_OUT,
+                            out_prealloc, dw_prealloc, out_ptr, dw_ptr, H: tl.constexpr,
                             PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-                            FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr):
+                            FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, FILL_H: tl.constexpr):
     _scatter_body(g_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, w_ptr, w_ptr, y_ptr,
-                  T, H, E, N_OUT, out_ptr, out_ptr, dw_ptr,
-                  False, True, PADDED, BLOCK_H, ROWS, FILL_ROWS, BLOCK_E)
+                  T, E, N_OUT, out_ptr, out_ptr, dw_ptr, H,
+                  False, True, PADDED, BLOCK_H, ROWS, FILL_ROWS, BLOCK_E, FILL_H)
 
 
 @triton.jit
-def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, H, E, out_ptr, dprobs_ptr,
+def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, out_ptr, dprobs_ptr, H: tl.constexpr,
                  WEIGHTED: tl.constexpr, HAS_PGRAD: tl.constexpr, PADDED: tl.constexpr,
                  BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
-    W = 2 * E + 1
-    for r in tl.static_range(ROWS):
-        t = (pid * ROWS + r).to(tl.int64)
-        if t < T:
-            row = rid_ptr + t * W
-            cnt = tl.load(row + 2 * E)
-            for h0 in range(0, H, BLOCK_H):
-                off = h0 + tl.arange(0, BLOCK_H)
-                hm = off < H
-                acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-                for j in range(cnt):
-                    dest = tl.load(row + j).to(tl.int64)
-                    if dest >= 0:
-                        e = tl.load(row + E + j)
-                        if PADDED:
-                            dest += tl.load(pad_ptr + e)
-                        v = tl.load(y_ptr + dest * H + off, mask=hm, other=0).to(tl.float32)
-                        if WEIGHTED:
-                            v = v * tl.load(w_ptr + t * E + e)
-                        acc += v
-                tl.store(out_ptr + t * H + off, acc.to(out_ptr.dtype.element_ty), mask=hm)
-            if HAS_PGRAD:
-                for j in range(cnt):
-                    dest = tl.load(row + j).to(tl.int64)
-                    if dest >= 0:
-                        e = tl.load(row + E + j)
-                        if PADDED:
-                            dest += tl.load(pad_ptr + e)
-                        tl.store(dprobs_ptr + t * E + e, tl.load(gpp_ptr + dest))
+    t = pid * ROWS + tl.arange(0, ROWS)
+    tm = t < T
+    t64 = t.to(tl.int64)
+    rid_row = rid_ptr + t64 * (2 * E + 1)
+    cnt = tl.load(rid_row + 2 * E, mask=tm, other=0)
+    kmax = tl.max(cnt, axis=0)
+    live0 = tm & (0 < cnt)
+    for h0 in range(0, H, BLOCK_H):
+        off = h0 + tl.arange(0, BLOCK_H)
+        hm = (off < H)[None, :]
+        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+        nxt, ne, nok = _dest(rid_row, pad_ptr, 0, E, live0, PADDED)
+        for j in range(kmax):
+            dest = nxt
+            e = ne
+            ok = nok
+            # Next column's indices first: their latency hides behind this column's row load.
+            nxt, ne, nok = _dest(rid_row, pad_ptr, j + 1, E, tm & (j + 1 < cnt), PADDED)
+            v = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0).to(tl.float32)
+            if WEIGHTED:
+                v = v * tl.load(w_ptr + t64 * E + e, mask=ok, other=0)[:, None]
+            acc += v
+        tl.store(out_ptr + t64[:, None] * H + off[None, :], acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & hm)
+    if HAS_PGRAD:
+        for j in range(kmax):
+            dest, e, ok = _dest(rid_row, pad_ptr, j, E, tm & (j < cnt), PADDED)
+            tl.store(dprobs_ptr + t64 * E + e, tl.load(gpp_ptr + dest, mask=ok), mask=ok)
 
 
 @triton.jit
-def unpermute_kernel(y_ptr, rid_ptr, pad_ptr, T, H, E, out_prealloc, out_ptr,
+def unpermute_kernel(y_ptr, rid_ptr, pad_ptr, T, E, out_prealloc, out_ptr, H: tl.constexpr,
                      PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
-    _gather_body(y_ptr, rid_ptr, pad_ptr, y_ptr, y_ptr, T, H, E, out_ptr, out_ptr,
+    _gather_body(y_ptr, rid_ptr, pad_ptr, y_ptr, y_ptr, T, E, out_ptr, out_ptr, H,
                  False, False, PADDED, BLOCK_H, ROWS)
 
 
 @triton.jit
-def unpermute_weighted_kernel(y_ptr, rid_ptr, pad_ptr, w_ptr, T, H, E, out_prealloc, out_ptr,
+def unpermute_weighted_kernel(y_ptr, rid_ptr, pad_ptr, w_ptr, T, E, out_prealloc, out_ptr, H: tl.constexpr,
                               PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
-    _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, w_ptr, T, H, E, out_ptr, out_ptr,
+    _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, w_ptr, T, E, out_ptr, out_ptr, H,
                  True, False, PADDED, BLOCK_H, ROWS)
 
 
 @triton.jit
-def unpermute_pgrad_kernel(y_ptr, rid_ptr, pad_ptr, gpp_ptr, T, H, E, out_prealloc, dprobs_prealloc,
-                           out_ptr, dprobs_ptr,
+def unpermute_pgrad_kernel(y_ptr, rid_ptr, pad_ptr, gpp_ptr, T, E, out_prealloc, dprobs_prealloc,
+                           out_ptr, dprobs_ptr, H: tl.constexpr,
                            PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
-    _gather_body(y_ptr, rid_ptr, pad_ptr, gpp_ptr, gpp_ptr, T, H, E, out_ptr, dprobs_ptr,
+    _gather_body(y_ptr, rid_ptr, pad_ptr, gpp_ptr, gpp_ptr, T, E, out_ptr, dprobs_ptr, H,
                  False, True, PADDED, BLOCK_H, ROWS)

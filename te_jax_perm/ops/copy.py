@@ -29,7 +29,7 @@ def _fits_warps(d, p, c: Config) -> str | None:
 
 def _default(d, p) -> Config:
     n = max(d["N"], 1)
-    block = min(4096, triton.next_power_of_2(n))
+    block = min(4096, max(32, triton.next_power_of_2(n)))  # at least one element per lane
     return Config.make(num_warps=max(1, min(8, block // 512)), BLOCK=block, ITERS=1)
 
 
