@@ -81,11 +81,16 @@ class Case:
         return f"{self.op}.{self.direction}"
 
 
-def _vjp_case(fwd: Callable[..., Any], primals: tuple[Any, ...], extra_read: Callable[[Problem], int]):
-    """Backward-only timing: the VJP closure (residuals included) is built once, outside."""
+def _vjp_case(fwd: Callable[..., Any], primals: tuple[Any, ...], extra_read: Callable[[Problem], int],
+              aux: Callable[[Problem], tuple[Any, ...]]):
+    """Backward-only timing: the VJP closure (residuals included) is built once, outside.
+
+    Integer inputs (maps, split sizes) travel as jit arguments: as closure constants XLA
+    would constant-fold the reference's sorts at compile time (minutes at real sizes).
+    """
 
     def build(p: Problem, backend: str) -> Built:
-        outs, vjp = jax.jit(lambda *xs: jax.vjp(lambda *d: fwd(p, backend, *d), *xs))(*primals(p))
+        outs, vjp = jax.jit(lambda a, *xs: jax.vjp(lambda *d: fwd(p, backend, a, *d), *xs))(aux(p), *primals(p))
         cts = jax.tree.map(lambda o: jnp.ones_like(o), outs)
         grads = jax.eval_shape(vjp, cts)
         # Cotangents first: the timing chain perturbs args[0].
@@ -95,10 +100,11 @@ def _vjp_case(fwd: Callable[..., Any], primals: tuple[Any, ...], extra_read: Cal
 
 
 # -- token_dispatch ----------------------------------------------------------------------
-def _dispatch(p: Problem, backend: str, inp, probs):
+def _dispatch(p: Problem, backend: str, aux, inp, probs):
     import te_jax_perm as tp
 
-    out, pprobs, *_ = tp.token_dispatch(inp, p.routing_map, p.shape.num_out, probs=probs, backend=backend)
+    (routing_map,) = aux
+    out, pprobs, *_ = tp.token_dispatch(inp, routing_map, p.shape.num_out, probs=probs, backend=backend)
     return out, pprobs
 
 
@@ -113,10 +119,11 @@ def _dispatch_fwd(p: Problem, backend: str) -> Built:
 
 
 # -- token_combine -----------------------------------------------------------------------
-def _combine(p: Problem, backend: str, x, merging_probs):
+def _combine(p: Problem, backend: str, aux, x, merging_probs):
     import te_jax_perm as tp
 
-    return tp.token_combine(x, p.row_id_map, merging_probs=merging_probs, backend=backend)
+    (row_id_map,) = aux
+    return tp.token_combine(x, row_id_map, merging_probs=merging_probs, backend=backend)
 
 
 def _combine_fwd(p: Problem, backend: str) -> Built:
@@ -128,10 +135,11 @@ def _combine_fwd(p: Problem, backend: str) -> Built:
 
 
 # -- sort_chunks_by_index ----------------------------------------------------------------
-def _sort(p: Problem, backend: str, x, probs):
+def _sort(p: Problem, backend: str, aux, x, probs):
     import te_jax_perm as tp
 
-    out, pprobs, _ = tp.sort_chunks_by_index(x, p.split_sizes, p.sorted_indices, probs=probs, backend=backend)
+    split_sizes, sorted_indices = aux
+    out, pprobs, _ = tp.sort_chunks_by_index(x, split_sizes, sorted_indices, probs=probs, backend=backend)
     return out, pprobs
 
 
@@ -170,15 +178,16 @@ def copy_triton(p: Problem, config) -> Built:
 CASES: tuple[Case, ...] = (
     Case("token_dispatch", "fwd", _dispatch_fwd),
     Case("token_dispatch", "bwd", _vjp_case(_dispatch, lambda p: (p.inp, p.probs),
-                                            lambda p: nbytes(p.row_id_map))),
+                                            lambda p: nbytes(p.row_id_map), lambda p: (p.routing_map,))),
     Case("token_combine", "fwd", _combine_fwd),
     # The merging-prob gradient reads the forward rows as well as the cotangent.
     Case("token_combine", "bwd", _vjp_case(_combine, lambda p: (p.permuted, p.probs),
                                            lambda p: nbytes(p.row_id_map) + nbytes(p.permuted)
-                                           + p.shape.num_out * F32)),
+                                           + p.shape.num_out * F32, lambda p: (p.row_id_map,))),
     Case("sort_chunks_by_index", "fwd", _sort_fwd),
     Case("sort_chunks_by_index", "bwd", _vjp_case(_sort, lambda p: (p.permuted, p.sort_probs),
-                                                  lambda p: p.shape.num_out * F32)),
+                                                  lambda p: p.shape.num_out * F32,
+                                                  lambda p: (p.split_sizes, p.sorted_indices))),
     Case("make_row_id_map", "fwd", _row_id_map),
 )
 
