@@ -14,14 +14,17 @@ import triton.language as tl
 
 
 @triton.jit
-def block_counts_kernel(rm_ptr, T, E, counts_prealloc, counts_ptr,
-                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def block_counts_kernel(rm_ptr, T, counts_prealloc, counts_ptr, E: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr):
+    # [SUB, BLOCK_E] sub-tiles keep registers low; E compiled in makes the rows 16-byte loads.
     b = tl.program_id(0)
-    t = b * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
-    mask = (t < T)[:, None] & (e < E)[None, :]
-    m = tl.load(rm_ptr + t.to(tl.int64)[:, None] * E + e[None, :], mask=mask, other=0)
-    c = tl.sum((m != 0).to(tl.int32), axis=0)
+    c = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for s0 in range(0, BLOCK_T, SUB):
+        t = b * BLOCK_T + s0 + tl.arange(0, SUB)
+        mask = (t < T)[:, None] & (e < E)[None, :]
+        m = tl.load(rm_ptr + t.to(tl.int64)[:, None] * E + e[None, :], mask=mask, other=0)
+        c += tl.sum((m != 0).to(tl.int32), axis=0)
     tl.store(counts_ptr + b.to(tl.int64) * E + e, c, mask=e < E)
 
 
@@ -45,30 +48,38 @@ def block_scan_kernel(counts_ptr, NB, E, prefix_prealloc, totals_prealloc, prefi
 
 
 @triton.jit
-def fill_map_kernel(rm_ptr, prefix_ptr, totals_ptr, T, E, N, map_prealloc, map_ptr,
-                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def fill_map_kernel(rm_ptr, prefix_ptr, totals_ptr, T, N, map_prealloc, map_ptr, E: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr):
+    # The block's BLOCK_T tokens go in [SUB, BLOCK_E] sub-tiles (a [64, 256] tile with its
+    # cumsums spilled heavily), carrying each expert's running count between them; the
+    # next sub-tile's routing rows are loaded before this one's stores.
     b = tl.program_id(0)
-    t = b * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
-    tm = t < T
     em = e < E
-    mask = tm[:, None] & em[None, :]
-    m = (tl.load(rm_ptr + t.to(tl.int64)[:, None] * E + e[None, :], mask=mask, other=0) != 0).to(tl.int32)
     tot = tl.load(totals_ptr + e, mask=em, other=0)
     start = tl.cumsum(tot, axis=0) - tot
-    pre = tl.load(prefix_ptr + b.to(tl.int64) * E + e, mask=em, other=0)
-    within = tl.cumsum(m, axis=0) - m
-    dest = (start + pre)[None, :] + within
-    # Routed experts go to the front in expert order, the others fill the tail, so the
-    # scattered stores below write every column of the row exactly once.
-    rank_r = tl.cumsum(m, axis=1) - m
-    cnt = tl.sum(m, axis=1)
-    nm = tl.where(em[None, :], 1 - m, 0)
-    rank_n = tl.cumsum(nm, axis=1) - nm
-    col = tl.where(m > 0, rank_r, cnt[:, None] + rank_n)
-    vd = tl.where((m > 0) & (dest < N), dest, -1)
-    ve = tl.where(m > 0, e[None, :] + tl.zeros_like(m), -1)
-    base = t.to(tl.int64)[:, None] * (2 * E + 1)
-    tl.store(map_ptr + base + col, vd, mask=mask)
-    tl.store(map_ptr + base + E + col, ve, mask=mask)
-    tl.store(map_ptr + t.to(tl.int64) * (2 * E + 1) + 2 * E, cnt, mask=tm)
+    run = start + tl.load(prefix_ptr + b.to(tl.int64) * E + e, mask=em, other=0)
+    t = b * BLOCK_T + tl.arange(0, SUB)
+    nxt = tl.load(rm_ptr + t.to(tl.int64)[:, None] * E + e[None, :], mask=(t < T)[:, None] & em[None, :], other=0)
+    for s0 in range(0, BLOCK_T, SUB):
+        t = b * BLOCK_T + s0 + tl.arange(0, SUB)
+        tm = t < T
+        mask = tm[:, None] & em[None, :]
+        m = (nxt != 0).to(tl.int32)
+        tn = t + SUB
+        nxt = tl.load(rm_ptr + tn.to(tl.int64)[:, None] * E + e[None, :],
+                      mask=((tn < T) & (s0 + SUB < BLOCK_T))[:, None] & em[None, :], other=0)
+        within = tl.cumsum(m, axis=0) - m
+        dest = run[None, :] + within
+        run += tl.sum(m, axis=0)
+        # Routed experts go to the front in expert order, the others fill the tail, so the
+        # scattered stores below write every column of the row exactly once.
+        rank_r = tl.cumsum(m, axis=1) - m
+        cnt = tl.sum(m, axis=1)
+        col = tl.where(m > 0, rank_r, cnt[:, None] + e[None, :] - rank_r)
+        vd = tl.where((m > 0) & (dest < N), dest, -1)
+        ve = tl.where(m > 0, e[None, :] + tl.zeros_like(m), -1)
+        base = t.to(tl.int64)[:, None] * (2 * E + 1)
+        tl.store(map_ptr + base + col, vd, mask=mask)
+        tl.store(map_ptr + base + E + col, ve, mask=mask)
+        tl.store(map_ptr + t.to(tl.int64) * (2 * E + 1) + 2 * E, cnt, mask=tm)
