@@ -183,3 +183,40 @@ def test_device_copy_full_and_ragged_tiles(kernel_backend, n):
     x = np.random.default_rng(n).standard_normal(n).astype(jnp.bfloat16)
     for cfg in (None, Config.make(num_warps=4, BLOCK=1024, ITERS=2)):
         np.testing.assert_array_equal(np.asarray(device_copy(x, backend=kernel_backend, config=cfg)), x)
+
+
+def test_example_row_id_map_matches_make_row_id_map():
+    rng = np.random.default_rng(3)
+    rm = ref.routing(rng, 13, 6, 3, "skew")
+    for drop_at in (int(rm.sum()), 7, 0):
+        rid, kept = te_jax_perm.make_row_id_map(rm, drop_at, backend="xla")
+        e_rid, e_kept = P._np_row_id_map(rm, drop_at)
+        np.testing.assert_array_equal(np.asarray(rid), e_rid)
+        np.testing.assert_array_equal(np.asarray(kept), e_kept)
+
+
+_EXAMPLE_DECLS = [(P.permute_rows, {"num_out_rows": 40, "padded": True}),
+                  (P.permute_rows_probs, {"num_out_rows": 23, "padded": False}),
+                  (P.scatter_weighted, {"padded": True}),
+                  (P.unpermute_rows, {"padded": False}),
+                  (P.unpermute_rows_weighted, {"padded": True}),
+                  (P.unpermute_rows_pgrad, {"padded": True})]
+
+
+@pytest.mark.parametrize("prim,params", _EXAMPLE_DECLS, ids=[p.decl.name for p, _ in _EXAMPLE_DECLS])
+def test_example_inputs_are_valid_operands(kernel_backend, prim, params):
+    """Autotuning trial operands: the right shapes, a real map, kernel == reference on them."""
+    decl = prim.decl
+    dims = {"T": 9, "H": 40, "E": 5, "W": 11, "N": 40}
+    dtypes = {o.name: np.dtype(np.float32) for o in decl.operands}
+    dtypes.update({o.name: np.dtype(np.int32) for o in decl.operands if o.dtypes == ("int32",)})
+    ops = decl.example_inputs(dims, params, dtypes, np.random.default_rng(0))
+    for op, a in zip(decl.operands, ops):
+        assert a.shape == tuple(dims[d] for d in op.dims) and a.dtype == dtypes[op.name], op.name
+    rid = ops[1]
+    assert (rid[:, :5] >= 0).any() and (rid[:, 10] == (rid[:, 5:10] >= 0).sum(axis=1)).all()
+    cfg = Config.make(num_warps=2, BLOCK_H=32, ROWS=2)
+    got = prim(*ops, backend=kernel_backend, config=cfg, **params)
+    want = prim(*ops, backend="xla", **params)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)

@@ -148,6 +148,71 @@ def _gather_ref(y, rid, pad, w=None, gpp=None, *, padded):
     return out, dprobs
 
 
+# -- valid autotuning operands ----------------------------------------------------------
+# Random ints are not a row-id map; trial operands come from a real map of top-k routing,
+# with padding and drops as the params ask, so every candidate config can be validated.
+def _np_row_id_map(rm: np.ndarray, drop_at: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row_id_map int32 [T, 2E+1], kept int32 [E]) of a bool [T, E] routing map."""
+    t, e = rm.shape
+    m = rm.astype(np.int64)
+    totals = m.sum(axis=0)
+    start = np.cumsum(totals) - totals
+    dest = start[None, :] + np.cumsum(m, axis=0) - m
+    col = np.where(rm, np.cumsum(m, axis=1) - m, m.sum(axis=1, keepdims=True) + np.arange(e) - (np.cumsum(m, axis=1) - m))
+    order = np.argsort(col, axis=1, kind="stable")
+    vd = np.where(rm & (dest < drop_at), dest, -1)
+    ve = np.where(rm, np.arange(e)[None, :], -1)
+    rid = np.concatenate([np.take_along_axis(vd, order, 1), np.take_along_axis(ve, order, 1),
+                          m.sum(axis=1, keepdims=True)], axis=1).astype(np.int32)
+    return rid, np.clip(drop_at - start, 0, totals).astype(np.int32)
+
+
+def _np_layout(t: int, e: int, rows: int, padded: bool, rng: np.random.Generator):
+    """A row-id map, pad offsets and segments whose rows fit in ``rows`` output rows."""
+    k = min(e, 4)
+    top = np.argsort(rng.random((t, e)), axis=1)[:, :k]
+    rm = np.zeros((t, e), bool)
+    np.put_along_axis(rm, top, True, axis=1)
+    align = 4 if padded and rows > e * 3 else 1
+    rid, kept = _np_row_id_map(rm, rows - e * (align - 1))
+    padded_counts = -(-kept // align) * align
+    pad = ((np.cumsum(padded_counts) - padded_counts) - (np.cumsum(kept) - kept)).astype(np.int32)
+    return rid, pad, (np.cumsum(kept) - kept + pad).astype(np.int32), kept
+
+
+def _rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def _scatter_example(with_probs: bool):
+    def make(dims, params, dtypes, rng):
+        t, h, e = dims["T"], dims["H"], dims["E"]
+        rid, pad, ss, sc = _np_layout(t, e, params["num_out_rows"], params["padded"], rng)
+        ops = (_rand(rng, (t, h), dtypes["inp"]), rid, pad, ss, sc)
+        return ops + ((rng.random((t, e)).astype(dtypes["probs"]),) if with_probs else ())
+    return make
+
+
+def _scatter_weighted_example(dims, params, dtypes, rng):
+    t, h, e, n = dims["T"], dims["H"], dims["E"], dims["N"]
+    rid, pad, ss, sc = _np_layout(t, e, n, params["padded"], rng)
+    return (_rand(rng, (t, h), dtypes["grad"]), rid, pad, ss, sc,
+            rng.random((t, e)).astype(dtypes["merging_probs"]), _rand(rng, (n, h), dtypes["fwd_inp"]))
+
+
+def _gather_example(extra: str | None):
+    def make(dims, params, dtypes, rng):
+        t, h, e, n = dims["T"], dims["H"], dims["E"], dims["N"]
+        rid, pad, _, _ = _np_layout(t, e, n, params["padded"], rng)
+        ops = (_rand(rng, (n, h), dtypes["inp"]), rid, pad)
+        if extra == "merging_probs":
+            ops += (rng.random((t, e)).astype(dtypes[extra]),)
+        elif extra == "grad_permuted_probs":
+            ops += (rng.random(n).astype(dtypes[extra]),)
+        return ops
+    return make
+
+
 # -- declarations ----------------------------------------------------------------------
 # Token dtypes are checked by the public functions (core's "float" kind misses bfloat16).
 _X = Operand("inp", ("T", "H"))
@@ -179,7 +244,7 @@ permute_rows = declare(KernelDecl(
     operands=(_X, _RID, _PAD, *_SEG), outputs=(_out_rows,),
     params=("num_out_rows", "padded"), reference=_scatter_ref,
     grid=_scatter_grid, scalars=_scatter_scalars, constexprs=_scatter_constexprs,
-    key_params=("padded",), **_common()))
+    example_inputs=_scatter_example(False), key_params=("padded",), **_common()))
 
 permute_rows_probs = declare(KernelDecl(
     name="permute_probs", kernel=K.permute_probs_kernel,
@@ -187,7 +252,7 @@ permute_rows_probs = declare(KernelDecl(
     outputs=(_out_rows, Output("permuted_probs", lambda d, p: (p["num_out_rows"],), lambda t, p: jnp.float32)),
     params=("num_out_rows", "padded"), reference=_scatter_ref,
     grid=_scatter_grid, scalars=_scatter_scalars, constexprs=_scatter_constexprs,
-    key_params=("padded",), **_common()))
+    example_inputs=_scatter_example(True), key_params=("padded",), **_common()))
 
 scatter_weighted = declare(KernelDecl(
     name="unpermute_bwd_weighted", kernel=K.scatter_weighted_kernel,
@@ -199,6 +264,7 @@ scatter_weighted = declare(KernelDecl(
     grid=lambda d, p, c: (-(-d["T"] // c.kw["ROWS"]) + -(-d["N"] // FILL_ROWS),),
     scalars=lambda d, p: {"T": d["T"], "E": d["E"], "N_OUT": d["N"]},
     constexprs=_scatter_constexprs, exact=False, rtol=1e-5, atol=1e-5,
+    example_inputs=_scatter_weighted_example,
     key_params=("padded",), **_common()))
 
 
@@ -207,6 +273,7 @@ def _gather_pgrad_ref(y, rid, pad, gpp, *, padded):
 
 
 def _gather_decl(name, kernel, extra_ops, extra_outs, exact=True, reference=_gather_ref):
+    extra = extra_ops[0].name if extra_ops else None
     return declare(KernelDecl(
         name=name, kernel=kernel,
         operands=(Operand("inp", ("N", "H")), _RID, _PAD, *extra_ops),
@@ -215,7 +282,8 @@ def _gather_decl(name, kernel, extra_ops, extra_outs, exact=True, reference=_gat
         grid=lambda d, p, c: (-(-d["T"] // c.kw["ROWS"]),),
         scalars=lambda d, p: {"T": d["T"], "E": d["E"]},
         constexprs=lambda d, p, c: {"H": d["H"], "PADDED": p["padded"]},
-        exact=exact, rtol=1e-2, atol=1e-2, key_params=("padded",), **_common()))
+        exact=exact, rtol=1e-2, atol=1e-2, example_inputs=_gather_example(extra), key_params=("padded",),
+        **_common()))
 
 
 unpermute_rows = _gather_decl("unpermute", K.unpermute_kernel, (), (), exact=False)
