@@ -29,6 +29,7 @@ import numpy as np
 import triton
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare, resolve_backend
+from te_jax_perm.core.sharding import Partitioning
 from te_jax_perm.kernels.chunk_sort import chunk_sort_map_kernel, sort_rows_kernel, sort_rows_probs_kernel
 
 
@@ -238,6 +239,8 @@ def _move_decl(with_probs: bool) -> KernelDecl:
         key_dims=("N", "H"),
         key_params=("is_forward",),
         key_bucket=lambda name, v: _pow2_bucket(name, v) if name == "N" else int(v),  # H is compiled in
+        # Rows move whole to other rows (not N-local); each H-slice moves independently.
+        partitioning=Partitioning(outputs=(("N", "H"), ("N",))[:len(outputs)], local=("H",)),
     )
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import triton
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
+from te_jax_perm.core.sharding import Partitioning
 from te_jax_perm.kernels.copy import copy_kernel
 
 _TILE_BYTES = 16  # one 128-bit vector per thread per tile row keeps loads fully coalesced
@@ -47,6 +48,7 @@ _copy = declare(KernelDecl(
     constraints=(_fits_warps,),
     key_dims=("N",),
     default_config=_default,
+    partitioning=Partitioning(outputs=(("N",),), local=("N",)),  # elementwise
 ))
 
 CONFIGS = _copy.decl.configs

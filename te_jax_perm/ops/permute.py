@@ -15,6 +15,7 @@ import numpy as np
 import triton
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
+from te_jax_perm.core.sharding import Partitioning
 from te_jax_perm.kernels import permute as K
 from te_jax_perm.ops import _checks
 
@@ -158,7 +159,8 @@ def _np_row_id_map(rm: np.ndarray, drop_at: int) -> tuple[np.ndarray, np.ndarray
     totals = m.sum(axis=0)
     start = np.cumsum(totals) - totals
     dest = start[None, :] + np.cumsum(m, axis=0) - m
-    col = np.where(rm, np.cumsum(m, axis=1) - m, m.sum(axis=1, keepdims=True) + np.arange(e) - (np.cumsum(m, axis=1) - m))
+    rank = np.cumsum(m, axis=1) - m  # routed experts before each expert
+    col = np.where(rm, rank, m.sum(axis=1, keepdims=True) + np.arange(e) - rank)
     order = np.argsort(col, axis=1, kind="stable")
     vd = np.where(rm & (dest < drop_at), dest, -1)
     ve = np.where(rm, np.arange(e)[None, :], -1)
@@ -237,6 +239,12 @@ def _scatter_constexprs(d, p, c):
             "BLOCK_E": triton.next_power_of_2(max(d["E"], 1)), "FILL_H": fill_h}
 
 
+# Each H-slice of a row moves independently, so a kernel that only moves (and sums) rows is
+# shard-local along H; never along tokens (rows go anywhere). Outputs without H (permuted
+# probs, their gradients) come out whole and identical on every H-shard.
+_H_LOCAL_SCATTER = Partitioning(outputs=(("R", "H"),), local=("H",))
+_H_LOCAL_SCATTER_PROBS = Partitioning(outputs=(("R", "H"), ("R",)), local=("H",))
+
 _out_rows = Output("out", lambda d, p: (p["num_out_rows"], d["H"]), lambda t, p: t["inp"])
 
 permute_rows = declare(KernelDecl(
@@ -244,7 +252,7 @@ permute_rows = declare(KernelDecl(
     operands=(_X, _RID, _PAD, *_SEG), outputs=(_out_rows,),
     params=("num_out_rows", "padded"), reference=_scatter_ref,
     grid=_scatter_grid, scalars=_scatter_scalars, constexprs=_scatter_constexprs,
-    example_inputs=_scatter_example(False), key_params=("padded",), **_common()))
+    example_inputs=_scatter_example(False), partitioning=_H_LOCAL_SCATTER, key_params=("padded",), **_common()))
 
 permute_rows_probs = declare(KernelDecl(
     name="permute_probs", kernel=K.permute_probs_kernel,
@@ -252,7 +260,7 @@ permute_rows_probs = declare(KernelDecl(
     outputs=(_out_rows, Output("permuted_probs", lambda d, p: (p["num_out_rows"],), lambda t, p: jnp.float32)),
     params=("num_out_rows", "padded"), reference=_scatter_ref,
     grid=_scatter_grid, scalars=_scatter_scalars, constexprs=_scatter_constexprs,
-    example_inputs=_scatter_example(True), key_params=("padded",), **_common()))
+    example_inputs=_scatter_example(True), partitioning=_H_LOCAL_SCATTER_PROBS, key_params=("padded",), **_common()))
 
 scatter_weighted = declare(KernelDecl(
     name="unpermute_bwd_weighted", kernel=K.scatter_weighted_kernel,
@@ -264,6 +272,7 @@ scatter_weighted = declare(KernelDecl(
     grid=lambda d, p, c: (-(-d["T"] // c.kw["ROWS"]) + -(-d["N"] // FILL_ROWS),),
     scalars=lambda d, p: {"T": d["T"], "E": d["E"], "N_OUT": d["N"]},
     constexprs=_scatter_constexprs, exact=False, rtol=1e-5, atol=1e-5,
+    # Not H-local: grad_probs is a dot product over all of H (replicated).
     example_inputs=_scatter_weighted_example,
     key_params=("padded",), **_common()))
 
@@ -274,6 +283,8 @@ def _gather_pgrad_ref(y, rid, pad, gpp, *, padded):
 
 def _gather_decl(name, kernel, extra_ops, extra_outs, exact=True, reference=_gather_ref):
     extra = extra_ops[0].name if extra_ops else None
+    # Sums over a token's rows, slice by slice of H: H-local (grad_probs has no H axis).
+    part = Partitioning(outputs=(("T", "H"),) + tuple(("T", "E") for _ in extra_outs), local=("H",))
     return declare(KernelDecl(
         name=name, kernel=kernel,
         operands=(Operand("inp", ("N", "H")), _RID, _PAD, *extra_ops),
@@ -282,7 +293,8 @@ def _gather_decl(name, kernel, extra_ops, extra_outs, exact=True, reference=_gat
         grid=lambda d, p, c: (-(-d["T"] // c.kw["ROWS"]),),
         scalars=lambda d, p: {"T": d["T"], "E": d["E"]},
         constexprs=lambda d, p, c: {"H": d["H"], "PADDED": p["padded"]},
-        exact=exact, rtol=1e-2, atol=1e-2, example_inputs=_gather_example(extra), key_params=("padded",),
+        exact=exact, rtol=1e-2, atol=1e-2, example_inputs=_gather_example(extra), partitioning=part,
+        key_params=("padded",),
         **_common()))
 
 
