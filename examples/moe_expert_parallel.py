@@ -1,7 +1,7 @@
 """Expert-parallel MoE layer on all GPUs of this machine, or on N virtual CPU devices.
 
     python3 examples/moe_expert_parallel.py            # all GPUs (backend triton), else 8 CPU devices
-    python3 examples/moe_expert_parallel.py --quick    # smaller problem, fewer timing runs
+    python3 examples/moe_expert_parallel.py --quick    # smaller GPU problem, 3 timed steps
     python3 examples/moe_expert_parallel.py --cpu-devices 4 --backend interpret --tokens 16 --hidden 32
 
 For each all-to-all mode the platform supports (``dense`` always; ``ragged`` where
@@ -17,9 +17,9 @@ import time
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--cpu-devices", type=int, default=8, help="virtual CPU devices when there is no GPU")
-ap.add_argument("--tokens", type=int, default=None, help="tokens per device (default 1024, --quick 128)")
-ap.add_argument("--hidden", type=int, default=None, help="default 512, --quick 128")
-ap.add_argument("--ffn", type=int, default=None, help="default 1024, --quick 256")
+ap.add_argument("--tokens", type=int, default=None, help="tokens per device (GPU 1024, --quick 256; CPU 128)")
+ap.add_argument("--hidden", type=int, default=None, help="GPU 512, --quick 256; CPU 128")
+ap.add_argument("--ffn", type=int, default=None, help="GPU 1024, --quick 512; CPU 256")
 ap.add_argument("--experts-per-device", type=int, default=4)
 ap.add_argument("--topk", type=int, default=2)
 ap.add_argument("--routing", choices=("uniform", "skewed"), default="uniform",
@@ -49,8 +49,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 TOL = 2e-3
 
 
-def _pick(value, full, quick):
-    return value if value is not None else (quick if args.quick else full)
+def _pick(value, full, quick, cpu):
+    # Virtual CPU devices share the host's cores: the CPU default is small.
+    if value is not None:
+        return value
+    return cpu if jax.devices()[0].platform == "cpu" else (quick if args.quick else full)
 
 
 def _timed(fn, *a, runs):
@@ -67,8 +70,9 @@ def main() -> int:
     devs = jax.devices()
     on_gpu = devs[0].platform == "gpu"
     backend = args.backend or ("triton" if on_gpu else "xla")
-    t, h, f = _pick(args.tokens, 1024, 128), _pick(args.hidden, 512, 128), _pick(args.ffn, 1024, 256)
-    runs, k, ep = _pick(args.runs, 10, 3), args.topk, len(devs)
+    t, h, f = _pick(args.tokens, 1024, 256, 128), _pick(args.hidden, 512, 256, 128), _pick(args.ffn, 1024, 512, 256)
+    runs = args.runs if args.runs is not None else (3 if args.quick else 10)
+    k, ep = args.topk, len(devs)
     el = args.experts_per_device
     e = ep * el
     mesh = Mesh(np.array(devs), ("ep",))
@@ -103,19 +107,22 @@ def main() -> int:
               f"(per expert {rm.reshape(ep * t, ep, el)[:, r].sum(0).tolist()}), "
               f"{int((rows_to[:, r] - kept_to[:, r]).sum())} dropped at capacity")
 
-    ref_fn = lambda x, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=ep, num_out_tokens=n_out, capacity=cap)
+    # The routing map is an argument, not a closed-over constant: XLA would otherwise
+    # constant-fold the whole routing computation at compile time (minutes at full size).
+    rm = jnp.asarray(rm)
+    ref_fn = lambda x, p, a, b, m: reference_moe_layer(x, m, p, a, b, ep=ep, num_out_tokens=n_out, capacity=cap)
     grad = lambda fn: jax.jit(jax.value_and_grad(lambda *a: (fn(*a) ** 2).sum(), argnums=(0, 1, 2, 3)))
-    want = jax.jit(ref_fn)(x, probs, w1, w2)
-    _, g_ref = grad(ref_fn)(x, probs, w1, w2)
+    want = jax.jit(ref_fn)(x, probs, w1, w2, rm)
+    _, g_ref = grad(ref_fn)(x, probs, w1, w2, rm)
 
     ok = True
     for mode in modes:
         cfg = EPConfig(num_out_tokens=n_out, capacity=args.capacity, backend=backend, a2a=mode)
-        layer_fn = lambda x, p, a, b: ep_moe_layer(x, rm, p, a, b, mesh=mesh, cfg=cfg)
+        layer_fn = lambda x, p, a, b, m: ep_moe_layer(x, m, p, a, b, mesh=mesh, cfg=cfg)
         layer, layer_grad = jax.jit(layer_fn), grad(layer_fn)
         t0 = time.perf_counter()
-        out = jax.block_until_ready(layer(x, probs, w1, w2))
-        _, g = jax.block_until_ready(layer_grad(x, probs, w1, w2))
+        out = jax.block_until_ready(layer(x, probs, w1, w2, rm))
+        _, g = jax.block_until_ready(layer_grad(x, probs, w1, w2, rm))
         compile_s = time.perf_counter() - t0
         errs = {"out": float(jnp.abs(out - want).max() / (jnp.abs(want).max() + 1e-9))}
         for n, a, b in zip(("dx", "dprobs", "dw1", "dw2"), g, g_ref):
@@ -128,8 +135,8 @@ def main() -> int:
                  f"{kept_to.sum(1).tolist()} (exactly the kept rows)"))
         print("  max rel err " + ", ".join(f"{n} {v:.1e}" for n, v in errs.items())
               + f"  (tol {TOL:.0e}) -> {'ok' if mode_ok else 'MISMATCH'}")
-        fwd = _timed(layer, x, probs, w1, w2, runs=runs)
-        bwd = _timed(layer_grad, x, probs, w1, w2, runs=runs)
+        fwd = _timed(layer, x, probs, w1, w2, rm, runs=runs)
+        bwd = _timed(layer_grad, x, probs, w1, w2, rm, runs=runs)
         print(f"  step time over {runs} runs: forward median {fwd[0]:.2f} ms (min {fwd[1]:.2f}); "
               f"forward+backward median {bwd[0]:.2f} ms (min {bwd[1]:.2f})")
     print(f"{'PASS' if ok else 'FAIL'}: expert-parallel layer on {ep} {jax.default_backend()} devices, "
