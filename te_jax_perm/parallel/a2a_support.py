@@ -50,11 +50,14 @@ def _probe(devices: tuple) -> bool:
                                          jnp.full((n,), me * n, jnp.int32),
                                          jnp.full((n,), me + 1, jnp.int32), axis_name="probe")
 
-    x = jnp.tile(jnp.arange(n, dtype=jnp.float32)[:, None], (n, 1)) + 100 * jnp.repeat(
-        jnp.arange(n, dtype=jnp.float32), n)[:, None]          # rank r's row i = 100 r + i
+    x = np.tile(np.arange(n, dtype=np.float32)[:, None], (n, 1)) + 100 * np.repeat(
+        np.arange(n, dtype=np.float32), n)[:, None]            # rank r's row i = 100 r + i
     try:
+        # Compiled ahead of time and called as an executable: this also runs for real when
+        # first asked while tracing a jitted caller (ep_moe_layer with a2a="auto").
         fn = jax.jit(shard_map(body, mesh=mesh, in_specs=P("probe"), out_specs=P("probe")))
-        got = np.asarray(fn(x)).reshape(n, n, n)               # [dst, src, slot]
+        compiled = fn.lower(jax.ShapeDtypeStruct(x.shape, x.dtype)).compile()
+        got = np.asarray(compiled(x)).reshape(n, n, n)         # [dst, src, slot]
     except Exception as e:  # noqa: BLE001 - any failure to compile or run means "unsupported"
         logging.info("ragged_all_to_all probe failed: %s", str(e).splitlines()[0] if str(e) else type(e))
         return False
