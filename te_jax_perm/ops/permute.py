@@ -87,7 +87,12 @@ def _common(**kw: Any) -> dict:
 
 
 # -- pure-JAX references (the ``xla`` backend) -----------------------------------------
+# These are the CPU default and the pure-XLA baseline on GPU, so they must stay O(N*H + T*H
+# + T*E) in memory: never a [T, E, H] tensor (60 GB at T=8192, E=256, H=7168). Every op goes
+# through the inverse map (output row -> token, expert), built from int32 [T, E] entries, and
+# then moves or sums whole rows by gathers and segment sums over the N output rows.
 def _dests(rid, pad, padded):
+    """(dest [T,E] with -1 where dropped, expert ids [T,E] clipped to [0,E), valid [T,E])."""
     e = (rid.shape[1] - 1) // 2
     dest, ex = rid[:, :e], rid[:, e:2 * e]
     valid = dest >= 0
@@ -96,56 +101,67 @@ def _dests(rid, pad, padded):
     return jnp.where(valid, dest, -1), jnp.clip(ex, 0, e - 1), valid
 
 
-def _rows_at(y, idx):
-    """``y[idx]`` as float32, zeros when ``y`` has no rows (every map entry is then dropped)."""
-    if y.shape[0] == 0:
-        return jnp.zeros(idx.shape + y.shape[1:], jnp.float32)
-    return y[jnp.clip(idx, 0, y.shape[0] - 1)].astype(jnp.float32)
+def _inverse_map(rid, pad, padded, n):
+    """Per output row: (token int32 [n], expert int32 [n]); rows no token writes (padding,
+    unused budget) get token T and expert E, which index the zero row/column that callers
+    pad their [T, .] and [T, E] arrays with."""
+    t, e = rid.shape[0], (rid.shape[1] - 1) // 2
+    dest, ex, valid = _dests(rid, pad, padded)
+    # Out-of-range rows (dropped entries point at row n) fall into the extra slot, sliced off.
+    safe = jnp.where(valid, dest, n).ravel()
+    tok = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], dest.shape).ravel()
+    row_token = jnp.full((n + 1,), t, jnp.int32).at[safe].set(tok, mode="drop")[:n]
+    row_expert = jnp.full((n + 1,), e, jnp.int32).at[safe].set(ex.ravel().astype(jnp.int32), mode="drop")[:n]
+    return row_token, row_expert
+
+
+def _pad_rows(x):
+    """``x`` with one zero row appended (the row unwritten output rows gather)."""
+    return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)], axis=0)
+
+
+def _weights_at(w, row_token, row_expert):
+    """``w[token, expert]`` per output row as float32, 0 for unwritten rows."""
+    wp = jnp.pad(w.astype(jnp.float32), ((0, 1), (0, 1)))
+    return wp[row_token, row_expert]
 
 
 def _scatter_ref(x, rid, pad, seg_start, seg_count, probs=None, *, num_out_rows, padded):
     del seg_start, seg_count
-    dest, ex, valid = _dests(rid, pad, padded)
-    t = x.shape[0]
-    safe = jnp.where(valid, dest, num_out_rows).ravel()
-    src = jnp.repeat(jnp.arange(t), dest.shape[1])
-    out = jnp.zeros((num_out_rows + 1, x.shape[1]), x.dtype).at[safe].set(x[src])[:num_out_rows]
+    row_token, row_expert = _inverse_map(rid, pad, padded, num_out_rows)
+    # A gather of N rows (zero row for unwritten ones): bit-exact data movement.
+    out = _pad_rows(x)[row_token]
     if probs is None:
         return (out,)
-    vals = jnp.take_along_axis(probs, ex, axis=1).ravel()
-    pout = jnp.zeros((num_out_rows + 1,), probs.dtype).at[safe].set(vals)[:num_out_rows]
+    pout = jnp.pad(probs, ((0, 1), (0, 1)))[row_token, row_expert]
     return out, pout
 
 
 def _scatter_weighted_ref(g, rid, pad, seg_start, seg_count, w, y, *, padded):
     del seg_start, seg_count
-    n = y.shape[0]
-    dest, ex, valid = _dests(rid, pad, padded)
-    safe = jnp.where(valid, dest, n)
-    wk = jnp.where(valid, jnp.take_along_axis(w, ex, axis=1), 0.0)
-    gf = g.astype(jnp.float32)
-    rows = gf[:, None, :] * wk[:, :, None]
-    out = jnp.zeros((n + 1, g.shape[1]), y.dtype).at[safe.ravel()].set(
-        rows.reshape(-1, g.shape[1]).astype(y.dtype))[:n]
-    yk = jnp.where(valid[:, :, None], _rows_at(y, safe), 0.0)
-    dots = jnp.einsum("th,tkh->tk", gf, yk)
-    e = w.shape[1]
-    dw = jnp.zeros((g.shape[0], e + 1), jnp.float32).at[
-        jnp.arange(g.shape[0])[:, None], jnp.where(valid, ex, e)].set(dots)[:, :e]
+    n, t, e = y.shape[0], g.shape[0], w.shape[1]
+    row_token, row_expert = _inverse_map(rid, pad, padded, n)
+    g_rows = _pad_rows(g.astype(jnp.float32))[row_token]  # [N, H]; zero for unwritten rows
+    out = (g_rows * _weights_at(w, row_token, row_expert)[:, None]).astype(y.dtype)
+    # d w[t, e] = <g[t], y[r]> for the row r of (t, e): N dots over H, scattered into [T, E].
+    dots = jnp.sum(g_rows * y.astype(jnp.float32), axis=-1)
+    dw = jnp.zeros((t + 1, e + 1), jnp.float32).at[row_token, row_expert].set(dots, mode="drop")[:t, :e]
     return out, dw
 
 
 def _gather_ref(y, rid, pad, w=None, gpp=None, *, padded):
-    dest, ex, valid = _dests(rid, pad, padded)
-    rows = jnp.where(valid[:, :, None], _rows_at(y, dest), 0.0)
+    n, t, e = y.shape[0], rid.shape[0], (rid.shape[1] - 1) // 2
+    row_token, row_expert = _inverse_map(rid, pad, padded, n)
+    rows = y.astype(jnp.float32)
     if w is not None:
-        rows = rows * jnp.take_along_axis(w, ex, axis=1)[:, :, None]
-    out = rows.sum(axis=1).astype(y.dtype)
+        rows = rows * _weights_at(w, row_token, row_expert)[:, None]
+    # Unwritten rows go to segment T, which is sliced off; f32 accumulation, then cast.
+    out = jax.ops.segment_sum(rows, row_token, num_segments=t + 1)[:t].astype(y.dtype)
     if gpp is None:
         return (out,)
-    t, e = rid.shape[0], (rid.shape[1] - 1) // 2
-    vals = jnp.where(valid, _rows_at(gpp[:, None], dest)[..., 0], 0.0)
-    dprobs = jnp.zeros((t, e + 1), jnp.float32).at[jnp.arange(t)[:, None], jnp.where(valid, ex, e)].set(vals)[:, :e]
+    # d probs[t, e] = gpp[r] for the row r of (t, e): N scalars scattered into [T, E].
+    dprobs = jnp.zeros((t + 1, e + 1), jnp.float32).at[row_token, row_expert].set(
+        gpp.astype(jnp.float32), mode="drop")[:t, :e]
     return out, dprobs
 
 
