@@ -27,8 +27,9 @@ def topk_routing(rng: np.random.Generator, T: int, E: int, k: int, skew: str = "
     logits = rng.standard_normal((T, E)).astype(np.float32)
     if skew == "hot":
         logits[rng.random(T) < 0.5, 0] += 100.0
-    elif skew == "empty" and 2 * k <= E:
-        logits[:, E // 2:] -= 100.0
+    elif skew == "empty":
+        if 2 * k <= E:  # otherwise every expert is needed to give each token k distinct ones
+            logits[:, E // 2:] -= 100.0
     elif skew != "uniform":
         raise ValueError(f"unknown skew {skew!r}")
     top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
