@@ -31,6 +31,7 @@ import triton
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare, resolve_backend
 from te_jax_perm.core.sharding import Partitioning
 from te_jax_perm.kernels.chunk_sort import chunk_sort_map_kernel, sort_rows_kernel, sort_rows_probs_kernel
+from te_jax_perm.ops._bits import from_bits, to_bits
 
 
 def _pow2_bucket(name: str, v: int) -> int:
@@ -251,10 +252,12 @@ _move_probs = declare(MOVE_PROBS_DECL)
 
 
 def _apply(inp, row_id_map, probs, is_forward: bool, backend: str):
+    x = to_bits(inp)
     if probs is None:
-        (out,) = _move(inp, row_id_map, backend=backend, is_forward=is_forward)
-        return out, None
-    return tuple(_move_probs(inp, row_id_map, probs, backend=backend, is_forward=is_forward))
+        (out,) = _move(x, row_id_map, backend=backend, is_forward=is_forward)
+        return from_bits(out, inp.dtype), None
+    out, pout = _move_probs(x, row_id_map, probs, backend=backend, is_forward=is_forward)
+    return from_bits(out, inp.dtype), pout
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -18,6 +18,7 @@ from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.core.sharding import Partitioning
 from te_jax_perm.kernels import permute as K
 from te_jax_perm.ops import _checks
+from te_jax_perm.ops._bits import from_bits, to_bits
 
 FILL_ROWS = 16  # output rows per zero-fill program (only rows no token writes are touched)
 
@@ -324,10 +325,6 @@ unpermute_rows_pgrad = _gather_decl(
 
 
 # -- helpers -----------------------------------------------------------------------------
-def _is_fp8(dt) -> bool:
-    return np.dtype(dt).name.startswith("float8")
-
-
 def _segments(tokens_per_expert: jax.Array, pad: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Output row range [start, start+count) each expert's kept rows occupy."""
     kept = tokens_per_expert.astype(jnp.int32)
@@ -350,14 +347,12 @@ def _permute(inp, probs, rid, pad, seg_start, seg_count, num_out_rows, padded, b
 
 def _permute_fwd(inp, probs, rid, pad, seg_start, seg_count, num_out_rows, padded, backend):
     kw = dict(backend=backend, num_out_rows=num_out_rows, padded=padded)
-    x = jax.lax.bitcast_convert_type(inp, jnp.uint8) if _is_fp8(inp.dtype) else inp
+    x = to_bits(inp)
     if probs is None:
         (out,), pout = permute_rows(x, rid, pad, seg_start, seg_count, **kw), None
     else:
         out, pout = permute_rows_probs(x, rid, pad, seg_start, seg_count, probs, **kw)
-    if out.dtype != inp.dtype:
-        out = jax.lax.bitcast_convert_type(out, inp.dtype)
-    return (out, pout), (rid, pad)
+    return (from_bits(out, inp.dtype), pout), (rid, pad)
 
 
 def _permute_bwd(num_out_rows, padded, backend, res, cts):
