@@ -13,7 +13,7 @@ OUT=${1:?usage: tests/gpu/run_gpu_tests.sh OUT_DIR}
 mkdir -p "$OUT"
 STEPS=${STEPS:-pytest,stress,memcheck}
 PYTEST_S=${PYTEST_S:-180}
-STRESS_S=${STRESS_S:-90}
+STRESS_S=${STRESS_S:-240}
 MEMCHECK_S=${MEMCHECK_S:-120}
 PYTEST_ARGS=${PYTEST_ARGS:-}
 
@@ -96,7 +96,7 @@ case ",$STEPS," in *,memcheck,*)
   else
     # One cudaMalloc per buffer (no pooling) so memcheck sees every buffer's real bounds;
     # no CUDA graphs so each report names the kernel launch directly.
-    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
       run_step memcheck "$MEMCHECK_S" "$SAN" --tool memcheck --error-exitcode 99 --report-api-errors no \
         --print-limit 50 python3 -m tests.gpu.stress $MEMCHECK_ARGS || status=1
   fi ;;
