@@ -4,6 +4,8 @@ jax-triton is imported lazily: it cannot even be imported without a CUDA jaxlib.
 """
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -15,8 +17,7 @@ from te_jax_perm.core.kernel_args import KernelArgs
 
 def triton_call(decl: KernelDecl, operands: Sequence[jax.Array], params: Mapping[str, Any],
                 config: Config, out_avals: Sequence[jax.core.ShapedArray]) -> list[jax.Array]:
-    import jax_triton as jt
-
+    jt = _jax_triton()
     kargs = KernelArgs.build(decl, [o.aval for o in operands], params, config)
     preallocs = preallocate(decl, out_avals)
     if any(g == 0 for g in kargs.grid):
@@ -36,6 +37,21 @@ def triton_call(decl: KernelDecl, operands: Sequence[jax.Array], params: Mapping
             input_output_aliases=plan.input_output_aliases,
             **kargs.constexprs)
     return list(outs)
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_triton():
+    # jax-triton (0.3.x) blanks TRITON_CACHE_DIR at import, which breaks every later
+    # triton.compile in the process (the autotuner's pool hands binaries to the parent
+    # through that cache). It compiles without Triton's file cache itself, so we put the
+    # user's setting back.
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton
+    if saved is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = saved
+    return jax_triton
 
 
 def _scalar(v: Any) -> Any:
