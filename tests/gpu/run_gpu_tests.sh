@@ -3,7 +3,7 @@
 #   tests/gpu/run_gpu_tests.sh OUT_DIR
 # (a) pytest: every test (op tests get backend in {xla, triton}; gpu-marked tests run),
 # (b) the unsynchronised alternating-shape stress (python3 -m tests.gpu.stress),
-# (c) the stress at tiny sizes under compute-sanitizer --tool memcheck.
+# (c) every kernel fwd+bwd (tests/gpu/memcheck_ops.py) under compute-sanitizer --tool memcheck.
 # Each step logs to OUT_DIR/<step>.log and prints one "STEP ..." line (also appended to
 # OUT_DIR/summary.txt). Env: STEPS (default "pytest,stress,memcheck"), PYTEST_S, STRESS_S,
 # MEMCHECK_S (per-step time limits, s), PYTEST_ARGS (extra pytest args, e.g. "-k dispatch").
@@ -37,7 +37,7 @@ run_step() {
   case "$name" in
     pytest) tail=$(grep -E "(passed|failed|error)" "$OUT/$name.log" | tail -1) ;;
     stress*) tail=$(grep -E "^STRESS" "$OUT/$name.log" | tail -1) ;;
-    memcheck) tail=$(grep -E "ERROR SUMMARY|^STRESS" "$OUT/$name.log" | tr '\n' ' ') ;;
+    memcheck) tail=$(grep -E "ERROR SUMMARY|^MEMCHECK-OPS" "$OUT/$name.log" | tr '\n' ' ') ;;
     *) tail=$(tail -1 "$OUT/$name.log") ;;
   esac
   local verdict=PASS
@@ -98,7 +98,7 @@ case ",$STEPS," in *,memcheck,*)
     # no CUDA graphs so each report names the kernel launch directly.
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
       run_step memcheck "$MEMCHECK_S" "$SAN" --tool memcheck --error-exitcode 99 --report-api-errors no \
-        --print-limit 50 python3 -m tests.gpu.stress $MEMCHECK_ARGS || status=1
+        --print-limit 50 python3 -m tests.gpu.memcheck_ops || status=1
   fi ;;
 esac
 exit $status
