@@ -5,7 +5,7 @@ timed, let alone picked; every pruned config is logged with the constraint's rea
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from absl import logging
 
@@ -31,3 +31,22 @@ def candidates(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, A
         else:
             valid.append(cfg)
     return valid, pruned
+
+
+def cap(valid: Sequence[Config], default: Config, limit: int | None, name: str = ""
+        ) -> tuple[list[Config], list[Config]]:
+    """At most ``limit`` of ``valid``: the default first (so a run stopped early still has
+    the baseline), then evenly spaced picks over the declared order (which sweeps the
+    tile/warp grid), so a capped search still spans the space. Returns ``(kept, skipped)``."""
+    valid = list(valid)
+    rest = [c for c in valid if c != default]
+    head = [default] if default in valid else []
+    if limit is None or len(valid) <= limit:
+        return head + rest, []
+    n = max(0, limit - len(head))
+    picks = sorted({round(i * (len(rest) - 1) / max(1, n - 1)) for i in range(n)}) if n and rest else []
+    kept = head + [rest[i] for i in picks]
+    skipped = [c for c in rest if c not in kept]
+    logging.info("autotune %s: %d candidates over the cap of %d, skipped: %s", name, len(skipped), limit,
+                 ", ".join(str(c) for c in skipped))
+    return kept, skipped

@@ -42,22 +42,37 @@ class TrialResult:
 
 def run_trials(decl: KernelDecl, runner: Runner, configs: Sequence[Config], expected: Sequence[np.ndarray],
                reps: int = 1, warmup: int = 0,
-               on_result: Callable[[TrialResult], None] | None = None) -> list[TrialResult]:
-    """Times each config, checking its outputs on the first and the last timed launch."""
+               on_result: Callable[[TrialResult], None] | None = None,
+               deadline: float | None = None, phases: dict | None = None) -> list[TrialResult]:
+    """Times each config, checking its outputs on the first and the last timed launch.
+
+    A runner with its own ``mismatch(expected)`` (the GPU one compares on device) checks
+    there instead of copying outputs to the host. Past ``deadline`` (``time.monotonic``)
+    the remaining configs are not run. ``phases`` accumulates launch and validation seconds."""
+    phases = phases if phases is not None else {}
+    check = getattr(runner, "mismatch", None) or (lambda exp: mismatch(decl, runner.outputs(), exp))
     runner.save(alias_plan(decl).written_inputs)
     results = []
     try:
         for cfg in configs:
+            if deadline is not None and time.monotonic() > deadline:
+                logging.warning("autotune %s: deadline passed; %d of %d configs not run", decl.name,
+                                len(configs) - len(results), len(configs))
+                break
             res = TrialResult(cfg)
             try:
                 for i in range(warmup + reps):
+                    t0 = time.perf_counter()
                     runner.restore()
                     dt = runner.launch(cfg)
+                    phases["launch_s"] = phases.get("launch_s", 0.0) + time.perf_counter() - t0
                     if i >= warmup or i == 0:
                         # A rejected config keeps its time: logs show when the wrong one was fastest.
                         res.times_s.append(dt)
                     if i == 0 or i == warmup + reps - 1:
-                        why = mismatch(decl, runner.outputs(), expected)
+                        t0 = time.perf_counter()
+                        why = check(expected)
+                        phases["validate_s"] = phases.get("validate_s", 0.0) + time.perf_counter() - t0
                         if why:
                             res.rejected = why
                             break

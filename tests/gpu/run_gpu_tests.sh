@@ -69,11 +69,9 @@ PY
 # sanitizer, the compile pool, virtual-device sharding - is covered by CI).
 PYTEST_TARGET=${PYTEST_TARGET:-"tests/test_core_framework.py tests/test_row_id_map.py tests/test_permute.py tests/test_dispatch.py tests/test_chunk_sort.py tests/test_example.py tests/gpu"}
 STRESS_ARGS="--cases 40 --passes 4"
-MEMCHECK_ARGS="--small --cases 8 --passes 2"
 if [ "${DRY_RUN:-0}" = 1 ]; then
   PYTEST_TARGET="tests/test_benchmarks_smoke.py -k bytes_count"
   STRESS_ARGS="--small --cases 2 --passes 2 --dtypes float32"
-  MEMCHECK_ARGS="--small --cases 1 --passes 1 --dtypes float32"
 fi
 
 status=0
