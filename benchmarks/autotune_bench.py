@@ -1,11 +1,12 @@
 """Autotuner benchmark: pool vs in-process compile time, and tuned vs default-config time.
 
-    # GPU machine (H100): all shapes.md sizes, bf16
-    python benchmarks/autotune_bench.py --out=/tmp/autotune_bench
+    # GPU machine (H100): shapes.md sizes in priority order, bf16, within 280 s
+    python benchmarks/autotune_bench.py --out=/tmp/autotune_bench --budget-s=280
     # CPU (compile time for sm_90 + interpreter tuning at a small shape)
     python benchmarks/autotune_bench.py --small --dtype=float32 --out=/tmp/autotune_bench
 
-Writes ``compile_time.json`` and ``tuning.json`` (plus ``e2e.json`` on GPU) under ``--out``.
+Writes ``compile_time.json`` and ``tuning.json`` (plus ``e2e.json`` on GPU) under ``--out``;
+``tuning.json`` and ``e2e.json`` are rewritten after every row, so a killed run still reports.
 """
 from __future__ import annotations
 
@@ -78,31 +79,48 @@ def time_jitted(fn, args, reps: int = 30) -> dict:
     return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "reps": reps}
 
 
-def main() -> int:
+def _write(path: str, obj) -> None:
+    """Atomic, so a run killed mid-write still leaves the previous complete file."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-configs", type=int, default=48)
+    ap.add_argument("--max-configs", type=int, default=48, help="configs in the compile-time comparison")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--skip-tuning", action="store_true")
-    a = ap.parse_args()
+    ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="wall-clock budget for the whole run; results are written as they come")
+    ap.add_argument("--e2e-s", type=float, default=60.0, help="part of --budget-s kept for the end-to-end part")
+    ap.add_argument("--shapes", default=None, help="comma-separated model:T filters, e.g. deepseek-v3:8192,qwen3")
+    ap.add_argument("--max-candidates", type=int, default=24, help="configs tried per kernel (default kept)")
+    ap.add_argument("--reps", type=int, default=None, help="timed launches per config")
+    a = ap.parse_args(argv)
+    t_start = time.monotonic()
+    end = None if a.budget_s is None else t_start + a.budget_s
     os.makedirs(a.out, exist_ok=True)
     from absl import logging
     logging.set_verbosity(logging.WARNING)
     import jax
     from te_jax_perm import autotune
     from te_jax_perm.autotune import workloads
-    from te_jax_perm.autotune.__main__ import tune_shapes
+    from te_jax_perm.autotune.__main__ import shape_list, tune_shapes
     from te_jax_perm.core import config_select
     gpu = jax.default_backend() == "gpu"
     backend = "triton" if gpu else "interpret"
     dtype = _np_dtype(a.dtype)
     autotune.set_cache_dir(os.path.join(a.out, "cache"))
+    shapes = shape_list(a.small, a.shapes)
 
     # 1. Compile time: the kernels of dispatch+combine at the first shape.
-    model, H, E, k, Ts = (workloads.SMALL_SHAPES if a.small else workloads.MOE_SHAPES)[0]
-    args = workloads.moe_problem(Ts[0], H, E, k, dtype)
+    model, H, E, k, T = shapes[0]
+    args = workloads.moe_problem(T, H, E, k, dtype)
     with autotune.autotuning(False):
         launches = workloads.record_launches(workloads.moe_step(backend, k), args)
     if gpu:
@@ -111,42 +129,59 @@ def main() -> int:
     else:
         target = ("cuda", 90, 32)
     ct = compile_time(launches, target, a.max_configs, a.workers or None)
-    print(json.dumps({"compile_time": ct}))
-    with open(os.path.join(a.out, "compile_time.json"), "w") as f:
-        json.dump(ct, f, indent=1)
+    ct.update(model=model, T=T)
+    print(json.dumps({"compile_time": ct}), flush=True)
+    _write(os.path.join(a.out, "compile_time.json"), ct)
     if a.skip_tuning:
         return 0
 
-    # 2. Tuned vs default per kernel (same trial harness, CUDA events on GPU).
+    # 2. Tuned vs default per kernel (same trial harness, CUDA events on GPU), written after
+    # every (kernel, shape) so a killed run still reports what it finished.
     t0 = time.perf_counter()
-    rows = tune_shapes(backend, a.small, a.dtype)
-    for r in rows:
-        if r["best_time_s"] and r["default_time_s"]:
-            r["speedup_vs_default"] = r["default_time_s"] / r["best_time_s"]
-        print(json.dumps(r))
-    with open(os.path.join(a.out, "tuning.json"), "w") as f:
-        json.dump({"backend": backend, "tuning_wall_s": time.perf_counter() - t0, "rows": rows}, f, indent=1)
+    rows: list[dict] = []
+    tuning_path = os.path.join(a.out, "tuning.json")
 
-    # 3. End to end on GPU: dispatch+combine jitted with tuned configs vs defaults.
-    if gpu:
+    def on_row(r: dict) -> None:
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        _write(tuning_path, {"backend": backend, "tuning_wall_s": time.perf_counter() - t0, "rows": rows,
+                             "done": False})
+
+    budget = None
+    if end is not None:
+        budget = max(0.0, end - time.monotonic() - (0.0 if a.skip_e2e or not gpu else a.e2e_s))
+    opts = autotune.TuneOptions(max_candidates=a.max_candidates or None, reps=a.reps)
+    tune_shapes(backend, a.small, a.dtype, budget, a.shapes, opts, on_row=on_row)
+    _write(tuning_path, {"backend": backend, "tuning_wall_s": time.perf_counter() - t0, "rows": rows,
+                         "done": True, "budget_s": budget})
+
+    # 3. End to end on GPU: dispatch+combine jitted with tuned configs vs defaults, for the
+    # shapes whose kernels were all tuned to completion.
+    if gpu and not a.skip_e2e:
+        tuned_shapes = {(r["model"], r["T"]) for r in rows}
+        partial = {(r["model"], r["T"]) for r in rows if not r["complete"]}
         e2e = []
         resolver = config_select._resolver
-        for model, H, E, k, Ts in (workloads.SMALL_SHAPES if a.small else workloads.MOE_SHAPES):
-            for T in Ts:
-                args = [jax.device_put(x) for x in workloads.moe_problem(T, H, E, k, dtype)]
-                with autotune.autotuning(False):
-                    tuned = time_jitted(workloads.moe_step(backend, k), args)
-                config_select.set_config_resolver(None)
-                try:
-                    default = time_jitted(workloads.moe_step(backend, k), args)
-                finally:
-                    config_select.set_config_resolver(resolver)
-                row = {"model": model, "T": T, "H": H, "E": E, "k": k, "tuned": tuned, "default": default,
-                       "speedup": default["median_s"] / tuned["median_s"]}
-                print(json.dumps(row))
-                e2e.append(row)
-        with open(os.path.join(a.out, "e2e.json"), "w") as f:
-            json.dump(e2e, f, indent=1)
+        for model, H, E, k, T in shapes:
+            if (model, T) not in tuned_shapes or (model, T) in partial:
+                continue
+            if end is not None and time.monotonic() > end:
+                print(json.dumps({"e2e": "budget spent", "next": [model, T]}), flush=True)
+                break
+            args = [jax.device_put(x) for x in workloads.moe_problem(T, H, E, k, dtype)]
+            with autotune.autotuning(False):
+                tuned = time_jitted(workloads.moe_step(backend, k), args)
+            config_select.set_config_resolver(None)
+            try:
+                default = time_jitted(workloads.moe_step(backend, k), args)
+            finally:
+                config_select.set_config_resolver(resolver)
+            row = {"model": model, "T": T, "H": H, "E": E, "k": k, "tuned": tuned, "default": default,
+                   "speedup": default["median_s"] / tuned["median_s"]}
+            print(json.dumps(row), flush=True)
+            e2e.append(row)
+            _write(os.path.join(a.out, "e2e.json"), e2e)
+    print(json.dumps({"total_wall_s": time.monotonic() - t_start}), flush=True)
     return 0
 
 

@@ -2,12 +2,14 @@
 
     python -m te_jax_perm.autotune --print-cache
     python -m te_jax_perm.autotune --tune-shapes [--backend triton] [--small] [--dtype bfloat16]
+        [--budget-s 240] [--shapes deepseek-v3:8192,qwen3] [--max-candidates 24]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Any, Callable
 
 import numpy as np
 
@@ -20,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true", help="the small CPU shape only")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget for --tune-shapes")
+    ap.add_argument("--shapes", default=None, help="comma-separated model:T filters, e.g. deepseek-v3:8192,qwen3")
+    ap.add_argument("--max-candidates", type=int, default=24, help="configs tried per kernel (default kept)")
     a = ap.parse_args(argv)
     from absl import logging
     logging.set_verbosity(logging.INFO)
@@ -27,35 +32,95 @@ def main(argv: list[str] | None = None) -> int:
     if a.cache_dir:
         autotune.set_cache_dir(a.cache_dir)
     if a.tune_shapes:
-        for row in tune_shapes(a.backend, a.small, a.dtype):
-            print(json.dumps(row))
+        opts = autotune.TuneOptions(max_candidates=a.max_candidates or None)
+        tune_shapes(a.backend, a.small, a.dtype, a.budget_s, a.shapes, opts,
+                    on_row=lambda row: print(json.dumps(row), flush=True))
     if a.print_cache or not a.tune_shapes:
         autotune.print_cache()
     return 0
 
 
-def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "bfloat16") -> list[dict]:
-    """Tunes each kernel that dispatch+combine launch, at every shapes.md size; one row per launch."""
+# shapes.md sizes, most important first: a run cut short by its budget has tuned these.
+PRIORITY = (("deepseek-v3", 8192), ("qwen3-235b", 8192), ("gpt-oss-120b", 8192), ("mixtral-8x7b", 8192),
+            ("deepseek-v3", 4096), ("mixtral-8x7b", 16384))
+
+
+def shape_list(small: bool = False, shapes: str | None = None) -> list[tuple[str, int, int, int, int]]:
+    """``(model, H, E, k, T)`` in priority order; ``shapes`` keeps those whose ``model:T``
+    contains any of its comma-separated terms (``"deepseek-v3:8192,qwen3"``)."""
+    from te_jax_perm.autotune import workloads
+    table = workloads.SMALL_SHAPES if small else workloads.MOE_SHAPES
+    rows = [(m, H, E, k, T) for m, H, E, k, Ts in table for T in Ts]
+    rank = {p: i for i, p in enumerate(PRIORITY)}
+    rows.sort(key=lambda r: rank.get((r[0], r[4]), len(rank)))
+    if shapes:
+        terms = [t.strip() for t in shapes.split(",") if t.strip()]
+        rows = [r for r in rows if any(t in f"{r[0]}:{r[4]}" for t in terms)]
+    return rows
+
+
+def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "bfloat16",
+                budget_s: float | None = None, shapes: str | None = None, options: Any = None,
+                on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    """Tunes each kernel that dispatch+combine launch at the shapes.md sizes (priority
+    order); one row per distinct tuning key, passed to ``on_row`` as soon as it is done.
+
+    With ``budget_s``, no tuning starts after the budget, and the one running when it runs
+    out stops timing configs (its row says ``complete: false`` and it is not cached)."""
+    import dataclasses
+    import time
+
     import jax
     import ml_dtypes  # noqa: F401  (bfloat16 as a NumPy dtype)
+    from absl import logging
     from te_jax_perm import autotune
     from te_jax_perm.autotune import workloads
+    from te_jax_perm.autotune.key import key_digest
+    from te_jax_perm.core.shapes import bind_dims
     backend = backend or ("triton" if jax.default_backend() == "gpu" else "interpret")
-    table = workloads.SMALL_SHAPES if small else workloads.MOE_SHAPES
     np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
-    rows = []
-    for model, H, E, k, Ts in table:
-        for T in Ts:
-            args = workloads.moe_problem(T, H, E, k, np_dtype)
-            with autotune.autotuning(True):
-                launches = workloads.record_launches(workloads.moe_step(backend, k), args)
-            for ln in launches:
-                res = autotune.tune(ln.decl, ln.avals, ln.params, backend)
-                rows.append({"model": model, "T": T, "H": H, "E": E, "k": k, "kernel": ln.decl.name,
-                             "best": res.entry.get("best"), "best_time_s": res.entry.get("best_time_s"),
-                             "default": res.entry.get("default"), "default_time_s": res.entry.get("default_time_s"),
-                             "rejected": len(res.entry.get("rejected", [])),
-                             "failed": len(res.entry.get("failed", [])), "pruned": len(res.entry.get("pruned", []))})
+    options = options or autotune.TuneOptions()
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    options = dataclasses.replace(options, deadline=deadline)
+    rows: list[dict] = []
+    seen: dict[str, str] = {}
+    for model, H, E, k, T in shape_list(small, shapes):
+        if deadline is not None and time.monotonic() > deadline:
+            logging.warning("tune_shapes: budget of %.0fs spent; %s T=%d and later shapes not tuned", budget_s,
+                            model, T)
+            break
+        args = workloads.moe_problem(T, H, E, k, np_dtype)
+        # Record only: tuning happens below, under the budget, not inside the lowering.
+        with autotune.autotuning(False):
+            launches = workloads.record_launches(workloads.moe_step(backend, k), args)
+        for ln in launches:
+            dims = bind_dims(ln.decl, ln.avals)
+            digest = key_digest(autotune.make_key(ln.decl, dims, ln.params, [a.dtype for a in ln.avals], backend))
+            where = f"{model} T={T}"
+            if digest in seen:
+                logging.info("tune_shapes: %s at %s has the key tuned at %s; not tuned again", ln.decl.name, where,
+                             seen[digest])
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                logging.warning("tune_shapes: budget spent before %s at %s", ln.decl.name, where)
+                break
+            seen[digest] = where
+            t0 = time.perf_counter()
+            res = autotune.tune(ln.decl, ln.avals, ln.params, backend, options)
+            e = res.entry
+            row = {"model": model, "T": T, "H": H, "E": E, "k": k, "kernel": ln.decl.name,
+                   "best": e.get("best"), "best_time_s": e.get("best_time_s"),
+                   "default": e.get("default"), "default_time_s": e.get("default_time_s"),
+                   "timed": len(e.get("ranking", [])), "rejected": len(e.get("rejected", [])),
+                   "failed": len(e.get("failed", [])), "pruned": len(e.get("pruned", [])),
+                   "skipped": len(e.get("skipped", [])), "not_run": len(e.get("not_run", [])),
+                   "complete": e.get("complete", True), "cached": res.cached,
+                   "wall_s": time.perf_counter() - t0, "phases_s": e.get("phases_s")}
+            if row["best_time_s"] and row["default_time_s"]:
+                row["speedup_vs_default"] = row["default_time_s"] / row["best_time_s"]
+            rows.append(row)
+            if on_row:
+                on_row(row)
     return rows
 
 

@@ -15,7 +15,7 @@ from te_jax_perm.autotune.compile_job import make_job
 from te_jax_perm.autotune.faults import fault_for
 from te_jax_perm.autotune.inputs import initial_prealloc, make_inputs
 from te_jax_perm.autotune.key import make_key
-from te_jax_perm.autotune.space import candidates
+from te_jax_perm.autotune.space import candidates, cap
 from te_jax_perm.autotune.trials import HostRunner, TrialResult, log_result, run_trials
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.shapes import bind_dims, output_avals
@@ -31,8 +31,10 @@ class TuneOptions:
     """``compile_target``: ``("cuda", 90, 32)``-style target to compile candidates for in the
     worker pool; ``"auto"`` = the GPU's own target on ``triton`` and none on ``interpret``."""
 
-    reps: int | None = None          # timed launches per config (default: 1 interpret, 25 triton)
-    warmup: int | None = None
+    reps: int | None = None          # timed launches per config (default: 1 interpret, 15 triton)
+    warmup: int | None = None        # default: 0 interpret, 1 triton
+    max_candidates: int | None = None  # cap on valid configs tried (the default is always kept)
+    deadline: float | None = None    # time.monotonic(); configs left at this point are not run
     compile_target: Any = AUTO
     compile_timeout_s: float | None = None
     force: bool = False              # re-tune even on a cache hit
@@ -72,8 +74,10 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
             return TuneResult(key, entry, cached=True)
     stats["tunes"] += 1
     t_start = time.perf_counter()
+    phases: dict[str, float] = {}
     valid, pruned = candidates(decl, dims, params)
     default = decl.default_config(dims, params)
+    valid, skipped = cap(valid, default, options.max_candidates, decl.name)
     logging.info("autotune %s: tuning %d configs for dims %s params %s (%d pruned)", decl.name, len(valid),
                  dict(dims), params, len(pruned))
     out_avals = output_avals(decl, avals, params)
@@ -83,22 +87,32 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
     if target == AUTO:
         target = _device_target() if backend == "triton" else None
     jobs = {}
+    t0 = time.perf_counter()
     if target is not None:
+        # All candidates in one parallel batch, before any trial.
         valid, failed, jobs = _compile_stage(decl, avals, out_avals, params, valid, tuple(target), options, pool)
+    phases["compile_s"] = time.perf_counter() - t0
 
+    # Inputs and the reference once per (kernel, shape); every trial reuses them.
+    t0 = time.perf_counter()
     inputs = make_inputs(decl, dims, params, [a.dtype for a in avals], seed=options.seed)
     preallocs = [initial_prealloc(o.init, a.shape, a.dtype, seed=options.seed + 1 + i)
                  for i, (o, a) in enumerate(zip(decl.outputs, out_avals))]
+    phases["inputs_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     expected = _reference(decl, inputs, params)
+    phases["reference_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
     if backend == "triton":
         from te_jax_perm.autotune.gpu_trials import GpuRunner
         runner = GpuRunner(decl, inputs, preallocs, params, jobs)
-        reps, warmup = options.reps or 25, 3 if options.warmup is None else options.warmup
+        reps, warmup = options.reps or 15, 1 if options.warmup is None else options.warmup
     elif backend == "interpret":
         runner = HostRunner(decl, inputs, preallocs, params)
         reps, warmup = options.reps or 1, options.warmup or 0
     else:
         raise ValueError(f"autotune: backend {backend!r} has nothing to tune")
+    phases["to_device_s"] = time.perf_counter() - t0
 
     done: list[TrialResult] = []
 
@@ -108,7 +122,11 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
         timed = [x for x in done if x.time_s is not None]
         log_result(decl, r, len(done), len(valid), min(timed, key=lambda x: x.time_s) if timed else None)
 
-    results = run_trials(decl, runner, valid, expected, reps=reps, warmup=warmup, on_result=progress)
+    t0 = time.perf_counter()
+    results = run_trials(decl, runner, valid, expected, reps=reps, warmup=warmup, on_result=progress,
+                         deadline=options.deadline, phases=phases)
+    phases["trials_s"] = time.perf_counter() - t0
+    complete = len(results) == len(valid)
     ok = sorted((r for r in results if r.time_s is not None), key=lambda r: r.time_s)
     rejected = [(r.config, r.rejected, min(r.times_s) if r.times_s else None) for r in results if r.rejected]
     failed += [(r.config, r.error) for r in results if r.error]
@@ -122,8 +140,12 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
         "rejected": [[c.to_json(), why, t] for c, why, t in rejected],
         "failed": [[c.to_json(), why] for c, why in failed],
         "pruned": [[c.to_json(), why] for c, why in pruned],
+        "skipped": [c.to_json() for c in skipped],
+        "not_run": [c.to_json() for c in valid[len(results):]],
+        "complete": complete,
         "tuned_dims": dict(dims),
         "tuning_s": time.perf_counter() - t_start,
+        "phases_s": phases,
     }
     if not ok:
         logging.error("autotune %s: no config produced the reference output for %s; using the default %s",
@@ -132,7 +154,12 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
         logging.info("autotune %s: best %s (%.3g ms; default %s) after %.1fs", decl.name, ok[0].config,
                      1e3 * ok[0].time_s, "%.3g ms" % (1e3 * default_time) if default_time else "n/a",
                      entry["tuning_s"])
-    cache.store(key, entry)
+    logging.info("autotune %s: phases %s", decl.name, {k: round(v, 3) for k, v in phases.items()})
+    if complete:
+        cache.store(key, entry)
+    else:  # cut short by the deadline: reported, never cached as if it were a full search
+        logging.warning("autotune %s: %d configs not run before the deadline; result not cached", decl.name,
+                        len(entry["not_run"]))
     return TuneResult(key, entry, cached=False)
 
 
@@ -162,8 +189,12 @@ def _device_target() -> tuple[str, int, int]:
 
 
 def _reference(decl: KernelDecl, inputs: Sequence[np.ndarray], params: Mapping[str, Any]) -> list[np.ndarray]:
+    import functools
+
     import jax
-    # Tuning may run inside a lowering rule: evaluate eagerly rather than stage into it.
+    # Tuning may run inside a lowering rule: evaluate eagerly rather than stage into it. One
+    # jitted call (not op-by-op dispatch, which compiles and syncs every op on GPU).
     with jax.ensure_compile_time_eval():
-        outs = decl.reference(*[jax.numpy.asarray(a) for a in inputs], **params)
+        ref = jax.jit(functools.partial(decl.reference, **params))
+        outs = ref(*[jax.numpy.asarray(a) for a in inputs])
         return [np.asarray(o) for o in outs]
