@@ -65,8 +65,9 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
     """Tunes each kernel that dispatch+combine launch at the shapes.md sizes (priority
     order); one row per distinct tuning key, passed to ``on_row`` as soon as it is done.
 
-    With ``budget_s``, no tuning starts after the budget, and the one running when it runs
-    out stops timing configs (its row says ``complete: false`` and it is not cached)."""
+    With ``budget_s``, no tuning starts after the budget (but the first always does), and
+    the one running when it runs out stops timing configs after the first (the default): its
+    row says ``complete: false`` and it is not cached."""
     import dataclasses
     import time
 
@@ -85,7 +86,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
     rows: list[dict] = []
     seen: dict[str, str] = {}
     for model, H, E, k, T in shape_list(small, shapes):
-        if deadline is not None and time.monotonic() > deadline:
+        if rows and deadline is not None and time.monotonic() > deadline:
             logging.warning("tune_shapes: budget of %.0fs spent; %s T=%d and later shapes not tuned", budget_s,
                             model, T)
             break
@@ -101,7 +102,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
                 logging.info("tune_shapes: %s at %s has the key tuned at %s; not tuned again", ln.decl.name, where,
                              seen[digest])
                 continue
-            if deadline is not None and time.monotonic() > deadline:
+            if rows and deadline is not None and time.monotonic() > deadline:
                 logging.warning("tune_shapes: budget spent before %s at %s", ln.decl.name, where)
                 break
             seen[digest] = where

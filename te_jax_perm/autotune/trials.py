@@ -48,14 +48,15 @@ def run_trials(decl: KernelDecl, runner: Runner, configs: Sequence[Config], expe
 
     A runner with its own ``mismatch(expected)`` (the GPU one compares on device) checks
     there instead of copying outputs to the host. Past ``deadline`` (``time.monotonic``)
-    the remaining configs are not run. ``phases`` accumulates launch and validation seconds."""
+    the remaining configs are not run (the first always is). ``phases`` accumulates launch and validation seconds."""
     phases = phases if phases is not None else {}
     check = getattr(runner, "mismatch", None) or (lambda exp: mismatch(decl, runner.outputs(), exp))
     runner.save(alias_plan(decl).written_inputs)
     results = []
     try:
         for cfg in configs:
-            if deadline is not None and time.monotonic() > deadline:
+            # The first config (the tuner puts the default first) always runs: a result.
+            if results and deadline is not None and time.monotonic() > deadline:
                 logging.warning("autotune %s: deadline passed; %d of %d configs not run", decl.name,
                                 len(configs) - len(results), len(configs))
                 break

@@ -1,0 +1,66 @@
+"""Capped candidate sets, and a wall-clock budget that still leaves a report behind."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from te_jax_perm.autotune.space import cap
+from te_jax_perm.core import Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cfgs(n):
+    return [Config.make(num_warps=1, B=i) for i in range(n)]
+
+
+@pytest.mark.parametrize("n,limit", [(10, 4), (10, 1), (10, 2), (50, 24), (5, 8), (5, None)])
+def test_cap_keeps_default_first_and_spans_the_space(n, limit):
+    valid = _cfgs(n)
+    default = valid[n // 2]
+    kept, skipped = cap(valid, default, limit)
+    assert kept[0] == default
+    assert len(kept) == (n if limit is None else min(n, limit))
+    assert len(set(kept)) == len(kept) and set(kept) | set(skipped) == set(valid) and not set(kept) & set(skipped)
+    if limit and limit >= 3 and n > limit:
+        assert valid[0] in kept and valid[-1] in kept  # the ends of the declared sweep
+
+
+def test_cap_default_not_valid_is_not_added():
+    valid = _cfgs(6)
+    kept, _ = cap(valid, Config.make(num_warps=8, B=99), 3)
+    assert len(kept) == 3 and all(c in valid for c in kept)
+
+
+def test_bench_budget_writes_partial_report(tmp_path):
+    """A budget spent before tuning starts still tunes the first kernel's first config (the
+    default), writes tuning.json with that one row, caches nothing partial, and exits 0."""
+    out = tmp_path / "at"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in sys.path if p]),
+               TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "autotune_bench.py"), "--small",
+                        "--dtype=float32", f"--out={out}", "--max-configs=2", "--workers=1",
+                        "--max-candidates=3", "--budget-s=0.001"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ct = json.loads((out / "compile_time.json").read_text())
+    assert ct["configs"] == 2 and ct["pool_failed"] == 0
+    tuning = json.loads((out / "tuning.json").read_text())
+    assert tuning["done"] and len(tuning["rows"]) == 1, tuning
+    (row,) = tuning["rows"]
+    assert row["complete"] is False and row["timed"] == 1 and row["not_run"] == 2
+    assert row["best"] == row["default"] and row["default_time_s"] > 0
+    assert set(row["phases_s"]) >= {"inputs_s", "reference_s", "trials_s", "validate_s"}
+    assert not list((out / "cache").glob("*.json"))  # a cut-short search is never cached
+    assert not list(out.glob("*.tmp"))
+
+
+def test_shapes_in_priority_order_and_filtered():
+    from te_jax_perm.autotune.__main__ import PRIORITY, shape_list
+    full = shape_list()
+    assert [(m, T) for m, _, _, _, T in full] == list(PRIORITY)
+    assert [(m, T) for m, *_, T in shape_list(shapes="qwen3,mixtral-8x7b:16384")] == [
+        ("qwen3-235b", 8192), ("mixtral-8x7b", 16384)]
+    assert shape_list(shapes="no-such-model") == []
