@@ -30,23 +30,22 @@ class KernelPrimitive:
         if clash:
             raise ValueError(f"{decl.name}: parameter names {sorted(clash)} are reserved")
         self.decl = decl
-        self.prim = Primitive(f"te_jax_perm_{decl.name}")
-        self.prim.multiple_results = True
-        self.prim.def_abstract_eval(self._abstract_eval)
-        self.prim.def_impl(self._impl)
-        for platform in ("cpu", "cuda", "rocm"):
-            mlir.register_lowering(self.prim, functools.partial(self._lower, platform), platform=platform)
+        self.prim = self._primitive(f"te_jax_perm_{decl.name}", self._lower)
         batching.primitive_batchers[self.prim] = self._batch
         # Sharding (core/sharding.py): `prim` lowers through custom_partitioning, whose
         # per-shard function binds `local` (same kernel, lowered directly); vmap binds `vmapped`.
-        self.local = Primitive(f"te_jax_perm_{decl.name}_local")
-        self.local.multiple_results = True
-        self.local.def_abstract_eval(self._abstract_eval)
-        self.local.def_impl(self._impl)
-        for platform in ("cpu", "cuda", "rocm"):
-            mlir.register_lowering(self.local, functools.partial(self._lower_local, platform), platform=platform)
+        self.local = self._primitive(f"te_jax_perm_{decl.name}_local", self._lower_local)
         self.vmapped = sharding.VmappedPrimitive(self)
         sharding.requires_devices(self.prim)
+
+    def _primitive(self, name: str, lower: Callable) -> Primitive:
+        prim = Primitive(name)
+        prim.multiple_results = True
+        prim.def_abstract_eval(self._abstract_eval)
+        prim.def_impl(self._impl)
+        for platform in ("cpu", "cuda", "rocm"):
+            mlir.register_lowering(prim, functools.partial(lower, platform), platform=platform)
+        return prim
 
     # -- user entry point -------------------------------------------------------------
     def __call__(self, *operands: jax.Array, backend: str | None = None, config: Config | None = None,
