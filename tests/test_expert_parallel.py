@@ -5,28 +5,15 @@ Runs in a subprocess (XLA_FLAGS must precede jax start-up).
 XLA:CPU has no ragged all-to-all, so on CPU the ragged exchange runs on an emulation of
 ``jax.lax.ragged_all_to_all`` (its documented semantics, built from ``all_to_all``): that
 checks our offsets and sizes; the real collective is checked by the GPU test."""
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-MULTI = os.environ.get("TE_JAX_PERM_MULTIDEVICE") == "1"
-multidevice = pytest.mark.skipif(not MULTI, reason="runs in the 8-device subprocess")
+from tests.multidevice import MULTI, multidevice, run_module_on_8_devices  # noqa: E402,F401
 
 
 def test_in_8_device_subprocess():
-    if MULTI:
-        pytest.skip("already in the 8-device subprocess")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "TE_JAX_PERM_MULTIDEVICE": "1", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("TE_JAX_PERM_BACKEND", None)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                       env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
+    run_module_on_8_devices(__file__)
 
 
 import jax  # noqa: E402

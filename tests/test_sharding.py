@@ -5,28 +5,17 @@ XLA_FLAGS must be set before jax starts, so the real tests run in a subprocess (
 test below); in the ordinary single-device run they are skipped.
 """
 import dataclasses
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-MULTI = os.environ.get("TE_JAX_PERM_MULTIDEVICE") == "1"
-multidevice = pytest.mark.skipif(not MULTI, reason="runs in the 8-device subprocess")
+from tests.multidevice import MULTI, multidevice, run_module_on_8_devices  # noqa: E402,F401
+
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 
 
 def test_in_8_device_subprocess():
-    if MULTI:
-        pytest.skip("already in the 8-device subprocess")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "TE_JAX_PERM_MULTIDEVICE": "1", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                       env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout, r.stdout[-2000:]
+    run_module_on_8_devices(__file__)
 
 
 if MULTI:
