@@ -12,13 +12,15 @@ from tests import numpy_reference as ref
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(t=st.sampled_from([1, 2, 7, 33, 64]), e=st.integers(1, 16), k=st.integers(1, 4),
        mode=st.sampled_from(["topk", "skew", "empty", "all_one"]), budget=st.sampled_from([None, 0.5, 1.0, 1.5]),
-       block=st.sampled_from([None, 1, 4, 16]), int_map=st.booleans(), seed=st.integers(0, 2**16))
-def test_row_id_map_matches_reference(backend, t, e, k, mode, budget, block, int_map, seed):
+       block=st.sampled_from([None, 1, 4, 16]), int_map=st.booleans(), single=st.sampled_from([None, True, False]),
+       seed=st.integers(0, 2**16))
+def test_row_id_map_matches_reference(backend, t, e, k, mode, budget, block, int_map, single, seed):
     rm = ref.routing(np.random.default_rng(seed), t, e, k, mode)
     routed = int(rm.sum())
     n = None if budget is None else int(routed * budget)
     m = rm.astype(np.int32) if int_map else rm
-    rid, kept = jax.jit(lambda x: te_jax_perm.make_row_id_map(x, n, block_tokens=block, backend=backend))(m)
+    rid, kept = jax.jit(lambda x: te_jax_perm.make_row_id_map(x, n, block_tokens=block, single_pass=single,
+                                                                    backend=backend))(m)
     expected = ref.row_id_map(rm, routed if n is None else n)
     np.testing.assert_array_equal(np.asarray(rid), expected)
     _, exp_kept, _, _ = ref.dispatch_layout(rm, routed if n is None else n, None)
@@ -26,12 +28,29 @@ def test_row_id_map_matches_reference(backend, t, e, k, mode, budget, block, int
     assert rid.dtype == jnp.int32 and kept.dtype == jnp.int32
 
 
-def test_row_id_map_large_xla_and_kernel_agree(kernel_backend):
-    # Many blocks, E not a power of two: the block scan carries across chunks.
+@pytest.mark.parametrize("single", [True, False])
+def test_row_id_map_large_xla_and_kernel_agree(kernel_backend, single):
+    # Many blocks (more than one reduction chunk of the counts at E=37 -> 64: CH=128 rows of
+    # blocks with block_tokens=1), E not a power of two, a bool map.
     rm = ref.routing(np.random.default_rng(1), 300, 37, 5, "skew")
-    out = [te_jax_perm.make_row_id_map(rm, 1000, block_tokens=8, backend=b) for b in ("xla", kernel_backend)]
+    out = [te_jax_perm.make_row_id_map(rm, 1000, block_tokens=1 if b != "xla" else 8, single_pass=single, backend=b)
+           for b in ("xla", kernel_backend)]
     np.testing.assert_array_equal(np.asarray(out[0][0]), np.asarray(out[1][0]))
+    np.testing.assert_array_equal(np.asarray(out[0][1]), np.asarray(out[1][1]))
     np.testing.assert_array_equal(np.asarray(out[0][0]), ref.row_id_map(rm, 1000))
+
+
+@pytest.mark.parametrize("t,e,launches", [(64, 8, 1), (8192, 16, 1), (8192, 256, 2), (4096, 128, 2)])
+def test_row_id_map_is_only_its_kernels(t, e, launches):
+    """One launch for small T*E, two otherwise, and no XLA ops around them (no bool cast,
+    no scans or clips for tokens_per_expert): only the interpreter's poisoned preallocations."""
+    import re
+    hlo = jax.jit(lambda rm: te_jax_perm.make_row_id_map(rm, t, backend="interpret")).lower(
+        jax.ShapeDtypeStruct((t, e), jnp.bool_)).as_text()
+    ops = re.findall(r"= (stablehlo\.[a-z_]+)", hlo[hlo.index("func.func public @main"):])
+    assert ops.count("stablehlo.custom_call") == launches, ops
+    assert set(ops) <= {"stablehlo.custom_call", "stablehlo.constant", "stablehlo.broadcast_in_dim",
+                        "stablehlo.bitcast_convert"}, ops
 
 
 @pytest.mark.gpu

@@ -106,6 +106,14 @@ def run_copy(shape, dtype=jnp.bfloat16):
     return device_copy(jnp.arange(int(np.prod(shape)), dtype=dtype).reshape(shape), backend=BE)
 
 
+def run_row_id_map_two_pass(T, E, k, routing, *, drop=0, seed=0):
+    """The two-launch map build (counts, then fill) that small MoE shapes do not take."""
+    from te_jax_perm import make_row_id_map
+
+    rm = jnp.asarray(ROUTINGS[routing](np.random.default_rng(seed), T, E, k))
+    return make_row_id_map(rm, max(int(rm.sum()) - drop, 0), block_tokens=4, single_pass=False, backend=BE)
+
+
 SCENARIOS = {
     "moe_T1_oddH": lambda: run_moe(1, 5, 4, 2, "topk"),
     "moe_topk_odd": lambda: run_moe(13, 33, 5, 2, "topk", dtype=jnp.bfloat16),
@@ -118,6 +126,7 @@ SCENARIOS = {
     "chunks_T1": lambda: run_chunk_sort(1, 3, [1], [0], probs=False),
     "chunks_full": lambda: run_chunk_sort(24, 96, [8, 8, 8], [2, 0, 1]),
     "copy_odd": lambda: run_copy((7, 13)),
+    "row_id_map_two_pass": lambda: run_row_id_map_two_pass(19, 6, 2, "skewed", drop=5),
 }
 
 # Scenarios re-run once per distinct unpruned config; together they launch every kernel.

@@ -1,13 +1,23 @@
-"""Triton kernels building the row-id map on device, in three passes.
+"""Triton kernels building the row-id map on device, in one or two launches.
 
 Row-id map layout, int32 ``[T, 2E+1]``: for token ``t`` with ``k`` routed experts
 (ascending expert id), ``map[t, :k]`` are their destination rows in the expert-sorted
 output (``-1`` when the row was dropped because it falls at or beyond ``num_out_tokens``),
 ``map[t, E:E+k]`` the matching expert ids, ``map[t, 2E] = k``; the unused tail of both
 halves is ``-1``. Destinations are *unpadded*; padding adds ``pad_offsets[expert]``.
+``kept[e]`` (written by program 0 alone) is the number of expert ``e``'s rows not dropped.
 
-Pass 1 counts each expert's tokens per block of ``BLOCK_T`` tokens, pass 2 scans those
-counts over blocks (one program per group of experts), pass 3 writes each block's rows.
+Tokens go in blocks of ``BLOCK_T``, one program per block. A program needs, per expert,
+the number of routed tokens in all earlier blocks (its exclusive prefix) and in all blocks
+(the totals, whose exclusive scan over experts gives each expert's first row).
+
+* Two launches (``block_counts_kernel`` then ``fill_map_kernel``): pass 1 writes each
+  block's per-expert counts ``[NB, E]``; in pass 2 every program reduces that small
+  matrix (L2-resident) itself, so no separate scan pass or host-side glue is needed.
+* One launch (``fused_map_kernel``), for small ``T*E``: every program reduces the routing
+  map itself instead of the counts - cheaper than a second launch while ``T*E`` is small.
+
+The routing map may be bool (Triton loads ``*i1`` as bytes) or any integer type holding 0/1.
 """
 import triton
 import triton.language as tl
@@ -16,7 +26,7 @@ import triton.language as tl
 @triton.jit
 def block_counts_kernel(rm_ptr, T, counts_prealloc, counts_ptr, E: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr):
-    # [SUB, BLOCK_E] sub-tiles keep registers low; E compiled in makes the rows 16-byte loads.
+    # [SUB, BLOCK_E] sub-tiles keep registers low; E compiled in makes the rows vector loads.
     b = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     c = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -29,36 +39,25 @@ def block_counts_kernel(rm_ptr, T, counts_prealloc, counts_ptr, E: tl.constexpr,
 
 
 @triton.jit
-def block_scan_kernel(counts_ptr, NB, E, prefix_prealloc, totals_prealloc, prefix_ptr, totals_ptr,
-                      EC: tl.constexpr, CH: tl.constexpr):
-    # Exclusive prefix over blocks of each expert's count; each program owns EC experts.
-    p = tl.program_id(0)
-    e = p * EC + tl.arange(0, EC)
-    em = e < E
-    carry = tl.zeros([EC], dtype=tl.int32)
-    for b0 in range(0, NB, CH):
-        b = b0 + tl.arange(0, CH)
-        mask = (b < NB)[:, None] & em[None, :]
-        offs = b.to(tl.int64)[:, None] * E + e[None, :]
-        c = tl.load(counts_ptr + offs, mask=mask, other=0)
-        inc = tl.cumsum(c, axis=0)
-        tl.store(prefix_ptr + offs, inc - c + carry[None, :], mask=mask)
-        carry += tl.sum(c, axis=0)
-    tl.store(totals_ptr + e, carry, mask=em)
+def _start_rows(pre, tot, b, N, kept_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Each expert's first destination row for block ``b``; program 0 also writes ``kept``."""
+    e = tl.arange(0, BLOCK_E)
+    start = tl.cumsum(tot, axis=0) - tot
+    # N - start cannot overflow: N <= 2^31-1 and start >= 0.
+    kept = tl.minimum(tl.maximum(N - start, 0), tot)
+    if b == 0:
+        tl.store(kept_ptr + e, kept, mask=e < E)
+    return start + pre
 
 
 @triton.jit
-def fill_map_kernel(rm_ptr, prefix_ptr, totals_ptr, T, N, map_prealloc, map_ptr, E: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr):
+def _fill_block(rm_ptr, run, b, T, N, map_ptr, E: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_E: tl.constexpr, SUB: tl.constexpr):
     # The block's BLOCK_T tokens go in [SUB, BLOCK_E] sub-tiles (a [64, 256] tile with its
-    # cumsums spilled heavily), carrying each expert's running count between them; the
-    # next sub-tile's routing rows are loaded before this one's stores.
-    b = tl.program_id(0)
+    # cumsums spills heavily), carrying each expert's running row between them; the next
+    # sub-tile's routing rows are loaded before this one's stores.
     e = tl.arange(0, BLOCK_E)
     em = e < E
-    tot = tl.load(totals_ptr + e, mask=em, other=0)
-    start = tl.cumsum(tot, axis=0) - tot
-    run = start + tl.load(prefix_ptr + b.to(tl.int64) * E + e, mask=em, other=0)
     t = b * BLOCK_T + tl.arange(0, SUB)
     nxt = tl.load(rm_ptr + t.to(tl.int64)[:, None] * E + e[None, :], mask=(t < T)[:, None] & em[None, :], other=0)
     for s0 in range(0, BLOCK_T, SUB):
@@ -83,3 +82,46 @@ def fill_map_kernel(rm_ptr, prefix_ptr, totals_ptr, T, N, map_prealloc, map_ptr,
         tl.store(map_ptr + base + col, vd, mask=mask)
         tl.store(map_ptr + base + E + col, ve, mask=mask)
         tl.store(map_ptr + t.to(tl.int64) * (2 * E + 1) + 2 * E, cnt, mask=tm)
+
+
+@triton.jit
+def fill_map_kernel(rm_ptr, counts_ptr, T, N, map_prealloc, kept_prealloc, map_ptr, kept_ptr,
+                    E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr,
+                    CH: tl.constexpr):
+    # Pass 2: this block's prefix and the totals, reduced from the [NB, E] counts in
+    # [CH, BLOCK_E] chunks (L2 hits: every program reads the same small matrix).
+    b = tl.program_id(0)
+    nb = tl.cdiv(T, BLOCK_T)
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    pre = tl.zeros([BLOCK_E], dtype=tl.int32)
+    tot = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for r0 in range(0, nb, CH):
+        r = r0 + tl.arange(0, CH)
+        c = tl.load(counts_ptr + r.to(tl.int64)[:, None] * E + e[None, :],
+                    mask=(r < nb)[:, None] & em[None, :], other=0)
+        tot += tl.sum(c, axis=0)
+        pre += tl.sum(tl.where((r < b)[:, None], c, 0), axis=0)
+    run = _start_rows(pre, tot, b, N, kept_ptr, E, BLOCK_E)
+    _fill_block(rm_ptr, run, b, T, N, map_ptr, E, BLOCK_T, BLOCK_E, SUB)
+
+
+@triton.jit
+def fused_map_kernel(rm_ptr, T, N, map_prealloc, kept_prealloc, map_ptr, kept_ptr, E: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr, CH: tl.constexpr):
+    # One launch: the prefix and totals reduced straight from the routing map's [CH, BLOCK_E]
+    # row chunks (every program reads the whole map: only worth it while T*E is small).
+    b = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    lim = b * BLOCK_T
+    pre = tl.zeros([BLOCK_E], dtype=tl.int32)
+    tot = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for r0 in range(0, T, CH):
+        r = r0 + tl.arange(0, CH)
+        m = tl.load(rm_ptr + r.to(tl.int64)[:, None] * E + e[None, :], mask=(r < T)[:, None] & em[None, :], other=0)
+        c = (m != 0).to(tl.int32)
+        tot += tl.sum(c, axis=0)
+        pre += tl.sum(tl.where((r < lim)[:, None], c, 0), axis=0)
+    run = _start_rows(pre, tot, b, N, kept_ptr, E, BLOCK_E)
+    _fill_block(rm_ptr, run, b, T, N, map_ptr, E, BLOCK_T, BLOCK_E, SUB)
