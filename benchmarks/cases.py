@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.shapes import MoEShape
+from benchmarks.shapes import MoEShape, by_substrings
 from benchmarks.workloads import ep_chunks, tokens, topk_routing
 
 F32 = 4
@@ -194,10 +194,4 @@ CASES: tuple[Case, ...] = (
 
 def select(ops: str) -> tuple[Case, ...]:
     """Cases whose name contains any of the comma-separated ``ops`` substrings (all if empty)."""
-    if not ops:
-        return CASES
-    wanted = [o.strip() for o in ops.split(",") if o.strip()]
-    picked = tuple(c for c in CASES if any(w in c.name for w in wanted))
-    if not picked:
-        raise ValueError(f"--ops {ops!r} matches none of {[c.name for c in CASES]}")
-    return picked
+    return by_substrings(ops, CASES, "--ops")

@@ -47,12 +47,17 @@ CPU_SHAPES: tuple[MoEShape, ...] = (
 )
 
 
+def by_substrings(spec: str, items: tuple, flag: str) -> tuple:
+    """Items whose ``.name`` contains any comma-separated substring of ``spec`` (all if empty)."""
+    if not spec:
+        return items
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    picked = tuple(i for i in items if any(w in i.name for w in wanted))
+    if not picked:
+        raise ValueError(f"{flag} {spec!r} matches none of {[i.name for i in items]}")
+    return picked
+
+
 def by_name(names: str, table: tuple[MoEShape, ...]) -> tuple[MoEShape, ...]:
     """Filters ``table`` by comma-separated substrings of shape names (empty keeps all)."""
-    if not names:
-        return table
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
-    picked = tuple(s for s in table if any(w in s.name for w in wanted))
-    if not picked:
-        raise ValueError(f"--shapes {names!r} matches none of {[s.name for s in table]}")
-    return picked
+    return by_substrings(names, table, "--shapes")
