@@ -153,38 +153,29 @@ _MAP_OUTPUTS = (Output("row_id_map", lambda d, p: (d["T"], 2 * d["E"] + 1), lamb
 _MAP_GRID = lambda d, p, c: (max(1, _num_blocks(d["T"], p["block_t"])),)  # noqa: E731
 _MAP_SCALARS = lambda d, p: {"T": d["T"], "N": p["drop_at"]}  # noqa: E731
 
+# What the two map writers (two-pass fill, one-pass fused) share: outputs, grid, scalars,
+# compile-time constants and search space.
+_MAP_WRITER = dict(outputs=_MAP_OUTPUTS, params=("block_t", "drop_at"), grid=_MAP_GRID, scalars=_MAP_SCALARS,
+                   constexprs=_fill_constexprs, configs=_WARPS, key_dims=("E",), key_params=("block_t",))
+
 fill_map = declare(KernelDecl(
     name="row_id_map_fill", kernel=K.fill_map_kernel,
     operands=(_ROUTING, Operand("counts", ("NB", "E"), ("int32",))),
-    outputs=_MAP_OUTPUTS,
-    params=("block_t", "drop_at"),
     reference=_fill_ref,
-    grid=_MAP_GRID,
-    scalars=_MAP_SCALARS,
-    constexprs=_fill_constexprs,
-    configs=_WARPS,
     # 8 warps: the [SUB, 256] sub-tiles fit without spills at E=256 (sm_90 ptxas).
     default_config=lambda d, p: Config.make(num_warps=8),
-    key_dims=("E",),
-    key_params=("block_t",),
     params_check=_fill_params_check,
     example_inputs=_fill_examples,
+    **_MAP_WRITER,
 ))
 
 fused_map = declare(KernelDecl(
     name="row_id_map_fused", kernel=K.fused_map_kernel,
     operands=(_ROUTING,),
-    outputs=_MAP_OUTPUTS,
-    params=("block_t", "drop_at"),
     reference=_fused_ref,
-    grid=_MAP_GRID,
-    scalars=_MAP_SCALARS,
-    constexprs=_fill_constexprs,
-    configs=_WARPS,
     default_config=lambda d, p: Config.make(num_warps=4 if _block_e(d["E"]) <= 32 else 8),
-    key_dims=("E",),
-    key_params=("block_t",),
     example_inputs=lambda d, p, dtypes, rng: (_example_routing(d, dtypes, rng),),
+    **_MAP_WRITER,
 ))
 
 
