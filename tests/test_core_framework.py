@@ -234,3 +234,16 @@ def test_empty_outputs_cost_no_memset_on_gpu():
     # The only work in the program is our kernel: no fusion filling the output first.
     assert "fusion" not in hlo and "broadcast" not in hlo, hlo
     np.testing.assert_array_equal(np.asarray(f(src, idx)), np.asarray(src)[np.asarray(idx)])
+
+
+def test_kernel_signature_is_checked_by_name_not_count(kernel_backend):
+    """A scalar moved to a constexpr on one side only keeps the count but shifts every
+    later argument by one; the launch must refuse rather than pass a pointer as a size."""
+    import dataclasses
+    from te_jax_perm.core import declare
+    shifted = declare(dataclasses.replace(
+        gather_rows.decl, name="example_gather_rows_shifted", scalars=lambda d, p: {},
+        constexprs=lambda d, p, c: {"H": d["H"]}))
+    src, idx = _inputs(5, 16, 3, jnp.float32)
+    with pytest.raises(TypeError, match=r"does not match its declaration: 2 operand pointers, scalars \[\]"):
+        jax.jit(lambda s, i: shifted(s, i, backend=kernel_backend))(src, idx)

@@ -158,10 +158,6 @@ def interpret_call(decl: KernelDecl, operands: Sequence[jax.Array], params: Mapp
         ptrs = ([HostPointer(a) for a in in_arrays[:plan.num_operands]] + list(kargs.scalars.values())
                 + [HostPointer(a) for a in in_arrays[plan.num_operands:]]
                 + [HostPointer(a) for a in out_arrays])
-        if len(ptrs) + len(kargs.constexprs) != len(names):
-            raise TypeError(f"{decl.name}: kernel {decl.kernel.fn.__name__} takes {len(names)} parameters "
-                            f"{names}; the declaration supplies {len(ptrs)} positional + "
-                            f"{sorted(kargs.constexprs)} constexprs")
         infos = ([_info(op.name, "input", a) for op, a in zip(decl.operands, in_arrays)]
                  + [_info(o.name + ".prealloc", "prealloc", a)
                     for o, a in zip(decl.outputs, in_arrays[plan.num_operands:])]
