@@ -7,7 +7,6 @@ Any tuner failure is logged and falls back to the default: tuning never breaks a
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Iterator, Mapping, Sequence
 
 from absl import logging
@@ -19,7 +18,7 @@ from te_jax_perm.core import config_select
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.shapes import bind_dims
 
-ENV_VAR = "TE_JAX_PERM_AUTOTUNE"
+ENV_VAR = config_select.AUTOTUNE_ENV_VAR
 TUNABLE_BACKENDS = ("interpret", "triton")
 _enabled: list[bool] = []
 _options = TuneOptions()
@@ -28,7 +27,7 @@ _options = TuneOptions()
 def enabled() -> bool:
     if _enabled:
         return _enabled[-1]
-    return os.environ.get(ENV_VAR, "").lower() in ("1", "true", "yes", "on")
+    return config_select.autotune_env_enabled()
 
 
 def enable(on: bool = True, options: TuneOptions | None = None) -> None:

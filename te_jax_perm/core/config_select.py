@@ -14,6 +14,8 @@ from absl import logging
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.shapes import bind_dims
 
+AUTOTUNE_ENV_VAR = "TE_JAX_PERM_AUTOTUNE"
+
 Resolver = Callable[[KernelDecl, Sequence[Any], Mapping[str, Any], str], "Config | None"]
 _resolver: Resolver | None = None
 
@@ -23,12 +25,17 @@ def set_config_resolver(resolver: Resolver | None) -> None:
     _resolver = resolver
 
 
+def autotune_env_enabled() -> bool:
+    """Whether ``TE_JAX_PERM_AUTOTUNE`` asks for tuning on a cache miss."""
+    return os.environ.get(AUTOTUNE_ENV_VAR, "").lower() in ("1", "true", "yes", "on")
+
+
 def select_config(decl: KernelDecl, avals: Sequence[Any], params: Mapping[str, Any], backend: str,
                   explicit: Config | None) -> Config:
     dims = bind_dims(decl, avals)
     if explicit is not None:
         return explicit
-    if _resolver is None and os.environ.get("TE_JAX_PERM_AUTOTUNE", "").lower() in ("1", "true", "yes", "on"):
+    if _resolver is None and autotune_env_enabled():
         # The env var alone must enable tuning; importing the autotuner installs its resolver.
         importlib.import_module("te_jax_perm.autotune")
     if _resolver is not None:
