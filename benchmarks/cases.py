@@ -2,7 +2,7 @@
 
 A :class:`Case` builds ``(fn, args)`` for a backend, where ``fn(*args)`` is one call of the
 op (forward, or backward through the op's VJP with residuals precomputed), and counts the
-bytes that call must move (shared/perf.md):
+bytes that call must move:
 
 * dispatch fwd: read each token once (``T*H``), the routing map and the routed probs;
   write every output (permuted rows, permuted probs, row-id map, counts).

@@ -1,4 +1,4 @@
-"""Benchmark shapes: the real MoE shapes of shared/shapes.md, and a tiny CPU smoke sweep."""
+"""Benchmark shapes: real MoE layer shapes for the GPU, and a tiny CPU smoke sweep."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +25,7 @@ class MoEShape:
         return self.T * self.k
 
 
-# shared/shapes.md. DeepSeek-V3 at T=16384 is there for the row-id-map target of the issue
+# DeepSeek-V3, Qwen3, gpt-oss and Mixtral layers. DeepSeek-V3 at T=16384 is there for the row-id-map target
 # ("make_row_id_map for T=16384, E=256: <= 10% of the dispatch time at H=7168").
 GPU_SHAPES: tuple[MoEShape, ...] = (
     MoEShape("Mixtral-8x7B", 8192, 4096, 8, 2),

@@ -17,7 +17,7 @@ import numpy as np
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m te_jax_perm.autotune")
     ap.add_argument("--print-cache", action="store_true")
-    ap.add_argument("--tune-shapes", action="store_true", help="tune every kernel of dispatch+combine at shapes.md")
+    ap.add_argument("--tune-shapes", action="store_true", help="tune every kernel of dispatch+combine at real MoE sizes")
     ap.add_argument("--backend", default=None, help="triton (GPU default) or interpret")
     ap.add_argument("--small", action="store_true", help="the small CPU shape only")
     ap.add_argument("--dtype", default="bfloat16")
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# shapes.md sizes, most important first: a run cut short by its budget has tuned these.
+# Real MoE sizes, most important first: a run cut short by its budget has tuned these.
 PRIORITY = (("deepseek-v3", 8192), ("qwen3-235b", 8192), ("gpt-oss-120b", 8192), ("mixtral-8x7b", 8192),
             ("deepseek-v3", 4096), ("mixtral-8x7b", 16384))
 
@@ -62,7 +62,7 @@ def shape_list(small: bool = False, shapes: str | None = None) -> list[tuple[str
 def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "bfloat16",
                 budget_s: float | None = None, shapes: str | None = None, options: Any = None,
                 on_row: Callable[[dict], None] | None = None) -> list[dict]:
-    """Tunes each kernel that dispatch+combine launch at the shapes.md sizes (priority
+    """Tunes each kernel that dispatch+combine launch at real MoE sizes (priority
     order); one row per distinct tuning key, passed to ``on_row`` as soon as it is done.
 
     With ``budget_s``, no tuning starts after the budget (but the first always does), and

@@ -16,7 +16,8 @@ Semantics, for ``inp`` of shape ``[N, H]`` split into chunks of ``split_sizes[c]
 
 Both directions move rows through one declared kernel whose output is a preallocated,
 alias-declared buffer; the backward pass (the inverse sort) is that same kernel, so it can
-never be handed the incoming gradient's memory as its output (lessons.md #1).
+never be handed the incoming gradient's memory as its output (a row permutation run in
+place would overwrite rows it has yet to read).
 """
 from __future__ import annotations
 

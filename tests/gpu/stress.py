@@ -1,6 +1,6 @@
 """Stress: hundreds of unsynchronised op calls alternating shapes, dtypes and align_size.
 
-Lesson 3 (shared/lessons.md): a kernel compiled for one specialisation and rapidly reused
+Why: a kernel compiled for one specialisation and rapidly reused
 with another hit an illegal memory access that one-shape-per-process tests never see. So,
 in one process: build many distinct problems (T, H, E, k, dtype, align_size, dropping,
 skewed routing), then call the kernel backend on them in shuffled order, pass after pass,
