@@ -78,6 +78,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
     from te_jax_perm.autotune import workloads
     from te_jax_perm.autotune.key import key_digest
     from te_jax_perm.core.shapes import bind_dims
+    from te_jax_perm.progress import Progress
     backend = backend or ("triton" if jax.default_backend() == "gpu" else "interpret")
     np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
     options = options or autotune.TuneOptions()
@@ -85,7 +86,9 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
     options = dataclasses.replace(options, deadline=deadline)
     rows: list[dict] = []
     seen: dict[str, str] = {}
-    for model, H, E, k, T in shape_list(small, shapes):
+    todo = shape_list(small, shapes)
+    progress = Progress(len(todo), budget_s)
+    for si, (model, H, E, k, T) in enumerate(todo):
         if rows and deadline is not None and time.monotonic() > deadline:
             logging.warning("tune_shapes: budget of %.0fs spent; %s T=%d and later shapes not tuned", budget_s,
                             model, T)
@@ -94,7 +97,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
         # Record only: tuning happens below, under the budget, not inside the lowering.
         with autotune.autotuning(False):
             launches = workloads.record_launches(workloads.moe_step(backend, k), args)
-        for ln in launches:
+        for li, ln in enumerate(launches):
             dims = bind_dims(ln.decl, ln.avals)
             digest = key_digest(autotune.make_key(ln.decl, dims, ln.params, [a.dtype for a in ln.avals], backend))
             where = f"{model} T={T}"
@@ -120,6 +123,8 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
             if row["best_time_s"] and row["default_time_s"]:
                 row["speedup_vs_default"] = row["default_time_s"] / row["best_time_s"]
             rows.append(row)
+            logging.info("tune_shapes: %s", progress.line(si + (li + 1) / len(launches),
+                         f"shape {si + 1}/{len(todo)} ({model} T={T}), kernel {li + 1}/{len(launches)}"))
             if on_row:
                 on_row(row)
     return rows

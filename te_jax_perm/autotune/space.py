@@ -1,7 +1,7 @@
 """The search space of one launch: declared configs minus those a constraint rules out.
 
 Pruning happens before anything compiles, so an invalid (e.g. racy) tiling can never be
-timed, let alone picked; every pruned config is logged with the constraint's reason.
+timed, let alone picked; every pruned config is logged (verbosity 1) with the constraint's reason.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def candidates(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, A
         why = decl.violated(dims, params, cfg)
         if why:
             pruned.append((cfg, why))
-            logging.info("autotune %s: pruned %s for %s: %s", decl.name, cfg, dict(dims), why)
+            logging.vlog(1, "autotune %s: pruned %s for %s: %s", decl.name, cfg, dict(dims), why)
         else:
             valid.append(cfg)
     return valid, pruned
@@ -47,6 +47,6 @@ def cap(valid: Sequence[Config], default: Config, limit: int | None, name: str =
     picks = sorted({round(i * (len(rest) - 1) / max(1, n - 1)) for i in range(n)}) if n and rest else []
     kept = head + [rest[i] for i in picks]
     skipped = [c for c in rest if c not in kept]
-    logging.info("autotune %s: %d candidates over the cap of %d, skipped: %s", name, len(skipped), limit,
+    logging.vlog(1, "autotune %s: %d candidates over the cap of %d, skipped: %s", name, len(skipped), limit,
                  ", ".join(str(c) for c in skipped))
     return kept, skipped

@@ -78,7 +78,8 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
     valid, pruned = candidates(decl, dims, params)
     default = decl.default_config(dims, params)
     valid, skipped = cap(valid, default, options.max_candidates, decl.name)
-    logging.info("autotune %s: tuning %d configs for dims %s params %s (%d pruned)", decl.name, len(valid),
+    n_candidates = len(valid) + len(pruned) + len(skipped)  # for the summary line
+    logging.vlog(1, "autotune %s: tuning %d configs for dims %s params %s (%d pruned)", decl.name, len(valid),
                  dict(dims), params, len(pruned))
     out_avals = output_avals(decl, avals, params)
 
@@ -147,14 +148,18 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
         "tuning_s": time.perf_counter() - t_start,
         "phases_s": phases,
     }
+    # One line per tuned kernel; the per-config detail (pruning reasons, phases) is at verbosity 1.
+    counts = (f"{n_candidates} candidates, {len(pruned)} pruned by constraints, "
+              + (f"{len(skipped)} over the cap, " if skipped else "")
+              + f"{len(failed)} failed, {len(rejected)} rejected (wrong output), {len(ok)} timed")
     if not ok:
-        logging.error("autotune %s: no config produced the reference output for %s; using the default %s",
-                      decl.name, dict(dims), default)
+        logging.error("autotune %s %s: %s; no config produced the reference output, using the default %s",
+                      decl.name, dict(dims), counts, default)
     else:
-        logging.info("autotune %s: best %s (%.3g ms; default %s) after %.1fs", decl.name, ok[0].config,
-                     1e3 * ok[0].time_s, "%.3g ms" % (1e3 * default_time) if default_time else "n/a",
-                     entry["tuning_s"])
-    logging.info("autotune %s: phases %s", decl.name, {k: round(v, 3) for k, v in phases.items()})
+        logging.info("autotune %s %s: %s; best %s %.3g ms (default %s) in %.1fs", decl.name, dict(dims), counts,
+                     ok[0].config, 1e3 * ok[0].time_s,
+                     "%.3g ms" % (1e3 * default_time) if default_time else "not timed", entry["tuning_s"])
+    logging.vlog(1, "autotune %s: phases %s", decl.name, {k: round(v, 3) for k, v in phases.items()})
     if complete:
         cache.store(key, entry)
     else:  # cut short by the deadline: reported, never cached as if it were a full search
@@ -175,7 +180,7 @@ def _compile_stage(decl, avals, out_avals, params, valid, target, options, pool)
     for c, r in zip(valid, results):
         if r.ok:
             kept.append(c)
-            logging.info("autotune %s: compiled %s (%.2fs, %s regs)", decl.name, c, r.info.get("compile_s", 0),
+            logging.vlog(1, "autotune %s: compiled %s (%.2fs, %s regs)", decl.name, c, r.info.get("compile_s", 0),
                          r.info.get("n_regs"))
         else:
             failed.append((c, r.error.strip().splitlines()[-1] if r.error else "failed"))
