@@ -2,10 +2,13 @@
 
     python3 -m benchmarks.run --out DIR [--budget-s 300] [--shapes DeepSeek,Qwen3] [--ops dispatch]
 
-On a GPU the kernel backend is ``triton`` at the shapes of shared/shapes.md; elsewhere it
-is ``interpret`` on a tiny smoke sweep (``--mode cpu`` forces that anywhere). Writes
-``DIR/bench.json`` (every measurement, derived ratios and the issue's targets) and
-``DIR/bench.png``, and prints one summary line per measurement and per target.
+On a GPU the kernel backend is ``triton`` at real MoE layer shapes (DeepSeek-V3, Qwen3,
+gpt-oss, Mixtral); elsewhere it is ``interpret`` (Triton's interpreter) on a tiny smoke
+sweep that checks the benchmark runs and judges no targets (``--mode cpu`` forces that
+anywhere). Writes ``DIR/bench.json`` (every measurement, derived ratios and, on a GPU, the
+performance targets) and ``DIR/bench.png``, and prints one line per measurement (with a
+progress count, elapsed time and time left), then the summary and, on a GPU, one line per
+target. ``python3 -m benchmarks.report DIR/bench.json`` redraws the chart.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from benchmarks import cases as cases_mod
 from benchmarks import report
 from benchmarks.shapes import CPU_SHAPES, GPU_SHAPES, MoEShape, by_name
 from benchmarks.timing import Timing, chain_length, time_fn
+from te_jax_perm.progress import Progress
 
 # Guessed bandwidths (bytes/s) only size the timing chains; they never enter a result.
 _GUESS_BW = {"triton": 2.5e12, "xla": 0.5e12, "interpret": 1e8}
@@ -75,9 +79,10 @@ def _row(shape: MoEShape, op: str, direction: str, backend: str, nbytes: int,
 
 
 class Runner:
-    def __init__(self, st: Settings, deadline: float, log):
-        self.st, self.deadline, self.log = st, deadline, log
+    def __init__(self, st: Settings, deadline: float, log, progress: Progress | None = None):
+        self.st, self.deadline, self.log, self.progress = st, deadline, log, progress
         self.rows: list[dict] = []
+        self.done = 0
 
     def over_budget(self) -> bool:
         return time.monotonic() > self.deadline
@@ -95,7 +100,8 @@ class Runner:
                 row = _row(shape, op, direction, backend, 0, status=f"error: {type(e).__name__}: {e}"[:500], **extra)
                 self.log(traceback.format_exc())
         self.rows.append(row)
-        self.log(report.one_line(row))
+        self.done += 1
+        self.log(report.one_line(row) + (f"  [{self.progress.line(self.done)}]" if self.progress else ""))
         return row
 
 
@@ -138,7 +144,13 @@ def run(args: argparse.Namespace) -> dict:
     shapes = _ordered(by_name(args.shapes, GPU_SHAPES if st.on_gpu else CPU_SHAPES))
     selected = cases_mod.select(args.ops)
     backends = [b for b in (st.kernel_backend, "xla") if b in args.backends.split(",")]
-    runner = Runner(st, t_start + args.budget_s, log)
+    n_copy_tune = len(_COPY_SHORTLIST) if st.on_gpu and not args.no_copy_tune and shapes else 0
+    total = n_copy_tune + len(shapes) * (2 + len(selected) * len(backends))
+    if not st.on_gpu:
+        log(report.SMOKE_NOTE)
+    log(f"benchmark: {total} measurements ({len(shapes)} shapes; {len(selected)} op directions on "
+        f"{' and '.join(backends)}; copies), budget {args.budget_s:.0f}s, on {jax.devices()[0].device_kind}")
+    runner = Runner(st, t_start + args.budget_s, log, Progress(total, args.budget_s))
     copy_cfg, copy_trials = None, []
     for si, shape in enumerate(shapes):
         if runner.over_budget():
@@ -191,7 +203,7 @@ def _meta(st: Settings, args: argparse.Namespace, copy_cfg: Any, wall_s: float) 
 
     dev = jax.devices()[0]
     return {"device": getattr(dev, "device_kind", str(dev)), "platform": jax.default_backend(),
-            "kernel_backend": st.kernel_backend, "jax": jax.__version__, "triton": triton.__version__,
+            "kernel_backend": st.kernel_backend, "smoke": not st.on_gpu, "jax": jax.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "autotune": bool(args.autotune),
             "copy_config": str(copy_cfg), "reps": st.reps, "target_chain_s": st.target_s,
             "budget_s": args.budget_s, "wall_s": wall_s, "argv": sys.argv[1:],
@@ -202,7 +214,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output directory (bench.json, bench.png, bench.log)")
     p.add_argument("--mode", choices=("auto", "gpu", "cpu"), default="auto",
-                   help="auto: GPU sweep if JAX sees a GPU, else the CPU smoke sweep")
+                   help="auto: GPU sweep if JAX sees a GPU, else the CPU smoke sweep (interpret vs xla at tiny "
+                        "shapes; checks the benchmark runs, judges no targets)")
     p.add_argument("--budget-s", type=float, default=300.0,
                    help="stop starting new measurements after this many seconds (rest marked skipped)")
     p.add_argument("--shapes", default="", help="comma-separated substrings of shape names (default: all)")

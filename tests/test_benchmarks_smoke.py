@@ -77,7 +77,7 @@ def test_cpu_sweep_writes_json_and_png(tmp_path):
     assert all("pct_copy" in r and "speedup_vs_xla" in r for r in kern)
     (layer,) = res["layer"]
     assert layer["speedup_vs_xla"] == pytest.approx(layer["xla_s"] / layer["kernel_s"])
-    assert res["targets"] and not any(t["binding"] for t in res["targets"])
+    assert res["meta"]["smoke"] and res["targets"] == []   # a CPU smoke run judges no targets
 
 
 @pytest.mark.skipif(ON_GPU, reason="a tiny-budget CPU run")
