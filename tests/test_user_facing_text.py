@@ -110,3 +110,13 @@ def test_user_facing_text_names_only_files_in_the_repository(user_facing):
 def test_user_facing_text_does_not_point_outside_the_repository(user_facing):
     bad = [b for name, text in user_facing for b in banned_phrases(name, text)]
     assert not bad, "user-facing text that points outside the repository:\n" + "\n".join(bad)
+
+
+def test_build_md_shows_the_test_line_ci_runs():
+    # .ci/run runs the line two lines below the README's <!-- test-line --> marker.
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read().splitlines()
+    line = readme[readme.index("<!-- test-line -->") + 2].strip()
+    assert line.startswith("python3 -m pip install") and "pytest" in line, line
+    with open(os.path.join(ROOT, "BUILD.md"), encoding="utf-8") as f:
+        assert line in [ln.strip() for ln in f.read().splitlines()], f"BUILD.md does not show {line!r}"
