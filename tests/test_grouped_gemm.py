@@ -85,8 +85,9 @@ def test_every_config_of_the_space_is_correct_on_the_kernel_backend(kernel_backe
     seen = set()
     for cfg in gg._grouped_gemm.decl.configs:
         key = (cfg.kw["BM"], cfg.kw["BN"], cfg.kw["BK"])
-        if key in seen:
-            continue  # warps/stages don't change what the interpreter computes
+        if key in seen or gg._grouped_gemm.decl.violated({"M": 150, "C": 64, "D": 128, "G": 3},
+                                                           {"elem_bytes": 4}, cfg):
+            continue  # warps/stages don't change the tiling; pruned configs never run
         seen.add(key)
         (out,) = gg._grouped_gemm(lhs, rhs, sizes, backend=kernel_backend, config=cfg, elem_bytes=4)
         np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-2, atol=5e-2, err_msg=str(cfg))
