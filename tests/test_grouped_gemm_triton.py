@@ -1,11 +1,11 @@
-"""grouped_gemm against a float64 NumPy per-group reference: values, VJP, edge group sizes."""
+"""grouped_gemm_triton against a float64 NumPy per-group reference: values, VJP, edge group sizes."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from te_jax_perm.core import Config
-from te_jax_perm.ops import grouped_gemm as gg
+from te_jax_perm.ops import grouped_gemm_triton as gg
 
 
 def _np_grouped(lhs, rhs, sizes):
@@ -52,7 +52,7 @@ def test_values_and_vjp_match_numpy(backend, m, k, n, sizes):
     rhs = rng.standard_normal((len(sizes), k, n)).astype(np.float32)
     dout = rng.standard_normal((m, n)).astype(np.float32)
     gs = np.asarray(sizes, np.int32)
-    out, vjp = jax.vjp(lambda a, b: gg.grouped_gemm(a, b, gs, backend=backend), lhs, rhs)
+    out, vjp = jax.vjp(lambda a, b: gg.grouped_gemm_triton(a, b, gs, backend=backend), lhs, rhs)
     # TF32 tensor cores on GPU: the tolerance covers 10-bit mantissas over K <= 64 terms.
     tol = dict(rtol=2e-2, atol=5e-2)
     np.testing.assert_allclose(np.asarray(out), _np_grouped(lhs, rhs, sizes), **tol)
@@ -67,7 +67,7 @@ def test_bf16_under_jit_with_traced_sizes(backend):
     lhs = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((4, 64, 128)) / 8, jnp.bfloat16)
     sizes = jnp.asarray([30, 0, 50, 10], jnp.int32)
-    out = jax.jit(lambda a, b, s: gg.grouped_gemm(a, b, s, backend=backend))(lhs, rhs, sizes)
+    out = jax.jit(lambda a, b, s: gg.grouped_gemm_triton(a, b, s, backend=backend))(lhs, rhs, sizes)
     assert out.dtype == jnp.bfloat16 and out.shape == (96, 128)
     ref = _np_grouped(np.asarray(lhs, np.float32), np.asarray(rhs, np.float32), [30, 0, 50, 10])
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=2e-2, atol=5e-2)
@@ -95,9 +95,9 @@ def test_every_config_of_the_space_is_correct_on_the_kernel_backend(kernel_backe
 
 def test_shape_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"rhs has shape \(2, 8, 4\); expected \(G=3, K=16"):
-        gg.grouped_gemm(jnp.zeros((4, 16)), jnp.zeros((2, 8, 4)), jnp.zeros((3,), jnp.int32))
+        gg.grouped_gemm_triton(jnp.zeros((4, 16)), jnp.zeros((2, 8, 4)), jnp.zeros((3,), jnp.int32))
     with pytest.raises(TypeError, match="lhs has dtype float32 but rhs has bfloat16"):
-        gg.grouped_gemm(jnp.zeros((4, 8)), jnp.zeros((1, 8, 4), jnp.bfloat16), jnp.zeros((1,), jnp.int32))
+        gg.grouped_gemm_triton(jnp.zeros((4, 8)), jnp.zeros((1, 8, 4), jnp.bfloat16), jnp.zeros((1,), jnp.int32))
 
 
 def test_clamped_group_sizes():

@@ -1,4 +1,4 @@
-"""``grouped_gemm``: the MoE expert matmul as a Triton grouped GEMM, with its VJP.
+"""``grouped_gemm_triton``: the MoE expert matmul as a Triton grouped GEMM, with its VJP.
 
 ``lhs [M, K]`` holds rows grouped by expert (``token_dispatch``'s output layout),
 ``rhs [G, K, N]`` one matrix per expert, ``group_sizes [G]`` int32 the rows of each expert
@@ -157,16 +157,16 @@ _grouped_gemm_wgrad = declare(KernelDecl(
 
 def _check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
-        raise ValueError(f"grouped_gemm: expected lhs [M,K], rhs [G,K,N], group_sizes [G]; got lhs "
+        raise ValueError(f"grouped_gemm_triton: expected lhs [M,K], rhs [G,K,N], group_sizes [G]; got lhs "
                          f"{lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape}")
     if rhs.shape[1] != lhs.shape[1] or rhs.shape[0] != group_sizes.shape[0]:
-        raise ValueError(f"grouped_gemm: rhs has shape {rhs.shape}; expected (G={group_sizes.shape[0]}, "
+        raise ValueError(f"grouped_gemm_triton: rhs has shape {rhs.shape}; expected (G={group_sizes.shape[0]}, "
                          f"K={lhs.shape[1]}, N) to match group_sizes {group_sizes.shape} and lhs {lhs.shape}")
     if lhs.dtype != rhs.dtype:
-        raise TypeError(f"grouped_gemm: lhs has dtype {lhs.dtype} but rhs has {rhs.dtype}; expected equal dtypes")
+        raise TypeError(f"grouped_gemm_triton: lhs has dtype {lhs.dtype} but rhs has {rhs.dtype}; expected equal dtypes")
 
 
-def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+def grouped_gemm_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                  backend: str | None = None) -> jax.Array:
     """Grouped matmul: ``out[rows of g] = lhs[rows of g] @ rhs[g]``.
 
