@@ -1,0 +1,130 @@
+"""Triton sources of the grouped GEMM used for MoE expert layers.
+
+Rows of ``lhs`` are grouped contiguously (group ``g`` owns rows ``[start_g, end_g)``, the
+layout ``token_dispatch`` produces); every group multiplies its rows by its own matrix.
+Group sizes are device values, so the tile schedule is computed inside the kernel: each
+program maps its tile index to a group by a prefix sum over the (clamped) group sizes.
+
+Bounds: sizes are clamped to ``[0, M]`` and row ends to ``M`` before anything is
+addressed, so no value of ``group_sizes`` (negative, huge, or summing past ``M``) makes a
+program touch rows outside ``lhs``/``out``; rows past the last group are written as zeros.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _group_bounds(gs_ptr, M, G: tl.constexpr, G_P2: tl.constexpr):
+    """Clamped [start, end) row range of every group, as int64 vectors of length G_P2."""
+    g_idx = tl.arange(0, G_P2)
+    sizes = tl.load(gs_ptr + g_idx, mask=g_idx < G, other=0).to(tl.int64)
+    sizes = tl.minimum(tl.maximum(sizes, 0), M)
+    incl = tl.cumsum(sizes, 0)
+    ends = tl.minimum(incl, M)
+    starts = tl.minimum(incl - sizes, M)
+    return g_idx, starts, ends
+
+
+@triton.jit
+def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
+                        C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+                        TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, GROUP_M: tl.constexpr):
+    """out[rows of g] = lhs[rows of g] @ B_g for every group g; other rows get zeros.
+
+    lhs is [M, C]. Without TRANS_RHS, rhs is [G, C, D] and B_g = rhs[g]; with TRANS_RHS,
+    rhs is [G, D, C] and B_g = rhs[g].T (the input-gradient GEMM, no transposed copy).
+    """
+    pid = tl.program_id(0)
+    num_n: tl.constexpr = (D + BN - 1) // BN
+    num_m = tl.num_programs(0) // num_n
+    # Consecutive programs walk GROUP_M row tiles before moving along N, so a B_g column
+    # block is reused from L2 by several row tiles.
+    per_band = GROUP_M * num_n
+    band = pid // per_band
+    first_m = band * GROUP_M
+    band_m = tl.minimum(num_m - first_m, GROUP_M)
+    tile_m = first_m + (pid % per_band) % band_m
+    tile_n = (pid % per_band) // band_m
+
+    g_idx, starts, ends = _group_bounds(group_sizes_ptr, M, G, G_P2)
+    tiles = (ends - starts + BM - 1) // BM
+    tile_ends = tl.cumsum(tiles, 0)
+    total_tiles = tl.sum(tiles, 0)
+    used_rows = tl.max(ends, 0)
+    g = tl.sum((tile_ends <= tile_m).to(tl.int32), 0)
+    is_group_tile = g < G
+    sel = g_idx == g
+    g_start = tl.sum(tl.where(sel, starts, 0), 0)
+    g_end = tl.sum(tl.where(sel, ends, 0), 0)
+    g_first_tile = tl.sum(tl.where(sel, tile_ends - tiles, 0), 0)
+    # Tiles past the groups' tiles zero-fill the rows no group owns (init="empty" output).
+    row0 = tl.where(is_group_tile, g_start + (tile_m - g_first_tile) * BM,
+                    used_rows + (tile_m - total_tiles) * BM)
+    row_end = tl.where(is_group_tile, g_end, M)
+    k_end = tl.where(is_group_tile, C, 0)
+
+    rows = row0 + tl.arange(0, BM)
+    row_ok = rows < row_end
+    cols = tile_n * BN + tl.arange(0, BN)
+    col_ok = cols < D
+    ks = tl.arange(0, BK)
+    a_ptrs = lhs_ptr + rows[:, None].to(tl.int64) * C + ks[None, :]
+    b_base = rhs_ptr + tl.where(is_group_tile, g, 0).to(tl.int64) * C * D
+    if TRANS_RHS:
+        b_ptrs = b_base + cols[None, :].to(tl.int64) * C + ks[:, None]
+        b_step = BK
+    else:
+        b_ptrs = b_base + ks[:, None].to(tl.int64) * D + cols[None, :]
+        b_step = BK * D
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, k_end, BK):
+        k_ok = (k + ks) < C
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BK
+        b_ptrs += b_step
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def grouped_gemm_wgrad_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
+                              K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+                              BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    """out[g] = lhs[rows of g].T @ dout[rows of g]: the weight gradient, [G, K, N].
+
+    One program owns one [BK, BN] block of one group's matrix and reduces over that
+    group's rows, so no two programs write the same element and empty groups get zeros.
+    """
+    pid = tl.program_id(0)
+    num_k: tl.constexpr = (K + BK - 1) // BK
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    g = pid // (num_k * num_n)
+    rest = pid % (num_k * num_n)
+    tile_k = rest // num_n
+    tile_n = rest % num_n
+
+    g_idx, starts, ends = _group_bounds(group_sizes_ptr, M, G, G_P2)
+    sel = g_idx == g
+    # Row indices fit int32 (M does); the loop runs over this group's rows only.
+    r_start = tl.sum(tl.where(sel, starts, 0), 0).to(tl.int32)
+    r_end = tl.sum(tl.where(sel, ends, 0), 0).to(tl.int32)
+
+    kcols = tile_k * BK + tl.arange(0, BK)
+    k_ok = kcols < K
+    ncols = tile_n * BN + tl.arange(0, BN)
+    n_ok = ncols < N
+    rs = tl.arange(0, BR)
+    acc = tl.zeros((BK, BN), dtype=tl.float32)
+    for r in range(r_start, r_end, BR):
+        rows = r + rs
+        r_ok = rows < r_end
+        x = tl.load(lhs_ptr + rows[:, None].to(tl.int64) * K + kcols[None, :],
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        dy = tl.load(dout_ptr + rows[:, None].to(tl.int64) * N + ncols[None, :],
+                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(tl.trans(x), dy, acc)
+    out_ptrs = out_ptr + g.to(tl.int64) * K * N + kcols[:, None].to(tl.int64) * N + ncols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
