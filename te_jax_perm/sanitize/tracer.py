@@ -152,21 +152,23 @@ def _install(cls) -> None:
     _saved.update(orig)
     from triton.runtime.interpreter import TensorHandle
 
-    def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+    # Trailing cache arguments differ across Triton versions (one cache_policy in 3.9,
+    # cache_modifier and eviction_policy before): pass them through untouched.
+    def masked_load(self, ptrs, mask, *rest):
         rec = _current()
         if rec is not None:
             new = rec.record(ptrs, mask.data, "load")
             if new is not None:
                 mask = TensorHandle(new, mask.dtype)
-        return orig["create_masked_load"](self, ptrs, mask, other, cache_policy, is_volatile)
+        return orig["create_masked_load"](self, ptrs, mask, *rest)
 
-    def masked_store(self, ptrs, value, mask, cache_policy):
+    def masked_store(self, ptrs, value, mask, *rest):
         rec = _current()
         if rec is not None:
             new = rec.record(ptrs, mask.data, "store")
             if new is not None:
                 mask = TensorHandle(new, mask.dtype)
-        return orig["create_masked_store"](self, ptrs, value, mask, cache_policy)
+        return orig["create_masked_store"](self, ptrs, value, mask, *rest)
 
     def atomic(name: str) -> Callable:
         def wrapper(self, *args):
