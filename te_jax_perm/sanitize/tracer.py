@@ -110,13 +110,10 @@ def _current() -> LaunchRecord | None:
     return _active[-1] if _active else None
 
 
-def _pointer_tag(rec: LaunchRecord, handle) -> int | None:
+def _pointer_tag(rec: LaunchRecord, handle, pointer_type: type) -> int | None:
     """Region tag of ``handle`` if it is a pointer tensor (a root kernel argument is tagged
     on first use by its base address), else ``None``."""
-    from triton.runtime.interpreter import TensorHandle
-    import triton.language as tl
-
-    if isinstance(handle, TensorHandle) and isinstance(handle.dtype, tl.pointer_type):
+    if isinstance(getattr(handle, "dtype", None), pointer_type) and hasattr(handle, "attr"):
         return rec.tag_of(handle)
     return None
 
@@ -137,7 +134,7 @@ def _deriving(orig: Callable) -> Callable:
         outs = out if isinstance(out, tuple) else (out,)
         ptr_outs = [o for o in outs if isinstance(getattr(o, "dtype", None), tl.pointer_type) and hasattr(o, "attr")]
         if ptr_outs:
-            tags = {t for a in (*args, *kwargs.values()) if (t := _pointer_tag(rec, a)) is not None}
+            tags = {t for a in (*args, *kwargs.values()) if (t := _pointer_tag(rec, a, tl.pointer_type)) is not None}
             if len(tags) == 1:
                 (tag,) = tags
                 for o in ptr_outs:
