@@ -139,3 +139,53 @@ def _bin_count(name: str, atomic: bool):
 
 bin_count_atomic = _bin_count("planted_bin_count_atomic", True)
 bin_count_racy = _bin_count("planted_bin_count_racy", False)
+
+
+# -- 5. overruns into a neighbouring buffer, the pointer built in several ways -------------
+# FORM picks how the pointer tensor is formed from the base pointer; each must be charged to
+# the base pointer's buffer wherever its addresses land.
+POINTER_FORMS = ("ptr+tensor", "tensor+ptr", "scalar_then_tensor", "expand_reshape", "advanced", "select",
+                 "bitcast")
+
+
+@triton.jit
+def _pointers(base, pid, BLOCK: tl.constexpr, FORM: tl.constexpr):
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    if FORM == 0:
+        p = base + offs
+    elif FORM == 1:
+        p = offs + base
+    elif FORM == 2:
+        p = (base + pid * BLOCK) + tl.arange(0, BLOCK)
+    elif FORM == 3:
+        p = tl.reshape(base + (offs // 2)[:, None] * 2 + (offs % 2)[:, None], (BLOCK,))
+    elif FORM == 4:
+        p = base + tl.arange(0, BLOCK)
+        p += pid * BLOCK
+    elif FORM == 5:
+        p = tl.where(offs >= 0, base + offs, base)
+    else:
+        p = base.to(tl.pointer_type(tl.int32), bitcast=True) + offs
+    return p
+
+
+@triton.jit
+def overrun_copy_kernel(src_ptr, N, out_prealloc_ptr, out_ptr, BLOCK: tl.constexpr, FORM: tl.constexpr,
+                        LOAD_OVER: tl.constexpr, STORE_OVER: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(_pointers(src_ptr, pid, BLOCK, FORM), mask=offs < N + LOAD_OVER, other=0)
+    tl.store(_pointers(out_ptr, pid, BLOCK, FORM), v, mask=offs < N + STORE_OVER)
+
+
+def overrun_copy(load_over: int, store_over: int, form: int = 0, name: str = "planted_overrun_copy"):
+    return declare(KernelDecl(
+        name=name, kernel=overrun_copy_kernel,
+        operands=(Operand("src", ("N",), ("int32",)),),
+        outputs=(Output("out", lambda d, p: (d["N"],), lambda t, p: jnp.int32),),
+        reference=lambda src: (src,),
+        grid=lambda d, p, c: (triton.cdiv(d["N"], c.kw["BLOCK"]) + 1,),   # one program past the end
+        scalars=lambda d, p: {"N": d["N"]},
+        constexprs=lambda d, p, c: {"FORM": form, "LOAD_OVER": load_over, "STORE_OVER": store_over},
+        default_config=lambda d, p: Config.make(BLOCK=8),
+    ))

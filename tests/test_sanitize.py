@@ -79,6 +79,44 @@ def test_overrun_into_a_neighbouring_buffer_is_charged_to_its_source():
     assert not [h for h in r.hazards if h.buffer == "out" and h.access == "load"], r.text()
 
 
+@pytest.mark.parametrize("over", [3, 8])
+@pytest.mark.parametrize("access", ["load", "store"])
+@pytest.mark.parametrize("form", range(len(pk.POINTER_FORMS)), ids=pk.POINTER_FORMS)
+def test_tensor_offset_overrun_into_a_neighbour_is_charged_to_its_base_pointer(form, access, over):
+    # The overrunning buffer comes first in one allocation, its neighbour right after, so
+    # every overrunning lane lands inside the neighbour. Program 1 covers elements [8, 16):
+    # all past the end of the 8-element buffers.
+    N = 8
+    arena = np.zeros(2 * N, np.int32)
+    src, out = (arena[:N], arena[N:]) if access == "load" else (arena[N:], arena[:N])
+    src[:] = np.arange(1, N + 1)
+    bufs = [_info("src", "input", src), _info("out", "output", out)]
+    args = {"src_ptr": HostPointer(src), "N": N, "out_prealloc_ptr": HostPointer(out), "out_ptr": HostPointer(out)}
+    constexprs = {"BLOCK": 8, "FORM": form, "LOAD_OVER": over if access == "load" else 0,
+                  "STORE_OVER": over if access == "store" else 0}
+    with sanitize() as r:
+        launch_interpreted(pk.overrun_copy_kernel, (2,), args, constexprs, name="adjacent_overrun", buffers=bufs)
+    got = [(h.kind, h.buffer, h.programs, h.access, h.elements, h.count) for h in r.hazards]
+    want = ("src" if access == "load" else "out")
+    assert got == [(OOB, want, ((1, 0, 0),), access, (N, N + over), over)], r.text()
+    # The overrunning lanes were suppressed: the copy is exact and the neighbour untouched.
+    np.testing.assert_array_equal(out, np.arange(1, N + 1))
+    np.testing.assert_array_equal(src, np.arange(1, N + 1))
+
+
+@pytest.mark.parametrize("N", [8, 13, 5, 21, 16])
+def test_out_of_bounds_store_is_charged_to_the_same_buffer_every_run(N):
+    # Through the declared primitive, wherever XLA places the buffers.
+    over = 3
+    prim = pk.overrun_copy(0, over, name=f"planted_overrun_store_{N}")
+    src = jnp.arange(1, N + 1, dtype=jnp.int32)
+    for _ in range(3):
+        r = check(lambda: prim(src, backend=INTERP))
+        assert {(h.kind, h.buffer, h.access) for h in r.hazards} == {(OOB, "out", "store")}, r.text()
+        hit = set().union(*(range(*h.elements) for h in r.hazards))
+        assert hit == set(range(N, N + over)), r.text()
+
+
 def test_raise_on_first_stops_at_the_first_hazard():
     src = jnp.ones((3, 5), jnp.float32)
     with pytest.raises(HazardError) as e:

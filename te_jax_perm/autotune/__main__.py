@@ -36,8 +36,25 @@ def main(argv: list[str] | None = None) -> int:
         tune_shapes(a.backend, a.small, a.dtype, a.budget_s, a.shapes, opts,
                     on_row=lambda row: print(json.dumps(row), flush=True))
     if a.print_cache or not a.tune_shapes:
-        autotune.print_cache()
+        from te_jax_perm.autotune.cache import format_cache
+        print(format_cache(shipped_decls()))
     return 0
+
+
+def shipped_decls() -> dict[str, Any]:
+    """Kernel name -> declaration of every kernel primitive the library's ops define, so
+    that --print-cache checks each entry's configs against its kernel's declaration."""
+    import importlib
+    import pkgutil
+
+    import te_jax_perm.ops
+    from te_jax_perm.core import KernelPrimitive
+    found = {}
+    for mod in pkgutil.walk_packages(te_jax_perm.ops.__path__, "te_jax_perm.ops."):
+        for v in vars(importlib.import_module(mod.name)).values():
+            if isinstance(v, KernelPrimitive):
+                found[v.decl.name] = v.decl
+    return found
 
 
 # Real MoE sizes, most important first: a run cut short by its budget has tuned these.

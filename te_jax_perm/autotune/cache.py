@@ -3,6 +3,12 @@
 The directory is ``set_cache_dir(...)``, else ``$TE_JAX_PERM_AUTOTUNE_CACHE``, else
 ``~/.cache/te_jax_perm/autotune``. Writers go through a temp file plus ``os.replace``, so
 concurrent processes only ever see complete files (last writer wins, both are valid).
+When the directory cannot be written, results are kept in memory for the rest of the
+process (with one warning) rather than thrown away.
+
+Files are checked before use (:func:`load_valid`, see ``entry_check``): an unreadable or
+malformed entry, or one with a config the declaration cannot produce, is reported once,
+ignored, and re-tuned when tuning is on.
 """
 from __future__ import annotations
 
@@ -12,10 +18,18 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from absl import logging
+
+from te_jax_perm.autotune import entry_check
 from te_jax_perm.autotune.key import key_digest
+from te_jax_perm.core.declaration import KernelDecl
 
 ENV_VAR = "TE_JAX_PERM_AUTOTUNE_CACHE"
 _dir_override: str | None = None
+# Entries tuned in this process whose file could not be written, by path.
+_memory: dict[str, dict] = {}
+_unwritable: set[str] = set()             # directories already warned about
+_reported: set[tuple[str, str]] = set()   # (path, reason) of bad entries already warned about
 
 
 def set_cache_dir(path: str | os.PathLike | None) -> None:
@@ -33,53 +47,163 @@ def entry_path(key: Mapping[str, Any]) -> Path:
     return cache_dir() / f"{key['kernel']}-{key_digest(key)}.json"
 
 
-def load(key: Mapping[str, Any]) -> dict | None:
-    path = entry_path(key)
+def _read(path: Path) -> tuple[Any, str | None]:
+    """``(parsed JSON, None)``, or ``(None, why it cannot be parsed)``."""
     try:
-        with open(path) as f:
-            entry = json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+        return json.loads(path.read_bytes().decode("utf-8")), None
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        return None, f"unreadable ({type(e).__name__}: {e})"
+
+
+def _lookup(key: Mapping[str, Any]) -> tuple[Path, Any, str | None]:
+    """``(path, entry, problem)``; ``entry`` is ``None`` when there is no entry at all."""
+    path = entry_path(key)
+    if str(path) in _memory:
+        return path, _memory[str(path)], None
+    try:
+        entry, why = _read(path)
+    except FileNotFoundError:
+        return path, None, None
+    if why is None:
+        why = entry_check.entry_problem(entry)
     # A digest collision or a hand-edited file must not hand back another key's result.
-    return entry if entry.get("key") == json.loads(json.dumps(key)) else None
+    if why is None and entry["key"] != json.loads(json.dumps(key)):
+        why = "its key is not the key this file name stands for"
+    return path, entry, why
+
+
+def load(key: Mapping[str, Any]) -> dict | None:
+    """The entry for ``key`` if one is stored and well formed (not checked against a
+    declaration: use :func:`load_valid` before using its configs)."""
+    _, entry, why = _lookup(key)
+    return None if why else entry
+
+
+def load_valid(decl: KernelDecl, key: Mapping[str, Any], dims: Mapping[str, int], params: Mapping[str, Any]
+               ) -> dict | None:
+    """The entry for ``key`` if every config in it is one ``decl`` can run, else ``None``
+    (a bad entry is logged once, then treated as missing so that it is re-tuned)."""
+    path, entry, why = _lookup(key)
+    if entry is None and why is None:
+        return None
+    if why is None:
+        space = entry_check.declared_space(decl, (dims, entry.get("tuned_dims")), params)
+        why = entry_check.entry_problem(entry, decl, space)
+    if why is None:
+        return entry
+    if (str(path), why) not in _reported:
+        _reported.add((str(path), why))
+        logging.warning("autotune %s: ignoring the cached result in %s: %s; it is re-tuned when tuning is on",
+                        decl.name, path, why)
+    return None
 
 
 def store(key: Mapping[str, Any], entry: Mapping[str, Any]) -> Path:
     path = entry_path(key)
+    full = {**entry, "key": key}
+    try:
+        _write(path, full)
+    except OSError as e:
+        _memory[str(path)] = json.loads(json.dumps(full))
+        if str(path.parent) not in _unwritable:
+            _unwritable.add(str(path.parent))
+            logging.warning("autotune: cannot write the tuning cache in %s (%s); results are kept in memory for "
+                            "this process only. Set %s or autotune.set_cache_dir() to a writable directory.",
+                            path.parent, e, ENV_VAR)
+        return path
+    _memory.pop(str(path), None)
+    return path
+
+
+def _write(path: Path, entry: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump({**entry, "key": key}, f, indent=1, sort_keys=True)
+            json.dump(entry, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return path
 
 
-def entries() -> Iterator[tuple[Path, dict]]:
+def entries() -> Iterator[tuple[Path, Any, str | None]]:
+    """Every entry in the cache directory and in memory: ``(path, entry, problem)``, with
+    ``problem`` the reason a file cannot be used (its shape only, not its configs)."""
     d = cache_dir()
-    if not d.is_dir():
-        return
-    for p in sorted(d.glob("*.json")):
-        try:
-            with open(p) as f:
-                yield p, json.load(f)
-        except (json.JSONDecodeError, OSError):
+    paths = set()
+    try:
+        paths = {p for p in d.glob("*.json") if p.is_file()} if d.is_dir() else set()
+    except OSError:
+        pass
+    for p in sorted(paths | {Path(m) for m in _memory if Path(m).parent == d}):
+        if str(p) in _memory:
+            yield p, _memory[str(p)], None
             continue
+        try:
+            entry, why = _read(p)
+        except FileNotFoundError:
+            continue
+        yield p, entry, why or entry_check.entry_problem(entry)
 
 
-def format_cache() -> str:
-    """A human-readable table of every cached result."""
+def _count(e: Mapping[str, Any], field: str) -> int:
+    v = e.get(field, [])
+    return len(v) if isinstance(v, list) else 0
+
+
+def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
+    """A human-readable table of every cached result; malformed entries are listed as bad
+    with the reason. With ``decls`` (kernel name -> declaration) each entry's configs are
+    also checked against its kernel's declared configs."""
+    decls = decls or {}
     lines = [f"autotune cache: {cache_dir()}"]
-    for p, e in entries():
-        k = e.get("key", {})
+    if cache_dir().exists() and not cache_dir().is_dir():
+        lines.append("  (not a directory)")
+    bad = 0
+    for p, e, why in entries():
+        where = "in memory: " if str(p) in _memory else ""
+        decl = decls.get(e["key"].get("kernel")) if why is None else None
+        if decl is not None:
+            space = entry_check.declared_space(decl, (e.get("tuned_dims"),), _literal_params(e["key"]))
+            why = entry_check.entry_problem(e, decl, space if _default_known(decl, e) else None)
+        if why:
+            bad += 1
+            lines.append(f"BAD  [{where}{p.name}]: {why}")
+            continue
+        k = e["key"]
         lines.append(f"{k.get('kernel')}  backend={k.get('backend')} dims={k.get('dims')} "
                      f"params={k.get('params')} dtypes={k.get('dtypes')} device={k.get('device')}")
-        best = e.get("best")
-        lines.append(f"    best={best} time_s={e.get('best_time_s')} "
-                     f"timed={len(e.get('ranking', []))} rejected={len(e.get('rejected', []))} "
-                     f"failed={len(e.get('failed', []))} pruned={len(e.get('pruned', []))}  [{p.name}]")
+        lines.append(f"    best={e.get('best')} time_s={e.get('best_time_s')} "
+                     f"timed={_count(e, 'ranking')} rejected={_count(e, 'rejected')} "
+                     f"failed={_count(e, 'failed')} pruned={_count(e, 'pruned')}  [{where}{p.name}]")
+    if bad:
+        lines.append(f"{bad} bad entr{'y' if bad == 1 else 'ies'}: ignored when tuning is off, re-tuned when on")
     return "\n".join(lines)
+
+
+def _literal_params(key: Mapping[str, Any]) -> dict:
+    """The key's params (stored as ``repr``) back as values, where they are literals."""
+    import ast
+
+    out = {}
+    params = key.get("params")
+    for name, text in (params.items() if isinstance(params, dict) else ()):
+        try:
+            out[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError, TypeError):
+            continue
+    return out
+
+
+def _default_known(decl: KernelDecl, entry: Mapping[str, Any]) -> bool:
+    """Whether the default config at the entry's tuned dims can be computed from the file
+    alone (else configs outside the declared list cannot be judged and are not flagged)."""
+    try:
+        decl.default_config(entry["tuned_dims"], _literal_params(entry["key"]))
+        return True
+    except Exception:  # noqa: BLE001 - the default may need params the key does not hold
+        return False

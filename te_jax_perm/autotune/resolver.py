@@ -65,7 +65,7 @@ def resolve(decl: KernelDecl, avals: Sequence[Any], params: Mapping[str, Any], b
     try:
         dims = bind_dims(decl, avals)
         key = make_key(decl, dims, params, [a.dtype for a in avals], backend)
-        entry = cache.load(key)
+        entry = cache.load_valid(decl, key, dims, params)
         if entry is not None:
             stats["cache_hits"] += 1
         elif enabled():

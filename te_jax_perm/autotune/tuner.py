@@ -67,7 +67,7 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
     dims = bind_dims(decl, avals)
     key = make_key(decl, dims, params, [a.dtype for a in avals], backend)
     if not options.force:
-        entry = cache.load(key)
+        entry = cache.load_valid(decl, key, dims, params)
         if entry is not None:
             stats["cache_hits"] += 1
             logging.vlog(1, "autotune %s: cache hit for %s", decl.name, key["dims"])

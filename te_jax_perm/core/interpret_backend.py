@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping, Protocol, Sequence
 import jax
 import numpy as np
 
+from te_jax_perm.core import interpret_numerics
 from te_jax_perm.core.aliasing import alias_plan, preallocate
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.kernel_args import KernelArgs
@@ -76,6 +77,7 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
     """
     from triton.runtime import interpreter as interp  # lazy: keep import cost off xla-only use
 
+    interpret_numerics.install()   # the GPU's rounding, not the interpreter's
     grid3 = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
     if any(g == 0 for g in grid3):
         return

@@ -110,58 +110,62 @@ def _current() -> LaunchRecord | None:
     return _active[-1] if _active else None
 
 
-def _propagating(orig: Callable, pos: int, also: int | None = None) -> Callable:
-    """Wraps a builder method whose result is derived from argument ``pos``: the result
-    keeps that argument's region tag (and, for ``also``, only when both agree)."""
+def _pointer_tag(rec: LaunchRecord, handle, pointer_type: type) -> int | None:
+    """Region tag of ``handle`` if it is a pointer tensor (a root kernel argument is tagged
+    on first use by its base address), else ``None``."""
+    if isinstance(getattr(handle, "dtype", None), pointer_type) and hasattr(handle, "attr"):
+        return rec.tag_of(handle)
+    return None
 
-    def wrapper(self, *args):
-        out = orig(self, *args)
-        src = args[pos]
-        attr = getattr(src, "attr", None)
-        if attr:
-            tag = attr.get(_TAG)
-            if tag is not None and (also is None or getattr(args[also], "attr", {}).get(_TAG) == tag):
-                if hasattr(out, "attr"):
-                    out.attr[_TAG] = tag
+
+def _deriving(orig: Callable) -> Callable:
+    """Wraps a builder method so that every pointer tensor it returns carries the region tag
+    of the pointer tensors it was computed from (splat, broadcast, addptr, reshape, select,
+    bitcast...). Offsets never carry provenance, so ``ptr + <tensor offsets>`` is charged to
+    ``ptr``'s buffer wherever the addresses land. Pointers combined from two different
+    buffers (a select between them) stay untagged and are attributed by address."""
+    import triton.language as tl
+
+    def wrapper(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        rec = _current()
+        if rec is None:
+            return out
+        outs = out if isinstance(out, tuple) else (out,)
+        ptr_outs = [o for o in outs if isinstance(getattr(o, "dtype", None), tl.pointer_type) and hasattr(o, "attr")]
+        if ptr_outs:
+            tags = {t for a in (*args, *kwargs.values()) if (t := _pointer_tag(rec, a, tl.pointer_type)) is not None}
+            if len(tags) == 1:
+                (tag,) = tags
+                for o in ptr_outs:
+                    o.attr[_TAG] = tag
         return out
 
     return wrapper
 
 
 def _install(cls) -> None:
-    orig = {name: cls.__dict__[name] for name in (
-        "create_masked_load", "create_masked_store", "create_addptr", "create_splat", "create_broadcast",
-        "create_expand_dims", "create_reshape", "create_trans", "create_unsplat", "create_select",
-        "create_cat", "create_join", "create_atomic_rmw", "create_atomic_cas", "create_atomic_load",
-        "create_atomic_store", "create_atomic_poll", "create_descriptor_load", "create_descriptor_store")
-        if name in cls.__dict__}
+    orig = {name: fn for name, fn in cls.__dict__.items() if name.startswith("create_") and callable(fn)}
     _saved.update(orig)
     from triton.runtime.interpreter import TensorHandle
 
-    def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+    # Trailing cache arguments differ across Triton versions (one cache_policy in 3.9,
+    # cache_modifier and eviction_policy before): pass them through untouched.
+    def masked_load(self, ptrs, mask, *rest):
         rec = _current()
         if rec is not None:
             new = rec.record(ptrs, mask.data, "load")
             if new is not None:
                 mask = TensorHandle(new, mask.dtype)
-        return orig["create_masked_load"](self, ptrs, mask, other, cache_policy, is_volatile)
+        return orig["create_masked_load"](self, ptrs, mask, *rest)
 
-    def masked_store(self, ptrs, value, mask, cache_policy):
+    def masked_store(self, ptrs, value, mask, *rest):
         rec = _current()
         if rec is not None:
             new = rec.record(ptrs, mask.data, "store")
             if new is not None:
                 mask = TensorHandle(new, mask.dtype)
-        return orig["create_masked_store"](self, ptrs, value, mask, cache_policy)
-
-    def addptr(self, ptr, offset):
-        out = orig["create_addptr"](self, ptr, offset)
-        rec = _current()
-        if rec is not None:
-            tag = rec.tag_of(ptr)
-            if tag is not None:
-                out.attr[_TAG] = tag
-        return out
+        return orig["create_masked_store"](self, ptrs, value, mask, *rest)
 
     def atomic(name: str) -> Callable:
         def wrapper(self, *args):
@@ -202,24 +206,16 @@ def _install(cls) -> None:
                 rec.forced_tag = prev
         return wrapper
 
-    patched = {
-        "create_masked_load": masked_load, "create_masked_store": masked_store, "create_addptr": addptr,
+    recording = {
+        "create_masked_load": masked_load, "create_masked_store": masked_store,
         "create_atomic_rmw": atomic_rmw, "create_atomic_cas": atomic_cas,
         "create_atomic_load": atomic("create_atomic_load"), "create_atomic_store": atomic("create_atomic_store"),
         "create_atomic_poll": atomic("create_atomic_poll"),
         "create_descriptor_load": descriptor("create_descriptor_load"),
         "create_descriptor_store": descriptor("create_descriptor_store"),
-        "create_splat": _propagating(orig["create_splat"], 1),
-        "create_unsplat": _propagating(orig["create_unsplat"], 0),
-        "create_select": _propagating(orig["create_select"], 1, also=2),
-        "create_cat": _propagating(orig["create_cat"], 0, also=1),
-        "create_join": _propagating(orig["create_join"], 0, also=1),
     }
-    for name in ("create_broadcast", "create_expand_dims", "create_reshape", "create_trans"):
-        patched[name] = _propagating(orig[name], 0)
-    for name, fn in patched.items():
-        if name in orig:
-            setattr(cls, name, fn)
+    for name, fn in orig.items():
+        setattr(cls, name, recording[name] if name in recording else _deriving(fn))
 
 
 def _uninstall(cls) -> None:

@@ -1,0 +1,215 @@
+"""Conversion numerics of GPU Triton for Triton's CPU interpreter.
+
+Triton's interpreter converts fp32 to bf16 by dropping the low mantissa bits (rounding
+toward zero) and converts to and from fp8 with its own bit arithmetic; the GPU rounds to
+nearest-even and saturates fp8. A CPU test of the ``interpret`` backend then vouches for
+nothing on the GPU. :func:`install` replaces the interpreter's two conversion entry points
+(``cast_impl``, behind every ``fp_trunc``/``fp_ext``/int<->float conversion, and
+``create_fp_to_fp``, behind fp8 and explicit-rounding conversions) with conversions that
+follow what the GPU executes:
+
+* float -> narrower float: correctly rounded from the exact source value, round to nearest
+  even (or toward zero where the kernel asks for ``"rtz"``); overflow gives inf, and for
+  fp8 (``float8e4nv``, ``float8e5``) saturates to the largest finite value (the GPU
+  converts to fp8 with ``.satfinite``), NaN stays NaN;
+* float -> wider float: exact;
+* int -> float: correctly rounded from the integer (exact below 2**53);
+* float -> int: truncation toward zero, saturating at the integer range, NaN -> 0.
+
+NaN payloads are not modelled: a NaN converts to a NaN. Conversions of other types (fp8
+variants not used on NVIDIA GPUs, int <-> int) keep the interpreter's own behaviour. The
+two entry points have had the same names and signatures from Triton 3.6 through 3.9.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatFormat:
+    """A binary float format: sign, ``ebits`` exponent bits, ``nmant`` mantissa bits.
+
+    ``finite_only`` formats (float8 e4m3fn) have no infinities and one NaN per sign
+    (all exponent and mantissa bits set); the others follow IEEE 754.
+    """
+
+    bits: int
+    ebits: int
+    nmant: int
+    finite_only: bool = False
+
+    @property
+    def bias(self) -> int:
+        return (1 << (self.ebits - 1)) - 1
+
+    @property
+    def emask(self) -> int:
+        return (1 << self.ebits) - 1
+
+    @property
+    def max(self) -> float:
+        if self.finite_only:   # the top exponent is normal; only its all-ones mantissa is NaN
+            return (2.0 - 2.0 ** (1 - self.nmant)) * 2.0 ** (self.emask - self.bias)
+        return (2.0 - 2.0 ** -self.nmant) * 2.0 ** (self.emask - 1 - self.bias)
+
+    @property
+    def storage(self) -> np.dtype:
+        return np.dtype(f"uint{self.bits}")
+
+
+# Triton element type name -> format, for the float types handled here.
+FORMATS = {
+    "fp16": FloatFormat(16, 5, 10),
+    "bf16": FloatFormat(16, 8, 7),
+    "fp32": FloatFormat(32, 8, 23),
+    "fp8e4nv": FloatFormat(8, 4, 3, finite_only=True),
+    "fp8e5": FloatFormat(8, 5, 2),
+}
+# Formats the GPU converts into with saturation to the largest finite value.
+_SATURATING = ("fp8e4nv", "fp8e5")
+
+_installed: dict[str, Any] = {}
+
+
+def _name(tt: Any) -> str:
+    return getattr(tt, "name", "")
+
+
+# The interpreter runs kernels on threads where XLA may have set flush-to-zero and
+# denormals-are-zero, which would flush subnormal floats in any float arithmetic or
+# float-to-float cast. Decoding and encoding therefore go through integer fields, and
+# the float64 arithmetic in between only ever sees normal float64 numbers.
+def decode(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    """float64 values of raw ``fmt`` bit patterns (exact)."""
+    u = bits.view(fmt.storage).astype(np.int64)
+    sign = (u >> (fmt.bits - 1)) & 1
+    e = (u >> fmt.nmant) & fmt.emask
+    m = u & ((1 << fmt.nmant) - 1)
+    mag = np.ldexp((m + np.where(e > 0, 1 << fmt.nmant, 0)).astype(np.float64),
+                   np.maximum(e, 1) - fmt.bias - fmt.nmant)
+    if fmt.finite_only:
+        mag = np.where((e == fmt.emask) & (m == (1 << fmt.nmant) - 1), np.nan, mag)
+    else:
+        mag = np.where(e == fmt.emask, np.where(m == 0, np.inf, np.nan), mag)
+    return np.where(sign == 1, -mag, mag)
+
+
+def encode(x: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    """Raw ``fmt`` bits of float64 values that ``fmt`` represents exactly (or inf/NaN)."""
+    x = np.asarray(x, np.float64)
+    sign = np.signbit(x).astype(np.int64) << (fmt.bits - 1)
+    a = np.abs(x)
+    finite = np.isfinite(a)
+    af = np.where(finite, a, 0.0)
+    _, k = np.frexp(af)
+    normal = af >= 2.0 ** (1 - fmt.bias)
+    e = np.where(normal, k - 1 + fmt.bias, 0)
+    m = np.where(normal, np.ldexp(af, fmt.nmant - (k - 1)) - (1 << fmt.nmant),
+                 np.ldexp(af, fmt.bias - 1 + fmt.nmant)).astype(np.int64)
+    mmask = (1 << fmt.nmant) - 1
+    special_m = np.where(np.isnan(a), mmask if fmt.finite_only else 1 << (fmt.nmant - 1), 0)
+    e = np.where(finite, e, fmt.emask)
+    m = np.where(finite, m, special_m)
+    return (sign | (e << fmt.nmant) | m).astype(fmt.storage)
+
+
+def round_float(x: np.ndarray, fmt: FloatFormat, *, toward_zero: bool = False, saturate: bool = False
+                ) -> np.ndarray:
+    """Raw ``fmt`` bits of float64 values ``x`` (the exact source values), rounded once.
+
+    Scaling by a power of two is exact in float64 and ``np.rint`` rounds half to even, so
+    ``rint(|x| / q) * q``, with ``q`` the spacing of ``fmt`` at ``|x|`` (held at the
+    smallest normal's spacing below it, which gives subnormals), is the correctly rounded
+    magnitude. Overflow gives inf (NaN for formats without inf), the largest finite value
+    when rounding toward zero, and with ``saturate`` also for infinite inputs.
+    """
+    x = np.asarray(x, np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        a = np.abs(x)
+        _, k = np.frexp(np.where(np.isfinite(a), a, 0.0))
+        q = np.ldexp(1.0, np.maximum(k - 1, 1 - fmt.bias) - fmt.nmant)
+        r = (np.trunc if toward_zero else np.rint)(a / q) * q
+        inf, over = np.isinf(a), np.isfinite(a) & (r > fmt.max)
+        huge = np.nan if fmt.finite_only else np.inf
+        if saturate:
+            r = np.where(over | inf, fmt.max, r)
+        elif toward_zero:
+            r = np.where(over, fmt.max, np.where(inf, huge, r))
+        else:
+            r = np.where(over | inf, huge, r)
+        r = np.where(np.isnan(a), np.nan, r)
+        return encode(np.copysign(r, x), fmt)
+
+
+def _float_to_int(v: np.ndarray, dst: np.dtype) -> np.ndarray:
+    """Truncation toward zero, saturating at ``dst``'s range; NaN -> 0."""
+    info = np.iinfo(dst)
+    lo, hi = float(info.min), float(info.max)   # hi rounds up to 2**63 / 2**64 for 64-bit types
+    with np.errstate(invalid="ignore"):
+        t = np.trunc(v)
+        out = np.where((t >= lo) & (t < hi), t, 0).astype(dst)
+        out = np.where(t >= hi, np.array(info.max, dst), out)
+        return np.where(t < lo, np.array(info.min, dst), out)
+
+
+def convert(data: np.ndarray, src_tt: Any, dst_tt: Any, storage: np.dtype, *, toward_zero: bool = False
+            ) -> np.ndarray | None:
+    """The GPU's conversion of interpreter data ``data`` from ``src_tt`` to ``dst_tt``, in
+    ``dst_tt``'s storage dtype; ``None`` when this module does not handle the pair."""
+    src, dst = _name(src_tt), _name(dst_tt)
+    sfmt, dfmt = FORMATS.get(src), FORMATS.get(dst)
+    if sfmt is None and dfmt is None:
+        return None
+    if (src.startswith("fp") and sfmt is None) or (dst.startswith("fp") and dfmt is None):
+        return None   # float64, or an fp8 variant not used on NVIDIA GPUs
+    if sfmt is not None:
+        vals = decode(data, sfmt)
+    elif np.issubdtype(data.dtype, np.integer) or data.dtype == np.bool_:
+        vals = data.astype(np.float64)   # exact below 2**53
+    else:
+        return None
+    if dfmt is not None:
+        out = round_float(vals, dfmt, toward_zero=toward_zero, saturate=dst in _SATURATING)
+    elif np.issubdtype(storage, np.integer):
+        out = _float_to_int(vals, np.dtype(storage))
+    else:
+        return None
+    return out.view(storage)
+
+
+def install() -> None:
+    """Makes the interpreter convert as the GPU does (idempotent, for this process)."""
+    if _installed:
+        return
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    rtz = ir.ROUNDING_MODE.RTZ
+    orig_cast, orig_fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
+
+    @functools.wraps(orig_cast)
+    def cast_impl(self, src, dst_type):
+        out = convert(src.data, src.dtype.scalar, dst_type.scalar, interp._get_np_dtype(dst_type))
+        if out is None:
+            return orig_cast(self, src, dst_type)
+        return interp.TensorHandle(out, dst_type.scalar)
+
+    @functools.wraps(orig_fp_to_fp)
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        toward_zero = rounding_mode == rtz
+        if toward_zero and _name(dst_type.scalar) in _SATURATING:
+            return orig_fp_to_fp(self, src, dst_type, rounding_mode)   # not a GPU conversion
+        out = convert(src.data, src.dtype.scalar, dst_type.scalar, interp._get_np_dtype(dst_type),
+                      toward_zero=toward_zero)
+        if out is None:
+            return orig_fp_to_fp(self, src, dst_type, rounding_mode)
+        return interp.TensorHandle(out, dst_type.scalar)
+
+    _installed.update(cast_impl=orig_cast, create_fp_to_fp=orig_fp_to_fp)
+    builder.cast_impl = cast_impl
+    builder.create_fp_to_fp = create_fp_to_fp

@@ -1,0 +1,186 @@
+"""The tuning cache as an adversary writes it: every entry is checked against the
+declaration before use, bad ones are reported once, ignored and re-tuned; --print-cache
+survives any file; an unwritable cache keeps results in memory."""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests import _autotune_kernels as K
+from te_jax_perm import autotune
+from te_jax_perm.autotune import cache, key as keymod
+from te_jax_perm.core import Config, declare
+
+SHAPE = (48, 10)
+
+
+@pytest.fixture(autouse=True)
+def tmp_cache(tmp_path):
+    autotune.set_cache_dir(tmp_path / "cache")
+    autotune.stats.clear()
+    yield tmp_path / "cache"
+    autotune.set_cache_dir(None)
+
+
+def _cfg(**kw):
+    return {"constants": kw, "num_warps": 4, "num_stages": 1}
+
+
+def _setup(name):
+    decl = K.accumulate_decl(name=name, default_config=lambda d, p: Config.make(BS=16, BT=2))
+    key = keymod.make_key(decl, {"T": SHAPE[0], "H": SHAPE[1]}, {}, [np.float32], "interpret")
+    return decl, declare(decl), key
+
+
+def _write_entry(key, ranking, **extra):
+    cache.store(key, {"best": ranking[0][0] if ranking else None, "ranking": ranking, "tuned_dims": {"T": 48, "H": 10},
+                      **extra})
+
+
+def _absl_warnings(caplog, text):
+    return [r for r in caplog.records if r.levelno == logging.WARNING and text in r.getMessage()]
+
+
+BAD_CONFIGS = {
+    "unknown_constexpr": _cfg(BS=8, BT=2, BOGUS=1),
+    "zero_tile": _cfg(BS=8, BT=0),
+    "non_power_of_2": _cfg(BS=12, BT=4),
+    "float": _cfg(BS=8.0, BT=2),
+    "bool_for_int": _cfg(BS=8, BT=True),
+    "missing_field": {"constants": {"BS": 8, "BT": 2}, "num_warps": 4},
+    "string_warps": {"constants": {"BS": 8, "BT": 2}, "num_warps": "4", "num_stages": 1},
+    "not_a_dict": [8, 2],
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_CONFIGS))
+def test_bad_config_is_ignored_reported_once_and_retuned(bad, caplog):
+    decl, prim, key = _setup(f"cache_bad_{bad}")
+    _write_entry(key, [[BAD_CONFIGS[bad], 1e-6], [_cfg(BS=8, BT=2), 2e-6]])
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32))
+    caplog.set_level(logging.WARNING)
+    with autotune.autotuning(False):
+        for _ in range(2):
+            assert autotune.resolve(decl, [x], {}, "interpret") is None   # the default, not the entry
+        (y,) = prim(x, backend="interpret")                               # the user's call still works
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    assert len(_absl_warnings(caplog, "ignoring the cached result")) == 1, caplog.text
+    assert autotune.stats["tunes"] == 0
+    with autotune.autotuning(True):
+        best = autotune.resolve(decl, [x], {}, "interpret")
+    assert autotune.stats["tunes"] == 1 and best is not None
+    entry = cache.load(key)   # the bad file was replaced by a real tuning result
+    canon = {json.dumps(c, sort_keys=True) for c, _ in entry["ranking"]}
+    assert best.to_json() == entry["best"] and json.dumps(BAD_CONFIGS[bad], sort_keys=True) not in canon
+    with autotune.autotuning(False):
+        assert autotune.resolve(decl, [x], {}, "interpret") == best
+
+
+BAD_FILES = {
+    "non_utf8": b"\xff\xfe{\x00",
+    "null": b"null",
+    "list": b"[1, 2]",
+    "truncated": b'{"best": {"constants": {',
+    "ranking_not_list": json.dumps({"ranking": {"a": 1}, "best": None}).encode(),
+    "time_not_number": None,   # filled with the key below
+    "nan_time": None,
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_FILES))
+def test_bad_file_is_ignored_and_retuned(bad, caplog):
+    decl, prim, key = _setup(f"cache_file_{bad}")
+    path = cache.entry_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    content = BAD_FILES[bad]
+    if bad == "time_not_number":
+        content = json.dumps({"key": key, "best": None, "ranking": [[_cfg(BS=8, BT=2), "fast"]]}).encode()
+    elif bad == "nan_time":
+        content = json.dumps({"key": key, "best": None, "ranking": [[_cfg(BS=8, BT=2), float("nan")]]}).encode()
+    path.write_bytes(content)
+    x = jnp.asarray(np.ones(SHAPE, np.float32))
+    caplog.set_level(logging.WARNING)
+    with autotune.autotuning(False):
+        assert autotune.resolve(decl, [x], {}, "interpret") is None
+        assert autotune.resolve(decl, [x], {}, "interpret") is None
+    assert len(_absl_warnings(caplog, "ignoring the cached result")) == 1, caplog.text
+    with autotune.autotuning(True):
+        assert autotune.resolve(decl, [x], {}, "interpret") is not None
+    assert autotune.stats["tunes"] == 1 and cache.load(key) is not None
+
+
+def test_valid_entry_with_default_outside_declared_configs_is_used():
+    # The tuner adds the default config to the space: a winner equal to it is legitimate
+    # even when the declared list does not hold it.
+    decl, _, key = _setup("cache_default_winner")
+    _write_entry(key, [[_cfg(BS=16, BT=2), 1e-6]])
+    x = jnp.ones(SHAPE, jnp.float32)
+    assert autotune.resolve(decl, [x], {}, "interpret") == Config.make(BS=16, BT=2)
+    assert autotune.stats["cache_hits"] == 1
+
+
+def test_unwritable_cache_keeps_results_in_memory_and_warns_once(tmp_path, caplog):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    autotune.set_cache_dir(blocker / "cache")      # mkdir fails even for root
+    decl = K.accumulate_decl(name="cache_unwritable")
+    caplog.set_level(logging.WARNING)
+    first = autotune.tune(decl, [((64, 16), np.float32)])
+    assert not first.cached and first.best is not None
+    again = autotune.tune(decl, [((64, 16), np.float32)])
+    assert again.cached and again.best == first.best and autotune.stats["tunes"] == 1
+    other = autotune.tune(K.accumulate_decl(name="cache_unwritable_2"), [((64, 16), np.float32)])
+    assert not other.cached
+    assert len(_absl_warnings(caplog, "cannot write the tuning cache")) == 1, caplog.text
+    assert "cache_unwritable" in autotune.format_cache() and "in memory" in autotune.format_cache()
+
+
+def _shipped_copy_key():
+    from te_jax_perm.autotune.__main__ import shipped_decls
+    decl = shipped_decls()["device_copy"]
+    dims = {"N": 4096}
+    return decl, keymod.make_key(decl, dims, {}, [np.float32], "interpret"), dims
+
+
+def test_print_cache_survives_any_file_and_names_the_bad_ones(tmp_cache):
+    tmp_cache.mkdir(parents=True)
+    files = {
+        "a-non_utf8.json": b"\xff\xfe\x00",
+        "b-null.json": b"null",
+        "c-list.json": b"[]",
+        "d-schema.json": json.dumps({"key": {"kernel": "x"}, "ranking": 5}).encode(),
+        "e-noconfig.json": json.dumps({"key": {"kernel": "x"}, "ranking": [[{"constants": 1}, 0.1]]}).encode(),
+    }
+    for name, data in files.items():
+        (tmp_cache / name).write_bytes(data)
+    decl, key, dims = _shipped_copy_key()
+    good = decl.default_config(dims, {}).to_json()
+    cache.store(key, {"best": good, "ranking": [[good, 1e-6]], "tuned_dims": dims})
+    bad_key = dict(key, dims={"N": 8192})
+    cache.store(bad_key, {"best": None, "ranking": [[_cfg(BLOCK=3, BOGUS=1), 1e-6]], "tuned_dims": {"N": 8192}})
+    out = subprocess.run([sys.executable, "-m", "te_jax_perm.autotune", "--print-cache", "--cache-dir", str(tmp_cache)],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    bad_lines = [ln for ln in out.stdout.splitlines() if ln.startswith("BAD")]
+    for name in files:
+        assert any(name in ln for ln in bad_lines), out.stdout
+    assert any(cache.entry_path(bad_key).name in ln and "BOGUS" in ln for ln in bad_lines), out.stdout
+    assert sum(cache.entry_path(key).name in ln for ln in bad_lines) == 0, out.stdout
+    assert "device_copy  backend=interpret dims={'N': 4096}" in out.stdout, out.stdout
+    assert "6 bad entries" in out.stdout, out.stdout
+
+
+def test_format_cache_checks_configs_against_the_declaration(tmp_cache):
+    decl, key, dims = _shipped_copy_key()
+    cfg = decl.configs[0].to_json()
+    wrong = dict(cfg, constants={**cfg["constants"], "BLOCK": 3})   # declared names and types, not a tile
+    cache.store(key, {"best": wrong, "ranking": [[wrong, 1e-6]], "tuned_dims": dims})
+    assert "BAD" not in cache.format_cache()                  # well formed...
+    text = cache.format_cache({"device_copy": decl})          # ...but not a config device_copy declares
+    assert "BAD" in text and "not one of device_copy's declared configs" in text, text
