@@ -210,6 +210,26 @@ def install() -> None:
             return orig_fp_to_fp(self, src, dst_type, rounding_mode)
         return interp.TensorHandle(out, dst_type.scalar)
 
-    _installed.update(cast_impl=orig_cast, create_fp_to_fp=orig_fp_to_fp)
+    orig_dot = builder.create_dot
+
+    @functools.wraps(orig_dot)
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        # The interpreter keeps bf16 as uint16 storage and would multiply the raw bit
+        # patterns; tensor cores multiply the bf16 values exactly and accumulate in fp32.
+        if _name(a.dtype.scalar) == "bf16" or _name(b.dtype.scalar) == "bf16":
+            a32, b32 = (_as_f32(x) for x in (a, b))
+            out = np.matmul(a32, b32, dtype=np.float32).astype(d.data.dtype) + d.data
+            return interp.TensorHandle(out, d.dtype.scalar)
+        return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    _installed.update(cast_impl=orig_cast, create_fp_to_fp=orig_fp_to_fp, create_dot=orig_dot)
     builder.cast_impl = cast_impl
     builder.create_fp_to_fp = create_fp_to_fp
+    builder.create_dot = create_dot
+
+
+def _as_f32(t) -> np.ndarray:
+    # bf16 widens to fp32 exactly by putting its 16 bits in the high half.
+    if _name(t.dtype.scalar) == "bf16":
+        return (t.data.astype(np.uint32) << 16).view(np.float32)
+    return t.data.astype(np.float32)
