@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib.util
-import os
 from typing import Iterator
 
 import jax
 
-BACKENDS = ("triton", "interpret", "xla")
-ENV_VAR = "TE_JAX_PERM_BACKEND"
+from te_jax_perm.core import env
+
+BACKENDS = env.BACKEND_VALUES
+ENV_VAR = env.BACKEND
 
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("te_jax_perm_backend", default=None)
 
@@ -41,9 +42,9 @@ def use_backend(name: str) -> Iterator[str]:
 
 
 def default_backend() -> str:
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return _check_name(env)
+    chosen = env.backend()
+    if chosen is not None:
+        return chosen
     return "triton" if jax.default_backend() == "gpu" else "xla"
 
 

@@ -6,36 +6,33 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import jax
 
-from te_jax_perm.core.aliasing import alias_plan, preallocate
-from te_jax_perm.core.declaration import Config, KernelDecl
-from te_jax_perm.core.kernel_args import KernelArgs
+from te_jax_perm.core.aliasing import preallocate
+from te_jax_perm.core.kernel_args import OUTPUT, kernel_arguments
+from te_jax_perm.core.launch import Launch
 
 
-def triton_call(decl: KernelDecl, operands: Sequence[jax.Array], params: Mapping[str, Any],
-                config: Config, out_avals: Sequence[jax.core.ShapedArray]) -> list[jax.Array]:
+def triton_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Array]:
     jt = _jax_triton()
-    kargs = KernelArgs.build(decl, [o.aval for o in operands], params, config)
-    preallocs = preallocate(decl, out_avals)
-    if any(g == 0 for g in kargs.grid):
-        # CUDA rejects empty grids; the preallocated buffers already hold the result.
-        return preallocs
-    plan = alias_plan(decl)
-    out_shape = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
-    # jax-triton numbers aliases over array arguments only; scalars sit between the
-    # operands and the preallocs in the kernel signature but not in the custom call.
-    scalars = [_scalar(v) for v in kargs.scalars.values()]
+    decl, plan, config = launch.decl, launch.aliases, launch.config
+    preallocs = preallocate(plan, launch.out_avals)
+    if launch.empty:
+        return preallocs  # the preallocated buffers already hold the result
+    out_shape = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in launch.out_avals]
+    # jax-triton appends the output pointers itself; it numbers aliases over array
+    # arguments only (scalars sit between operands and preallocs in the kernel signature).
+    args = kernel_arguments(launch, operands, preallocs, out_shape)
     with jax.named_scope(f"te_jax_perm.{decl.name}"):
         outs = jt.triton_call(
-            *operands, *scalars, *preallocs,
-            kernel=decl.kernel, out_shape=out_shape, grid=kargs.grid,
+            *[a.value if a.is_pointer else _scalar(a.value) for a in args if a.role != OUTPUT],
+            kernel=decl.kernel, out_shape=out_shape, grid=launch.grid,
             name=f"te_jax_perm.{decl.name}",
             num_warps=config.num_warps, num_stages=config.num_stages,
             input_output_aliases=plan.input_output_aliases,
-            **kargs.constexprs)
+            **launch.constexprs)
     return list(outs)
 
 
