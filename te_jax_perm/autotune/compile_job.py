@@ -10,8 +10,8 @@ import importlib
 import time
 from typing import Any, Mapping
 
-from te_jax_perm.core.kernel_args import pointer_positions, signature
 from te_jax_perm.core.launch import Launch
+from te_jax_perm.core.triton_compile import compile_kernel, launch_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,9 +31,9 @@ def make_job(launch: Launch, target: tuple[str, int, int], fault: str | None = N
     """The compile of ``launch``'s kernel with its config, with pointers assumed 16-byte
     aligned (XLA and torch allocations are), as the ``triton`` backend compiles it too."""
     fn = launch.decl.kernel.fn
-    attrs = {(i,): [["tt.divisibility", 16]] for i in pointer_positions(launch)}
+    sig, constexprs, attrs = launch_spec(launch)
     config = launch.config
-    return CompileJob(fn.__module__, fn.__name__, signature(launch), dict(launch.constexprs), attrs, tuple(target),
+    return CompileJob(fn.__module__, fn.__name__, sig, constexprs, attrs, tuple(target),
                       {"num_warps": config.num_warps, "num_stages": config.num_stages},
                       label=f"{launch.decl.name}:{config}", fault=fault)
 
@@ -42,22 +42,15 @@ def load_kernel(job: CompileJob) -> Any:
     return getattr(importlib.import_module(job.kernel_module), job.kernel_name)
 
 
-def ast_source(job: CompileJob) -> Any:
-    from triton.compiler import ASTSource
-    return ASTSource(fn=load_kernel(job), signature=dict(job.signature), constexprs=dict(job.constexprs),
-                     attrs=dict(job.attrs))
-
-
-def gpu_target(job: CompileJob) -> Any:
-    from triton.backends.compiler import GPUTarget
-    return GPUTarget(*job.target)
+def _compile(job: CompileJob) -> Any:
+    return compile_kernel(load_kernel(job), job.signature, job.constexprs, job.attrs, job.target,
+                          job.options["num_warps"], job.options["num_stages"])
 
 
 def compile_job(job: CompileJob) -> dict:
     """Compiles ``job``; returns a small picklable summary including the binary."""
-    import triton
     t0 = time.perf_counter()
-    k = triton.compile(ast_source(job), target=gpu_target(job), options=dict(job.options))
+    k = _compile(job)
     binary = k.asm.get("cubin") or k.asm.get("hsaco") or b""
     meta = getattr(k, "metadata", None)
     return {"hash": k.hash, "binary": bytes(binary) if isinstance(binary, (bytes, bytearray)) else binary,
@@ -68,5 +61,4 @@ def compile_job(job: CompileJob) -> dict:
 def load_compiled(job: CompileJob) -> Any:
     """The parent's handle on a kernel a worker compiled: a Triton cache hit, no recompile
     (workers and parent share ``TRITON_CACHE_DIR``)."""
-    import triton
-    return triton.compile(ast_source(job), target=gpu_target(job), options=dict(job.options))
+    return _compile(job)

@@ -62,10 +62,13 @@ def ensure_available(name: str) -> None:
                 "backend 'triton' needs a CUDA GPU visible to JAX (jax.default_backend() is "
                 f"{jax.default_backend()!r}); install a CUDA jax (pip install 'jax[cuda13]') or use "
                 "backend 'interpret' (CPU, Triton interpreter) or 'xla'")
-        if importlib.util.find_spec("jax_triton") is None:
-            raise BackendUnavailableError(
-                "backend 'triton' needs the jax-triton package: pip install 'te_jax_perm[cuda]' "
-                "(jax-triton>=0.3.1; use 0.3.1 with triton 3.6)")
+        from te_jax_perm.core import compat
+        from te_jax_perm.core.triton_backend import requested_mode
+        # Without a requested call mode the backend uses the best jaxlib has (ffi or legacy):
+        # check what both need.
+        problems = compat.problems(requested_mode() or "legacy")
+        if problems:
+            raise BackendUnavailableError("backend 'triton': " + "; ".join(problems))
     if name in ("triton", "interpret") and importlib.util.find_spec("triton") is None:
         raise BackendUnavailableError(f"backend {name!r} needs the triton package: pip install triton")
     if name == "interpret" and jax.default_backend() != "cpu":
