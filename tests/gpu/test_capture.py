@@ -1,0 +1,57 @@
+"""The triton backend's calls are captured in XLA command buffers (CUDA graphs).
+
+The jitted dispatch -> combine forward+backward step runs in two fresh processes: one
+with XLA's default flags (command buffers on), one with ``--xla_gpu_enable_command_buffer=``
+(off). The outputs must be bit-identical, and the profiler must show our kernels launched
+through graph launches with command buffers on and one by one with them off. (XLA converts
+to command buffers after HLO optimisation, at the thunk level: the optimized HLO text does
+not show them, the launches do.)
+"""
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path, name, command_buffers_on):
+    flags = re.sub(r"--xla_gpu_enable_command_buffer=\S*", "", os.environ.get("XLA_FLAGS", "")).strip()
+    if not command_buffers_on:
+        flags += " --xla_gpu_enable_command_buffer="
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TE_JAX_PERM_TRITON_CALL", None)  # the default call mode
+    npz, js = tmp_path / f"{name}.npz", tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.capture_step", "--npz", str(npz), "--json", str(js)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with np.load(npz) as z:
+        outs = [z[k] for k in sorted(z.files, key=lambda s: int(s.split("_")[1]))]
+    return outs, json.loads(js.read_text())
+
+
+@pytest.mark.gpu
+def test_dispatch_combine_step_is_captured_in_command_buffers(tmp_path):
+    on_outs, on = _run(tmp_path, "on", True)
+    off_outs, off = _run(tmp_path, "off", False)
+    print("command buffers on:", json.dumps({k: v for k, v in on.items() if k != "kernels"}))
+    print("command buffers off:", json.dumps({k: v for k, v in off.items() if k != "kernels"}))
+    assert len(on_outs) == len(off_outs) == 2
+    for a, b in zip(on_outs, off_outs):
+        np.testing.assert_array_equal(a, b)  # bit-identical (compared as bytes)
+    assert on["our_kernels"] and on["our_kernels_per_step"] >= len(on["our_kernels"]), on
+    if on["api_events_seen"] and off["api_events_seen"]:
+        # Off: every kernel of the step is launched on its own, ours included.
+        assert off["graph_launches_per_step"] == 0, off
+        assert off["kernel_launches_per_step"] >= off["our_kernels_per_step"], off
+        # On: the step is graph launches; what is still launched one by one is fewer than our kernels.
+        assert on["graph_launches_per_step"] >= 1, on
+        assert on["kernel_launches_per_step"] < on["our_kernels_per_step"], on
+    else:
+        # The trace holds no launch API events: capture shows as the launch gaps it removes.
+        assert on["wall_us"] < 0.85 * off["wall_us"], (on["wall_us"], off["wall_us"])
