@@ -1,4 +1,4 @@
-"""The real ops at the shapes.md sizes, and the kernel launches they make.
+"""The real ops at real MoE model sizes, and the kernel launches they make.
 
 ``record_launches`` lowers a function and records every declared kernel call in it (a call
 observer in ``core.hooks``), which gives the tuner and the compile-time benchmark the exact
@@ -14,7 +14,7 @@ import numpy as np
 from te_jax_perm.core import hooks
 from te_jax_perm.core.launch import Call
 
-# model, hidden, experts, top-k, tokens (shared/shapes.md)
+# model, hidden, experts, top-k, tokens (published MoE configurations)
 MOE_SHAPES = (
     ("mixtral-8x7b", 4096, 8, 2, (8192, 16384)),
     ("qwen3-235b", 4096, 128, 8, (8192,)),

@@ -2,24 +2,26 @@
 # The whole GPU suite in one command, from the repository root on the GPU machine (~9 min):
 #   tests/gpu/run_gpu_tests.sh OUT_DIR
 # (a) pytest: every kernel test (op tests get backend in {xla, triton}; gpu-marked tests run,
-#     the command-buffer capture test among them), 4 workers when pytest-xdist is installed,
-# (b) the unsynchronised alternating-shape stress (python3 -m tests.gpu.stress),
-# (c) every kernel fwd+bwd (tests/gpu/memcheck_ops.py) under compute-sanitizer --tool memcheck.
+#     4 workers when pytest-xdist is installed,
+# (b) the command-buffer capture test, alone (it times),
+# (c) the unsynchronised alternating-shape stress (python3 -m tests.gpu.stress),
+# (d) every kernel fwd+bwd (tests/gpu/memcheck_ops.py) under compute-sanitizer --tool memcheck.
 # Each step logs to OUT_DIR/<step>.log and prints one "STEP ..." line (also appended to
 # OUT_DIR/summary.txt); OUT_DIR/gpu_suite_<GPU>.txt (e.g. gpu_suite_H100.txt) gets the
 # device, the versions and passed/failed counts per step. Env: STEPS (default
-# "pytest,stress,memcheck"), PYTEST_S, STRESS_S, MEMCHECK_S (per-step time limits, s),
+# "pytest,capture,stress,memcheck"), PYTEST_S, CAPTURE_S, STRESS_S, MEMCHECK_S (per-step time limits, s),
 # PYTEST_ARGS (extra pytest args, e.g. "-k dispatch"), PYTEST_WORKERS (default 4),
 # TE_JAX_PERM_TRITON_CALL (ffi, legacy, jax_triton: the call mode under test).
 # DRY_RUN=1 checks the plumbing anywhere (CPU included): a few fast tests, a 2-case stress.
 set -u
 OUT=${1:?usage: tests/gpu/run_gpu_tests.sh OUT_DIR}
 mkdir -p "$OUT"
-STEPS=${STEPS:-pytest,stress,memcheck}
-PYTEST_S=${PYTEST_S:-270}
-STRESS_S=${STRESS_S:-150}
-MEMCHECK_S=${MEMCHECK_S:-100}
+STEPS=${STEPS:-pytest,capture,stress,memcheck}
+PYTEST_S=${PYTEST_S:-220}
+STRESS_S=${STRESS_S:-130}
+MEMCHECK_S=${MEMCHECK_S:-90}
 PYTEST_WORKERS=${PYTEST_WORKERS:-4}
+CAPTURE_S=${CAPTURE_S:-100}
 PYTEST_ARGS=${PYTEST_ARGS:-}
 
 if [ "${DRY_RUN:-0}" != 1 ] && [ -z "${TE_JAX_PERM_SETUP_DONE:-}" ] && [ -f tests/gpu/setup_device.sh ]; then
@@ -102,9 +104,17 @@ case ",$STEPS," in *,pytest,*)
   # The stress test runs as its own step; everything else, every backend of this machine.
   # shellcheck disable=SC2086
   run_step pytest "$PYTEST_S" python3 -m pytest -q -rfE --durations=15 -p no:cacheprovider $XDIST \
-    --deselect tests/gpu/test_stress.py::test_stress_triton_alternating_shapes_dtypes_align $PYTEST_TARGET $PYTEST_ARGS \
+    --deselect tests/gpu/test_stress.py::test_stress_triton_alternating_shapes_dtypes_align \
+    --deselect tests/gpu/test_capture.py::test_dispatch_combine_step_is_captured_in_command_buffers $PYTEST_TARGET $PYTEST_ARGS \
     || status=1
   counts pytest "$OUT/pytest.log" >> "$SUITE" ;;
+esac
+case ",$STEPS," in *,capture,*)
+  # Alone on the GPU: it times the step with command buffers on and off.
+  if [ "${DRY_RUN:-0}" != 1 ]; then
+    run_step capture "$CAPTURE_S" python3 -m pytest -q -rfE -s -p no:cacheprovider tests/gpu/test_capture.py || status=1
+    counts capture "$OUT/capture.log" >> "$SUITE"
+  fi ;;
 esac
 case ",$STEPS," in *,stress,*)
   # Backend: triton on a GPU (interpret elsewhere, for DRY_RUN).

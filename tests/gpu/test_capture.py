@@ -2,10 +2,13 @@
 
 The jitted dispatch -> combine forward+backward step runs in two fresh processes: one
 with XLA's default flags (command buffers on), one with ``--xla_gpu_enable_command_buffer=``
-(off). The outputs must be bit-identical, and the profiler must show our kernels launched
-through graph launches with command buffers on and one by one with them off. (XLA converts
-to command buffers after HLO optimisation, at the thunk level: the optimized HLO text does
-not show them, the launches do.)
+(off). The outputs must be bit-identical, and the step must run markedly faster with them
+on: what capture removes is the host launch of each kernel, ours included (with the legacy
+custom call the two runs time the same). XLA converts to command buffers after HLO
+optimisation, at the thunk level, so the optimized HLO text does not show them; XLA also
+runs a command buffer's thunks one by one while a profiler is attached, so the profiled
+launches only confirm which kernels ran. Run it alone (timing): tests/gpu/run_gpu_tests.sh
+runs it as its own step.
 """
 import json
 import os
@@ -45,13 +48,8 @@ def test_dispatch_combine_step_is_captured_in_command_buffers(tmp_path):
     for a, b in zip(on_outs, off_outs):
         np.testing.assert_array_equal(a, b)  # bit-identical (compared as bytes)
     assert on["our_kernels"] and on["our_kernels_per_step"] >= len(on["our_kernels"]), on
-    if on["api_events_seen"] and off["api_events_seen"]:
-        # Off: every kernel of the step is launched on its own, ours included.
-        assert off["graph_launches_per_step"] == 0, off
-        assert off["kernel_launches_per_step"] >= off["our_kernels_per_step"], off
-        # On: the step is graph launches; what is still launched one by one is fewer than our kernels.
-        assert on["graph_launches_per_step"] >= 1, on
-        assert on["kernel_launches_per_step"] < on["our_kernels_per_step"], on
-    else:
-        # The trace holds no launch API events: capture shows as the launch gaps it removes.
-        assert on["wall_us"] < 0.85 * off["wall_us"], (on["wall_us"], off["wall_us"])
+    if off["api_events_seen"]:
+        assert off["graph_launches_per_step"] == 0, off  # off really is off
+    # Our kernels are most of the step: were they launched one by one with command buffers
+    # on, the two runs would time alike.
+    assert on["wall_us"] < 0.85 * off["wall_us"], (on["wall_us"], off["wall_us"])
