@@ -33,17 +33,15 @@ def compile_time(launches, target, max_configs: int, workers: int) -> dict:
     """Compiles the same jobs in-process (sequentially) and in the pool; fresh caches for both."""
     from te_jax_perm.autotune import compile_job, space
     from te_jax_perm.autotune.pool import CompilePool
-    from te_jax_perm.core.shapes import output_avals
+    from te_jax_perm.core import configure
     jobs, warm = [], []
     for ln in launches:
-        valid, _ = space.candidates(ln.decl, __import__("te_jax_perm.core.shapes", fromlist=["x"]).bind_dims(
-            ln.decl, ln.avals), ln.params)
-        outs = output_avals(ln.decl, ln.avals, ln.params)
+        valid, _ = space.candidates(ln.decl, ln.dims, ln.params)
         for c in valid:
-            jobs.append(compile_job.make_job(ln.decl, ln.avals, outs, ln.params, c, target))
+            jobs.append(compile_job.make_job(configure(ln, c), target))
         # Warm-up jobs (distinct binaries: num_warps=1) so neither side pays LLVM start-up in the figure.
         c1 = dataclasses.replace(valid[0], num_warps=1)
-        warm.append(compile_job.make_job(ln.decl, ln.avals, outs, ln.params, c1, target))
+        warm.append(compile_job.make_job(configure(ln, c1), target))
     jobs = jobs[:max_configs]
     root = tempfile.mkdtemp(prefix="autotune_bench_")
     os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "inproc")
@@ -111,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from te_jax_perm import autotune
     from te_jax_perm.autotune import workloads
     from te_jax_perm.autotune.__main__ import shape_list, tune_shapes
-    from te_jax_perm.core import config_select
+    from te_jax_perm.core import hooks
     gpu = jax.default_backend() == "gpu"
     backend = "triton" if gpu else "interpret"
     dtype = _np_dtype(a.dtype)
@@ -161,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
         tuned_shapes = {(r["model"], r["T"]) for r in rows}
         partial = {(r["model"], r["T"]) for r in rows if not r["complete"]}
         e2e = []
-        resolver = config_select._resolver
         for model, H, E, k, T in shapes:
             if (model, T) not in tuned_shapes or (model, T) in partial:
                 continue
@@ -171,11 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             args = [jax.device_put(x) for x in workloads.moe_problem(T, H, E, k, dtype)]
             with autotune.autotuning(False):
                 tuned = time_jitted(workloads.moe_step(backend, k), args)
-            config_select.set_config_resolver(None)
-            try:
+            with hooks.using_config_resolver(None):
                 default = time_jitted(workloads.moe_step(backend, k), args)
-            finally:
-                config_select.set_config_resolver(resolver)
             row = {"model": model, "T": T, "H": H, "E": E, "k": k, "tuned": tuned, "default": default,
                    "speedup": default["median_s"] / tuned["median_s"]}
             print(json.dumps(row), flush=True)

@@ -29,6 +29,26 @@ _LAZY = {
 __all__ = ["BACKENDS", "BackendUnavailableError", "audit_aliases", "use_backend", *_LAZY]
 
 
+def _activate() -> None:
+    """The one place the environment switches plug-ins on (``core.hooks`` is where they plug in).
+
+    Unknown values of the library's environment variables raise here, at import. Cached
+    tuning results are always used: the autotuner's resolver is installed unconditionally
+    (it tunes on a cache miss only when asked to). ``TE_JAX_PERM_SANITIZE`` opens the
+    process-wide sanitizer session.
+    """
+    from te_jax_perm.core import env
+    env.check_all()
+    from te_jax_perm.autotune import resolver
+    resolver.install()
+    if env.sanitize() is not None:
+        from te_jax_perm.sanitize import session
+        session.env_session()
+
+
+_activate()
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module = importlib.import_module(_LAZY[name])

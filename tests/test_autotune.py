@@ -133,9 +133,9 @@ def test_racy_config_faster_but_rejected():
 
 def test_empty_output_garbage_is_caught():
     """init='empty' buffers start as random bytes, so a config writing too few rows fails."""
-    buf = initial_prealloc("empty", (4, 4), np.float32, seed=3)
+    buf = initial_prealloc(False, (4, 4), np.float32, seed=3)
     assert np.any(buf != 0)
-    np.testing.assert_array_equal(initial_prealloc("zeros", (2,), np.int32), 0)
+    np.testing.assert_array_equal(initial_prealloc(True, (2,), np.int32), 0)
 
 
 def test_warm_cache_reuse_across_processes(tmp_cache):

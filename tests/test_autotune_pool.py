@@ -33,12 +33,11 @@ def pool(tmp_path_factory):
 
 
 def _jobs(decl, configs, faults=None):
-    from te_jax_perm.core.shapes import output_avals
     import jax
-    avals = [jax.ShapeDtypeStruct((64, 16), np.float32)]
-    outs = output_avals(decl, avals, {})
+    from te_jax_perm.core import bind_call, configure
+    call = bind_call(decl, [jax.ShapeDtypeStruct((64, 16), np.float32)], {}, "triton")
     faults = faults or {}
-    return [compile_job.make_job(decl, avals, outs, {}, c, TARGET, fault=faults.get(c)) for c in configs]
+    return [compile_job.make_job(configure(call, c), TARGET, fault=faults.get(c)) for c in configs]
 
 
 @pytest.mark.parametrize("kind", ["abort", "segfault", "raise"])

@@ -17,8 +17,7 @@ import pytest
 
 import te_jax_perm.ops
 from te_jax_perm.autotune.space import candidates
-from te_jax_perm.core import KernelPrimitive, config_select
-from te_jax_perm.core.shapes import bind_dims
+from te_jax_perm.core import KernelPrimitive, hooks
 from te_jax_perm.sanitize import sanitize
 
 BE = "interpret"
@@ -155,8 +154,8 @@ class _EveryConfig:
         self.rounds = 1
         self.seen: dict[tuple, set] = {}
 
-    def __call__(self, decl, avals, params, backend):
-        dims = bind_dims(decl, avals)
+    def __call__(self, call):
+        decl, dims, params = call.decl, call.dims, call.params
         valid, _ = candidates(decl, dims, params)
         distinct = list({c.constants: c for c in valid}.values())
         if not distinct:
@@ -173,18 +172,16 @@ class _EveryConfig:
 @pytest.mark.parametrize("name", CONFIG_SWEEP)
 def test_every_unpruned_config_is_clean(name, launched):
     pick = _EveryConfig()
-    saved = config_select._resolver
-    config_select.set_config_resolver(pick)
     try:
-        while pick.k < pick.rounds:
-            jax.clear_caches()  # the resolver runs at lowering time
-            with sanitize() as report:
-                jax.block_until_ready(SCENARIOS[name]())
-            assert not report, f"config round {pick.k}:\n{report.text()}"
-            launched.update(s.kernel for s in report.launches)
-            pick.k += 1
+        with hooks.using_config_resolver(pick):
+            while pick.k < pick.rounds:
+                jax.clear_caches()  # the resolver runs at lowering time
+                with sanitize() as report:
+                    jax.block_until_ready(SCENARIOS[name]())
+                assert not report, f"config round {pick.k}:\n{report.text()}"
+                launched.update(s.kernel for s in report.launches)
+                pick.k += 1
     finally:
-        config_select.set_config_resolver(saved)
         jax.clear_caches()
     assert pick.seen and pick.seen == pick.want
 

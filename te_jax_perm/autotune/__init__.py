@@ -8,7 +8,7 @@ never re-tunes for a value outside the declared key (results persist per key on 
 Use ``TE_JAX_PERM_AUTOTUNE=1`` / :func:`enable` / :func:`autotuning` to tune on a cache
 miss while tracing, :func:`tune` or :func:`tune_ahead` to tune explicitly, and
 :func:`print_cache` (or ``python -m te_jax_perm.autotune --print-cache``) to inspect.
-Importing this module installs its resolver in ``te_jax_perm.core.config_select``.
+Cached results are used whenever present: importing ``te_jax_perm`` installs the resolver.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from te_jax_perm.autotune.faults import inject_compile_fault
 from te_jax_perm.autotune.key import make_key
 from te_jax_perm.autotune.resolver import autotuning, enable, enabled, install, resolve
 from te_jax_perm.autotune.space import candidates
-from te_jax_perm.autotune.tuner import TuneOptions, TuneResult, stats, tune
+from te_jax_perm.autotune.tuner import TuneOptions, TuneResult, stats, tune, tune_call
 
 
 def tune_ahead(kernel: Any, shapes_and_params: Iterable[tuple[Sequence[Any], Mapping[str, Any]]],
@@ -35,8 +35,6 @@ def print_cache() -> None:
     print(format_cache())
 
 
-install()
-
 __all__ = ["TuneOptions", "TuneResult", "autotuning", "cache_dir", "candidates", "enable", "enabled",
            "format_cache", "inject_compile_fault", "make_key", "print_cache", "resolve", "set_cache_dir", "stats",
-           "tune", "tune_ahead"]
+           "tune", "tune_ahead", "tune_call"]

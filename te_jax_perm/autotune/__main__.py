@@ -94,7 +94,6 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
     from te_jax_perm import autotune
     from te_jax_perm.autotune import workloads
     from te_jax_perm.autotune.key import key_digest
-    from te_jax_perm.core.shapes import bind_dims
     from te_jax_perm.progress import Progress
     backend = backend or ("triton" if jax.default_backend() == "gpu" else "interpret")
     np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
@@ -115,8 +114,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
         with autotune.autotuning(False):
             launches = workloads.record_launches(workloads.moe_step(backend, k), args)
         for li, ln in enumerate(launches):
-            dims = bind_dims(ln.decl, ln.avals)
-            digest = key_digest(autotune.make_key(ln.decl, dims, ln.params, [a.dtype for a in ln.avals], backend))
+            digest = key_digest(autotune.make_key(ln.decl, ln.dims, ln.params, ln.dtypes, backend))
             where = f"{model} T={T}"
             if digest in seen:
                 logging.info("tune_shapes: %s at %s has the key tuned at %s; not tuned again", ln.decl.name, where,
@@ -127,7 +125,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
                 break
             seen[digest] = where
             t0 = time.perf_counter()
-            res = autotune.tune(ln.decl, ln.avals, ln.params, backend, options)
+            res = autotune.tune_call(ln, options)
             e = res.entry
             row = {"model": model, "T": T, "H": H, "E": E, "k": k, "kernel": ln.decl.name,
                    "best": e.get("best"), "best_time_s": e.get("best_time_s"),

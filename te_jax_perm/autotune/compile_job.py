@@ -8,20 +8,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-import numpy as np
-
-from te_jax_perm.core.declaration import Config, KernelDecl
-from te_jax_perm.core.kernel_args import KernelArgs
-
-# np.dtype name -> Triton signature type.
-_TRITON_TYPE = {
-    "float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
-    "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5",
-    "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64",
-    "uint8": "u8", "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "i1",
-}
+from te_jax_perm.core.launch import Launch
+from te_jax_perm.core.triton_compile import compile_kernel, launch_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,67 +27,30 @@ class CompileJob:
     fault: str | None = None  # test hook: "abort", "segfault", "hang" or "raise"
 
 
-def triton_type(dtype: Any) -> str:
-    name = np.dtype(dtype).name
-    if name not in _TRITON_TYPE:
-        raise TypeError(f"no Triton pointer type for dtype {name}")
-    return _TRITON_TYPE[name]
-
-
-def make_job(decl: KernelDecl, avals: Sequence[Any], out_avals: Sequence[Any], params: Mapping[str, Any],
-             config: Config, target: tuple[str, int, int], fault: str | None = None) -> CompileJob:
-    """The compile of ``decl.kernel`` for one config, with pointers assumed 16-byte aligned
-    (XLA and torch allocations are) as jax-triton assumes too."""
-    kargs = KernelArgs.build(decl, avals, params, config)
-    names = list(decl.kernel.arg_names)
-    ptr_types = [triton_type(a.dtype) for a in avals]
-    out_types = [triton_type(a.dtype) for a in out_avals]
-    positional = ([("*" + t) for t in ptr_types]
-                  + [_scalar_type(v) for v in kargs.scalars.values()]
-                  + [("*" + t) for t in out_types] * 2)
-    if len(positional) + len(kargs.constexprs) != len(names):
-        raise TypeError(f"{decl.name}: kernel takes {names}; declaration supplies {len(positional)} positional "
-                        f"+ {sorted(kargs.constexprs)} constexprs")
-    sig = dict(zip(names[:len(positional)], positional))
-    for n in names[len(positional):]:
-        if n not in kargs.constexprs:
-            raise TypeError(f"{decl.name}: kernel parameter {n!r} is neither positional nor a declared constexpr")
-        sig[n] = "constexpr"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(positional) if t.startswith("*")}
-    fn = decl.kernel.fn
-    return CompileJob(fn.__module__, fn.__name__, sig, dict(kargs.constexprs), attrs, tuple(target),
+def make_job(launch: Launch, target: tuple[str, int, int], fault: str | None = None) -> CompileJob:
+    """The compile of ``launch``'s kernel with its config, with pointers assumed 16-byte
+    aligned (XLA and torch allocations are), as the ``triton`` backend compiles it too."""
+    fn = launch.decl.kernel.fn
+    sig, constexprs, attrs = launch_spec(launch)
+    config = launch.config
+    return CompileJob(fn.__module__, fn.__name__, sig, constexprs, attrs, tuple(target),
                       {"num_warps": config.num_warps, "num_stages": config.num_stages},
-                      label=f"{decl.name}:{config}", fault=fault)
-
-
-def _scalar_type(v: Any) -> str:
-    if isinstance(v, bool):
-        return "i1"
-    if isinstance(v, int):
-        return "i32" if -2**31 <= v < 2**31 else "i64"
-    return "fp32"
+                      label=f"{launch.decl.name}:{config}", fault=fault)
 
 
 def load_kernel(job: CompileJob) -> Any:
     return getattr(importlib.import_module(job.kernel_module), job.kernel_name)
 
 
-def ast_source(job: CompileJob) -> Any:
-    from triton.compiler import ASTSource
-    return ASTSource(fn=load_kernel(job), signature=dict(job.signature), constexprs=dict(job.constexprs),
-                     attrs=dict(job.attrs))
-
-
-def gpu_target(job: CompileJob) -> Any:
-    from triton.backends.compiler import GPUTarget
-    return GPUTarget(*job.target)
+def _compile(job: CompileJob) -> Any:
+    return compile_kernel(load_kernel(job), job.signature, job.constexprs, job.attrs, job.target,
+                          job.options["num_warps"], job.options["num_stages"])
 
 
 def compile_job(job: CompileJob) -> dict:
     """Compiles ``job``; returns a small picklable summary including the binary."""
-    import triton
     t0 = time.perf_counter()
-    k = triton.compile(ast_source(job), target=gpu_target(job), options=dict(job.options))
+    k = _compile(job)
     binary = k.asm.get("cubin") or k.asm.get("hsaco") or b""
     meta = getattr(k, "metadata", None)
     return {"hash": k.hash, "binary": bytes(binary) if isinstance(binary, (bytes, bytearray)) else binary,
@@ -108,5 +61,4 @@ def compile_job(job: CompileJob) -> dict:
 def load_compiled(job: CompileJob) -> Any:
     """The parent's handle on a kernel a worker compiled: a Triton cache hit, no recompile
     (workers and parent share ``TRITON_CACHE_DIR``)."""
-    import triton
-    return triton.compile(ast_source(job), target=gpu_target(job), options=dict(job.options))
+    return _compile(job)

@@ -12,7 +12,8 @@ import numpy as np
 
 from te_jax_perm.autotune.compile_job import CompileJob, load_compiled
 from te_jax_perm.core.declaration import Config, KernelDecl
-from te_jax_perm.core.kernel_args import KernelArgs
+from te_jax_perm.core.kernel_args import kernel_arguments
+from te_jax_perm.core.launch import bind_call, configure
 
 # NumPy dtypes torch cannot take directly travel as same-width integers, then are viewed back.
 _VIA_INT = {"bfloat16": ("int16", "bfloat16"), "float8_e4m3fn": ("uint8", "float8_e4m3fn"),
@@ -45,8 +46,8 @@ class GpuRunner:
                  params: Mapping[str, Any], jobs: Mapping[Config, CompileJob]):
         import torch
         self.torch = torch
-        self.decl, self.params, self.jobs = decl, dict(params), jobs
-        self.in_avals = [_Shaped(a.shape, a.dtype) for a in inputs]
+        self.decl, self.jobs = decl, jobs
+        self.call = bind_call(decl, inputs, params, "triton")
         self.out_dtypes = [a.dtype for a in preallocs]
         self.buffers = [to_device(a) for a in inputs] + [to_device(a) for a in preallocs]
         self.n_in = len(inputs)
@@ -71,12 +72,10 @@ class GpuRunner:
         """Grid and argument list of ``config``, built once (not per timed launch)."""
         if config not in self._launch_args:
             ins, outs = self.buffers[:self.n_in], self.buffers[self.n_in:]
-            kargs = KernelArgs.build(self.decl, self.in_avals, self.params, config)
-            grid = tuple(kargs.grid) + (1,) * (3 - len(kargs.grid))
-            args = [*ins, *kargs.scalars.values(), *outs, *outs]
-            names = list(self.decl.kernel.arg_names)
-            args += [kargs.constexprs[n] for n in names[len(args):]]
-            self._launch_args[config] = (grid, args, self._kernel(config))
+            launch = configure(self.call, config)
+            # Triton's launcher takes constexprs too; each output is its own preallocated buffer.
+            args = [a.value for a in kernel_arguments(launch, ins, outs, outs)] + list(launch.constexprs.values())
+            self._launch_args[config] = (launch.grid3, args, self._kernel(config))
         return self._launch_args[config]
 
     def launch(self, config: Config) -> float:
@@ -120,11 +119,3 @@ class GpuRunner:
 
     def outputs(self) -> list[np.ndarray]:
         return [to_host(b, dt) for b, dt in zip(self.buffers[self.n_in:], self.out_dtypes)]
-
-
-class _Shaped:
-    """Shape/dtype of a device buffer for ``bind_dims`` (which reads ``.shape``/``.dtype``)."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: Any):
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)

@@ -39,14 +39,14 @@ def make_inputs(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, 
     return arrays
 
 
-def initial_prealloc(init: str, shape: tuple[int, ...], dtype: Any, seed: int = 1) -> np.ndarray:
-    """An output buffer's contents before a launch.
+def initial_prealloc(zeroed: bool, shape: tuple[int, ...], dtype: Any, seed: int = 1) -> np.ndarray:
+    """An output buffer's contents before a launch (``zeroed`` from the alias plan).
 
-    ``init="empty"`` buffers get random bytes, so a config that skips elements it must
-    write is caught by validation instead of passing on lucky zeros.
+    Buffers not zeroed get random bytes, so a config that skips elements it must write is
+    caught by validation instead of passing on lucky zeros.
     """
     dtype = np.dtype(dtype)
-    if init == "zeros":
+    if zeroed:
         return np.zeros(shape, dtype)
     raw = np.random.default_rng(seed).integers(0, 256, int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
     return raw.view(dtype).reshape(shape).copy()

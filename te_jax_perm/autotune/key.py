@@ -18,8 +18,14 @@ from te_jax_perm.core.declaration import KernelDecl
 
 
 def kernel_source_hash(decl: KernelDecl) -> str:
-    fn = getattr(decl.kernel, "fn", decl.kernel)
-    src = getattr(decl.kernel, "src", None) or inspect.getsource(fn)
+    return _source_hash(decl.kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _source_hash(kernel: Any) -> str:
+    # Every lowering of a tunable kernel computes its key: read the source once.
+    fn = getattr(kernel, "fn", kernel)
+    src = getattr(kernel, "src", None) or inspect.getsource(fn)
     return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 

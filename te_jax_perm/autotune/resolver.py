@@ -1,7 +1,8 @@
-"""The hook into ``core.config_select``: cached winners always, tuning on a miss when enabled.
+"""The config resolver (``core.hooks``): cached winners always, tuning on a miss when enabled.
 
-Enabled by ``TE_JAX_PERM_AUTOTUNE=1``, :func:`enable` or the :func:`autotuning` context.
-Disabled, a cached winner is still used and a miss falls back to the default config.
+``te_jax_perm`` installs it when imported, so a warm cache is used with no opt-in.
+Tuning on a miss is enabled by ``TE_JAX_PERM_AUTOTUNE=1``, :func:`enable` or the
+:func:`autotuning` context; disabled, a miss falls back to the default config.
 Any tuner failure is logged and falls back to the default: tuning never breaks a call.
 """
 from __future__ import annotations
@@ -13,12 +14,12 @@ from absl import logging
 
 from te_jax_perm.autotune import cache
 from te_jax_perm.autotune.key import make_key
-from te_jax_perm.autotune.tuner import TuneOptions, stats, tune
-from te_jax_perm.core import config_select
+from te_jax_perm.autotune.tuner import TuneOptions, stats, tune_call
+from te_jax_perm.core import env, hooks
 from te_jax_perm.core.declaration import Config, KernelDecl
-from te_jax_perm.core.shapes import bind_dims
+from te_jax_perm.core.launch import Call, bind_call
 
-ENV_VAR = config_select.AUTOTUNE_ENV_VAR
+ENV_VAR = env.AUTOTUNE
 TUNABLE_BACKENDS = ("interpret", "triton")
 _enabled: list[bool] = []
 _options = TuneOptions()
@@ -27,7 +28,7 @@ _options = TuneOptions()
 def enabled() -> bool:
     if _enabled:
         return _enabled[-1]
-    return config_select.autotune_env_enabled()
+    return env.autotune()
 
 
 def enable(on: bool = True, options: TuneOptions | None = None) -> None:
@@ -60,20 +61,27 @@ def pick(decl: KernelDecl, entry: Mapping[str, Any], dims: Mapping[str, int], pa
 
 
 def resolve(decl: KernelDecl, avals: Sequence[Any], params: Mapping[str, Any], backend: str) -> Config | None:
-    if backend not in TUNABLE_BACKENDS or not decl.configs:
+    """The config a call of ``decl`` on operands shaped like ``avals`` would use (``None``:
+    the default)."""
+    return resolve_call(bind_call(decl, avals, params, backend))
+
+
+def resolve_call(call: Call) -> Config | None:
+    """The installed :class:`~te_jax_perm.core.hooks.ConfigResolver`."""
+    decl = call.decl
+    if call.backend not in TUNABLE_BACKENDS or not decl.configs:
         return None
     try:
-        dims = bind_dims(decl, avals)
-        key = make_key(decl, dims, params, [a.dtype for a in avals], backend)
-        entry = cache.load_valid(decl, key, dims, params)
+        key = make_key(decl, call.dims, call.params, call.dtypes, call.backend)
+        entry = cache.load_valid(decl, key, call.dims, call.params)
         if entry is not None:
             stats["cache_hits"] += 1
         elif enabled():
-            entry = tune(decl, [(tuple(a.shape), a.dtype) for a in avals], params, backend, _options).entry
+            entry = tune_call(call, _options).entry
         if entry is None:
             return None
-        cfg = pick(decl, entry, dims, params)
-        logging.vlog(1, "autotune %s: using %s for %s", decl.name, cfg, dict(dims))
+        cfg = pick(decl, entry, call.dims, call.params)
+        logging.vlog(1, "autotune %s: using %s for %s", decl.name, cfg, dict(call.dims))
         return cfg
     except Exception as e:  # noqa: BLE001 - never let tuning fail the user's computation
         logging.warning("autotune %s: tuning failed (%s: %s); using the default config", decl.name,
@@ -82,4 +90,5 @@ def resolve(decl: KernelDecl, avals: Sequence[Any], params: Mapping[str, Any], b
 
 
 def install() -> None:
-    config_select.set_config_resolver(resolve)
+    """Makes :func:`resolve_call` the config resolver (``te_jax_perm`` does this at import)."""
+    hooks.set_config_resolver(resolve_call)

@@ -18,8 +18,8 @@ from absl import logging
 from te_jax_perm.autotune.validate import mismatch
 from te_jax_perm.core.aliasing import alias_plan
 from te_jax_perm.core.declaration import Config, KernelDecl
-from te_jax_perm.core.interpret_backend import HostPointer, launch_interpreted
-from te_jax_perm.core.kernel_args import KernelArgs
+from te_jax_perm.core.interpret_backend import run_launch
+from te_jax_perm.core.launch import bind_call, configure
 
 
 class Runner(Protocol):
@@ -94,7 +94,8 @@ class HostRunner:
 
     def __init__(self, decl: KernelDecl, inputs: Sequence[np.ndarray], preallocs: Sequence[np.ndarray],
                  params: Mapping[str, Any]):
-        self.decl, self.params = decl, dict(params)
+        self.decl = decl
+        self.call = bind_call(decl, inputs, params, "interpret")
         self.buffers = [np.ascontiguousarray(a) for a in inputs] + [np.ascontiguousarray(a) for a in preallocs]
         self.n_in = len(inputs)
         self.saved: dict[int, np.ndarray] = {}
@@ -107,14 +108,10 @@ class HostRunner:
             np.copyto(self.buffers[i], snap)
 
     def launch(self, config: Config) -> float:
-        decl = self.decl
+        launch = configure(self.call, config)
         ins, outs = self.buffers[:self.n_in], self.buffers[self.n_in:]
-        kargs = KernelArgs.build(decl, ins, self.params, config)
-        ptrs = ([HostPointer(a) for a in ins] + list(kargs.scalars.values())
-                + [HostPointer(a) for a in outs] * 2)
         t0 = time.perf_counter()
-        launch_interpreted(decl.kernel, kargs.grid, dict(zip(decl.kernel.arg_names, ptrs)), kargs.constexprs,
-                           name=decl.name)
+        run_launch(launch, ins, outs, outs)  # each output is its own preallocated buffer
         return time.perf_counter() - t0
 
     def outputs(self) -> list[np.ndarray]:

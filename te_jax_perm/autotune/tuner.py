@@ -18,7 +18,7 @@ from te_jax_perm.autotune.key import make_key
 from te_jax_perm.autotune.space import candidates, cap
 from te_jax_perm.autotune.trials import HostRunner, TrialResult, log_result, run_trials
 from te_jax_perm.core.declaration import Config, KernelDecl
-from te_jax_perm.core.shapes import bind_dims, output_avals
+from te_jax_perm.core.launch import Call, bind_call, configure
 
 # Process-wide counters; tests and the CLI use them to prove a warm cache does no work.
 stats: collections.Counter = collections.Counter()
@@ -62,10 +62,13 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
          backend: str = "interpret", options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
     """Tunes ``decl`` for operands of ``shapes`` (arrays, ShapeDtypeStructs or
     ``(shape, dtype)`` pairs) and static ``params``; returns the cached result if present."""
-    params = dict(params or {})
-    avals = _avals(shapes)
-    dims = bind_dims(decl, avals)
-    key = make_key(decl, dims, params, [a.dtype for a in avals], backend)
+    return tune_call(bind_call(decl, _avals(shapes), dict(params or {}), backend), options, pool)
+
+
+def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
+    """Tunes one bound call (see :func:`tune`)."""
+    decl, dims, params, backend = call.decl, call.dims, call.params, call.backend
+    key = make_key(decl, dims, params, call.dtypes, backend)
     if not options.force:
         entry = cache.load_valid(decl, key, dims, params)
         if entry is not None:
@@ -81,7 +84,6 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
     n_candidates = len(valid) + len(pruned) + len(skipped)  # for the summary line
     logging.vlog(1, "autotune %s: tuning %d configs for dims %s params %s (%d pruned)", decl.name, len(valid),
                  dict(dims), params, len(pruned))
-    out_avals = output_avals(decl, avals, params)
 
     failed: list[tuple[Config, str]] = []
     target = options.compile_target
@@ -91,14 +93,14 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
     t0 = time.perf_counter()
     if target is not None:
         # All candidates in one parallel batch, before any trial.
-        valid, failed, jobs = _compile_stage(decl, avals, out_avals, params, valid, tuple(target), options, pool)
+        valid, failed, jobs = _compile_stage(call, valid, tuple(target), options, pool)
     phases["compile_s"] = time.perf_counter() - t0
 
     # Inputs and the reference once per (kernel, shape); every trial reuses them.
     t0 = time.perf_counter()
-    inputs = make_inputs(decl, dims, params, [a.dtype for a in avals], seed=options.seed)
-    preallocs = [initial_prealloc(o.init, a.shape, a.dtype, seed=options.seed + 1 + i)
-                 for i, (o, a) in enumerate(zip(decl.outputs, out_avals))]
+    inputs = make_inputs(decl, dims, params, call.dtypes, seed=options.seed)
+    preallocs = [initial_prealloc(zeroed, a.shape, a.dtype, seed=options.seed + 1 + i)
+                 for i, (zeroed, a) in enumerate(zip(call.aliases.zeroed, call.out_avals))]
     phases["inputs_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     expected = _reference(decl, inputs, params)
@@ -168,12 +170,13 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
     return TuneResult(key, entry, cached=False)
 
 
-def _compile_stage(decl, avals, out_avals, params, valid, target, options, pool):
+def _compile_stage(call, valid, target, options, pool):
     from te_jax_perm.autotune.pool import get_pool
+    decl = call.decl
     pool = pool or get_pool()
     if options.compile_timeout_s is not None:
         pool.timeout_s = options.compile_timeout_s
-    jobs = {c: make_job(decl, avals, out_avals, params, c, target, fault=fault_for(decl.name, c)) for c in valid}
+    jobs = {c: make_job(configure(call, c), target, fault=fault_for(decl.name, c)) for c in valid}
     results = pool.compile_many(list(jobs.values()))
     stats["compiles"] += len(jobs)
     kept, failed = [], []

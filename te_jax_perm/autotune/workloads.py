@@ -1,19 +1,20 @@
-"""The real ops at the shapes.md sizes, and the kernel launches they make.
+"""The real ops at real MoE model sizes, and the kernel launches they make.
 
-``record_launches`` lowers a function and records every declared kernel launch in it
-(through the config resolver hook), which gives the tuner and the compile-time benchmark
-the exact ``(decl, operand avals, params)`` of each launch without duplicating op logic.
+``record_launches`` lowers a function and records every declared kernel call in it (a call
+observer in ``core.hooks``), which gives the tuner and the compile-time benchmark the exact
+bound call (declaration, operand avals, params, backend) of each launch without
+duplicating op logic.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from te_jax_perm.core import config_select
+from te_jax_perm.core import hooks
+from te_jax_perm.core.launch import Call
 
-# model, hidden, experts, top-k, tokens (shared/shapes.md)
+# model, hidden, experts, top-k, tokens (published MoE configurations)
 MOE_SHAPES = (
     ("mixtral-8x7b", 4096, 8, 2, (8192, 16384)),
     ("qwen3-235b", 4096, 128, 8, (8192,)),
@@ -23,32 +24,14 @@ MOE_SHAPES = (
 SMALL_SHAPES = (("small", 96, 8, 2, (64,)),)
 
 
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    decl: Any
-    avals: tuple[Any, ...]
-    params: dict
-    backend: str
-
-
-def record_launches(fn: Callable, args: Sequence[Any]) -> list[Launch]:
-    """Lowers ``jax.jit(fn)(*args)`` and returns each kernel launch it contains, in order.
+def record_launches(fn: Callable, args: Sequence[Any]) -> list[Call]:
+    """Lowers ``jax.jit(fn)(*args)`` and returns each kernel call it contains, in order.
 
     The installed resolver still runs (so lowering under autotuning also tunes)."""
     import jax
-    inner = config_select._resolver
-    seen: list[Launch] = []
-
-    def recording(decl, avals, params, backend):
-        seen.append(Launch(decl, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals), dict(params),
-                           backend))
-        return inner(decl, avals, params, backend) if inner else None
-
-    config_select.set_config_resolver(recording)
-    try:
+    seen: list[Call] = []
+    with hooks.observe_calls(seen.append):
         jax.jit(fn).lower(*args)
-    finally:
-        config_select.set_config_resolver(inner)
     return seen
 
 

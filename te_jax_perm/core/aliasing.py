@@ -1,11 +1,13 @@
 """The alias plan: which custom-call operands are preallocated output buffers.
 
-Both the lowering (``input_output_aliases``) and the autotuner (which buffers to save and
-restore between trials) read this one plan, so they cannot drift apart.
+Both the lowerings (``input_output_aliases`` / ``operand_output_aliases``) and the
+autotuner (which buffers to save and restore between trials, how to fill them) read this
+one plan, so they cannot drift apart. It is also the one reader of ``Output.init``.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -19,7 +21,7 @@ from te_jax_perm.core.uninitialized import uninitialized
 class AliasPlan:
     num_operands: int
     num_outputs: int
-    zeroed: tuple[bool, ...]
+    zeroed: tuple[bool, ...]   # per output: starts as zeros (init="zeros"), else unspecified
 
     @property
     def input_output_aliases(self) -> dict[int, int]:
@@ -32,16 +34,17 @@ class AliasPlan:
         return tuple(self.input_output_aliases)
 
 
+@functools.lru_cache(maxsize=None)
 def alias_plan(decl: KernelDecl) -> AliasPlan:
     return AliasPlan(len(decl.operands), len(decl.outputs), tuple(o.init == "zeros" for o in decl.outputs))
 
 
-def preallocate(decl: KernelDecl, out_avals: Sequence[jax.core.ShapedArray]) -> list[jax.Array]:
+def preallocate(plan: AliasPlan, out_avals: Sequence[jax.core.ShapedArray]) -> list[jax.Array]:
     """Output buffers to pass as aliased operands.
 
-    ``init="zeros"`` outputs start as zeros; ``init="empty"`` ones are uninitialised on GPU
-    (no memset: the kernel writes every element) and poisoned on CPU, so a kernel that
-    breaks its "writes every element" promise fails its tests (core/uninitialized.py).
+    Zeroed outputs start as zeros; the others are uninitialised on GPU (no memset: the
+    kernel writes every element) and poisoned on CPU, so a kernel that breaks its "writes
+    every element" promise fails its tests (core/uninitialized.py).
     """
-    return [jnp.zeros(aval.shape, aval.dtype) if o.init == "zeros" else uninitialized(aval.shape, aval.dtype)
-            for o, aval in zip(decl.outputs, out_avals)]
+    return [jnp.zeros(aval.shape, aval.dtype) if zeroed else uninitialized(aval.shape, aval.dtype)
+            for zeroed, aval in zip(plan.zeroed, out_avals)]

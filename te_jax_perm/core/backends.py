@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib.util
-import os
 from typing import Iterator
 
 import jax
 
-BACKENDS = ("triton", "interpret", "xla")
-ENV_VAR = "TE_JAX_PERM_BACKEND"
+from te_jax_perm.core import env
+
+BACKENDS = env.BACKEND_VALUES
+ENV_VAR = env.BACKEND
 
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("te_jax_perm_backend", default=None)
 
@@ -41,9 +42,9 @@ def use_backend(name: str) -> Iterator[str]:
 
 
 def default_backend() -> str:
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return _check_name(env)
+    chosen = env.backend()
+    if chosen is not None:
+        return chosen
     return "triton" if jax.default_backend() == "gpu" else "xla"
 
 
@@ -61,10 +62,13 @@ def ensure_available(name: str) -> None:
                 "backend 'triton' needs a CUDA GPU visible to JAX (jax.default_backend() is "
                 f"{jax.default_backend()!r}); install a CUDA jax (pip install 'jax[cuda13]') or use "
                 "backend 'interpret' (CPU, Triton interpreter) or 'xla'")
-        if importlib.util.find_spec("jax_triton") is None:
-            raise BackendUnavailableError(
-                "backend 'triton' needs the jax-triton package: pip install 'te_jax_perm[cuda]' "
-                "(jax-triton>=0.3.1; use 0.3.1 with triton 3.6)")
+        from te_jax_perm.core import compat
+        from te_jax_perm.core.triton_backend import requested_mode
+        # Without a requested call mode the backend uses the best jaxlib has (ffi or legacy):
+        # check what both need.
+        problems = compat.problems(requested_mode() or "legacy")
+        if problems:
+            raise BackendUnavailableError("backend 'triton': " + "; ".join(problems))
     if name in ("triton", "interpret") and importlib.util.find_spec("triton") is None:
         raise BackendUnavailableError(f"backend {name!r} needs the triton package: pip install triton")
     if name == "interpret" and jax.default_backend() != "cpu":

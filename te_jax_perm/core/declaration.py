@@ -5,15 +5,15 @@ to turn it into a JAX primitive: operands, outputs (and how each output buffer i
 initialised), static parameters, runtime scalar arguments, compile-time constants, the
 grid, candidate configs with their validity constraints, and a pure-JAX reference.
 
-Kernel calling convention (all backends pass arguments in this order)::
+Kernel calling convention (``core/kernel_args.py`` orders every launch's arguments)::
 
     kernel(*operand_ptrs, *scalar_args, *prealloc_ptrs, *output_ptrs, **constexprs)
 
 ``prealloc_ptrs[i]`` and ``output_ptrs[i]`` always point at the same memory: the
 preallocated buffer is an extra custom-call operand declared as aliased to output ``i``
-(this is how jax-triton passes aliased outputs). Kernels write through ``output_ptrs``
-and never read ``prealloc_ptrs`` except for outputs declared ``init="zeros"``, which
-they may accumulate into.
+(XLA's Triton call passes an aliased output both as the operand and as the result).
+Kernels write through ``output_ptrs`` and never read ``prealloc_ptrs`` except for outputs
+declared ``init="zeros"``, which they may accumulate into.
 """
 from __future__ import annotations
 
@@ -94,6 +94,22 @@ class Config:
 Constraint = Callable[[Dims, Params, Config], "str | None"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Partitioning:
+    """How a kernel's axes may be split across devices (``core/sharding.py`` applies it).
+
+    Attributes:
+      outputs: the axis names of each output, in output order; names shared with operand
+        axes (``Operand.dims``) denote the same axis, new names denote output-only axes.
+      local: axis names along which the kernel is shard-local: the outputs' shard ``i``
+        depends only on the operands' shard ``i``. Output shapes must follow from operand
+        dims (not from static params), so per-shard shapes come out right.
+    """
+
+    outputs: tuple[tuple[str, ...], ...]
+    local: tuple[str, ...] = ()
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class KernelDecl:
     """Everything about one kernel, declared once.
@@ -117,11 +133,12 @@ class KernelDecl:
       key_dims: dims whose value changes the best config (bucketed by ``key_bucket``).
       key_params: static params that change the compiled code or grid shape.
       exact: outputs must match the reference bit-exactly (pure data movement).
-      params_check: optional ``(dims, params) -> None`` raising ``ValueError``.
+      params_check: optional ``(dims, params) -> None`` raising ``ValueError``: checks of
+        the static facts, run once per call when it is bound (``core/launch.py``).
       validate: optional ``(operands, dims, params) -> None`` for checks needing
-        concrete values (run only when operands are concrete).
-      partitioning: optional ``core.sharding.Partitioning``: output axis names and the
-        axes along which the kernel is shard-local under jit/SPMD; ``None`` replicates.
+        concrete values, run by the public call only when every operand is concrete.
+      partitioning: optional :class:`Partitioning`: output axis names and the axes along
+        which the kernel is shard-local under jit/SPMD; ``None`` replicates.
       example_inputs: optional ``(dims, params, dtypes, rng) -> tuple of np.ndarray``
         making valid operands (e.g. in-range indices) for autotuning trials; ``dtypes``
         maps operand names to ``np.dtype``, ``rng`` is a ``np.random.Generator``.
@@ -135,19 +152,19 @@ class KernelDecl:
     grid: Callable[[Dims, Params, Config], tuple[int, ...]]
     default_config: Callable[[Dims, Params], Config]
     params: tuple[str, ...] = ()
-    scalars: Callable[[Dims, Params], Mapping[str, int]] = lambda d, p: {}
-    constexprs: Callable[[Dims, Params, Config], Mapping[str, Any]] = lambda d, p, c: {}
+    scalars: Callable[[Dims, Params], Mapping[str, int]] = lambda dims, params: {}
+    constexprs: Callable[[Dims, Params, Config], Mapping[str, Any]] = lambda dims, params, config: {}
     configs: tuple[Config, ...] = ()
     constraints: tuple[Constraint, ...] = ()
     key_dims: tuple[str, ...] = ()
     key_params: tuple[str, ...] = ()
-    key_bucket: Callable[[str, int], int] = lambda name, v: v
+    key_bucket: Callable[[str, int], int] = lambda dim_name, size: size
     exact: bool = True
     rtol: float = 1e-2
     atol: float = 1e-2
     params_check: Callable[[Dims, Params], None] | None = None
     validate: Callable[..., None] | None = None
-    partitioning: Any = None  # core.sharding.Partitioning; None: every axis replicated
+    partitioning: Partitioning | None = None  # None: every axis replicated
     example_inputs: Callable[..., Sequence[Any]] | None = None
 
     def output_names(self) -> tuple[str, ...]:

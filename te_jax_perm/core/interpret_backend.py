@@ -10,19 +10,19 @@ to the kernel, by operand name, and are told when each program starts.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
-import os
 import threading
-from typing import Any, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from te_jax_perm.core import interpret_numerics
-from te_jax_perm.core.aliasing import alias_plan, preallocate
-from te_jax_perm.core.declaration import Config, KernelDecl
-from te_jax_perm.core.kernel_args import KernelArgs
+from te_jax_perm.core import hooks
+from te_jax_perm.core.aliasing import preallocate
+from te_jax_perm.core.hooks import BufferInfo, LaunchObserver, observe_launches  # noqa: F401  (re-exported)
+from te_jax_perm.core.kernel_args import OPERAND, kernel_arguments
+from te_jax_perm.core.launch import Launch
 
 
 class HostPointer:
@@ -36,36 +36,9 @@ class HostPointer:
         return self.array.ctypes.data
 
 
-@dataclasses.dataclass(frozen=True)
-class BufferInfo:
-    name: str          # operand/output name; preallocs are "<output>.prealloc"
-    role: str          # "input", "prealloc" or "output"
-    address: int
-    nbytes: int
-    dtype: np.dtype
-    shape: tuple[int, ...]
-
-
-class LaunchObserver(Protocol):
-    def launch_begin(self, kernel_name: str, buffers: Sequence[BufferInfo], grid: tuple[int, int, int]) -> None: ...
-    def program_begin(self, pid: tuple[int, int, int]) -> None: ...
-    def launch_end(self) -> None: ...
-
-
-_observers: list[LaunchObserver] = []
-SANITIZE_ENV_VAR = "TE_JAX_PERM_SANITIZE"
 # Triton's interpreter keeps the grid position in one global builder, and XLA's CPU runtime
 # may run independent custom calls on different threads: launches must not interleave.
 _launch_lock = threading.RLock()
-
-
-@contextlib.contextmanager
-def observe_launches(observer: LaunchObserver) -> Iterator[LaunchObserver]:
-    _observers.append(observer)
-    try:
-        yield observer
-    finally:
-        _observers.remove(observer)
 
 
 def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any],
@@ -88,10 +61,7 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
 def _launch_locked(interp, kernel, grid3, args, constexprs, name, buffers) -> None:
     fn = interp.InterpretedFunction(kernel.fn).rewrite()
     scope = interp._patch_lang(kernel.fn)
-    if os.environ.get(SANITIZE_ENV_VAR):
-        from te_jax_perm.sanitize.session import env_session  # the env switch opens a sanitizer session
-        env_session()
-    observers = list(_observers)
+    observers = hooks.launch_observers()
     for ob in observers:
         ob.launch_begin(name or kernel.fn.__name__, buffers, grid3)
     try:
@@ -139,40 +109,32 @@ def _nested_jit_calls(interp: Any) -> Iterator[None]:
         JITFunction.__call__ = original
 
 
-def _param_names(kernel: Any) -> list[str]:
-    return list(kernel.arg_names)
+def run_launch(launch: Launch, operands: Sequence[np.ndarray], preallocs: Sequence[np.ndarray],
+               outputs: Sequence[np.ndarray]) -> None:
+    """Runs ``launch`` on host buffers (outputs may be the preallocs themselves)."""
+    args = kernel_arguments(launch, operands, preallocs, outputs)
+    infos = [BufferInfo(a.source, "input" if a.role == OPERAND else a.role, a.value.ctypes.data, a.value.nbytes,
+                        a.value.dtype, tuple(a.value.shape)) for a in args if a.is_pointer]
+    values = {a.name: HostPointer(a.value) if a.is_pointer else a.value for a in args}
+    launch_interpreted(launch.decl.kernel, launch.grid, values, launch.constexprs, name=launch.decl.name,
+                       buffers=infos)
 
 
-def interpret_call(decl: KernelDecl, operands: Sequence[jax.Array], params: Mapping[str, Any],
-                   config: Config, out_avals: Sequence[jax.core.ShapedArray]) -> list[jax.Array]:
+def interpret_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Array]:
     """Traceable function emitting one aliased buffer_callback custom call."""
     from jax.experimental.buffer_callback import buffer_callback
 
-    kargs = KernelArgs.build(decl, [o.aval for o in operands], params, config)
-    plan = alias_plan(decl)
-    preallocs = preallocate(decl, out_avals)
-    names = _param_names(decl.kernel)
+    plan = launch.aliases
+    preallocs = preallocate(plan, launch.out_avals)
 
     def callback(ctx, outs, *ins):
         del ctx
         in_arrays = [np.asarray(b) for b in ins]
-        out_arrays = [np.asarray(b) for b in outs]
-        ptrs = ([HostPointer(a) for a in in_arrays[:plan.num_operands]] + list(kargs.scalars.values())
-                + [HostPointer(a) for a in in_arrays[plan.num_operands:]]
-                + [HostPointer(a) for a in out_arrays])
-        infos = ([_info(op.name, "input", a) for op, a in zip(decl.operands, in_arrays)]
-                 + [_info(o.name + ".prealloc", "prealloc", a)
-                    for o, a in zip(decl.outputs, in_arrays[plan.num_operands:])]
-                 + [_info(o.name, "output", a) for o, a in zip(decl.outputs, out_arrays)])
-        launch_interpreted(decl.kernel, kargs.grid, dict(zip(names, ptrs)), kargs.constexprs,
-                           name=decl.name, buffers=infos)
+        run_launch(launch, in_arrays[:plan.num_operands], in_arrays[plan.num_operands:],
+                   [np.asarray(b) for b in outs])
 
-    result_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals]
-    with jax.named_scope(f"te_jax_perm.{decl.name}"):
+    result_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in launch.out_avals]
+    with jax.named_scope(f"te_jax_perm.{launch.decl.name}"):
         outs = buffer_callback(callback, result_types, input_output_aliases=plan.input_output_aliases)(
             *operands, *preallocs)
     return list(outs)
-
-
-def _info(name: str, role: str, a: np.ndarray) -> BufferInfo:
-    return BufferInfo(name, role, a.ctypes.data, a.nbytes, a.dtype, tuple(a.shape))

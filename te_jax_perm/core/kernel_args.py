@@ -1,41 +1,77 @@
-"""Derives one launch's grid, runtime scalars and compile-time constants from a declaration."""
+"""The one place that orders a kernel's arguments.
+
+Calling convention (every backend and the autotuner)::
+
+    kernel(*operand_ptrs, *scalar_args, *prealloc_ptrs, *output_ptrs, **constexprs)
+
+:func:`kernel_arguments` pairs each runtime kernel parameter, by the kernel's own
+parameter names, with its value for one :class:`~te_jax_perm.core.launch.Launch`; the
+backends and the tuner pass whatever stands for a buffer there (a host pointer, a device
+tensor, an XLA operand, a Triton type) and never build the list themselves.
+"""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from te_jax_perm.core.declaration import Config, KernelDecl
-from te_jax_perm.core.shapes import bind_dims
+import numpy as np
+
+from te_jax_perm.core.declaration import KernelDecl
+
+if TYPE_CHECKING:  # pragma: no cover
+    from te_jax_perm.core.launch import Launch
+
+OPERAND, SCALAR, PREALLOC, OUTPUT = "operand", "scalar", "prealloc", "output"
+POINTER_ROLES = (OPERAND, PREALLOC, OUTPUT)
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelArgs:
-    grid: tuple[int, ...]
-    scalars: dict[str, int]
-    constexprs: dict[str, Any]
-    config: Config
+class KernelArg:
+    name: str      # the kernel's parameter name
+    role: str      # OPERAND, SCALAR, PREALLOC or OUTPUT
+    source: str    # the declared operand/output (preallocs: "<output>.prealloc") or scalar name
+    value: Any
 
-    @staticmethod
-    def build(decl: KernelDecl, avals: Sequence[Any], params: Mapping[str, Any], config: Config) -> "KernelArgs":
-        dims = bind_dims(decl, avals)
-        why = decl.violated(dims, params, config)
-        if why:
-            raise ValueError(f"{decl.name}: {config} is invalid for dims {dict(dims)}: {why}")
-        grid = tuple(int(g) for g in decl.grid(dims, params, config))
-        constexprs = {**config.kw, **decl.constexprs(dims, params, config)}
-        scalars = dict(decl.scalars(dims, params))
-        check_signature(decl, scalars, constexprs)
-        return KernelArgs(grid, scalars, constexprs, config)
+    @property
+    def is_pointer(self) -> bool:
+        return self.role != SCALAR
 
 
-def check_signature(decl: KernelDecl, scalars: Mapping[str, Any], constexprs: Mapping[str, Any]) -> None:
+def kernel_arguments(launch: "Launch", operands: Sequence[Any], preallocs: Sequence[Any],
+                     outputs: Sequence[Any]) -> tuple[KernelArg, ...]:
+    """Every runtime argument of ``launch``'s kernel, in the kernel's parameter order.
+
+    ``operands``, ``preallocs`` and ``outputs`` stand for the buffers (one per declared
+    operand / output); scalars come from the launch. Constexprs are ``launch.constexprs``.
+    """
+    decl = launch.decl
+    if len(operands) != len(decl.operands) or len(preallocs) != len(decl.outputs) \
+            or len(outputs) != len(decl.outputs):
+        raise TypeError(f"{decl.name}: {len(operands)} operands, {len(preallocs)} preallocs, {len(outputs)} "
+                        f"outputs given; the declaration has {len(decl.operands)} operands and "
+                        f"{len(decl.outputs)} outputs")
+    slots = ([(OPERAND, op.name, v) for op, v in zip(decl.operands, operands)]
+             + [(SCALAR, name, v) for name, v in launch.scalars.items()]
+             + [(PREALLOC, o.name + ".prealloc", v) for o, v in zip(decl.outputs, preallocs)]
+             + [(OUTPUT, o.name, v) for o, v in zip(decl.outputs, outputs)])
+    names = parameter_names(decl)
+    return tuple(KernelArg(n, role, source, v) for n, (role, source, v) in zip(names, slots))
+
+
+def parameter_names(decl: KernelDecl) -> list[str]:
+    return list(decl.kernel.arg_names)
+
+
+def check_signature(decl: KernelDecl, scalars: Mapping[str, Any], constexprs: Mapping[str, Any]
+                    ) -> dict[str, Any]:
     """The kernel's parameters must follow the calling convention by name, not just count.
+    Returns ``constexprs`` in the kernel's parameter order.
 
     Arguments are passed by position, so a scalar that one side moved to a constexpr would
     otherwise shift every later argument by one (a pointer landing in a size slot) while the
     count still matched.
     """
-    names = list(decl.kernel.arg_names)
+    names = parameter_names(decl)
     n_ops, n_outs = len(decl.operands), len(decl.outputs)
     positional = n_ops + len(scalars) + 2 * n_outs
     got_scalars = names[n_ops:n_ops + len(scalars)]
@@ -46,3 +82,44 @@ def check_signature(decl: KernelDecl, scalars: Mapping[str, Any], constexprs: Ma
             f"{decl.name}: kernel {decl.kernel.fn.__name__}{tuple(names)} does not match its declaration: "
             f"{n_ops} operand pointers, scalars {list(scalars)}, {n_outs} prealloc + {n_outs} output "
             f"pointers, constexprs {sorted(constexprs)}")
+    return {name: constexprs[name] for name in names[positional:]}
+
+
+# -- Triton types of the arguments ------------------------------------------------------------
+# np.dtype name -> Triton element type.
+_TRITON_TYPE = {
+    "float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
+    "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5",
+    "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64",
+    "uint8": "u8", "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "i1",
+}
+
+
+def triton_type(dtype: Any) -> str:
+    name = np.dtype(dtype).name
+    if name not in _TRITON_TYPE:
+        raise TypeError(f"no Triton pointer type for dtype {name}")
+    return _TRITON_TYPE[name]
+
+
+def scalar_type(value: Any) -> str:
+    """The Triton type a runtime scalar is passed as (as Triton's own launcher types it)."""
+    if isinstance(value, (bool, np.bool_)):
+        return "i1"
+    if isinstance(value, (int, np.integer)):
+        return "i32" if -2**31 <= int(value) < 2**31 else "i64"
+    return "fp32"
+
+
+def signature(launch: "Launch") -> dict[str, str]:
+    """Kernel parameter name -> Triton type (``*bf16``, ``i32``, ``constexpr``) for compiling."""
+    args = kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)
+    sig = {a.name: ("*" + triton_type(a.value.dtype)) if a.is_pointer else scalar_type(a.value) for a in args}
+    sig.update({name: "constexpr" for name in launch.constexprs})
+    return {name: sig[name] for name in parameter_names(launch.decl)}  # the kernel's order
+
+
+def pointer_positions(launch: "Launch") -> tuple[int, ...]:
+    """Indices of the pointer parameters (XLA and torch buffers are 16-byte aligned)."""
+    args = kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)
+    return tuple(i for i, a in enumerate(args) if a.is_pointer)

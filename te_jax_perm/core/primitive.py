@@ -17,7 +17,8 @@ from jax.interpreters import batching, mlir
 from te_jax_perm.core import backends, sharding
 from te_jax_perm.core.config_select import select_config
 from te_jax_perm.core.declaration import Config, KernelDecl
-from te_jax_perm.core.shapes import bind_dims, check_static_params, output_avals
+from te_jax_perm.core.launch import bind_call, configure
+from te_jax_perm.core.shapes import check_static_params
 
 _RESERVED = ("backend", "config")
 
@@ -41,7 +42,7 @@ class KernelPrimitive:
     def _primitive(self, name: str, lower: Callable) -> Primitive:
         prim = Primitive(name)
         prim.multiple_results = True
-        prim.def_abstract_eval(self._abstract_eval)
+        prim.def_abstract_eval(self.abstract_eval)
         prim.def_impl(self._impl)
         for platform in ("cpu", "cuda", "rocm"):
             mlir.register_lowering(prim, functools.partial(lower, platform), platform=platform)
@@ -53,18 +54,16 @@ class KernelPrimitive:
         decl = self.decl
         check_static_params(decl, params)
         operands = tuple(jnp.asarray(o) for o in operands)
-        dims = bind_dims(decl, [o for o in operands])
-        if decl.params_check is not None:
-            decl.params_check(dims, params)
-        if decl.validate is not None and not any(isinstance(o, jax.core.Tracer) for o in operands):
-            decl.validate(operands, dims, params)
         chosen = backends.resolve_backend(backend)
+        call = bind_call(decl, [o.aval for o in operands], params, chosen)
+        if decl.validate is not None and not any(isinstance(o, jax.core.Tracer) for o in operands):
+            decl.validate(operands, call.dims, params)
         return tuple(self.prim.bind(*operands, backend=chosen, config=config, **params))
 
     # -- primitive rules --------------------------------------------------------------
-    def _abstract_eval(self, *avals, backend: str, config: Config | None, **params):
-        del backend, config
-        return output_avals(self.decl, avals, params)
+    def abstract_eval(self, *avals, backend: str, config: Config | None, **params):
+        del config
+        return list(bind_call(self.decl, avals, params, backend).out_avals)
 
     def _impl(self, *args, **kw):
         return self._jitted_bind(tuple(sorted(kw.items())))(*args)
@@ -78,22 +77,16 @@ class KernelPrimitive:
         return sharding.lower_partitioned(self, ctx, *args, **kw)
 
     def _lower_local(self, platform: str, ctx, *args, backend: str, config: Config | None, **params):
-        fn = self._backend_fn(platform, backend)
         decl = self.decl
-
-        def traced(*ops):
-            avals = [o.aval for o in ops]
-            outs = output_avals(decl, avals, params)
-            if backend == "xla":
-                return list(decl.reference(*ops, **params))
-            cfg = select_config(decl, avals, params, backend, config)
-            return fn(decl, ops, params, cfg, outs)
-
-        return mlir.lower_fun(traced, multiple_results=True)(ctx, *args)
-
-    def _backend_fn(self, platform: str, backend: str) -> Callable | None:
         if backend == "xla":
-            return None
+            return mlir.lower_fun(lambda *ops: list(decl.reference(*ops, **params)), multiple_results=True)(ctx, *args)
+        fn = self._backend_fn(platform, backend)
+        # The launch is built here, once, and handed down: the backend derives nothing.
+        call = bind_call(decl, ctx.avals_in, params, backend)
+        launch = configure(call, select_config(call, config))
+        return mlir.lower_fun(lambda *ops: fn(launch, ops), multiple_results=True)(ctx, *args)
+
+    def _backend_fn(self, platform: str, backend: str) -> Callable:
         if backend == "interpret":
             if platform != "cpu":
                 raise backends.BackendUnavailableError(

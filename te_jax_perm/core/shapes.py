@@ -1,4 +1,4 @@
-"""Trace-time checking of operands against a declaration, and output shapes from it."""
+"""Trace-time checking of operands and static parameters against a declaration."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -6,7 +6,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from te_jax_perm.core.declaration import Dims, KernelDecl, Operand, Params
+from te_jax_perm.core.declaration import KernelDecl, Operand
 
 _KIND = {
     # jnp.issubdtype: NumPy does not count ml_dtypes floats (bfloat16) as np.floating.
@@ -70,16 +70,3 @@ def check_static_params(decl: KernelDecl, params: Mapping[str, Any]) -> None:
             hash(v)
         except TypeError as e:
             raise TypeError(f"{decl.name}: parameter {k!r} must be hashable, got {type(v)}") from e
-
-
-def output_avals(decl: KernelDecl, avals: Sequence[Any], params: Params) -> list[jax.core.ShapedArray]:
-    dims = bind_dims(decl, avals)
-    if decl.params_check is not None:
-        decl.params_check(dims, params)
-    dtypes = {op.name: np.dtype(a.dtype) for op, a in zip(decl.operands, avals)}
-    return [jax.core.ShapedArray(tuple(int(s) for s in o.shape(dims, params)), np.dtype(o.dtype(dtypes, params)))
-            for o in decl.outputs]
-
-
-def dims_of(decl: KernelDecl, avals: Sequence[Any]) -> Dims:
-    return bind_dims(decl, avals)

@@ -1,6 +1,6 @@
 """Sharding rules: how a declared kernel runs under JAX's SPMD partitioner.
 
-A kernel declares, through :class:`Partitioning`, the axis names of its outputs and which
+A kernel declares, through :class:`~te_jax_perm.core.declaration.Partitioning`, the axis names of its outputs and which
 axis names are *local*: axes along which every device can run the kernel on its own shard
 and produce its own shard of the outputs, with no data from other shards. Every other axis
 must be replicated; when an operand arrives sharded along one, the partitioner gathers it
@@ -23,7 +23,6 @@ per-device function: there is no custom-partitioning call in single-device progr
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -35,26 +34,14 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from te_jax_perm.core.declaration import Partitioning
+
 if TYPE_CHECKING:  # pragma: no cover
     from te_jax_perm.core.primitive import KernelPrimitive
 
+__all__ = ["Partitioning", "VmappedPrimitive", "lower_partitioned", "partitioned", "requires_devices", "sdy_rule"]
+
 BATCH_AXIS = "__vmap__"
-
-
-@dataclasses.dataclass(frozen=True)
-class Partitioning:
-    """How a kernel's axes may be split across devices.
-
-    Attributes:
-      outputs: the axis names of each output, in output order; names shared with operand
-        axes (``Operand.dims``) denote the same axis, new names denote output-only axes.
-      local: axis names along which the kernel is shard-local: the outputs' shard ``i``
-        depends only on the operands' shard ``i``. Output shapes must follow from operand
-        dims (not from static params), so per-shard shapes come out right.
-    """
-
-    outputs: tuple[tuple[str, ...], ...]
-    local: tuple[str, ...] = ()
 
 
 REPLICATED = None  # a decl without ``partitioning``: every axis replicated
@@ -64,7 +51,7 @@ REPLICATED = None  # a decl without ``partitioning``: every axis replicated
 def _axis_names(kp: "KernelPrimitive", out_ranks: Sequence[int], in_batched: Sequence[bool] | None):
     """(operand axis names, output axis names, local names) for a (possibly vmapped) call."""
     decl = kp.decl
-    part: Partitioning | None = getattr(decl, "partitioning", None)
+    part: Partitioning | None = decl.partitioning
     ops = [tuple(o.dims) for o in decl.operands]
     if part is None:
         outs = [tuple(f"{o.name}.{i}" for i in range(r)) for o, r in zip(decl.outputs, out_ranks)]
@@ -181,7 +168,7 @@ class VmappedPrimitive:
         self.kp = kp
         self.prim = Primitive(f"{kp.prim.name}_vmapped")
         self.prim.multiple_results = True
-        self.prim.def_abstract_eval(self._abstract_eval)
+        self.prim.def_abstract_eval(self.abstract_eval)
         self.prim.def_impl(lambda *a, **kw: jax.jit(functools.partial(self.prim.bind, **kw))(*a))
         mlir.register_lowering(self.prim, self._lower)
         batching.primitive_batchers[self.prim] = self._batch
@@ -190,9 +177,9 @@ class VmappedPrimitive:
     def _item_avals(self, avals, in_batched):
         return [jax.core.ShapedArray(a.shape[1:], a.dtype) if b else a for a, b in zip(avals, in_batched)]
 
-    def _abstract_eval(self, *avals, in_batched, **kw):
+    def abstract_eval(self, *avals, in_batched, **kw):
         n = next(a.shape[0] for a, b in zip(avals, in_batched) if b)
-        outs = self.kp._abstract_eval(*self._item_avals(avals, in_batched), **kw)
+        outs = self.kp.abstract_eval(*self._item_avals(avals, in_batched), **kw)
         return [jax.core.ShapedArray((n,) + tuple(o.shape), o.dtype) for o in outs]
 
     def _loop(self, *args, in_batched, **kw):

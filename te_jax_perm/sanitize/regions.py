@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from te_jax_perm.core.interpret_backend import BufferInfo
+from te_jax_perm.core.hooks import BufferInfo
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,25 +1,23 @@
 """Sanitizer sessions: the context manager, the environment switch, and ``check``.
 
-One launch observer is registered with the interpret backend while any session is open;
-each launch is recorded once and its hazards go to every open session.
+One launch observer is registered (``core.hooks``) while any session is open; each
+launch is recorded once and its hazards go to every open session.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
 from absl import logging
 
-from te_jax_perm.core import interpret_backend
-from te_jax_perm.core.interpret_backend import BufferInfo
+from te_jax_perm.core import env, hooks
+from te_jax_perm.core.hooks import BufferInfo
 from te_jax_perm.sanitize import analysis, tracer
 from te_jax_perm.sanitize.hazards import HazardError, Report
 from te_jax_perm.sanitize.regions import RegionMap
 
-ENV_VAR = "TE_JAX_PERM_SANITIZE"
-ENV_MODES = ("raise", "collect")
+ENV_VAR = env.SANITIZE
 
 
 class Session:
@@ -69,7 +67,7 @@ def _open(session: Session) -> None:
     global _hub_cm
     with _hub.lock:
         if not _hub.sessions:
-            _hub_cm = interpret_backend.observe_launches(_hub)
+            _hub_cm = hooks.observe_launches(_hub)
             _hub_cm.__enter__()
         _hub.sessions.append(session)
 
@@ -124,15 +122,13 @@ def env_session() -> Session | None:
     """Opens (once) the process-wide session requested by ``TE_JAX_PERM_SANITIZE``.
 
     ``raise`` raises on the first hazard; ``collect`` (or ``1``) logs and collects into
-    :func:`env_report`. Called by the interpret backend before each launch.
+    :func:`env_report`. Called once when ``te_jax_perm`` is imported.
     """
     global _env_session
-    mode = os.environ.get(ENV_VAR, "").strip().lower()
-    if not mode or mode in ("0", "false", "off"):
+    mode = env.sanitize()
+    if mode is None:
         return None
     if _env_session is None:
-        if mode not in ENV_MODES + ("1", "true", "on"):
-            raise ValueError(f"{ENV_VAR}={mode!r}: expected one of {ENV_MODES}")
         _env_session = Session(mode == "raise")
         _open(_env_session)
     return _env_session

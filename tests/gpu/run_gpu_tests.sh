@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
-# GPU test steps, run from the repository root on the GPU machine:
+# The whole GPU suite in one command, from the repository root on the GPU machine (~9 min):
 #   tests/gpu/run_gpu_tests.sh OUT_DIR
-# (a) pytest: every test (op tests get backend in {xla, triton}; gpu-marked tests run),
-# (b) the unsynchronised alternating-shape stress (python3 -m tests.gpu.stress),
-# (c) every kernel fwd+bwd (tests/gpu/memcheck_ops.py) under compute-sanitizer --tool memcheck.
+# (a) pytest: every kernel test (op tests get backend in {xla, triton}; gpu-marked tests run,
+#     4 workers when pytest-xdist is installed,
+# (b) the command-buffer capture test, alone (it times),
+# (c) the unsynchronised alternating-shape stress (python3 -m tests.gpu.stress),
+# (d) every kernel fwd+bwd (tests/gpu/memcheck_ops.py) under compute-sanitizer --tool memcheck.
 # Each step logs to OUT_DIR/<step>.log and prints one "STEP ..." line (also appended to
-# OUT_DIR/summary.txt). Env: STEPS (default "pytest,stress,memcheck"), PYTEST_S, STRESS_S,
-# MEMCHECK_S (per-step time limits, s), PYTEST_ARGS (extra pytest args, e.g. "-k dispatch").
+# OUT_DIR/summary.txt); OUT_DIR/gpu_suite_<GPU>.txt (e.g. gpu_suite_H100.txt) gets the
+# device, the versions and passed/failed counts per step. Env: STEPS (default
+# "pytest,capture,stress,memcheck"), PYTEST_S, CAPTURE_S, STRESS_S, MEMCHECK_S (per-step time limits, s),
+# PYTEST_ARGS (extra pytest args, e.g. "-k dispatch"), PYTEST_WORKERS (default 4),
+# TE_JAX_PERM_TRITON_CALL (ffi, legacy, jax_triton: the call mode under test).
 # DRY_RUN=1 checks the plumbing anywhere (CPU included): a few fast tests, a 2-case stress.
 set -u
 OUT=${1:?usage: tests/gpu/run_gpu_tests.sh OUT_DIR}
 mkdir -p "$OUT"
-STEPS=${STEPS:-pytest,stress,memcheck}
-PYTEST_S=${PYTEST_S:-180}
-STRESS_S=${STRESS_S:-240}
-MEMCHECK_S=${MEMCHECK_S:-120}
+STEPS=${STEPS:-pytest,capture,stress,memcheck}
+PYTEST_S=${PYTEST_S:-220}
+STRESS_S=${STRESS_S:-130}
+MEMCHECK_S=${MEMCHECK_S:-90}
+PYTEST_WORKERS=${PYTEST_WORKERS:-4}
+CAPTURE_S=${CAPTURE_S:-100}
 PYTEST_ARGS=${PYTEST_ARGS:-}
 
-if [ "${DRY_RUN:-0}" != 1 ] && ! python3 -c "import jax_triton" 2>/dev/null && [ -f tests/gpu/setup_device.sh ]; then
+if [ "${DRY_RUN:-0}" != 1 ] && [ -z "${TE_JAX_PERM_SETUP_DONE:-}" ] && [ -f tests/gpu/setup_device.sh ]; then
   # shellcheck disable=SC1091
   source tests/gpu/setup_device.sh || echo "setup_device.sh failed" >&2
 fi
@@ -26,6 +33,22 @@ export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
 
 say() { echo "$*"; echo "$*" >> "$OUT/summary.txt"; }
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE '[A-Z][0-9]{2,4}[A-Za-z]*' | head -1)
+SUITE="$OUT/gpu_suite_${GPU:-cpu}.txt"
+DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+{
+  echo "device: ${DEVICE:-none}"
+  python3 -c "import sys, jax, triton; from te_jax_perm.core import compat; print('python', sys.version.split()[0], 'jax', jax.__version__, 'triton', triton.__version__, 'jax-triton', compat.installed('jax-triton'))" 2>&1 | tail -1
+  echo "triton call mode: ${TE_JAX_PERM_TRITON_CALL:-default (ffi where jaxlib has it)}"
+} > "$SUITE"
+# counts NAME LOG: "passed=N failed=M ..." from a pytest summary line.
+counts() {
+  local line; line=$(grep -E "^(=+ )?[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in [0-9.]+s" "$2" | tail -1)
+  local p f e s
+  p=$(echo "$line" | grep -oE "[0-9]+ passed" | grep -oE "[0-9]+"); f=$(echo "$line" | grep -oE "[0-9]+ failed" | grep -oE "[0-9]+")
+  e=$(echo "$line" | grep -oE "[0-9]+ errors?" | grep -oE "[0-9]+"); s=$(echo "$line" | grep -oE "[0-9]+ skipped" | grep -oE "[0-9]+")
+  echo "$1: passed=${p:-0} failed=${f:-0} errors=${e:-0} skipped=${s:-0}"
+}
 
 # run_step NAME LIMIT_S CMD...: runs CMD under a time limit, logs, prints one line.
 run_step() {
@@ -67,7 +90,9 @@ PY
 
 # The tests that exercise kernels on this machine's backend (CPU-only machinery - the
 # sanitizer, the compile pool, virtual-device sharding - is covered by CI).
-PYTEST_TARGET=${PYTEST_TARGET:-"tests/test_core_framework.py tests/test_row_id_map.py tests/test_permute.py tests/test_dispatch.py tests/test_chunk_sort.py tests/test_example.py tests/gpu"}
+PYTEST_TARGET=${PYTEST_TARGET:-"tests/test_core_framework.py tests/test_architecture.py tests/test_triton_call.py tests/test_row_id_map.py tests/test_permute.py tests/test_dispatch.py tests/test_chunk_sort.py tests/test_example.py tests/gpu"}
+XDIST=""
+if [ "$PYTEST_WORKERS" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then XDIST="-n $PYTEST_WORKERS"; fi
 STRESS_ARGS="--cases 40 --passes 4"
 if [ "${DRY_RUN:-0}" = 1 ]; then
   PYTEST_TARGET="tests/test_benchmarks_smoke.py -k bytes_count"
@@ -78,25 +103,40 @@ status=0
 case ",$STEPS," in *,pytest,*)
   # The stress test runs as its own step; everything else, every backend of this machine.
   # shellcheck disable=SC2086
-  run_step pytest "$PYTEST_S" python3 -m pytest -q -rfE --durations=15 -p no:cacheprovider \
-    --deselect tests/gpu/test_stress.py::test_stress_triton_alternating_shapes_dtypes_align $PYTEST_TARGET $PYTEST_ARGS \
-    || status=1 ;;
+  run_step pytest "$PYTEST_S" python3 -m pytest -q -rfE --durations=15 -p no:cacheprovider $XDIST \
+    --deselect tests/gpu/test_stress.py::test_stress_triton_alternating_shapes_dtypes_align \
+    --deselect tests/gpu/test_capture.py::test_dispatch_combine_step_is_captured_in_command_buffers $PYTEST_TARGET $PYTEST_ARGS \
+    || status=1
+  counts pytest "$OUT/pytest.log" >> "$SUITE" ;;
+esac
+case ",$STEPS," in *,capture,*)
+  # Alone on the GPU: it times the step with command buffers on and off.
+  if [ "${DRY_RUN:-0}" != 1 ]; then
+    run_step capture "$CAPTURE_S" python3 -m pytest -q -rfE -s -p no:cacheprovider tests/gpu/test_capture.py || status=1
+    counts capture "$OUT/capture.log" >> "$SUITE"
+  fi ;;
 esac
 case ",$STEPS," in *,stress,*)
   # Backend: triton on a GPU (interpret elsewhere, for DRY_RUN).
   # shellcheck disable=SC2086
-  run_step stress "$STRESS_S" python3 -m tests.gpu.stress $STRESS_ARGS || status=1 ;;
+  run_step stress "$STRESS_S" python3 -m tests.gpu.stress $STRESS_ARGS && echo "stress: passed=1 failed=0 :: $(grep -E '^STRESS' "$OUT/stress.log" | tail -1)" >> "$SUITE" \
+    || { status=1; echo "stress: passed=0 failed=1 :: $(grep -E '^STRESS' "$OUT/stress.log" | tail -1)" >> "$SUITE"; } ;;
 esac
 case ",$STEPS," in *,memcheck,*)
   SAN=$(find_sanitizer)
   if [ -z "$SAN" ]; then
     say "STEP memcheck: SKIPPED :: compute-sanitizer not found (PATH, /usr/local/cuda*, pip nvidia wheels)"
+    echo "memcheck: skipped (compute-sanitizer not found)" >> "$SUITE"
   else
     # One cudaMalloc per buffer (no pooling) so memcheck sees every buffer's real bounds;
     # no CUDA graphs so each report names the kernel launch directly.
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
       run_step memcheck "$MEMCHECK_S" "$SAN" --tool memcheck --error-exitcode 99 --report-api-errors no \
-        --print-limit 50 python3 -m tests.gpu.memcheck_ops || status=1
+        --print-limit 50 python3 -m tests.gpu.memcheck_ops \
+      && echo "memcheck: passed=1 failed=0 :: $(grep -E 'ERROR SUMMARY|^MEMCHECK-OPS' "$OUT/memcheck.log" | tr '\n' ' ')" >> "$SUITE" \
+      || { status=1; echo "memcheck: passed=0 failed=1 :: $(grep -E 'ERROR SUMMARY|^MEMCHECK-OPS' "$OUT/memcheck.log" | tr '\n' ' ')" >> "$SUITE"; }
   fi ;;
 esac
+echo "suite: $([ $status -eq 0 ] && echo PASS || echo FAIL)" >> "$SUITE"
+cat "$SUITE"
 exit $status

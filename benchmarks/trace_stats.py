@@ -1,0 +1,86 @@
+"""Kernel time and launch counts of a jitted function, from a ``jax.profiler`` trace.
+
+The trace's device planes hold one event per kernel executed (graph-launched ones too);
+its host planes hold the CUDA API calls that launched them when CUPTI records them
+(``cuLaunchKernel`` for a single kernel, ``cuGraphLaunch`` for a command buffer).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import os
+import re
+import tempfile
+from typing import Any, Callable, Sequence
+
+_GRAPH_LAUNCH = re.compile(r"graph.?launch", re.I)
+_KERNEL_LAUNCH = re.compile(r"launch.?kernel", re.I)
+
+
+@dataclasses.dataclass
+class TraceStats:
+    steps: int
+    kernel_ns: dict[str, float]       # kernel name -> total device time over all steps
+    kernel_count: dict[str, int]      # kernel name -> executions over all steps
+    graph_launches: int               # CUDA graph launches seen on the host (0 if CUPTI API events absent)
+    kernel_launches: int              # single-kernel launches seen on the host
+    api_events_seen: bool             # whether the trace holds launch API events at all
+
+    @property
+    def kernel_us_per_step(self) -> float:
+        return sum(self.kernel_ns.values()) / self.steps / 1e3
+
+    def count_per_step(self, names: Sequence[str]) -> float:
+        return sum(c for k, c in self.kernel_count.items() if _matches(k, names)) / self.steps
+
+    def to_json(self) -> dict[str, Any]:
+        return {"steps": self.steps, "kernel_us_per_step": self.kernel_us_per_step,
+                "kernels_per_step": sum(self.kernel_count.values()) / self.steps,
+                "graph_launches_per_step": self.graph_launches / self.steps,
+                "kernel_launches_per_step": self.kernel_launches / self.steps,
+                "api_events_seen": self.api_events_seen,
+                "kernels": {k: {"count": self.kernel_count[k], "us": v / 1e3} for k, v in sorted(self.kernel_ns.items())}}
+
+
+def _matches(kernel: str, names: Sequence[str]) -> bool:
+    return any(kernel == n or kernel.startswith(n + "_") or kernel.startswith(n + "(") for n in names)
+
+
+def profile(fn: Callable[[], Any], steps: int, log_dir: str | None = None) -> TraceStats:
+    """Runs ``fn()`` (which must block until its work is done) ``steps`` times under the
+    profiler and returns what the trace shows."""
+    import jax
+    log_dir = log_dir or tempfile.mkdtemp(prefix="te_jax_perm_trace_")
+    with jax.profiler.trace(log_dir):
+        for _ in range(steps):
+            fn()
+    paths = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    if not paths:
+        raise RuntimeError(f"the profiler wrote no trace under {log_dir}")
+    return parse(paths[-1], steps)
+
+
+def parse(path: str, steps: int) -> TraceStats:
+    from jax.profiler import ProfileData
+    data = ProfileData.from_file(path)
+    kernel_ns: dict[str, float] = collections.defaultdict(float)
+    kernel_count: dict[str, int] = collections.Counter()
+    graph = single = 0
+    api = False
+    for plane in data.planes:
+        device = plane.name.startswith("/device:GPU")
+        for line in plane.lines:
+            stream = device and line.name.lower().startswith("stream")
+            for ev in line.events:
+                if stream:
+                    kernel_ns[ev.name] += ev.duration_ns
+                    kernel_count[ev.name] += 1
+                elif not device:
+                    if _GRAPH_LAUNCH.search(ev.name):
+                        graph += 1
+                        api = True
+                    elif _KERNEL_LAUNCH.search(ev.name):
+                        single += 1
+                        api = True
+    return TraceStats(steps, dict(kernel_ns), dict(kernel_count), graph, single, api)

@@ -1,0 +1,67 @@
+"""The environment variables the library reads, parsed in one place.
+
+An unknown value is an error naming the variable, the value and what it accepts: a typo
+such as ``TE_JAX_PERM_AUTOTUNE=" 1"`` must not silently mean "off".
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+BACKEND = "TE_JAX_PERM_BACKEND"
+AUTOTUNE = "TE_JAX_PERM_AUTOTUNE"
+SANITIZE = "TE_JAX_PERM_SANITIZE"
+TRITON_CALL = "TE_JAX_PERM_TRITON_CALL"
+
+BACKEND_VALUES = ("triton", "interpret", "xla")
+# How the triton backend calls its kernel: XLA's typed-FFI Triton call, the legacy custom
+# call it replaces (same compiled kernel), or through the jax-triton package.
+TRITON_CALL_VALUES = ("ffi", "legacy", "jax_triton")
+_SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+# None: no sanitizer session; otherwise the session's mode.
+_SANITIZE = {"raise": "raise", "collect": "collect", "1": "collect", "true": "collect", "on": "collect",
+             "0": None, "false": None, "off": None}
+
+
+class EnvironmentValueError(ValueError):
+    """An environment variable of this library holds a value it does not accept."""
+
+
+def _lookup(var: str, table: Mapping[str, object], accepted: tuple[str, ...] | None = None) -> object:
+    raw = os.environ.get(var)
+    if raw is None or raw == "":
+        return None
+    key = raw.lower()
+    if key not in table:
+        shown = accepted or tuple(table)
+        raise EnvironmentValueError(f"{var}={raw!r} is not a value it accepts; use one of "
+                                    f"{', '.join(shown)} (or leave it unset)")
+    return table[key]
+
+
+def backend() -> str | None:
+    """``TE_JAX_PERM_BACKEND``: the default backend, or ``None`` for the platform's."""
+    return _lookup(BACKEND, {b: b for b in BACKEND_VALUES})  # type: ignore[return-value]
+
+
+def autotune() -> bool:
+    """``TE_JAX_PERM_AUTOTUNE``: tune on a cache miss while tracing."""
+    return bool(_lookup(AUTOTUNE, _SWITCH))
+
+
+def sanitize() -> str | None:
+    """``TE_JAX_PERM_SANITIZE``: ``"raise"``, ``"collect"`` or ``None`` (off)."""
+    return _lookup(SANITIZE, _SANITIZE)  # type: ignore[return-value]
+
+
+def triton_call() -> str | None:
+    """``TE_JAX_PERM_TRITON_CALL``: ``ffi``, ``legacy``, ``jax_triton``, or ``None`` (the best available)."""
+    return _lookup(TRITON_CALL, {m: m for m in TRITON_CALL_VALUES})  # type: ignore[return-value]
+
+
+def check_all() -> None:
+    """Raises on the first variable holding a value it does not accept."""
+    backend()
+    autotune()
+    sanitize()
+    triton_call()

@@ -1,0 +1,125 @@
+"""One kernel call, and one launch of it: every fact derived once from the declaration.
+
+A :class:`Call` is a declared kernel applied to operands of given shapes and dtypes with
+given static parameters, on a backend: its symbolic dims bound, its parameters checked,
+its output shapes and dtypes derived. It is what a config is chosen for (the autotuner's
+key and trials read it). A :class:`Launch` is a call with its config: grid, runtime scalars
+and compile-time constants, checked against the config's constraints and the kernel's
+signature. Both are frozen and built where a call is lowered, then passed down to the
+backend, the tuner and the sanitizer, which never re-derive any of it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from te_jax_perm.core.aliasing import AliasPlan, alias_plan
+from te_jax_perm.core.declaration import Config, Dims, KernelDecl, Params
+from te_jax_perm.core.shapes import bind_dims
+
+
+def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    return types.MappingProxyType(dict(mapping))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Call:
+    """A declared kernel at one set of operand shapes/dtypes, static params and backend."""
+
+    decl: KernelDecl
+    backend: str
+    avals: tuple[jax.core.ShapedArray, ...]
+    params: Params
+    dims: Dims
+    out_avals: tuple[jax.core.ShapedArray, ...]
+
+    @property
+    def dtypes(self) -> tuple[np.dtype, ...]:
+        """Operand dtypes, in operand order."""
+        return tuple(np.dtype(a.dtype) for a in self.avals)
+
+    @property
+    def aliases(self) -> AliasPlan:
+        return alias_plan(self.decl)
+
+
+def _shaped(aval: Any) -> jax.core.ShapedArray:
+    return jax.core.ShapedArray(tuple(int(s) for s in aval.shape), np.dtype(aval.dtype))
+
+
+def bind_call(decl: KernelDecl, avals: Sequence[Any], params: Params, backend: str) -> Call:
+    """The :class:`Call` of ``decl`` on operands shaped like ``avals`` (anything with
+    ``.shape`` and ``.dtype``). Raises, naming the argument, when they do not fit the
+    declaration or ``params`` fail its ``params_check``."""
+    shaped = tuple(_shaped(a) for a in avals)
+    try:
+        items = tuple(sorted(params.items()))
+        hash(items)
+    except TypeError:  # an unhashable param: derive without the cache (check_static_params rejects these in ops)
+        return _bind(decl, shaped, tuple(sorted(params.items(), key=lambda kv: kv[0])), backend)
+    return _bind_cached(decl, shaped, items, backend)
+
+
+def _bind(decl: KernelDecl, avals: tuple, param_items: tuple, backend: str) -> Call:
+    params = dict(param_items)
+    dims = bind_dims(decl, avals)
+    if decl.params_check is not None:
+        decl.params_check(dims, params)
+    dtypes = {op.name: np.dtype(a.dtype) for op, a in zip(decl.operands, avals)}
+    out_avals = tuple(jax.core.ShapedArray(tuple(int(s) for s in o.shape(dims, params)),
+                                           np.dtype(o.dtype(dtypes, params))) for o in decl.outputs)
+    return Call(decl, backend, avals, _frozen(params), _frozen(dims), out_avals)
+
+
+# Abstract evaluation, lowering and the tuner all bind the same call: derive it once.
+_bind_cached = functools.lru_cache(maxsize=4096)(_bind)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Launch:
+    """A :class:`Call` with its config: what one kernel launch needs, derived once."""
+
+    call: Call
+    config: Config
+    grid: tuple[int, ...]
+    scalars: Mapping[str, Any]       # runtime scalar kernel arguments, in kernel order
+    constexprs: Mapping[str, Any]    # the config's constants plus the declared ones, in kernel order
+
+    decl = property(lambda self: self.call.decl)
+    backend = property(lambda self: self.call.backend)
+    avals = property(lambda self: self.call.avals)
+    params = property(lambda self: self.call.params)
+    dims = property(lambda self: self.call.dims)
+    out_avals = property(lambda self: self.call.out_avals)
+    aliases = property(lambda self: self.call.aliases)
+
+    @property
+    def grid3(self) -> tuple[int, int, int]:
+        """The grid padded to three axes, as CUDA and the interpreter take it."""
+        return tuple(self.grid) + (1,) * (3 - len(self.grid))  # type: ignore[return-value]
+
+    @property
+    def empty(self) -> bool:
+        """No program to run (CUDA rejects empty grids; preallocated buffers are the result)."""
+        return any(g == 0 for g in self.grid)
+
+
+def configure(call: Call, config: Config) -> Launch:
+    """The launch of ``call`` with ``config``; raises if the config violates a declared
+    constraint for these dims or the kernel's parameters do not follow the declaration."""
+    from te_jax_perm.core.kernel_args import check_signature
+
+    decl, dims, params = call.decl, call.dims, call.params
+    why = decl.violated(dims, params, config)
+    if why:
+        raise ValueError(f"{decl.name}: {config} is invalid for dims {dict(dims)}: {why}")
+    grid = tuple(int(g) for g in decl.grid(dims, params, config))
+    constexprs = {**config.kw, **decl.constexprs(dims, params, config)}
+    scalars = dict(decl.scalars(dims, params))
+    constexprs = check_signature(decl, scalars, constexprs)  # now in the kernel's order
+    return Launch(call, config, grid, _frozen(scalars), _frozen(constexprs))

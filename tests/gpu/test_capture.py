@@ -1,0 +1,55 @@
+"""The triton backend's calls are captured in XLA command buffers (CUDA graphs).
+
+The jitted dispatch -> combine forward+backward step runs in two fresh processes: one
+with XLA's default flags (command buffers on), one with ``--xla_gpu_enable_command_buffer=``
+(off). The outputs must be bit-identical, and the step must run markedly faster with them
+on: what capture removes is the host launch of each kernel, ours included (with the legacy
+custom call the two runs time the same). XLA converts to command buffers after HLO
+optimisation, at the thunk level, so the optimized HLO text does not show them; XLA also
+runs a command buffer's thunks one by one while a profiler is attached, so the profiled
+launches only confirm which kernels ran. Run it alone (timing): tests/gpu/run_gpu_tests.sh
+runs it as its own step.
+"""
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path, name, command_buffers_on):
+    flags = re.sub(r"--xla_gpu_enable_command_buffer=\S*", "", os.environ.get("XLA_FLAGS", "")).strip()
+    if not command_buffers_on:
+        flags += " --xla_gpu_enable_command_buffer="
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TE_JAX_PERM_TRITON_CALL", None)  # the default call mode
+    npz, js = tmp_path / f"{name}.npz", tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.capture_step", "--npz", str(npz), "--json", str(js)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with np.load(npz) as z:
+        outs = [z[k] for k in sorted(z.files, key=lambda s: int(s.split("_")[1]))]
+    return outs, json.loads(js.read_text())
+
+
+@pytest.mark.gpu
+def test_dispatch_combine_step_is_captured_in_command_buffers(tmp_path):
+    on_outs, on = _run(tmp_path, "on", True)
+    off_outs, off = _run(tmp_path, "off", False)
+    print("command buffers on:", json.dumps({k: v for k, v in on.items() if k != "kernels"}))
+    print("command buffers off:", json.dumps({k: v for k, v in off.items() if k != "kernels"}))
+    assert len(on_outs) == len(off_outs) == 2
+    for a, b in zip(on_outs, off_outs):
+        np.testing.assert_array_equal(a, b)  # bit-identical (compared as bytes)
+    assert on["our_kernels"] and on["our_kernels_per_step"] >= len(on["our_kernels"]), on
+    if off["api_events_seen"]:
+        assert off["graph_launches_per_step"] == 0, off  # off really is off
+    # Our kernels are most of the step: were they launched one by one with command buffers
+    # on, the two runs would time alike.
+    assert on["wall_us"] < 0.85 * off["wall_us"], (on["wall_us"], off["wall_us"])

@@ -1,0 +1,193 @@
+"""The layout rules, checked on the source: core imports nothing above it, one module orders
+kernel arguments, one reads the output-init rule, plug-ins register through core.hooks, and
+the library's environment variables reject values they do not know."""
+import ast
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from te_jax_perm.core import bind_call, configure, env, hooks
+from te_jax_perm.core.kernel_args import kernel_arguments, signature
+from tests.example_kernels import gather_rows
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PKG = ROOT / "te_jax_perm"
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        yield path.relative_to(ROOT).as_posix(), ast.parse(path.read_text(), str(path))
+
+
+def _imported_modules(tree):
+    """Every ``te_jax_perm...`` module a file imports, at top level or inside functions."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)
+
+
+def test_core_imports_nothing_above_it():
+    bad = []
+    for rel, tree in _modules():
+        if not rel.startswith("te_jax_perm/core/"):
+            continue
+        for mod in _imported_modules(tree):
+            if mod.startswith("te_jax_perm") and not (mod == "te_jax_perm.core" or mod.startswith("te_jax_perm.core.")):
+                bad.append(f"{rel} imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def _attribute_uses(tree, names):
+    return [(node.attr, node.lineno) for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in names]
+
+
+# attribute -> the only modules that may read it
+_OWNERS = {
+    # The kernel's parameter list and the runtime scalars: whoever reads them can assemble
+    # an argument list, which only core/kernel_args.py may do (launch.py builds the scalars).
+    "arg_names": {"te_jax_perm/core/kernel_args.py"},
+    "scalars": {"te_jax_perm/core/kernel_args.py", "te_jax_perm/core/launch.py"},
+    # Output.init: what a preallocated buffer starts as, read by the alias plan only.
+    "init": {"te_jax_perm/core/aliasing.py", "te_jax_perm/core/declaration.py"},
+}
+
+
+@pytest.mark.parametrize("attr", sorted(_OWNERS))
+def test_one_module_reads_each_launch_fact(attr):
+    bad = [f"{rel}:{line} reads .{attr}" for rel, tree in _modules() if rel not in _OWNERS[attr]
+           for _, line in _attribute_uses(tree, {attr})]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_touches_another_modules_privates():
+    """Plug-ins go through core.hooks: nobody reaches into (or patches) a private name of
+    another of our modules."""
+    bad = []
+    for rel, tree in _modules():
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("te_jax_perm"):
+                aliases.update(a.asname or a.name for a in node.names)
+            elif isinstance(node, ast.Import):
+                aliases.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("te_jax_perm"))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                bad.append(f"{rel}:{node.lineno} {node.value.id}.{node.attr}")
+    assert not bad, "\n".join(bad)
+
+
+# -- the launch and its argument order -------------------------------------------------------
+def _gather_launch(config=None):
+    avals = [jax.ShapeDtypeStruct((7, 33), np.float32), jax.ShapeDtypeStruct((5,), np.int32)]
+    call = bind_call(gather_rows.decl, avals, {}, "interpret")
+    return configure(call, config or gather_rows.decl.default_config(call.dims, call.params))
+
+
+def test_launch_is_derived_once_and_frozen():
+    launch = _gather_launch()
+    assert dict(launch.dims) == {"N": 7, "H": 33, "R": 5}
+    assert [tuple(a.shape) for a in launch.out_avals] == [(5, 33)]
+    assert launch.grid == (5,) and launch.grid3 == (5, 1, 1)
+    assert dict(launch.scalars) == {"H": 33} and dict(launch.constexprs) == {"BLOCK_H": 64}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        launch.grid = (1,)
+    with pytest.raises(TypeError):
+        launch.dims["H"] = 1
+    # The same call is bound once, whoever asks (abstract eval, lowering, tuner).
+    again = bind_call(gather_rows.decl, [jax.ShapeDtypeStruct((7, 33), np.float32),
+                                         jax.ShapeDtypeStruct((5,), np.int32)], {}, "interpret")
+    assert again is launch.call
+
+
+def test_kernel_arguments_follow_the_kernel_signature_by_name():
+    launch = _gather_launch()
+    args = kernel_arguments(launch, ["SRC", "IDX"], ["OUT0"], ["OUT1"])
+    assert [(a.name, a.role, a.source, a.value) for a in args] == [
+        ("src_ptr", "operand", "src", "SRC"), ("idx_ptr", "operand", "idx", "IDX"), ("H", "scalar", "H", 33),
+        ("out_prealloc_ptr", "prealloc", "out.prealloc", "OUT0"), ("out_ptr", "output", "out", "OUT1")]
+    assert signature(launch) == {"src_ptr": "*fp32", "idx_ptr": "*i32", "H": "i32", "out_prealloc_ptr": "*fp32",
+                                 "out_ptr": "*fp32", "BLOCK_H": "constexpr"}
+    with pytest.raises(TypeError, match="1 operands"):
+        kernel_arguments(launch, ["SRC"], ["OUT0"], ["OUT1"])
+
+
+# -- plug-ins -------------------------------------------------------------------------------
+def test_resolver_and_call_observers_plug_in_through_hooks():
+    import jax.numpy as jnp
+    from te_jax_perm.core import Config
+    seen = []
+    forced = Config.make(BLOCK_H=16, num_warps=2)
+    src, idx = jnp.ones((4, 40), jnp.float32), jnp.zeros((3,), jnp.int32)
+    with hooks.observe_calls(seen.append), hooks.using_config_resolver(lambda call: forced):
+        jax.jit(lambda s, i: gather_rows(s, i, backend="interpret")).lower(src, idx)
+    assert [c.decl.name for c in seen] == ["example_gather_rows"] and dict(seen[0].dims)["H"] == 40
+    from te_jax_perm.autotune.resolver import resolve_call
+    assert hooks.config_resolver() is resolve_call  # restored: installed at package import
+
+
+def _run(code, **env_vars):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TE_JAX_PERM_")}
+    environ.update(env_vars, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-c", code], env=environ, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("var", [env.AUTOTUNE, env.BACKEND, env.SANITIZE])
+@pytest.mark.parametrize("value", [" 1", "2", "y"])
+def test_unknown_environment_values_are_errors(monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(env.EnvironmentValueError, match=rf"{var}='{value}' is not a value it accepts; use one of"):
+        env.check_all()
+
+
+def test_unknown_environment_value_fails_the_import():
+    out = _run("import te_jax_perm", TE_JAX_PERM_AUTOTUNE="y")
+    assert out.returncode != 0
+    assert "TE_JAX_PERM_AUTOTUNE='y' is not a value it accepts; use one of 1, true, yes, on, 0" in out.stderr
+
+
+def test_known_environment_values(monkeypatch):
+    for value, want in [("1", True), ("TRUE", True), ("off", False), ("", False)]:
+        monkeypatch.setenv(env.AUTOTUNE, value)
+        assert env.autotune() is want
+    monkeypatch.setenv(env.SANITIZE, "1")
+    assert env.sanitize() == "collect"
+    monkeypatch.setenv(env.BACKEND, "xla")
+    assert env.backend() == "xla"
+
+
+def test_cached_tuning_is_used_without_opting_in(tmp_path):
+    """A process that neither sets TE_JAX_PERM_AUTOTUNE nor imports the autotuner still
+    uses what an earlier process tuned."""
+    tune = ("import numpy as np\n"
+            "from te_jax_perm import autotune\n"
+            "from tests.example_kernels import gather_rows\n"
+            "r = autotune.tune(gather_rows.decl, [((6, 40), np.float32), ((4,), np.int32)], {}, 'interpret')\n"
+            "print('BEST', r.best)\n")
+    first = _run(tune, TE_JAX_PERM_AUTOTUNE_CACHE=str(tmp_path))
+    assert first.returncode == 0 and "BEST Config" in first.stdout, first.stderr
+    best = first.stdout.split("BEST ")[1].strip()
+    use = ("import sys, jax, jax.numpy as jnp\n"
+           "import te_jax_perm\n"
+           "from te_jax_perm.core import hooks\n"
+           "from tests.example_kernels import gather_rows\n"
+           "picked = []\n"
+           "resolver = hooks.config_resolver()\n"
+           "with hooks.using_config_resolver(lambda call: picked.append(resolver(call)) or picked[-1]):\n"
+           "    jax.jit(lambda s, i: gather_rows(s, i, backend='interpret')).lower(jnp.ones((6, 40)),"
+           " jnp.zeros((4,), jnp.int32))\n"
+           "print('PICKED', picked[0])\n"
+           "print('TUNES', sys.modules['te_jax_perm.autotune.tuner'].stats['tunes'])\n")
+    second = _run(use, TE_JAX_PERM_AUTOTUNE_CACHE=str(tmp_path))
+    assert second.returncode == 0, second.stderr
+    assert f"PICKED {best}" in second.stdout and "TUNES 0" in second.stdout, second.stdout + second.stderr
