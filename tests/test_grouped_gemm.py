@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import te_jax_perm
-from te_jax_perm.ops.grouped_matmul import (default_impl, grouped_matmul, grouped_matmul_reference,
+from te_jax_perm.ops.grouped_gemm import (default_impl, grouped_matmul, grouped_matmul_reference,
                                             tokamax_available)
 
 ON_GPU = jax.default_backend() == "gpu"
