@@ -56,7 +56,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         it is data). Typically ``tokens_per_expert`` from ``token_dispatch``.
       preferred_element_type: output dtype (default: the promoted input dtype);
         accumulation is float32 either way.
-      impl: ``"tokamax"``, ``"xla"`` or ``None`` (:func:`default_impl`).
+      impl: ``"tokamax"``, ``"xla"`` or ``None`` (:func:`default_impl` for these dtypes).
 
     Returns:
       ``[M, N]``; rows past ``sum(group_sizes)`` are zero. Differentiable in ``lhs`` and
@@ -64,7 +64,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     """
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
     _check(lhs, rhs, group_sizes)
-    impl = default_impl() if impl is None else impl
+    impl = default_impl(lhs.dtype, rhs.dtype) if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS} or None")
     if impl == "tokamax":
@@ -85,8 +85,12 @@ def grouped_matmul_reference(lhs: np.ndarray, rhs: np.ndarray, group_sizes: np.n
     return out
 
 
-def default_impl() -> str:
-    """``"tokamax"`` on a GPU where tokamax imports, else ``"xla"``."""
+def default_impl(lhs_dtype: Any = jnp.bfloat16, rhs_dtype: Any = jnp.bfloat16) -> str:
+    """``"tokamax"`` on a GPU where tokamax imports and both operands are 16-bit floats (its
+    Hopper kernels take bf16 x bf16 or fp16 x fp16), else ``"xla"``."""
+    sixteen = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
+    if jnp.dtype(lhs_dtype) not in sixteen or jnp.dtype(rhs_dtype) != jnp.dtype(lhs_dtype):
+        return "xla"
     return "tokamax" if jax.default_backend() == "gpu" and tokamax_available() else "xla"
 
 
