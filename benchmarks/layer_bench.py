@@ -15,7 +15,7 @@ SwiGLU experts and combine) of
 * ``gemm_limit``: a dense SwiGLU FFN over ``T*k`` rows with the same GEMM FLOPs, so
   ``step_over_gemm_limit`` = ours / gemm_limit says how close the layer is to its matmuls.
 
-Before the layers, a grouped-GEMM table: tokamax's grouped GEMM vs ``jax.lax.ragged_dot``
+After the layers, a grouped-GEMM table: tokamax's grouped GEMM vs ``jax.lax.ragged_dot``
 (which XLA:GPU densifies) vs one dense dot of the same FLOPs, forward and fwd+bwd.
 
 Writes ``DIR/layer.json``, ``DIR/layer.png`` and ``DIR/layer.log``. On a CPU (or with
@@ -311,22 +311,6 @@ def main(argv: list[str] | None = None) -> int:
         + ("; CPU SMOKE RUN: tiny shapes, times are not meaningful, no target verdicts" if smoke else ""))
     budget_left = lambda: args.budget_s - (time.perf_counter() - t_start)
 
-    if not args.no_gemm_table:
-        impls = ("tokamax", "xla") if result["tokamax_available"] else ("xla",)
-        for m, k, n, g in (GPU_GEMMS if on_gpu else CPU_GEMMS):
-            if budget_left() < 0:
-                result["skipped"].append(f"gemm {m}x{k}x{n} G={g}: budget")
-                continue
-            row = gemm_row(ex, m, k, n, g, dtype, impls, steps)
-            result["gemm_table"].append(row)
-            parts = [f"{name} {row[f'{name}_fwd_ms']:.3f} ms ({row[f'{name}_fwd_tflops']:.0f} TFLOP/s)"
-                     if f"{name}_fwd_ms" in row else f"{name} {row.get(f'{name}_fwd_error', '?')[:80]}"
-                     for name in (*impls, "dense")]
-            log(f"GEMM M={m} K={k} N={n} G={g} fwd: " + "; ".join(parts))
-            parts = [f"{name} {row[f'{name}_fwd_bwd_ms']:.3f} ms" if f"{name}_fwd_bwd_ms" in row
-                     else f"{name} failed" for name in (*impls, "dense")]
-            log(f"GEMM M={m} K={k} N={n} G={g} fwd+bwd: " + "; ".join(parts))
-
     for shape in _pick(GPU_SHAPES if on_gpu else CPU_SHAPES, args.shapes):
         if budget_left() < 0:
             result["skipped"].append(f"{shape.name}: budget")
@@ -347,6 +331,22 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['ours_vs_pure_jax_max_rel_diff']:.1e} ({time.perf_counter() - t0:.0f} s)")
         else:
             log(f"LAYER {shape.name}: FAILED {row['error'][:300]}")
+
+    if not args.no_gemm_table:
+        impls = ("tokamax", "xla") if result["tokamax_available"] else ("xla",)
+        for m, k, n, g in (GPU_GEMMS if on_gpu else CPU_GEMMS):
+            if budget_left() < 0:
+                result["skipped"].append(f"gemm {m}x{k}x{n} G={g}: budget")
+                continue
+            row = gemm_row(ex, m, k, n, g, dtype, impls, steps)
+            result["gemm_table"].append(row)
+            parts = [f"{name} {row[f'{name}_fwd_ms']:.3f} ms ({row[f'{name}_fwd_tflops']:.0f} TFLOP/s)"
+                     if f"{name}_fwd_ms" in row else f"{name} {row.get(f'{name}_fwd_error', '?')[:80]}"
+                     for name in (*impls, "dense")]
+            log(f"GEMM M={m} K={k} N={n} G={g} fwd: " + "; ".join(parts))
+            parts = [f"{name} {row[f'{name}_fwd_bwd_ms']:.3f} ms" if f"{name}_fwd_bwd_ms" in row
+                     else f"{name} failed" for name in (*impls, "dense")]
+            log(f"GEMM M={m} K={k} N={n} G={g} fwd+bwd: " + "; ".join(parts))
 
     if not smoke:
         result["targets"] = verdicts(result["layers"])
