@@ -370,6 +370,9 @@ def main(argv: list[str]) -> int:
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump(results, f, indent=1)
+    if not on_gpu and backend != "interpret":
+        print("hint: --backend=interpret runs te_jax_perm's Triton kernels on the CPU interpreter "
+              "(slow: try it with --tokens=16 --hidden=32 --cpu_devices=4)")
     print(f"{'PASS' if ok else 'FAIL'}: expert-parallel layer on {sz.n_dev} {jax.default_backend()} devices, "
           f"a2a {'+'.join(modes)}, backend {backend}, vs the single-device reference")
     return 0 if ok else 1

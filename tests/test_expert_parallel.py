@@ -218,6 +218,7 @@ def test_example_runs_when_the_layer_fits_and_weak_scales():
     assert "fits in 90% of the device's 1.0 GiB" in out
     assert "vs single-device reference on 32 tokens" in out and "-> ok" in out
     assert "weak scaling: 4 devices" in out and "one row exchange alone" in out
+    assert "--backend=interpret" in out
     assert out.strip().splitlines()[-1].startswith("PASS")
 
 
