@@ -1,148 +1,383 @@
-"""Expert-parallel MoE layer on all GPUs of this machine, or on N virtual CPU devices.
+"""Expert-parallel MoE layer on the GPUs of this machine, or on N virtual CPU devices.
 
-    python3 examples/moe_expert_parallel.py            # all GPUs (backend triton), else 8 CPU devices
-    python3 examples/moe_expert_parallel.py --quick    # smaller GPU problem, 3 timed steps
-    python3 examples/moe_expert_parallel.py --cpu-devices 4 --backend interpret --tokens 16 --hidden 32
+Each device holds --tokens tokens and E / devices experts; rows cross devices by an
+all-to-all (dense: capacity-padded chunks; ragged: exactly the kept rows), the experts run
+as grouped GEMMs, and the rows come home by the reverse exchange (see
+te_jax_perm.parallel.ep_moe_layer).
 
-For each all-to-all mode the platform supports (``dense`` always; ``ragged`` where
-``jax.lax.ragged_all_to_all`` works, e.g. on GPUs, not on XLA:CPU) it checks the output and
-the gradients of x, probs, w1 and w2 against the dense single-device reference, prints the
-per-device row counts and the forward and forward+backward step times, and ends with one
-line, PASS or FAIL (exit status 0 or 1).
+    python3 examples/moe_expert_parallel.py                      # all GPUs, else 8 CPU devices
+    python3 examples/moe_expert_parallel.py --hidden=7168 --experts=256
+    python3 examples/moe_expert_parallel.py --weak_scaling       # 1 -> 2 -> .. devices, same tokens each
+    python3 examples/moe_expert_parallel.py --cpu_devices=4 --backend=interpret --tokens=16 --hidden=32
+
+Before compiling, it estimates the per-device working set and compares it with the
+device's memory: a layer that cannot fit exits with a message (status 2) instead of
+running out of memory inside a collective, where the other devices would wait forever.
+For each all-to-all mode it checks the output and the gradients of x, probs, w1 and w2
+against the single-device reference (on a subset of the tokens at real sizes: the loss
+of the checked step counts only those tokens), and reports the per-device step time, the
+time of one exchange of the same rows measured on its own, and the rows on the wire. The
+last line is PASS or FAIL (exit status 0 or 1).
 """
-import argparse
+from __future__ import annotations
+
+import dataclasses
+import json
 import os
+import statistics
 import sys
 import time
+from typing import Any
 
-ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("--cpu-devices", type=int, default=8, help="virtual CPU devices when there is no GPU")
-ap.add_argument("--tokens", type=int, default=None, help="tokens per device (GPU 1024, --quick 256; CPU 128)")
-ap.add_argument("--hidden", type=int, default=None, help="GPU 512, --quick 256; CPU 128")
-ap.add_argument("--ffn", type=int, default=None, help="GPU 1024, --quick 512; CPU 256")
-ap.add_argument("--experts-per-device", type=int, default=4)
-ap.add_argument("--topk", type=int, default=2)
-ap.add_argument("--routing", choices=("uniform", "skewed"), default="uniform",
-                help="skewed: expert 0 takes every token, the last expert none")
-ap.add_argument("--capacity", type=int, default=None,
-                help="rows per (source, destination) pair; default: no drops at the exchange")
-ap.add_argument("--backend", choices=("triton", "interpret", "xla"), default=None,
-                help="ops backend (default: triton on GPU, xla on CPU)")
-ap.add_argument("--a2a", choices=("dense", "ragged", "both"), default="both",
-                help="'both' runs ragged only where the platform supports it")
-ap.add_argument("--runs", type=int, default=None, help="timed steps (default 10, --quick 3)")
-ap.add_argument("--quick", action="store_true", help="small problem, few timed steps")
-args = ap.parse_args()
-if "XLA_FLAGS" not in os.environ:  # only takes effect for the CPU platform
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.cpu_devices}"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("cpu_devices", 8, "virtual CPU devices to run on when there is no GPU")
+flags.DEFINE_integer("devices", None, "use the first N devices (default: all)")
+flags.DEFINE_integer("tokens", None, "tokens per device T (default: 4096 on GPUs, 64 on CPU)")
+flags.DEFINE_integer("hidden", None, "hidden size H (default: 4096 on GPUs, 64 on CPU)")
+flags.DEFINE_integer("ffn", None, "expert FFN inner size F (default: 2048 on GPUs, 64 on CPU)")
+flags.DEFINE_integer("experts", None, "routed experts E over all devices, a multiple of the device count "
+                     "(default: 32 on GPUs, 2 per device on CPU)")
+flags.DEFINE_integer("topk", None, "experts per token k (default: 8 on GPUs, 2 on CPU)")
+flags.DEFINE_string("dtype", None, "token and weight dtype (default: bfloat16 on GPUs, float32 on CPU)")
+flags.DEFINE_enum("routing", "uniform", ["uniform", "skewed"],
+                  "uniform: top-k of random logits; skewed: expert 0 takes every token, the last expert none")
+flags.DEFINE_integer("capacity", None, "rows each device may send to each device; rows past it drop "
+                     "(default: the worst case, nothing drops)")
+flags.DEFINE_string("backend", None, "te_jax_perm kernel backend: triton, interpret or xla "
+                    "(default: triton on GPUs, xla on CPU)")
+flags.DEFINE_enum("gemm", "auto", ["auto", "tokamax", "xla"],
+                  "expert grouped GEMM: tokamax (GPUs, needs te_jax_perm[gemm]), xla (jax.lax.ragged_dot) or "
+                  "auto (tokamax on GPUs where installed)")
+flags.DEFINE_enum("a2a", "both", ["dense", "ragged", "both"],
+                  "all-to-all: dense (capacity-padded), ragged (exact rows; where the platform supports it) or "
+                  "both (ragged only where supported)")
+flags.DEFINE_integer("steps", None, "timed training steps per measurement (default: 10 on GPUs, 2 on CPU)")
+flags.DEFINE_integer("check_tokens", 256, "tokens (over all devices) checked against the single-device "
+                     "reference when the whole batch is larger; all tokens when --capacity makes rows drop")
+flags.DEFINE_bool("weak_scaling", False, "also time 1, 2, 4, .. devices at the same tokens per device and "
+                  "report each step time over the 1-device one")
+flags.DEFINE_float("device_memory_gib", None, "device memory to plan for, in GiB (default: what the device "
+                   "reports; CPUs report none, then the check is skipped)")
+flags.DEFINE_string("json_out", None, "also write the results as JSON to this file")
 
-from te_jax_perm.parallel import EPConfig, ep_moe_layer, ragged_all_to_all_supported, reference_moe_layer  # noqa: E402
-
-# The check compares two different matmul decompositions; TF32 would dominate the error.
-jax.config.update("jax_default_matmul_precision", "highest")
-TOL = 2e-3
-
-
-def _pick(value, full, quick, cpu):
-    # Virtual CPU devices share the host's cores: the CPU default is small.
-    if value is not None:
-        return value
-    return cpu if jax.devices()[0].platform == "cpu" else (quick if args.quick else full)
+TOL = {"float32": 2e-3, "bfloat16": 5e-2, "float16": 1e-2}
+EXIT_WONT_FIT = 2
 
 
-def _timed(fn, *a, runs):
-    jax.block_until_ready(fn(*a))      # compile + warm up
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*a))
-        times.append(time.perf_counter() - t0)
-    return np.median(times) * 1e3, min(times) * 1e3
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    n_dev: int
+    tokens: int
+    hidden: int
+    ffn: int
+    experts: int
+    topk: int
+    dtype: str
+    capacity: int | None
+
+    @property
+    def num_out(self) -> int:
+        return self.tokens * self.topk
+
+    @property
+    def cap(self) -> int:
+        """Rows per (source, destination) slot: the worst case unless --capacity is given."""
+        return min(self.num_out, self.tokens * self.experts // self.n_dev) if self.capacity is None else self.capacity
 
 
-def main() -> int:
-    devs = jax.devices()
-    on_gpu = devs[0].platform == "gpu"
-    backend = args.backend or ("triton" if on_gpu else "xla")
-    t, h, f = _pick(args.tokens, 1024, 256, 128), _pick(args.hidden, 512, 256, 128), _pick(args.ffn, 1024, 512, 256)
-    runs = args.runs if args.runs is not None else (3 if args.quick else 10)
-    k, ep = args.topk, len(devs)
-    el = args.experts_per_device
-    e = ep * el
-    mesh = Mesh(np.array(devs), ("ep",))
+def sizes_from_flags(n_dev: int, on_gpu: bool) -> Sizes:
+    pick = lambda v, gpu, cpu: v if v is not None else (gpu if on_gpu else cpu)
+    e = pick(FLAGS.experts, 32, 2 * n_dev)
+    return Sizes(n_dev, pick(FLAGS.tokens, 4096, 64), pick(FLAGS.hidden, 4096, 64), pick(FLAGS.ffn, 2048, 64), e,
+                 pick(FLAGS.topk, 8, 2), pick(FLAGS.dtype, "bfloat16", "float32"), FLAGS.capacity)
 
-    rng = np.random.default_rng(0)
-    logits = rng.standard_normal((ep * t, e))
-    if args.routing == "skewed":
+
+def on_devices(sz: Sizes, n: int) -> Sizes:
+    """The same layer per device on ``n`` devices: tokens and experts per device kept (weak scaling)."""
+    return dataclasses.replace(sz, n_dev=n, experts=sz.experts // sz.n_dev * n)
+
+
+def memory_check(sz: Sizes, modes: list[str], devices) -> tuple[bool, str]:
+    from te_jax_perm.parallel.memory import GIB, device_memory_limit, ep_working_set, fits
+    ws = max((ep_working_set(tokens=sz.tokens, hidden=sz.hidden, ffn=sz.ffn, experts=sz.experts, ep=sz.n_dev,
+                             topk=sz.topk, capacity=sz.cap, num_out_tokens=sz.num_out, dtype=sz.dtype, a2a=m)
+              for m in modes), key=lambda w: w.total)
+    limit = int(FLAGS.device_memory_gib * GIB) if FLAGS.device_memory_gib else device_memory_limit(devices[0])
+    return fits(ws, limit)
+
+
+# -- problem, layer and reference -----------------------------------------------------------------
+def make_problem(sz: Sizes, mesh, routing: str, seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    rng = np.random.default_rng(seed)
+    tt = sz.n_dev * sz.tokens
+    logits = rng.standard_normal((tt, sz.experts)).astype(np.float32)
+    if routing == "skewed":
         logits[:, 0] += 100.0
         logits[:, -1] -= 100.0
-    top = np.argsort(-logits, 1)[:, :k]
-    rm = np.zeros((ep * t, e), bool)
+    top = np.argpartition(-logits, sz.topk - 1, axis=1)[:, :sz.topk]
+    rm = np.zeros((tt, sz.experts), bool)
     np.put_along_axis(rm, top, True, 1)
-    probs = jnp.asarray(jax.nn.softmax(jnp.asarray(logits), -1), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((ep * t, h)), jnp.float32)
-    w1 = jnp.asarray(rng.standard_normal((e, h, f)) / np.sqrt(h), jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((e, f, h)) / np.sqrt(f), jnp.float32)
-    n_out = t * k
-    cap = min(n_out, t * el) if args.capacity is None else args.capacity
+    shard = NamedSharding(mesh, P("ep"))
+    probs = jax.device_put(jax.nn.softmax(jnp.asarray(logits), -1), shard)
+    dt = jnp.dtype(sz.dtype)
 
-    ragged_ok = ragged_all_to_all_supported(devs)
-    modes = {"dense": ["dense"], "ragged": ["ragged"], "both": ["dense"] + (["ragged"] if ragged_ok else [])}[args.a2a]
-    print(f"{jax.default_backend()} ({devs[0].device_kind}): ep={ep} devices, E={e}, top-{k}, T={t}/device, "
-          f"H={h}, F={f}, capacity={cap}, ops backend {backend}, routing {args.routing}")
-    print(f"ragged_all_to_all {'supported' if ragged_ok else 'not supported'} here; a2a modes run: {modes}")
+    def weights(key):
+        k0, k1, k2 = jax.random.split(key, 3)
+        x = jax.random.normal(k0, (tt, sz.hidden), dt)
+        w1 = (jax.random.normal(k1, (sz.experts, sz.hidden, sz.ffn), dt) / np.sqrt(sz.hidden)).astype(dt)
+        w2 = (jax.random.normal(k2, (sz.experts, sz.ffn, sz.hidden), dt) / np.sqrt(sz.ffn)).astype(dt)
+        return x, w1, w2
 
-    # Per-device row counts (before capacity drops): rows_to[src, dst].
-    rows_to = rm.reshape(ep, t, ep, el).sum(axis=(1, 3))
-    kept_to = np.minimum(rows_to, cap)
-    for r in range(ep):
-        print(f"  device {r}: routes {rows_to[r].tolist()} rows to devices 0..{ep - 1}; receives "
-              f"{int(rows_to[:, r].sum())} rows for experts {r * el}..{r * el + el - 1} "
-              f"(per expert {rm.reshape(ep * t, ep, el)[:, r].sum(0).tolist()}), "
-              f"{int((rows_to[:, r] - kept_to[:, r]).sum())} dropped at capacity")
+    # Made directly in their shards: the full weights never sit on one device.
+    x, w1, w2 = jax.jit(weights, out_shardings=(shard, shard, shard))(jax.random.PRNGKey(seed))
+    return x, jax.device_put(rm, shard), probs, w1, w2, rm
 
-    # The routing map is an argument, not a closed-over constant: XLA would otherwise
-    # constant-fold the whole routing computation at compile time (minutes at full size).
-    rm = jnp.asarray(rm)
-    ref_fn = lambda x, p, a, b, m: reference_moe_layer(x, m, p, a, b, ep=ep, num_out_tokens=n_out, capacity=cap)
-    grad = lambda fn: jax.jit(jax.value_and_grad(lambda *a: (fn(*a) ** 2).sum(), argnums=(0, 1, 2, 3)))
-    want = jax.jit(ref_fn)(x, probs, w1, w2, rm)
-    _, g_ref = grad(ref_fn)(x, probs, w1, w2, rm)
 
-    ok = True
-    for mode in modes:
-        cfg = EPConfig(num_out_tokens=n_out, capacity=args.capacity, backend=backend, a2a=mode)
-        layer_fn = lambda x, p, a, b, m: ep_moe_layer(x, m, p, a, b, mesh=mesh, cfg=cfg)
-        layer, layer_grad = jax.jit(layer_fn), grad(layer_fn)
+def loss_fn(layer):
+    import jax.numpy as jnp
+
+    def loss(x, p, w1, w2, rm, weights):
+        out = layer(x, rm, p, w1, w2).astype(jnp.float32)
+        return jnp.sum(weights[:, None] * out * out) / x.shape[1], out
+    return loss
+
+
+def checked_rows(sz: Sizes) -> Any:
+    """Token indices the check covers: all, or the first few of every device's shard."""
+    import numpy as np
+    tt = sz.n_dev * sz.tokens
+    if sz.capacity is not None or tt <= FLAGS.check_tokens:
+        return np.arange(tt)     # drops depend on the whole shard: only the full reference matches
+    per = max(1, FLAGS.check_tokens // sz.n_dev)
+    return (np.arange(sz.n_dev)[:, None] * sz.tokens + np.arange(per)[None, :]).reshape(-1)
+
+
+def reference_grads(sz: Sizes, x, p, w1, w2, rm_host, rows):
+    """Output and gradients of the single-device reference on ``rows`` (everything on device 0)."""
+    import jax
+    import jax.numpy as jnp
+    from te_jax_perm.parallel import reference_moe_layer
+
+    full = len(rows) == sz.n_dev * sz.tokens
+    xs, ps, rms = (x, p, jnp.asarray(rm_host)) if full else (x[rows], p[rows], jnp.asarray(rm_host[rows]))
+    xs, ps, rms, w1, w2 = (on_first_device(a) for a in (xs, ps, rms, w1, w2))
+    if full:
+        ref = lambda x, rm, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=sz.n_dev, num_out_tokens=sz.num_out,
+                                                         capacity=sz.capacity)
+    else:       # nothing drops: each token's output depends on that token only
+        ref = lambda x, rm, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=1, num_out_tokens=len(rows) * sz.topk)
+    step = jax.jit(jax.value_and_grad(loss_fn(ref), argnums=(0, 1, 2, 3), has_aux=True))
+    (l, out), g = step(xs, ps, w1, w2, rms, jnp.ones((len(rows),), jnp.float32))
+    return l, out, g
+
+
+def on_first_device(a):
+    """A whole copy of ``a`` on the mesh's first device, gathered device to device (not via the host)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    sharding = getattr(a, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        rep = jax.device_put(a, NamedSharding(sharding.mesh, P()))      # an all-gather
+        return next(s.data for s in rep.addressable_shards if s.device == sharding.mesh.devices.flat[0])
+    return jax.device_put(a, jax.devices()[0])
+
+
+def max_rel(a, b) -> float:
+    import numpy as np
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-9))
+
+
+def time_ms(fn, args, steps: int) -> list[float]:
+    import jax
+    jax.block_until_ready(fn(*args))
+    out = []
+    for _ in range(max(1, steps)):
         t0 = time.perf_counter()
-        out = jax.block_until_ready(layer(x, probs, w1, w2, rm))
-        _, g = jax.block_until_ready(layer_grad(x, probs, w1, w2, rm))
-        compile_s = time.perf_counter() - t0
-        errs = {"out": float(jnp.abs(out - want).max() / (jnp.abs(want).max() + 1e-9))}
-        for n, a, b in zip(("dx", "dprobs", "dw1", "dw2"), g, g_ref):
-            errs[n] = float(jnp.abs(a - b).max() / (jnp.abs(b).max() + 1e-9))
-        mode_ok = all(np.isfinite(v) and v < TOL for v in errs.values())
-        ok &= mode_ok
-        wire = (ep * cap) if mode == "dense" else None
-        print(f"[a2a={mode}] first call (compile) {compile_s:.1f} s; rows on the wire per device: "
-              + (f"{wire} (padded to capacity)" if wire else
-                 f"{kept_to.sum(1).tolist()} (exactly the kept rows)"))
-        print("  max rel err " + ", ".join(f"{n} {v:.1e}" for n, v in errs.items())
-              + f"  (tol {TOL:.0e}) -> {'ok' if mode_ok else 'MISMATCH'}")
-        fwd = _timed(layer, x, probs, w1, w2, rm, runs=runs)
-        bwd = _timed(layer_grad, x, probs, w1, w2, rm, runs=runs)
-        print(f"  step time over {runs} runs: forward median {fwd[0]:.2f} ms (min {fwd[1]:.2f}); "
-              f"forward+backward median {bwd[0]:.2f} ms (min {bwd[1]:.2f})")
-    print(f"{'PASS' if ok else 'FAIL'}: expert-parallel layer on {ep} {jax.default_backend()} devices, "
+        jax.block_until_ready(fn(*args))
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def exchange_ms(sz: Sizes, mesh, rm_host, mode: str, steps: int) -> float:
+    """One forward row exchange of the layer, alone: the same rows, offsets and sizes."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from te_jax_perm.parallel.exchange import send_rows
+    from te_jax_perm.parallel.shard_map_compat import shard_map
+
+    ep, el, cap = sz.n_dev, sz.experts // sz.n_dev, sz.cap
+    rows_to = rm_host.reshape(ep, sz.tokens, ep, el).sum(axis=(1, 3))           # [src, dst] routed rows
+    sent = np.minimum(rows_to, cap).astype(np.int32)
+    rank_start = (np.cumsum(rows_to, 1) - rows_to).astype(np.int32)
+    recv = sent.T.copy()
+    shard = NamedSharding(mesh, P("ep"))
+    rows = jax.device_put(jnp.zeros((ep * sz.num_out, sz.hidden), sz.dtype), shard)
+    args = [jax.device_put(a.reshape(-1), shard) for a in (rank_start, sent, recv)]
+    body = lambda r, s0, s, rv: send_rows(r, s0, s, rv, cap, "ep", mode)
+    fn = jax.jit(shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep")))
+    return statistics.median(time_ms(fn, (rows, *args), steps))
+
+
+# -- one configuration ----------------------------------------------------------------------------
+def run_config(sz: Sizes, devices, modes: list[str], backend: str, steps: int, check: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from te_jax_perm.parallel import EPConfig, ep_moe_layer
+    from te_jax_perm.parallel.memory import device_memory_limit
+
+    mesh = Mesh(np.array(devices), ("ep",))
+    x, rm, probs, w1, w2, rm_host = make_problem(sz, mesh, FLAGS.routing)
+    tt = sz.n_dev * sz.tokens
+    rows = checked_rows(sz)
+    res: dict[str, Any] = {"devices": sz.n_dev, **dataclasses.asdict(sz), "cap": sz.cap, "modes": {}}
+    ref = None
+    if check:
+        ref = reference_grads(sz, x, probs, w1, w2, rm_host, rows)
+        res["checked_tokens"] = len(rows)
+    rows_to = rm_host.reshape(sz.n_dev, sz.tokens, sz.n_dev, -1).sum(axis=(1, 3))
+    kept = np.minimum(rows_to, sz.cap)
+    limit = int(FLAGS.device_memory_gib * (1 << 30)) if FLAGS.device_memory_gib else device_memory_limit(devices[0])
+    gemm = None if FLAGS.gemm == "auto" else FLAGS.gemm
+    for mode in modes:
+        cfg = EPConfig(num_out_tokens=sz.num_out, capacity=sz.capacity, backend=backend, a2a=mode, gemm=gemm)
+        layer = lambda x, rm, p, a, b: ep_moe_layer(x, rm, p, a, b, mesh=mesh, cfg=cfg)
+        step = jax.jit(jax.value_and_grad(loss_fn(layer), argnums=(0, 1, 2, 3), has_aux=True))
+        t0 = time.perf_counter()
+        mask = np.zeros((tt,), np.float32)
+        mask[rows] = 1.0
+        args_check = (x, probs, w1, w2, rm, jax.device_put(mask, x.sharding))
+        compiled = step.lower(*args_check).compile()
+        r: dict[str, Any] = {"compile_s": time.perf_counter() - t0}
+        ma = compiled.memory_analysis()
+        if ma is not None and limit:
+            need = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
+            r["compiled_bytes_per_device"] = int(need)
+            if need > limit:
+                raise MemoryError(f"the compiled step needs {need / 2**30:.1f} GiB per device, more than the "
+                                  f"device's {limit / 2**30:.1f} GiB: not running it (a rank out of memory would "
+                                  "hang the others in the all-to-all)")
+        if check:
+            (l, out), g = compiled(*args_check)
+            l_ref, out_ref, g_ref = ref
+            # Weight gradients on the experts the checked tokens use most: not tens of GiB to the host.
+            q = np.sort(np.argsort(-rm_host[rows].sum(0), kind="stable")[:8])
+            r["errors"] = {"loss": max_rel(l, l_ref), "out": max_rel(out[rows], out_ref)}
+            for name, a, b, idx in (("dx", g[0], g_ref[0], rows), ("dprobs", g[1], g_ref[1], rows),
+                                    ("dw1", g[2][q], g_ref[2][q], None), ("dw2", g[3][q], g_ref[3][q], None)):
+                r["errors"][name] = max_rel(a if idx is None else a[idx], b)
+            del g, out
+            r["ok"] = all(np.isfinite(v) and v <= TOL.get(sz.dtype, 5e-2) for v in r["errors"].values())
+            r["checked_experts"] = q.tolist()
+        ones = jax.device_put(np.ones((tt,), np.float32), x.sharding)
+        times = time_ms(compiled, (x, probs, w1, w2, rm, ones), steps)
+        r["step_ms"] = statistics.median(times)
+        r["step_ms_min_max"] = (min(times), max(times))
+        r["exchange_ms"] = exchange_ms(sz, mesh, rm_host, mode, steps)
+        r["rows_on_wire_per_device"] = ([sz.n_dev * sz.cap] * sz.n_dev if mode == "dense"
+                                        else kept.sum(1).astype(int).tolist())
+        res["modes"][mode] = r
+    return res
+
+
+def print_config(res: dict) -> None:
+    tol = TOL.get(res["dtype"], 5e-2)
+    for mode, r in res["modes"].items():
+        print(f"[{res['devices']} devices, a2a={mode}] compile {r['compile_s']:.1f} s"
+              + (f", compiled step needs {r['compiled_bytes_per_device'] / 2**30:.1f} GiB per device"
+                 if "compiled_bytes_per_device" in r else ""))
+        if "errors" in r:
+            print(f"  vs single-device reference on {res['checked_tokens']} tokens: max rel err "
+                  + ", ".join(f"{n} {v:.1e}" for n, v in r["errors"].items())
+                  + f" (tol {tol:.0e}) -> {'ok' if r['ok'] else 'MISMATCH'}")
+        print(f"  train step (fwd+bwd) per device: median {r['step_ms']:.2f} ms "
+              f"[min {r['step_ms_min_max'][0]:.2f}, max {r['step_ms_min_max'][1]:.2f}]")
+        print(f"  one row exchange alone: {r['exchange_ms']:.2f} ms (a training step makes 4: there and back, "
+              f"forward and backward = {4 * r['exchange_ms']:.2f} ms, {400 * r['exchange_ms'] / r['step_ms']:.0f}% "
+              f"of the step if none overlaps); rows on the wire per device "
+              f"{r['rows_on_wire_per_device']}" + (" (padded to capacity)" if mode == "dense" else " (kept rows)"))
+
+
+def main(argv: list[str]) -> int:
+    del argv
+    if "XLA_FLAGS" not in os.environ:   # only affects the CPU platform; must precede backend start-up
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={FLAGS.cpu_devices}"
+    import jax
+    from te_jax_perm.parallel import ragged_all_to_all_supported
+
+    if jax.default_backend() == "cpu":
+        # The check compares two matmul decompositions in float32; keep it exact.
+        jax.config.update("jax_default_matmul_precision", "highest")
+    all_devs = jax.devices()
+    devs = all_devs[:FLAGS.devices] if FLAGS.devices else all_devs
+    on_gpu = devs[0].platform == "gpu"
+    backend = FLAGS.backend or ("triton" if on_gpu else "xla")
+    steps = FLAGS.steps or (10 if on_gpu else 2)
+    sz = sizes_from_flags(len(devs), on_gpu)
+    if sz.experts % sz.n_dev:
+        print(f"--experts={sz.experts} is not a multiple of the {sz.n_dev} devices")
+        return 1
+    ragged_ok = ragged_all_to_all_supported(devs) if len(devs) > 1 else False
+    modes = {"dense": ["dense"], "ragged": ["ragged"], "both": ["dense"] + (["ragged"] if ragged_ok else [])}[FLAGS.a2a]
+    print(f"{jax.default_backend()} ({devs[0].device_kind}) x{sz.n_dev}: E={sz.experts} ({sz.experts // sz.n_dev} "
+          f"per device), top-{sz.topk}, T={sz.tokens} per device, H={sz.hidden}, F={sz.ffn}, {sz.dtype}, "
+          f"capacity {sz.cap}, backend {backend}, routing {FLAGS.routing}; ragged_all_to_all "
+          f"{'supported' if ragged_ok else 'not supported'} here; a2a modes: {modes}")
+
+    counts = [1 << i for i in range(sz.n_dev.bit_length()) if (1 << i) < sz.n_dev] if FLAGS.weak_scaling else []
+    for n in counts + [sz.n_dev]:
+        ok, msg = memory_check(on_devices(sz, n), modes if n > 1 else ["dense"], devs)
+        print(f"memory check ({n} device{'s' if n > 1 else ''}): {msg}")
+        if not ok:
+            print(f"WON'T FIT: not compiling. Try fewer --tokens, a smaller --hidden/--ffn, fewer --experts per "
+                  f"device, or a --capacity (rows past it drop).")
+            return EXIT_WONT_FIT
+
+    results: dict[str, Any] = {"device": devs[0].device_kind, "platform": jax.default_backend(), "runs": []}
+    ok = True
+    try:
+        for n in counts:    # weak scaling: timed, not checked (the full-size run below is)
+            res = run_config(on_devices(sz, n), devs[:n], ["dense"] if n == 1 else modes, backend, steps,
+                             check=False)
+            results["runs"].append(res)
+            print_config(res)
+        res = run_config(sz, devs, modes, backend, steps, check=True)
+    except MemoryError as e:
+        print(f"WON'T FIT: {e}")
+        return EXIT_WONT_FIT
+    results["runs"].append(res)
+    print_config(res)
+    ok = all(r["ok"] for r in res["modes"].values())
+    if counts:
+        base = results["runs"][0]["modes"]["dense"]["step_ms"]
+        for r in results["runs"][1:]:
+            for mode, m in r["modes"].items():
+                m["weak_scaling_ratio"] = m["step_ms"] / base
+                print(f"weak scaling: {r['devices']} devices ({r['experts']} experts), a2a={mode}: "
+                      f"{m['step_ms']:.2f} ms per step = {m['weak_scaling_ratio']:.2f}x the 1-device step "
+                      f"({base:.2f} ms)")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+    if not on_gpu and backend != "interpret":
+        print("hint: --backend=interpret runs te_jax_perm's Triton kernels on the CPU interpreter "
+              "(slow: try it with --tokens=16 --hidden=32 --cpu_devices=4)")
+    print(f"{'PASS' if ok else 'FAIL'}: expert-parallel layer on {sz.n_dev} {jax.default_backend()} devices, "
           f"a2a {'+'.join(modes)}, backend {backend}, vs the single-device reference")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    app.run(lambda argv: sys.exit(main(argv)))

@@ -20,6 +20,8 @@ _LAZY = {
     "unpermute_with_mask_map": "te_jax_perm.ops.permute",
     "make_chunk_sort_map": "te_jax_perm.ops.chunk_sort",
     "sort_chunks_by_map": "te_jax_perm.ops.chunk_sort",
+    # expert GEMMs over the dispatched rows
+    "grouped_matmul": "te_jax_perm.ops.grouped_gemm",
     # sanitizer and autotuner entry points
     "sanitize": "te_jax_perm.sanitize",
     "autotune": "te_jax_perm.autotune",

@@ -63,9 +63,8 @@ def test_example_matches_dense_reference(example, backend, tokens, hidden, exper
 
 def test_example_ep_detects_a_missing_regrouping(example, monkeypatch):
     """With EP, skipping the chunk sort (identity) must break the grouped GEMM and fail."""
-    def identity_sort(inp, split_sizes, sorted_indices, probs=None, backend=None):
-        n = inp.shape[0]
-        return inp, probs, jax.numpy.arange(n, dtype=jax.numpy.int32)
+    def identity_sort(inp, split_sizes, sorted_indices, *, backend=None):
+        return inp, jax.numpy.arange(inp.shape[0], dtype=jax.numpy.int32)   # (output, row map)
 
     monkeypatch.setattr(te_jax_perm, "sort_chunks_by_index", identity_sort)
     cfg = example.MoEConfig(tokens=32, hidden=16, ffn=32, experts=4, topk=2, backend="xla", ep_ranks=2, steps=1)
@@ -78,8 +77,8 @@ def test_example_detects_a_broken_combine(example, monkeypatch):
     """A combine that ignores the merging probabilities must fail the check (and exit 1)."""
     real = te_jax_perm.token_combine
 
-    def broken(inp, row_id_map, merging_probs=None, pad_offsets=None, backend=None):
-        return real(inp, row_id_map, None, pad_offsets, backend=backend)
+    def broken(inp, row_id_map, merging_probs=None, pad_offsets=None, *, backend=None):
+        return real(inp, row_id_map, merging_probs=None, pad_offsets=pad_offsets, backend=backend)
 
     monkeypatch.setattr(te_jax_perm, "token_combine", broken)
     cfg = example.MoEConfig(tokens=32, hidden=16, ffn=32, experts=4, topk=2, backend="xla", steps=1)
@@ -102,3 +101,39 @@ def test_example_cli_subprocess():
     assert "PASS" in out and "max err grad router" in out and "dispatched rows" in out
     # the library's default on this platform
     assert f"te_jax_perm backend={'triton' if ON_GPU else 'xla'}" in out
+    assert "step / GEMM limit" in out
+    if not ON_GPU:
+        assert "--backend=interpret" in out      # the CPU run points at the Triton kernels' interpreter
+        assert "profile: GPU only" in out
+
+
+def test_example_subset_check_catches_a_wrong_expert(example, monkeypatch):
+    """At real sizes only a token subset is checked: the check must still see a broken GEMM
+    (one expert's rows multiplied by the next expert's weights) in every gradient path."""
+    real = te_jax_perm.grouped_matmul
+
+    def shifted(lhs, rhs, group_sizes, **kw):
+        return real(lhs, jax.numpy.roll(rhs, 1, axis=0), group_sizes, **kw)
+
+    cfg = example.MoEConfig(tokens=96, hidden=16, ffn=16, experts=12, topk=2, backend="xla", steps=1,
+                            check_tokens=24)
+    rep = example.run_example(cfg)
+    assert rep.ok and rep.checked_tokens == 24 and len(rep.checked_experts) == 4, rep
+    monkeypatch.setattr(te_jax_perm, "grouped_matmul", shifted)
+    rep = example.run_example(cfg)
+    assert not rep.ok
+    assert rep.errors["output"] > rep.tolerance and rep.errors["grad w_in"] > rep.tolerance
+
+
+def test_example_helpshort_explains_every_flag():
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--helpshort"], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=ROOT)
+    text = proc.stdout + proc.stderr
+    flags_part = text[text.index("flags:"):]
+    import re
+    names = re.findall(r"^  --(?:\[no\])?(\w+):(.*)$", flags_part, re.M)
+    assert {n for n, _ in names} >= {"preset", "tokens", "hidden", "ffn", "experts", "topk", "dtype", "backend",
+                                    "gemm", "align_size", "probs_in", "ep_ranks", "steps", "check_tokens",
+                                    "profile", "json_out", "seed"}
+    assert all(len(h.strip()) > 10 for _, h in names), names

@@ -156,3 +156,79 @@ def test_gpu_all_devices(a2a):
         with jax.default_matmul_precision("highest"):   # TF32 would swamp the comparison
             _check(4 * len(devs), 2, routing, n_out, cap, backend="triton", a2a=a2a, seed=11,
                    devices=devs, t=32, rtol=1e-4, atol=1e-4)
+
+
+# -- the memory pre-check and the example that uses it --------------------------------------
+import os  # noqa: E402
+import pathlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from te_jax_perm.parallel.memory import GIB, ep_working_set, fits  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EP_EXAMPLE = ROOT / "examples" / "moe_expert_parallel.py"
+single_process = pytest.mark.skipif(MULTI, reason="runs once, in the parent process")
+
+
+@single_process
+def test_working_set_counts_weights_activations_and_capacity():
+    kw = dict(tokens=4096, hidden=4096, ffn=2048, experts=32, ep=4, topk=8, num_out_tokens=4096 * 8)
+    ws = ep_working_set(**kw, dtype="bfloat16")
+    el = 32 // 4
+    weights = el * 2 * 4096 * 2048 * 2
+    assert ws.parts["expert weights"] == ws.parts["weight gradients"] == weights
+    assert ws.total > 3 * weights
+    # Dense exchange buffers grow with the capacity; ragged ones send no padding buffer.
+    small = ep_working_set(**kw, capacity=4096, dtype="bfloat16")
+    assert small.parts["exchange buffers"] * 8 == ws.parts["exchange buffers"]
+    assert ep_working_set(**kw, dtype="bfloat16", a2a="ragged").total < ws.total
+    assert ep_working_set(**kw, dtype="float32").total > 1.5 * ws.total   # the float32 FFN parts stay
+    ok, msg = fits(ws, int(ws.total / 0.9) + 1)
+    assert ok and "fits in" in msg
+    ok, msg = fits(ws, ws.total)
+    assert not ok and "does NOT fit" in msg and f"{ws.total / GIB:.1f} GiB" in msg
+    assert fits(ws, None)[0]      # unknown device memory (CPU): not checked
+
+
+def _run_example(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    env.pop("TE_JAX_PERM_BACKEND", None)
+    return subprocess.run([sys.executable, str(EP_EXAMPLE), *args], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=ROOT)
+
+
+@single_process
+def test_example_exits_with_a_message_when_the_layer_cannot_fit():
+    # DeepSeek-V3-sized experts on 2 devices against a 16 GiB device: refused before anything is built.
+    proc = _run_example("--cpu_devices=2", "--tokens=4096", "--hidden=7168", "--ffn=2048", "--experts=256",
+                        "--topk=8", "--dtype=bfloat16", "--device_memory_gib=16")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "does NOT fit" in proc.stdout and "WON'T FIT: not compiling" in proc.stdout
+    assert "compile" not in proc.stdout.split("WON'T FIT")[0].split("memory check")[0]
+
+
+@single_process
+def test_example_runs_when_the_layer_fits_and_weak_scales():
+    proc = _run_example("--cpu_devices=4", "--tokens=48", "--hidden=32", "--ffn=32", "--experts=8",
+                        "--check_tokens=32", "--device_memory_gib=1", "--weak_scaling", "--steps=1")
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "fits in 90% of the device's 1.0 GiB" in out
+    assert "vs single-device reference on 32 tokens" in out and "-> ok" in out
+    assert "weak scaling: 4 devices" in out and "one row exchange alone" in out
+    assert "--backend=interpret" in out
+    assert out.strip().splitlines()[-1].startswith("PASS")
+
+
+@single_process
+def test_example_helpshort_explains_every_flag():
+    import re
+    proc = _run_example("--helpshort")
+    text = proc.stdout + proc.stderr
+    names = re.findall(r"^  --(?:\[no\])?(\w+):(.*)$", text[text.index("flags:"):], re.M)
+    assert {n for n, _ in names} >= {"cpu_devices", "devices", "tokens", "hidden", "ffn", "experts", "topk", "dtype",
+                                    "routing", "capacity", "backend", "gemm", "a2a", "steps", "check_tokens",
+                                    "weak_scaling", "device_memory_gib", "json_out"}
+    assert all(len(h.strip()) > 10 for _, h in names), names

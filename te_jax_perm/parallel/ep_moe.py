@@ -14,7 +14,8 @@ Each of the ``ep`` devices holds ``T`` tokens (its data shard) and ``E / ep`` ex
    :mod:`te_jax_perm.parallel.exchange`; ``EPConfig.a2a`` picks, ``"auto"`` probes.
 3. Received rows arrive grouped by (source rank, local expert); ``sort_chunks_by_index``
    regroups them by (local expert, source rank) so each local expert's rows are contiguous.
-4. The expert FFN is two ``jax.lax.ragged_dot`` over those groups.
+4. The expert FFN is two grouped GEMMs (:func:`te_jax_perm.grouped_matmul`) over those
+   groups; the padding rows after them come out zero.
 5. The inverse chunk sort, the reverse all-to-all and ``unpermute_with_mask_map`` (weighted
    by the routing probabilities) bring each token's expert outputs home and sum them.
 
@@ -33,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from te_jax_perm.ops.chunk_sort import sort_chunks_by_index, sort_chunks_by_map
+from te_jax_perm.ops.grouped_gemm import grouped_matmul
 from te_jax_perm.ops.permute import permute_with_mask_map, unpermute_with_mask_map
 from te_jax_perm.ops.row_id_map import make_row_id_map
 from te_jax_perm.parallel.a2a_support import resolve_a2a
@@ -54,6 +56,8 @@ class EPConfig:
       a2a: how rows cross devices: ``"dense"`` (``all_to_all`` of capacity-padded chunks),
         ``"ragged"`` (``ragged_all_to_all``, exactly the kept rows; needs backend support)
         or ``"auto"`` (ragged where a probe finds it works, else dense). Same results.
+      gemm: the grouped GEMM of the experts, ``grouped_matmul``'s ``impl`` (``None``: its
+        default, tokamax on GPUs where installed).
     """
 
     num_out_tokens: int | None = None
@@ -62,6 +66,7 @@ class EPConfig:
     activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu
     backend: str | None = None
     a2a: str = "auto"
+    gemm: str | None = None
 
 
 def _chunk_order(ep: int, el: int) -> np.ndarray:
@@ -114,19 +119,18 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
     # 3. (source rank, local expert) -> (local expert, source rank)
     pad = cap - recv_sizes.sum(1)
     split_sizes = jnp.concatenate([recv_sizes, pad[:, None]], axis=1).reshape(-1)
-    grouped, _, smap = sort_chunks_by_index(recv, split_sizes,
-                                            jnp.asarray(_chunk_order(ep, el)), backend=be)
+    sorted_out = sort_chunks_by_index(recv, split_sizes, jnp.asarray(_chunk_order(ep, el)), backend=be)
+    grouped, smap = sorted_out[0], sorted_out[-1]          # (rows, .., row map): the map comes last
 
-    # 4. expert FFN; the padding tail is one extra all-zero group
-    group_sizes = recv_sizes.sum(0)
-    gs = jnp.concatenate([group_sizes, (ep * cap - group_sizes.sum())[None]]).astype(jnp.int32)
-    zero = lambda w: jnp.concatenate([w, jnp.zeros((1,) + w.shape[1:], w.dtype)])
-    hid = jax.lax.ragged_dot(grouped, zero(w1), gs, preferred_element_type=jnp.float32)
-    y = jax.lax.ragged_dot(cfg.activation(hid).astype(w2.dtype), zero(w2), gs,
-                           preferred_element_type=jnp.float32).astype(x.dtype)
+    # 4. expert FFN; the padding tail after the groups comes out zero
+    gs = recv_sizes.sum(0).astype(jnp.int32)
+    hid = grouped_matmul(grouped, w1, gs, preferred_element_type=jnp.float32, impl=cfg.gemm)
+    y = grouped_matmul(cfg.activation(hid).astype(w2.dtype), w2, gs, preferred_element_type=jnp.float32,
+                       impl=cfg.gemm).astype(x.dtype)
 
     # 5. back home and combine
-    back, _ = sort_chunks_by_map(y, smap, is_forward=False, backend=be)
+    back = sort_chunks_by_map(y, smap, is_forward=False, backend=be)
+    back = back[0] if isinstance(back, (tuple, list)) else back
     home = return_rows(back, rank_start, sent_tot, recv_tot, n, cfg.axis, mode)
     weights = jnp.where(routing_map, probs, 0.0).astype(jnp.float32)
     return unpermute_with_mask_map(home, rid, merging_probs=weights, tokens_per_expert=kept, backend=be)

@@ -1,0 +1,366 @@
+"""The whole MoE layer, trained one step at a time: te_jax_perm's dispatch/combine against a
+MaxText-style pure-JAX permutation, both around the same grouped GEMM, and the GEMM limit.
+
+    python3 -m benchmarks.layer_bench --out DIR [--budget-s 420] [--shapes DeepSeek,Qwen3]
+
+Per shape, fwd+bwd step time (jitted ``value_and_grad`` of a loss through router, dispatch,
+SwiGLU experts and combine) of
+
+* ``ours``: ``token_dispatch`` -> grouped GEMM experts -> ``token_combine`` (the layer of
+  ``examples/moe_permute.py``);
+* ``pure_jax``: the permutation as MaxText writes it: ``argsort`` of the flattened expert
+  choices, a gather of the replicated tokens, the same grouped GEMM, the inverse gather and
+  a weighted sum over the k copies; the gathers' VJP is the gather by the inverse
+  permutation (no scatter-add);
+* ``gemm_limit``: a dense SwiGLU FFN over ``T*k`` rows with the same GEMM FLOPs, so
+  ``step_over_gemm_limit`` = ours / gemm_limit says how close the layer is to its matmuls.
+
+After the layers, a grouped-GEMM table: tokamax's grouped GEMM vs ``jax.lax.ragged_dot``
+(which XLA:GPU densifies) vs one dense dot of the same FLOPs, forward and fwd+bwd.
+
+Writes ``DIR/layer.json``, ``DIR/layer.png`` and ``DIR/layer.log``. On a CPU (or with
+``--mode cpu``) it runs a smoke sweep of tiny shapes: it checks the plumbing, its times mean
+nothing, and it prints no target verdicts.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax_perm.ops.grouped_gemm import grouped_matmul, tokamax_available
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TARGET_STEP_OVER_GEMM = 1.5          # at DeepSeek-V3 and Qwen3 (H100)
+TARGET_MODELS = ("DeepSeek-V3", "Qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    model: str
+    T: int
+    H: int
+    F: int
+    E: int
+    k: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/T{self.T}/H{self.H}/F{self.F}/E{self.E}/k{self.k}"
+
+
+GPU_SHAPES = (
+    LayerShape("DeepSeek-V3", 8192, 7168, 2048, 256, 8),
+    LayerShape("Qwen3-235B-A22B", 8192, 4096, 1536, 128, 8),
+    LayerShape("Mixtral-8x7B", 8192, 4096, 14336, 8, 2),
+)
+CPU_SHAPES = (
+    LayerShape("smoke", 64, 32, 64, 8, 2),
+    LayerShape("smoke", 37, 16, 32, 4, 3),
+)
+# Grouped GEMMs (M, K, N, G), bf16: the sizes where lax.ragged_dot was measured densifying,
+# and the first expert GEMM of the DeepSeek-V3 layer (gate and up: N = 2F).
+GPU_GEMMS = ((16384, 4096, 4096, 8), (32768, 4096, 2048, 32), (65536, 7168, 2048, 32),
+             (65536, 7168, 4096, 256))
+CPU_GEMMS = ((96, 32, 24, 4), (64, 16, 16, 8))
+
+
+def load_example():
+    """examples/moe_permute.py as a module: the layer, its GEMM limit and FLOP count live there."""
+    name = "te_jax_perm_example_moe_permute"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "moe_permute.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+# -- the MaxText-style permutation ----------------------------------------------------------
+@jax.custom_vjp
+def sort_rows(x: jax.Array, order: jax.Array) -> jax.Array:
+    """``x[order]`` for a permutation ``order``; its VJP gathers by the inverse permutation."""
+    return jnp.take(x, order, axis=0)
+
+
+def _sort_rows_fwd(x, order):
+    return sort_rows(x, order), order
+
+
+def _sort_rows_bwd(order, g):
+    return sort_rows(g, jnp.argsort(order)), None
+
+
+sort_rows.defvjp(_sort_rows_fwd, _sort_rows_bwd)
+
+
+def pure_jax_layer(ex, params: dict[str, jax.Array], x: jax.Array, cfg) -> jax.Array:
+    """The same layer as ``ex.moe_layer``, permuted by argsort and gathers (MaxText's way)."""
+    t, h = x.shape
+    logits = x.astype(jnp.float32) @ params["router"]
+    top_logits, top_idx = jax.lax.top_k(logits, cfg.topk)
+    weights = jax.nn.softmax(top_logits, axis=-1)                       # [T, k]
+    flat = top_idx.reshape(-1)
+    order = jnp.argsort(flat)
+    rows = sort_rows(jnp.repeat(x, cfg.topk, axis=0), order)            # [T*k, H] grouped by expert
+    group_sizes = jnp.bincount(flat, length=cfg.experts).astype(jnp.int32)
+    y = ex.expert_ffn(params, rows, group_sizes, cfg.gemm_impl)
+    back = sort_rows(y, jnp.argsort(order)).reshape(t, cfg.topk, h)
+    return jnp.einsum("tkh,tk->th", back.astype(jnp.float32), weights).astype(x.dtype)
+
+
+# -- measurements -------------------------------------------------------------------------
+class Log:
+    def __init__(self, path: pathlib.Path | None):
+        self.path = path
+
+    def __call__(self, msg: str) -> None:
+        print(msg, flush=True)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(msg + "\n")
+
+
+def _median_ms(ex, fn: Callable, args: tuple, steps: int) -> float:
+    return statistics.median(ex.time_steps(fn, args, steps))
+
+
+def _group_sizes(m: int, g: int, seed: int) -> np.ndarray:
+    """Random, roughly balanced group sizes summing to m (a multinomial over g groups)."""
+    return np.random.default_rng(seed).multinomial(m, np.full(g, 1.0 / g)).astype(np.int32)
+
+
+def gemm_row(ex, m: int, k: int, n: int, g: int, dtype: str, impls: tuple[str, ...], steps: int) -> dict:
+    """Forward and fwd+bwd times of each grouped-GEMM implementation and of one dense dot."""
+    key = jax.random.PRNGKey(0)
+    lhs = jax.random.normal(key, (m, k), dtype)
+    rhs = (jax.random.normal(key, (g, k, n), dtype) / np.sqrt(k)).astype(dtype)
+    dense_rhs = rhs[0]
+    gs = jnp.asarray(_group_sizes(m, g, seed=m + g))
+    flops = 2.0 * m * k * n
+    row: dict[str, Any] = {"M": m, "K": k, "N": n, "G": g, "dtype": dtype, "tflop_fwd": flops / 1e12}
+
+    def fwd_bwd(mm):
+        return jax.jit(jax.value_and_grad(lambda a, b: jnp.mean(jnp.square(mm(a, b).astype(jnp.float32))), (0, 1)))
+
+    cases = {f"{impl}": lambda a, b, impl=impl: grouped_matmul(a, b, gs, impl=impl) for impl in impls}
+    cases["dense"] = lambda a, b: a @ b
+    for name, mm in cases.items():
+        b = dense_rhs if name == "dense" else rhs
+        for what, fn in (("fwd", jax.jit(mm)), ("fwd_bwd", fwd_bwd(mm))):
+            try:
+                ms = _median_ms(ex, fn, (lhs, b), steps)
+                row[f"{name}_{what}_ms"] = ms
+                row[f"{name}_{what}_tflops"] = flops * (1 if what == "fwd" else 3) / ms / 1e9
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory for the densified ragged_dot
+                row[f"{name}_{what}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return row
+
+
+def layer_row(ex, shape: LayerShape, dtype: str, backend: str | None, gemm: str, steps: int) -> dict:
+    cfg = ex.MoEConfig(tokens=shape.T, hidden=shape.H, ffn=shape.F, experts=shape.E, topk=shape.k, dtype=dtype,
+                       backend=backend, gemm=gemm, steps=steps, profile=False, preset=shape.model)
+    cfg = dataclasses.replace(cfg, backend=ex.resolve_backend(cfg.backend), gemm=cfg.gemm_impl)
+    kp, kx = jax.random.split(jax.random.PRNGKey(0))
+    params = jax.jit(ex.init_params, static_argnums=0)(cfg, kp)
+    x = jax.random.normal(kx, (cfg.tokens, cfg.hidden), jnp.float32).astype(dtype)
+
+    def step_of(layer):
+        loss = lambda p, x: jnp.mean(jnp.square(layer(p, x).astype(jnp.float32)))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+    ours = lambda p, x: ex.moe_layer(p, x, cfg)[0]
+    pure = lambda p, x: pure_jax_layer(ex, p, x, cfg)
+    row: dict[str, Any] = {"shape": shape.name, **dataclasses.asdict(shape), "dtype": dtype,
+                           "backend": cfg.backend, "gemm": cfg.gemm,
+                           "gemm_tflop_per_step": ex.layer_gemm_flops(cfg) / 1e12}
+    # Same function, two permutations: the forward outputs must agree before times mean anything.
+    out_a, out_b = jax.jit(ours)(params, x), jax.jit(pure)(params, x)
+    ref = float(jnp.max(jnp.abs(out_b.astype(jnp.float32))))
+    row["ours_vs_pure_jax_max_rel_diff"] = float(jnp.max(jnp.abs(out_a.astype(jnp.float32) - out_b))) / max(ref, 1e-6)
+    del out_a, out_b
+    for name, layer in (("ours", ours), ("pure_jax", pure)):
+        try:
+            row[f"{name}_ms"] = _median_ms(ex, step_of(layer), (params, x), steps)
+        except Exception as e:  # noqa: BLE001
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    del params, x
+    dense_step, dense_args = ex.dense_ffn_step(cfg)
+    row["gemm_limit_ms"] = _median_ms(ex, dense_step, dense_args, steps)
+    if "ours_ms" in row:
+        row["step_over_gemm_limit"] = row["ours_ms"] / row["gemm_limit_ms"]
+    if "ours_ms" in row and "pure_jax_ms" in row:
+        row["pure_jax_over_ours"] = row["pure_jax_ms"] / row["ours_ms"]
+    return row
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    lines = []
+    for r in rows:
+        if r["model"].startswith(TARGET_MODELS) and "step_over_gemm_limit" in r:
+            ok = r["step_over_gemm_limit"] <= TARGET_STEP_OVER_GEMM
+            lines.append(f"TARGET {'PASS' if ok else 'FAIL'} {r['shape']}: step / GEMM limit "
+                         f"{r['step_over_gemm_limit']:.2f} (target <= {TARGET_STEP_OVER_GEMM})")
+        if "pure_jax_over_ours" in r:
+            ok = r["pure_jax_over_ours"] > 1.0
+            lines.append(f"TARGET {'PASS' if ok else 'FAIL'} {r['shape']}: ours {r['ours_ms']:.2f} ms vs pure-JAX "
+                         f"permutation {r['pure_jax_ms']:.2f} ms ({r['pure_jax_over_ours']:.2f}x; target > 1)")
+    return lines
+
+
+# -- plot ---------------------------------------------------------------------------------
+def plot(result: dict, path: pathlib.Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["layers"] if "gemm_limit_ms" in r]
+    smoke = result["smoke"]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 8.5), gridspec_kw={"height_ratios": [3, 2]})
+    labels = [r["shape"].replace("/", "\n", 1) for r in rows]
+    xs = np.arange(len(rows))
+    series = (("ours_ms", "te_jax_perm dispatch/combine", "tab:blue"),
+              ("pure_jax_ms", "pure-JAX permutation (argsort + gather)", "tab:orange"),
+              ("gemm_limit_ms", "GEMM limit (dense FFN, same FLOPs)", "tab:gray"))
+    w = 0.26
+    for i, (key, label, color) in enumerate(series):
+        vals = [r.get(key, np.nan) for r in rows]
+        bars = ax1.bar(xs + (i - 1) * w, vals, w, label=label, color=color)
+        ax1.bar_label(bars, labels=[f"{v:.2f}" if np.isfinite(v) else "n/a" for v in vals], fontsize=7, padding=2)
+    ax1.set_xticks(xs, labels, fontsize=8)
+    ax1.set_ylabel("fwd+bwd step time (ms)")
+    ax1.set_title(f"MoE layer training step on {result['device']}, grouped GEMM: "
+                  f"{', '.join(sorted({r['gemm'] for r in rows})) or '-'}"
+                  + ("  [CPU SMOKE RUN: times not meaningful]" if smoke else ""), fontsize=10)
+    ax1.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax1.margins(y=0.15)
+
+    ratio = [r.get("step_over_gemm_limit", np.nan) for r in rows]
+    bars = ax2.bar(xs, ratio, 0.5, color="tab:blue", label="ours / GEMM limit")
+    ax2.bar_label(bars, labels=[f"{v:.2f}x" if np.isfinite(v) else "n/a" for v in ratio], fontsize=8, padding=2)
+    if not smoke:
+        ax2.axhline(TARGET_STEP_OVER_GEMM, color="tab:red", ls="--", lw=1,
+                    label=f"target {TARGET_STEP_OVER_GEMM}x (DeepSeek-V3, Qwen3)")
+    ax2.axhline(1.0, color="black", lw=0.8, label="the GEMM limit")
+    ax2.set_xticks(xs, labels, fontsize=8)
+    ax2.set_ylabel("step time / GEMM limit")
+    ax2.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax2.margins(y=0.2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- main ---------------------------------------------------------------------------------
+def _pick(items: tuple, spec: str) -> tuple:
+    if not spec:
+        return items
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    picked = tuple(i for i in items if any(w in i.name for w in wanted))
+    if not picked:
+        raise SystemExit(f"--shapes {spec!r} matches none of {[i.name for i in items]}")
+    return picked
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="directory for layer.json, layer.png and layer.log")
+    ap.add_argument("--mode", choices=("auto", "gpu", "cpu"), default="auto",
+                    help="gpu: real shapes (fails without a GPU); cpu: tiny smoke shapes; auto: gpu if there is one")
+    ap.add_argument("--budget-s", type=float, default=420.0,
+                    help="stop starting new measurements after this many seconds (the JSON and PNG are still written)")
+    ap.add_argument("--shapes", default="", help="comma-separated substrings of the layer shapes to run (default: all)")
+    ap.add_argument("--steps", type=int, default=None, help="timed calls per measurement (default: 10 on GPU, 2 on CPU)")
+    ap.add_argument("--gemm", choices=("auto", "tokamax", "xla"), default="auto",
+                    help="grouped GEMM inside the layers (auto: tokamax on a GPU where installed)")
+    ap.add_argument("--no-gemm-table", action="store_true", help="skip the grouped-GEMM table")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    on_gpu = jax.default_backend() == "gpu" and args.mode != "cpu"
+    if args.mode == "gpu" and not on_gpu:
+        raise SystemExit(f"--mode gpu: JAX sees no GPU (jax.default_backend() is {jax.default_backend()!r})")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "layer.log").unlink(missing_ok=True)
+    log = Log(out / "layer.log")
+    ex = load_example()
+    steps = args.steps or (10 if on_gpu else 2)
+    dtype = "bfloat16" if on_gpu else "float32"
+    backend = "triton" if on_gpu else None
+    smoke = not on_gpu
+    result: dict[str, Any] = {
+        "device": jax.devices()[0].device_kind if on_gpu else f"CPU ({platform.machine()})",
+        "jax": jax.__version__, "smoke": smoke, "steps": steps, "dtype": dtype,
+        "tokamax_available": tokamax_available(), "gemm_table": [], "layers": [], "skipped": [], "targets": [],
+    }
+    log(f"layer bench on {result['device']}, jax {jax.__version__}, tokamax "
+        f"{'available' if result['tokamax_available'] else 'NOT available'}"
+        + ("; CPU SMOKE RUN: tiny shapes, times are not meaningful, no target verdicts" if smoke else ""))
+    budget_left = lambda: args.budget_s - (time.perf_counter() - t_start)
+
+    for shape in _pick(GPU_SHAPES if on_gpu else CPU_SHAPES, args.shapes):
+        if budget_left() < 0:
+            result["skipped"].append(f"{shape.name}: budget")
+            log(f"LAYER {shape.name}: skipped, the {args.budget_s:.0f} s budget is spent")
+            continue
+        t0 = time.perf_counter()
+        try:
+            row = layer_row(ex, shape, dtype, backend, args.gemm, steps)
+        except Exception as e:  # noqa: BLE001 - one shape failing must not lose the others
+            row = {"shape": shape.name, **dataclasses.asdict(shape), "error": f"{type(e).__name__}: {e}"[:400]}
+            traceback.print_exc()
+        result["layers"].append(row)
+        if "gemm_limit_ms" in row:
+            log(f"LAYER {shape.name} [gemm {row['gemm']}, backend {row['backend']}]: ours "
+                f"{row.get('ours_ms', float('nan')):.2f} ms, pure-JAX permutation {row.get('pure_jax_ms', float('nan')):.2f}"
+                f" ms, GEMM limit {row['gemm_limit_ms']:.2f} ms ({row['gemm_tflop_per_step']:.1f} TFLOP); "
+                f"step/GEMM limit {row.get('step_over_gemm_limit', float('nan')):.2f}; outputs agree to "
+                f"{row['ours_vs_pure_jax_max_rel_diff']:.1e} ({time.perf_counter() - t0:.0f} s)")
+        else:
+            log(f"LAYER {shape.name}: FAILED {row['error'][:300]}")
+
+    if not args.no_gemm_table:
+        impls = ("tokamax", "xla") if result["tokamax_available"] else ("xla",)
+        for m, k, n, g in (GPU_GEMMS if on_gpu else CPU_GEMMS):
+            if budget_left() < 0:
+                result["skipped"].append(f"gemm {m}x{k}x{n} G={g}: budget")
+                continue
+            row = gemm_row(ex, m, k, n, g, dtype, impls, steps)
+            result["gemm_table"].append(row)
+            parts = [f"{name} {row[f'{name}_fwd_ms']:.3f} ms ({row[f'{name}_fwd_tflops']:.0f} TFLOP/s)"
+                     if f"{name}_fwd_ms" in row else f"{name} {row.get(f'{name}_fwd_error', '?')[:80]}"
+                     for name in (*impls, "dense")]
+            log(f"GEMM M={m} K={k} N={n} G={g} fwd: " + "; ".join(parts))
+            parts = [f"{name} {row[f'{name}_fwd_bwd_ms']:.3f} ms" if f"{name}_fwd_bwd_ms" in row
+                     else f"{name} failed" for name in (*impls, "dense")]
+            log(f"GEMM M={m} K={k} N={n} G={g} fwd+bwd: " + "; ".join(parts))
+
+    if not smoke:
+        result["targets"] = verdicts(result["layers"])
+        for line in result["targets"]:
+            log(line)
+    with open(out / "layer.json", "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, out / "layer.png")
+    failed = [r["shape"] for r in result["layers"] if "error" in r or "ours_error" in r]
+    log(f"LAYER SUMMARY: {len(result['layers'])} shapes measured, {len(failed)} failed, "
+        f"{len(result['skipped'])} skipped; wrote {out / 'layer.json'} and {out / 'layer.png'} "
+        f"in {time.perf_counter() - t_start:.0f} s" + (" (CPU smoke run)" if smoke else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

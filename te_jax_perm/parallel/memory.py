@@ -1,0 +1,84 @@
+"""Will the expert-parallel layer fit? A per-device working-set estimate, checked before compiling.
+
+Running out of device memory in one rank of a collective program does not fail cleanly:
+the other ranks wait in the collective forever. So the estimate is made, and compared with
+the device's memory, before anything is compiled.
+
+The estimate counts the buffers one training step (forward and backward) of
+:func:`te_jax_perm.parallel.ep_moe_layer` holds on one device: its tokens and routing,
+the dispatch buffer, the exchange buffers at their static capacity, the grouped rows and
+the FFN activations (float32 where the layer computes in float32), the expert weights and
+their gradients, and one transposed copy of the larger weight (the grouped GEMM's
+backward reads the weights transposed). Saved forward activations and their gradients
+are both live at the peak of the backward, so activations count twice.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkingSet:
+    """Bytes per device, by what holds them."""
+
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items()) + f" (GiB); total {self.total / GIB:.2f} GiB"
+
+
+def ep_working_set(*, tokens: int, hidden: int, ffn: int, experts: int, ep: int, topk: int,
+                   capacity: int | None = None, num_out_tokens: int | None = None, dtype: Any = "bfloat16",
+                   a2a: str = "dense") -> WorkingSet:
+    """Per-device bytes of one fwd+bwd step of ``ep_moe_layer`` (``tokens`` per device).
+
+    ``capacity`` and ``num_out_tokens`` as in :class:`te_jax_perm.parallel.EPConfig`
+    (``None``: their defaults, ``T * E`` kept rows and the worst-case capacity).
+    """
+    b = np.dtype(dtype).itemsize
+    el = experts // ep
+    n = tokens * experts if num_out_tokens is None else num_out_tokens
+    cap = min(n, tokens * el) if capacity is None else capacity
+    recv = ep * cap                                               # rows after the exchange
+    act = {
+        "tokens and routing": tokens * hidden * b * 2 + tokens * experts * (1 + 4 + 4),   # x, out; map, probs, weights
+        "dispatch rows": n * hidden * b * 2,                      # rows out, rows home
+        "exchange buffers": recv * hidden * b * (3 if a2a == "dense" else 2),   # (send), receive, returned
+        "grouped rows and FFN": recv * (hidden * b * 2 + ffn * (4 + 4 + b) + hidden * 4),   # sorted, back; hid, act
+    }
+    weights = el * 2 * hidden * ffn * b
+    parts = {k: 2 * v for k, v in act.items()}                     # saved for the backward + their gradients
+    parts["expert weights"] = weights
+    parts["weight gradients"] = weights
+    parts["transposed weight copy"] = weights // 2
+    return WorkingSet(parts)
+
+
+def device_memory_limit(device: jax.Device) -> int | None:
+    """Bytes the runtime lets this device allocate, or ``None`` where it does not say (CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - some platforms raise instead of returning None
+        return None
+    return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+
+def fits(working_set: WorkingSet, limit: int | None, headroom: float = 0.9) -> tuple[bool, str]:
+    """``(ok, message)``: does the working set fit in ``headroom`` of ``limit`` bytes?"""
+    if limit is None:
+        return True, f"working set {working_set.describe()}; device memory unknown here, not checked"
+    ok = working_set.total <= headroom * limit
+    msg = (f"estimated working set per device {working_set.total / GIB:.1f} GiB "
+           f"{'fits in' if ok else 'does NOT fit in'} {headroom:.0%} of the device's {limit / GIB:.1f} GiB "
+           f"[{working_set.describe()}]")
+    return ok, msg

@@ -1,0 +1,186 @@
+"""grouped_matmul: values and VJP against lax.ragged_dot and a NumPy per-group reference,
+with empty groups, rows past the groups, and the padded groups token_dispatch produces."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_jax_perm
+from te_jax_perm.ops.grouped_gemm import (default_impl, grouped_matmul, grouped_matmul_reference,
+                                            tokamax_available)
+
+ON_GPU = jax.default_backend() == "gpu"
+TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def _problem(m, k, n, sizes, dtype, seed=0, tail=np.nan):
+    """lhs [m, k] with ``tail`` in the rows past sum(sizes), rhs [G, k, n], dout [m, n]."""
+    rng = np.random.default_rng(seed)
+    lhs = rng.standard_normal((m, k)).astype(np.float32)
+    lhs[int(np.sum(sizes)):] = tail
+    rhs = (rng.standard_normal((len(sizes), k, n)) / np.sqrt(k)).astype(np.float32)
+    dout = rng.standard_normal((m, n)).astype(np.float32)
+    cast = lambda a: jnp.asarray(a, dtype)
+    return cast(lhs), cast(rhs), jnp.asarray(sizes, jnp.int32), dout
+
+
+def _reference_grads(lhs, rhs, sizes, dout):
+    """Per group: dlhs rows = dout rows @ rhs[g]^T, drhs[g] = lhs rows^T @ dout rows; float64."""
+    lhs, rhs, dout = (np.asarray(a, np.float64) for a in (lhs, rhs, dout))
+    dlhs, drhs = np.zeros_like(lhs), np.zeros_like(rhs)
+    start = 0
+    for g, n in enumerate(np.asarray(sizes)):
+        rows = slice(start, start + int(n))
+        dlhs[rows] = dout[rows] @ rhs[g].T
+        drhs[g] = lhs[rows].T @ dout[rows]
+        start += int(n)
+    return dlhs, drhs
+
+
+def _close(got, want, dtype, what):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = max(np.abs(want).max(), 1.0) if want.size else 1.0
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype] * scale, err_msg=what)
+
+
+SIZES = [
+    [5, 0, 9, 3],               # an empty group in the middle, 3 rows past the groups
+    [0, 0, 16, 0],              # one group takes everything, M exactly covered
+    [0, 0, 0],                  # no rows in any group: all zeros
+    [1, 2, 3, 4, 5, 1],         # many small groups
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("sizes", SIZES)
+def test_values_match_numpy_and_ragged_dot(sizes, dtype):
+    m = 16 if sum(sizes) == 16 else sum(sizes) + 3
+    lhs, rhs, gs, _ = _problem(m, 24, 12, sizes, dtype)
+    out = grouped_matmul(lhs, rhs, gs, preferred_element_type=jnp.float32, impl="xla")
+    assert out.shape == (m, 12) and out.dtype == jnp.float32
+    clean = jnp.nan_to_num(lhs)
+    _close(out, grouped_matmul_reference(clean, rhs, gs), dtype, "vs numpy")
+    _close(out, jax.lax.ragged_dot(clean, rhs, gs, preferred_element_type=jnp.float32), dtype,
+           "vs lax.ragged_dot")
+    assert np.all(np.asarray(out)[sum(sizes):] == 0), "rows past the groups must be zero"
+    assert grouped_matmul(lhs, rhs, gs, impl="xla").dtype == jnp.dtype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("sizes", SIZES)
+def test_vjp_matches_numpy_and_ragged_dot(sizes, dtype):
+    m = sum(sizes) + 5
+    lhs, rhs, gs, dout = _problem(m, 16, 8, sizes, dtype, seed=1)
+    _, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs, preferred_element_type=jnp.float32, impl="xla"),
+                     lhs, rhs)
+    dlhs, drhs = vjp(jnp.asarray(dout))
+    assert dlhs.dtype == lhs.dtype and drhs.dtype == rhs.dtype
+    assert np.all(np.isfinite(np.asarray(dlhs, np.float32))) and np.all(np.isfinite(np.asarray(drhs, np.float32))), \
+        "garbage (NaN) rows past the groups leaked into the gradients"
+    want_dlhs, want_drhs = _reference_grads(jnp.nan_to_num(lhs), rhs, gs, dout.astype(np.asarray(lhs).dtype))
+    _close(dlhs, want_dlhs, dtype, "dlhs vs numpy")
+    _close(drhs, want_drhs, dtype, "drhs vs numpy")
+    assert np.all(np.asarray(dlhs, np.float32)[sum(sizes):] == 0)
+    clean = jnp.nan_to_num(lhs)
+    _, vjp_ref = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, gs, preferred_element_type=jnp.float32), clean, rhs)
+    ref_dlhs, ref_drhs = vjp_ref(jnp.asarray(dout))
+    _close(drhs, ref_drhs, dtype, "drhs vs lax.ragged_dot")
+    _close(np.asarray(dlhs, np.float32)[:sum(sizes)], np.asarray(ref_dlhs, np.float32)[:sum(sizes)], dtype,
+           "dlhs vs lax.ragged_dot")
+
+
+def test_second_order_shapes_under_jit_and_grad_of_a_two_layer_ffn():
+    """The expert FFN shape (up, activation, down) trains under jit: grads match lax.ragged_dot."""
+    lhs, w1, gs, _ = _problem(30, 8, 12, [7, 0, 11, 6], "float32", seed=2, tail=0.0)
+    w2 = jnp.asarray(np.random.default_rng(3).standard_normal((4, 12, 8)), jnp.float32)
+
+    def ffn(mm):
+        return lambda x, a, b: jnp.sum(jnp.tanh(mm(jax.nn.silu(mm(x, a)), b)))
+
+    ours = ffn(lambda x, w: grouped_matmul(x, w, gs, impl="xla"))
+    ref = ffn(lambda x, w: jax.lax.ragged_dot(x, w, gs))
+    got = jax.jit(jax.grad(ours, (0, 1, 2)))(lhs, w1, w2)
+    want = jax.grad(ref, (0, 1, 2))(lhs, w1, w2)
+    for g, w, name in zip(got, want, ("x", "w1", "w2")):
+        _close(g, w, "float32", name)
+
+
+@pytest.mark.parametrize("align", [None, 8])
+def test_padded_groups_from_token_dispatch(align):
+    """Group sizes from tokens_per_expert (padded with align_size): dispatch -> grouped GEMM ->
+    combine equals each token's sum over its experts of prob * (x @ w[e]); the padding rows and
+    the rows past the groups stay zero."""
+    rng = np.random.default_rng(4)
+    t, h, n, e, k = 21, 16, 8, 5, 2
+    logits = rng.standard_normal((t, e))
+    logits[:, 3] -= 100.0                      # expert 3 gets no token: an empty (padded: 0) group
+    top = np.argsort(-logits, 1)[:, :k]
+    rm = np.zeros((t, e), bool)
+    np.put_along_axis(rm, top, True, 1)
+    probs = np.where(rm, rng.random((t, e)), 0.0).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((e, h, n)), jnp.float32)
+    rows, _, rid, pad_offsets, tpe = te_jax_perm.token_dispatch(x, jnp.asarray(rm), t * k, align_size=align,
+                                                                backend="xla")
+    if align:
+        assert np.all(np.asarray(tpe) % align == 0)
+    assert int(np.sum(tpe)) <= rows.shape[0]
+    y = grouped_matmul(rows, w, tpe, impl="xla")
+    assert np.all(np.asarray(y)[int(np.sum(tpe)):] == 0)
+    out = te_jax_perm.token_combine(y, rid, merging_probs=jnp.asarray(probs), pad_offsets=pad_offsets,
+                                    backend="xla")
+    want = np.einsum("te,teh->th", probs, np.einsum("th,ehn->ten", np.asarray(x), np.asarray(w)))
+    _close(out, want, "float32", "dispatch -> grouped GEMM -> combine")
+
+    def loss(x, w):
+        r, _, rid, pad, tpe = te_jax_perm.token_dispatch(x, jnp.asarray(rm), t * k, align_size=align, backend="xla")
+        return jnp.sum(te_jax_perm.token_combine(grouped_matmul(r, w, tpe, impl="xla"), rid,
+                                                 merging_probs=jnp.asarray(probs), pad_offsets=pad,
+                                                 backend="xla") ** 2)
+
+    def dense_loss(x, w):
+        return jnp.sum(jnp.einsum("te,ten->tn", probs, jnp.einsum("th,ehn->ten", x, w)) ** 2)
+
+    for g, r, name in zip(jax.grad(loss, (0, 1))(x, w), jax.grad(dense_loss, (0, 1))(x, w), ("x", "w")):
+        _close(g, r, "float32", f"grad {name}")
+
+
+def test_errors_name_the_argument():
+    lhs, rhs, gs, _ = _problem(8, 4, 3, [2, 2], "float32", tail=0.0)
+    with pytest.raises(ValueError, match=r"lhs has shape \(8, 4, 1\)"):
+        grouped_matmul(lhs[..., None], rhs, gs)
+    with pytest.raises(ValueError, match=r"rhs has shape \(2, 5, 3\); expected \[G, 4, N\]"):
+        grouped_matmul(lhs, jnp.zeros((2, 5, 3)), gs)
+    with pytest.raises(ValueError, match=r"group_sizes has shape \(3,\); expected \(2,\)"):
+        grouped_matmul(lhs, rhs, jnp.array([1, 1, 1], jnp.int32))
+    with pytest.raises(TypeError, match="group_sizes has dtype float32"):
+        grouped_matmul(lhs, rhs, jnp.array([1.0, 1.0]))
+    with pytest.raises(ValueError, match="impl='cublas'"):
+        grouped_matmul(lhs, rhs, gs, impl="cublas")
+
+
+def test_default_impl_and_missing_tokamax():
+    if not ON_GPU:
+        assert default_impl() == "xla"
+    if not tokamax_available():
+        lhs, rhs, gs, _ = _problem(8, 4, 3, [2, 2], "float32", tail=0.0)
+        with pytest.raises(ImportError, match=r"te_jax_perm\[gemm\]"):
+            grouped_matmul(lhs, rhs, gs, impl="tokamax")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [[300, 0, 1000, 700, 48], [0, 2048, 0, 0, 0]])
+def test_gpu_tokamax_matches_reference(sizes):
+    """The GPU grouped GEMM, bf16, with NaN garbage past the groups: forward and VJP."""
+    if not tokamax_available():
+        pytest.skip("tokamax is not installed")
+    m = sum(sizes) + 200
+    lhs, rhs, gs, dout = _problem(m, 256, 384, sizes, "bfloat16", seed=5)
+    f = jax.jit(lambda a, b, d: jax.vjp(lambda a, b: grouped_matmul(a, b, gs, impl="tokamax"), a, b)[1](d))
+    out = jax.jit(lambda a, b: grouped_matmul(a, b, gs, impl="tokamax"))(lhs, rhs)
+    clean = jnp.nan_to_num(lhs)
+    _close(out, grouped_matmul_reference(clean, rhs, gs), "bfloat16", "tokamax forward")
+    dlhs, drhs = f(lhs, rhs, jnp.asarray(dout, jnp.bfloat16))
+    want_dlhs, want_drhs = _reference_grads(clean, rhs, gs, np.asarray(jnp.asarray(dout, jnp.bfloat16), np.float32))
+    _close(dlhs, want_dlhs, "bfloat16", "tokamax dlhs")
+    _close(drhs, want_drhs, "bfloat16", "tokamax drhs")
