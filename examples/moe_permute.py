@@ -74,10 +74,10 @@ flags.DEFINE_integer("align_size", 0, "pad each expert's rows to a multiple of t
                      "(0: no padding)")
 flags.DEFINE_string("backend", None, "te_jax_perm kernel backend: triton (GPU), interpret (the Triton kernels on "
                     "the CPU interpreter, slow) or xla (plain JAX) (default: triton on a GPU, xla elsewhere)")
-flags.DEFINE_enum("gemm", "auto", ["auto", "tokamax", "xla"],
-                  "expert grouped GEMM: tokamax (a real grouped GEMM on GPUs, needs te_jax_perm[gemm]), xla "
-                  "(jax.lax.ragged_dot: exact everywhere, but XLA:GPU densifies it over all experts) or auto "
-                  "(tokamax on a GPU where installed, else xla)")
+flags.DEFINE_enum("gemm", "auto", ["auto", "triton", "tokamax", "xla"],
+                  "expert grouped GEMM: triton (our Triton grouped GEMM), tokamax (tokamax's ragged_dot on "
+                  "GPUs, needs te_jax_perm[gemm]), xla (jax.lax.ragged_dot: exact everywhere, but XLA:GPU "
+                  "densifies it over all experts) or auto (triton on a GPU, else xla)")
 flags.DEFINE_enum("probs_in", "combine", ["combine", "dispatch"],
                   "where the routing probabilities are applied: as token_combine's merging_probs, or to the "
                   "expert outputs via token_dispatch's permuted_probs")

@@ -4,8 +4,12 @@ The rows of ``lhs`` are grouped contiguously (group ``g`` holds the next
 ``group_sizes[g]`` rows), which is exactly the layout ``token_dispatch`` produces with
 ``tokens_per_expert`` as the group sizes (padded counts when ``align_size`` is set).
 
-Two implementations, one result:
+Three implementations, one result:
 
+* ``"triton"``: our Triton grouped GEMM (:mod:`te_jax_perm.ops.grouped_gemm_triton`): one
+  launch per GEMM whose tile schedule is computed on the device from ``group_sizes``, the
+  input gradient reads ``rhs`` transposed in place, the weight gradient reduces each
+  group's rows. Runs on the ``triton`` backend on GPUs (``interpret`` on CPU for tests).
 * ``"tokamax"``: tokamax's ``ragged_dot`` (Pallas Mosaic GPU kernels for Hopper/Blackwell,
   Pallas Triton elsewhere on GPU). A real grouped GEMM: each row tile multiplies only its
   own group's weights. Optional dependency (``pip install 'te_jax_perm[gemm]'``), imported
@@ -15,8 +19,8 @@ Two implementations, one result:
   contraction), so on a GPU it costs G times the FLOPs and memory -- fine on a CPU and for
   small problems, not for real MoE sizes.
 
-The default is ``"tokamax"`` on a GPU where it imports, else ``"xla"``. Both run under the
-same custom VJP (below), so gradients do not depend on the implementation's own rules:
+The default is ``"triton"`` on a GPU, else ``"xla"``. ``"tokamax"`` and ``"xla"`` run under
+the same custom VJP (below), so gradients do not depend on the implementation's own rules:
 ``dlhs = dout @ rhs[g]^T`` per group (a grouped GEMM with ``rhs`` transposed) and
 ``drhs[g] = lhs[rows of g]^T @ dout[rows of g]`` (a grouped GEMM whose contraction is ragged).
 Rows past ``sum(group_sizes)`` give zeros in the output and in ``dlhs`` and add nothing to
@@ -31,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-IMPLS = ("tokamax", "xla")
+IMPLS = ("triton", "tokamax", "xla")
 
 # lhs [M, K] x rhs [G, K, N] -> [M, N], lhs rows ragged over the groups of rhs.
 _DIMS_FWD = jax.lax.RaggedDotDimensionNumbers(
@@ -56,7 +60,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         it is data). Typically ``tokens_per_expert`` from ``token_dispatch``.
       preferred_element_type: output dtype (default: the promoted input dtype);
         accumulation is float32 either way.
-      impl: ``"tokamax"``, ``"xla"`` or ``None`` (:func:`default_impl` for these dtypes).
+      impl: ``"triton"``, ``"tokamax"``, ``"xla"`` or ``None`` (:func:`default_impl` for
+        these dtypes).
 
     Returns:
       ``[M, N]``; rows past ``sum(group_sizes)`` are zero. Differentiable in ``lhs`` and
@@ -71,6 +76,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         _tokamax()  # fail here, with the install hint, rather than inside the VJP trace
     out_dtype = jnp.dtype(preferred_element_type) if preferred_element_type is not None else \
         jnp.result_type(lhs.dtype, rhs.dtype)
+    if impl == "triton":
+        from te_jax_perm.ops.grouped_gemm_triton import grouped_gemm_triton
+        out = grouped_gemm_triton(lhs, rhs.astype(lhs.dtype), group_sizes.astype(jnp.int32))
+        return out.astype(out_dtype)
     return _grouped_matmul(impl, out_dtype, lhs, rhs, group_sizes.astype(jnp.int32))
 
 
@@ -86,12 +95,13 @@ def grouped_matmul_reference(lhs: np.ndarray, rhs: np.ndarray, group_sizes: np.n
 
 
 def default_impl(lhs_dtype: Any = jnp.bfloat16, rhs_dtype: Any = jnp.bfloat16) -> str:
-    """``"tokamax"`` on a GPU where tokamax imports and both operands are 16-bit floats (its
-    Hopper kernels take bf16 x bf16 or fp16 x fp16), else ``"xla"``."""
-    sixteen = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
-    if jnp.dtype(lhs_dtype) not in sixteen or jnp.dtype(rhs_dtype) != jnp.dtype(lhs_dtype):
+    """``"triton"`` on a GPU for equal bf16/fp16/fp32 operands (measured 2-4x faster than
+    tokamax's ragged_dot and 4-30x faster than XLA's ``ragged_dot`` at MoE sizes on an
+    H100), else ``"xla"``."""
+    floats = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)}
+    if jnp.dtype(lhs_dtype) not in floats or jnp.dtype(rhs_dtype) != jnp.dtype(lhs_dtype):
         return "xla"
-    return "tokamax" if jax.default_backend() == "gpu" and tokamax_available() else "xla"
+    return "triton" if jax.default_backend() == "gpu" else "xla"
 
 
 def tokamax_available() -> bool:
