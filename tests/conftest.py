@@ -33,3 +33,12 @@ def backend(request):
 @pytest.fixture
 def kernel_backend():
     return KERNEL_BACKEND
+
+
+@pytest.fixture
+def on_cpu():
+    """Places computations on the CPU device, also on a GPU machine: for tests of the
+    ``interpret`` backend (and of what is built on it, the sanitizer and the tuner's CPU
+    trials), whose kernels run on host buffers."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield

@@ -122,7 +122,7 @@ def test_kernel_arguments_follow_the_kernel_signature_by_name():
 
 
 # -- plug-ins -------------------------------------------------------------------------------
-def test_resolver_and_call_observers_plug_in_through_hooks():
+def test_resolver_and_call_observers_plug_in_through_hooks(on_cpu):
     import jax.numpy as jnp
     from te_jax_perm.core import Config
     seen = []
@@ -137,7 +137,9 @@ def test_resolver_and_call_observers_plug_in_through_hooks():
 
 def _run(code, **env_vars):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TE_JAX_PERM_")}
-    environ.update(env_vars, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    # JAX_PLATFORMS=cpu: the snippets run the interpret backend, which needs host buffers.
+    environ.update(env_vars, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-c", code], env=environ, cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
 

@@ -16,6 +16,9 @@ from te_jax_perm import autotune
 from te_jax_perm.autotune import cache, key as keymod
 from te_jax_perm.core import Config, declare
 
+# The interpret backend runs on host buffers: on a GPU machine too, these run on the CPU.
+pytestmark = pytest.mark.usefixtures("on_cpu")
+
 SHAPE = (48, 10)
 
 

@@ -93,7 +93,7 @@ def test_example_detects_a_broken_combine(example, monkeypatch):
 def test_example_cli_subprocess():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("TE_JAX_PERM_BACKEND", None)
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--tokens=24", "--hidden=16", "--experts=4",
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--preset=cpu", "--tokens=24", "--hidden=16", "--experts=4",
                            "--align_size=4", "--steps=1"], capture_output=True, text=True, env=env, timeout=300,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr

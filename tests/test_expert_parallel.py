@@ -195,6 +195,7 @@ def _run_example(*args):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
     env.pop("TE_JAX_PERM_BACKEND", None)
+    env["JAX_PLATFORMS"] = "cpu"  # these runs are about virtual CPU devices, also on a GPU machine
     return subprocess.run([sys.executable, str(EP_EXAMPLE), *args], capture_output=True, text=True, env=env,
                           timeout=600, cwd=ROOT)
 

@@ -17,6 +17,9 @@ from te_jax_perm.sanitize import (IN_PLACE, OOB, READ_WRITE, WRITE_WRITE, Hazard
                                   sanitize)
 from tests import planted_kernels as pk
 
+# The interpret backend runs on host buffers: on a GPU machine too, these run on the CPU.
+pytestmark = pytest.mark.usefixtures("on_cpu")
+
 INTERP = "interpret"
 
 

@@ -5,8 +5,9 @@ such as ``TE_JAX_PERM_AUTOTUNE=" 1"`` must not silently mean "off".
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Mapping
+from typing import Iterator, Mapping
 
 BACKEND = "TE_JAX_PERM_BACKEND"
 AUTOTUNE = "TE_JAX_PERM_AUTOTUNE"
@@ -65,3 +66,21 @@ def check_all() -> None:
     autotune()
     sanitize()
     triton_call()
+
+
+@contextlib.contextmanager
+def triton_cache_dir_kept() -> Iterator[None]:
+    """Puts ``TRITON_CACHE_DIR`` back after the block.
+
+    jax-triton (imported by itself or by packages such as tokamax) blanks the variable at
+    import, after which every later ``triton.compile`` in the process fails with "Could not
+    create or locate cache dir" (and the autotuner's pool hands binaries over that cache).
+    """
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = saved

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 import zlib
 from typing import Any, Iterator, Sequence
 
@@ -218,16 +217,8 @@ def _jax_triton_call(launch: Launch, operands: Sequence[jax.Array], preallocs: S
 
 @functools.lru_cache(maxsize=None)
 def _jax_triton() -> Any:
-    # jax-triton (0.3.x) blanks TRITON_CACHE_DIR at import, which breaks every later
-    # triton.compile in the process (the autotuner's pool hands binaries to the parent
-    # through that cache). It compiles without Triton's file cache itself, so we put the
-    # user's setting back.
-    saved = os.environ.get("TRITON_CACHE_DIR")
-    import jax_triton
-    if saved is None:
-        os.environ.pop("TRITON_CACHE_DIR", None)
-    else:
-        os.environ["TRITON_CACHE_DIR"] = saved
+    with env.triton_cache_dir_kept():
+        import jax_triton
     return jax_triton
 
 

@@ -29,7 +29,7 @@ def _group_bounds(gs_ptr, M, G: tl.constexpr, G_P2: tl.constexpr):
 def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
                         C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                         TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, GROUP_M: tl.constexpr):
+                        BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     """out[rows of g] = lhs[rows of g] @ B_g for every group g; other rows get zeros.
 
     lhs is [M, C]. Without TRANS_RHS, rhs is [G, C, D] and B_g = rhs[g]; with TRANS_RHS,
@@ -82,7 +82,7 @@ def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, 
         k_ok = (k + ks) < C
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BK
         b_ptrs += b_step
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :]
@@ -92,7 +92,8 @@ def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, 
 @triton.jit
 def grouped_gemm_wgrad_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
                               K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-                              BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+                              BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                              PRECISION: tl.constexpr):
     """out[g] = lhs[rows of g].T @ dout[rows of g]: the weight gradient, [G, K, N].
 
     One program owns one [BK, BN] block of one group's matrix and reduces over that
@@ -125,6 +126,6 @@ def grouped_gemm_wgrad_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_preallo
                     mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         dy = tl.load(dout_ptr + rows[:, None].to(tl.int64) * N + ncols[None, :],
                      mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(tl.trans(x), dy, acc)
+        acc = tl.dot(tl.trans(x), dy, acc, input_precision=PRECISION)
     out_ptrs = out_ptr + g.to(tl.int64) * K * N + kcols[:, None].to(tl.int64) * N + ncols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax_perm.core import env
+
 IMPLS = ("triton", "tokamax", "xla")
 
 # lhs [M, K] x rhs [G, K, N] -> [M, N], lhs rows ragged over the groups of rhs.
@@ -131,7 +133,8 @@ def _check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
 @functools.lru_cache(maxsize=None)
 def _tokamax():
     try:
-        import tokamax
+        with env.triton_cache_dir_kept():  # tokamax imports jax-triton, which blanks it
+            import tokamax
     except ImportError as e:
         raise ImportError("grouped_matmul(impl='tokamax') needs tokamax: pip install 'te_jax_perm[gemm]' "
                           f"({e})") from e

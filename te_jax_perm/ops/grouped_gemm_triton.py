@@ -91,6 +91,13 @@ def _wgrad_default(dims, params) -> Config:
     return Config.make(num_warps=8, num_stages=3, BK=128, BN=128 if dims["N"] < 256 else 256, BR=64)
 
 
+def _precision(params) -> str:
+    # fp32 operands get three TF32 products (about fp32 accuracy on tensor cores): plain
+    # TF32 would round the inputs to 10 mantissa bits, a silent loss a fp32 caller does not
+    # expect. 16-bit operands are exact in any mode.
+    return "tf32x3" if params["elem_bytes"] == 4 else "tf32"
+
+
 def _g_p2(dims) -> int:
     return triton.next_power_of_2(max(dims["G"], 1))
 
@@ -112,7 +119,8 @@ def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
             (triton.cdiv(dims["M"], config.kw["BM"]) + dims["G"] + 1) * triton.cdiv(dims["D"], config.kw["BN"]),),
         scalars=lambda dims, params: {"M": dims["M"]},
         constexprs=lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"],
-                                                  "G_P2": _g_p2(dims), "TRANS_RHS": trans_rhs},
+                                                  "G_P2": _g_p2(dims), "TRANS_RHS": trans_rhs,
+                                                  "PRECISION": _precision(params)},
         configs=tuple(Config.make(num_warps=w, num_stages=s, BM=bm, BN=bn, BK=bk, GROUP_M=8)
                       for bm in (64, 128) for bn in (128, 256) for bk in (64, 128)
                       for w in (4, 8) for s in (3, 4)),
@@ -142,7 +150,7 @@ _grouped_gemm_wgrad = declare(KernelDecl(
         dims["G"] * triton.cdiv(dims["K"], config.kw["BK"]) * triton.cdiv(dims["N"], config.kw["BN"]),),
     scalars=lambda dims, params: {"M": dims["M"]},
     constexprs=lambda dims, params, config: {"K": dims["K"], "N": dims["N"], "G": dims["G"],
-                                              "G_P2": _g_p2(dims)},
+                                              "G_P2": _g_p2(dims), "PRECISION": _precision(params)},
     configs=tuple(Config.make(num_warps=w, num_stages=s, BK=bk, BN=bn, BR=br)
                   for bk in (64, 128) for bn in (128, 256) for br in (32, 64)
                   for w in (4, 8) for s in (3, 4)),
