@@ -169,7 +169,7 @@ def copy_xla(p: Problem) -> Built:
 
 def copy_triton(p: Problem, config) -> Built:
     """The declared Triton copy kernel through our own ``triton`` backend (or interpreter)."""
-    from te_jax_perm.ops.copy import device_copy
+    from benchmarks.copy_baseline import device_copy
 
     backend = "triton" if jax.default_backend() == "gpu" else "interpret"
     return Built(lambda x: device_copy(x, backend=backend, config=config), (p.permuted,), 2 * nbytes(p.permuted))

@@ -101,7 +101,7 @@ def run_chunk_sort(N, H, sizes, order, *, probs=True, seed=0):
 
 
 def run_copy(shape, dtype=jnp.bfloat16):
-    from te_jax_perm.ops.copy import device_copy
+    from benchmarks.copy_baseline import device_copy
 
     return device_copy(jnp.arange(int(np.prod(shape)), dtype=dtype).reshape(shape), backend=BE)
 

@@ -78,13 +78,13 @@ def _move_rows(inp_ptr, map_ptr, probs_ptr, N, out_ptr, probs_out_ptr, H: tl.con
 
 
 @triton.jit
-def sort_rows_kernel(inp_ptr, map_ptr, N, out_prealloc_ptr, out_ptr, H: tl.constexpr,
+def sort_chunks_kernel(inp_ptr, map_ptr, N, out_prealloc_ptr, out_ptr, H: tl.constexpr,
                      FORWARD: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     _move_rows(inp_ptr, map_ptr, map_ptr, N, out_ptr, out_ptr, H, FORWARD, False, ROWS, BLOCK_H)
 
 
 @triton.jit
-def sort_rows_probs_kernel(inp_ptr, map_ptr, probs_ptr, N, out_prealloc_ptr, probs_prealloc_ptr,
+def sort_chunks_probs_kernel(inp_ptr, map_ptr, probs_ptr, N, out_prealloc_ptr, probs_prealloc_ptr,
                            out_ptr, probs_out_ptr, H: tl.constexpr,
                            FORWARD: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     _move_rows(inp_ptr, map_ptr, probs_ptr, N, out_ptr, probs_out_ptr, H, FORWARD, True, ROWS, BLOCK_H)

@@ -128,7 +128,7 @@ def permute_probs_kernel(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, 
 
 
 @triton.jit
-def scatter_weighted_kernel(g_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, w_ptr, y_ptr, T, E, N_OUT,
+def unpermute_bwd_weighted_kernel(g_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, w_ptr, y_ptr, T, E, N_OUT,
                             out_prealloc, dw_prealloc, out_ptr, dw_ptr, H: tl.constexpr,
                             PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
                             FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, FILL_H: tl.constexpr):
@@ -186,7 +186,7 @@ def unpermute_weighted_kernel(y_ptr, rid_ptr, pad_ptr, w_ptr, T, E, out_prealloc
 
 
 @triton.jit
-def unpermute_pgrad_kernel(y_ptr, rid_ptr, pad_ptr, gpp_ptr, T, E, out_prealloc, dprobs_prealloc,
+def permute_bwd_probs_kernel(y_ptr, rid_ptr, pad_ptr, gpp_ptr, T, E, out_prealloc, dprobs_prealloc,
                            out_ptr, dprobs_ptr, H: tl.constexpr,
                            PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
     _gather_body(y_ptr, rid_ptr, pad_ptr, gpp_ptr, gpp_ptr, T, E, out_ptr, dprobs_ptr, H,

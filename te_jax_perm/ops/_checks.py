@@ -47,6 +47,21 @@ def check_routing_dtype(name: str, x: Any) -> None:
         raise TypeError(f"{name} has dtype {dt.name}; expected bool or an integer dtype holding 0/1")
 
 
+def check_float(name: str, x: Any) -> None:
+    dt = _dt(x)
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"{name} has dtype {dt.name}; expected a floating dtype")
+
+
+def index_vector(name: str, x: Any) -> Any:
+    """``x`` as an int32 vector ``[C]`` (chunk sizes, chunk orders), checked."""
+    x = jnp.asarray(x)
+    check_rank(name, x, (1,), "rank 1 [C]")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} has dtype {_dt(x).name}; expected an integer dtype")
+    return x.astype(jnp.int32)
+
+
 def check_static_int(name: str, v: Any, minimum: int) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"{name} must be a static Python int, got {type(v).__name__} {v!r}")
