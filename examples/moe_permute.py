@@ -173,8 +173,11 @@ def moe_layer_ep(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig) -> 
                       jnp.int32)
     flat_rows = rows.reshape(ep * per_rank, hdim)
     flat_probs = permuted_probs.reshape(-1) if use_dispatch_probs else None
-    sorted_rows, sorted_probs, sort_map = te_jax_perm.sort_chunks_by_index(
-        flat_rows, split_sizes, order, flat_probs, backend=cfg.backend)
+    if use_dispatch_probs:
+        sorted_rows, sorted_probs, sort_map = te_jax_perm.sort_chunks_by_index_with_probs(
+            flat_rows, split_sizes, order, flat_probs, backend=cfg.backend)
+    else:
+        sorted_rows, sort_map = te_jax_perm.sort_chunks_by_index(flat_rows, split_sizes, order, backend=cfg.backend)
     y = expert_ffn(params, sorted_rows, tpe.sum(axis=0).astype(jnp.int32), x.dtype)
     if use_dispatch_probs:
         y = y * sorted_probs[:, None]

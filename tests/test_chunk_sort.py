@@ -53,6 +53,14 @@ CASES = [  # (N, H, sizes, order)
 ]
 
 
+def sort3(x, sizes, order, probs=None, backend=None):
+    """``(output, permuted_probs or None, row_id_map)`` from whichever public op fits."""
+    if probs is None:
+        out, row_map = te_jax_perm.sort_chunks_by_index(x, sizes, order, backend=backend)
+        return out, None, row_map
+    return te_jax_perm.sort_chunks_by_index_with_probs(x, sizes, order, probs, backend=backend)
+
+
 def _inputs(n, h, dtype=jnp.float32, seed=0):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((n, h)), dtype)
@@ -64,7 +72,7 @@ def _inputs(n, h, dtype=jnp.float32, seed=0):
 @pytest.mark.parametrize("with_probs", [False, True])
 def test_forward_matches_numpy(backend, n, h, sizes, order, with_probs):
     x, p = _inputs(n, h)
-    out, pp, row_map = te_jax_perm.sort_chunks_by_index(
+    out, pp, row_map = sort3(
         x, jnp.array(sizes, jnp.int32), jnp.array(order, jnp.int32), p if with_probs else None, backend=backend)
     np.testing.assert_array_equal(np.asarray(out), np_sort_chunks(x, sizes, order))
     if with_probs:
@@ -87,7 +95,7 @@ def test_backward_matches_numpy(backend, n, h, sizes, order, with_probs):
     ss, si = jnp.array(sizes, jnp.int32), jnp.array(order, jnp.int32)
 
     def loss(x, p):
-        out, pp, _ = te_jax_perm.sort_chunks_by_index(x, ss, si, p, backend=backend)
+        out, pp, _ = sort3(x, ss, si, p, backend=backend)
         return jnp.sum(out * w) + (jnp.sum(pp * v) if pp is not None else 0.0)
 
     if with_probs:
@@ -103,7 +111,7 @@ def test_backward_matches_numpy(backend, n, h, sizes, order, with_probs):
 def test_dtypes_copy_exactly(backend, dtype):
     n, h, sizes, order = 12, 9, [4, 1, 5], [1, 2, 0]
     x = jnp.asarray(np.random.default_rng(3).integers(-50, 50, (n, h)), dtype)
-    out, _, _ = te_jax_perm.sort_chunks_by_index(x, jnp.array(sizes), jnp.array(order), backend=backend)
+    out, _, _ = sort3(x, jnp.array(sizes), jnp.array(order), backend=backend)
     assert out.dtype == dtype
     expected = np_sort_chunks(np.asarray(x).view(np.uint8) if dtype == jnp.float8_e4m3fn else x, sizes, order)
     got = np.asarray(out).view(np.uint8) if dtype == jnp.float8_e4m3fn else np.asarray(out)
@@ -116,7 +124,7 @@ def test_traced_split_sizes_under_jit_and_round_trip(backend):
 
     @jax.jit
     def fwd_back(x, p, sizes, order):
-        out, pp, row_map = te_jax_perm.sort_chunks_by_index(x, sizes, order, p, backend=backend)
+        out, pp, row_map = sort3(x, sizes, order, p, backend=backend)
         back, pb = te_jax_perm.sort_chunks_by_map(out, row_map, pp, is_forward=False, backend=backend)
         return out, back, pb
 
@@ -134,7 +142,7 @@ def test_traced_oversized_splits_are_truncated(backend):
     n, h = 10, 4
     x, _ = _inputs(n, h, seed=5)
     sizes, order = [4, 9, 3], [2, 1, 0]
-    out, _, row_map = jax.jit(lambda x, s, o: te_jax_perm.sort_chunks_by_index(x, s, o, backend=backend))(
+    out, _, row_map = jax.jit(lambda x, s, o: sort3(x, s, o, backend=backend))(
         x, jnp.array(sizes), jnp.array(order))
     # Effective sizes [4, 6, 0]: the same as an exact split with those sizes.
     np.testing.assert_array_equal(np.asarray(out), np_sort_chunks(x, [4, 6, 0], order))
@@ -240,7 +248,7 @@ def test_alias_audit_forward_and_backward(kernel_backend):
     n, h = 12, 8
     x, p = _inputs(n, h)
     ss, si = jnp.array([4, 8]), jnp.array([1, 0])
-    fwd = lambda x, p: te_jax_perm.sort_chunks_by_index(x, ss, si, p, backend=kernel_backend)[:2]
+    fwd = lambda x, p: sort3(x, ss, si, p, backend=kernel_backend)[:2]
     audit = te_jax_perm.audit_aliases(fwd, x, p)
     assert audit.ok, str(audit)
     _ours(audit, "chunk_sort_map")
@@ -312,7 +320,7 @@ def test_errors():
     with pytest.raises(ValueError, match="inp has shape \\(10,\\).*expected \\[N, H\\]"):
         te_jax_perm.sort_chunks_by_index(jnp.zeros(10), jnp.array([1]), jnp.array([0]))
     with pytest.raises(ValueError, match="probs has shape \\(9,\\).*expected \\(10,\\)"):
-        te_jax_perm.sort_chunks_by_index(x, jnp.array([1]), jnp.array([0]), jnp.zeros(9))
+        te_jax_perm.sort_chunks_by_index_with_probs(x, jnp.array([1]), jnp.array([0]), jnp.zeros(9))
     with pytest.raises(ValueError, match="sum\\(split_sizes\\) = 11 exceeds.*10"):
         te_jax_perm.sort_chunks_by_index(x, jnp.array([5, 6]), jnp.array([0, 1]))
     with pytest.raises(ValueError, match="negative"):

@@ -8,6 +8,7 @@ import te_jax_perm
 from te_jax_perm.core import Config
 from te_jax_perm.ops import permute as P
 from te_jax_perm.ops import permute_decl as D
+from te_jax_perm.ops.dispatch import padding_layout, with_padding
 from tests import numpy_reference as ref
 
 
@@ -47,10 +48,16 @@ def test_permute_unpermute_lower_level(backend, align, budget):
         np.testing.assert_allclose(np.asarray(gw), e_gw, rtol=1e-4, atol=1e-5)
 
 
-def test_kept_per_expert_recovered_from_map():
+@pytest.mark.parametrize("align", [None, 4])
+def test_segments_recovered_from_map(align):
+    """The backward zero-fill's segments, read off the map, equal the dispatch layout's."""
     rm, n, _, _ = _setup(budget=0.7)
     rid, kept = te_jax_perm.make_row_id_map(rm, n, backend="xla")
-    np.testing.assert_array_equal(np.asarray(P.kept_per_expert(rid)), np.asarray(kept))
+    pad = jnp.zeros(kept.shape, jnp.int32) if align is None else padding_layout(kept, align)[1]
+    for start, count in (P.map_segments(rid, pad, align is not None), P.map_segments(with_padding(rid, pad), 0 * pad, False)):
+        want_start, want_count = P.segments(kept, pad)
+        np.testing.assert_array_equal(np.asarray(count), np.asarray(want_count))
+        np.testing.assert_array_equal(np.asarray(start)[np.asarray(count) > 0], np.asarray(want_start)[np.asarray(count) > 0])
 
 
 # Configs that change ROWS (token ranges per program) and BLOCK_H (loop over H): all exact.
@@ -234,6 +241,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as PS
 import te_jax_perm
 from benchmarks.copy_baseline import device_copy
+from te_jax_perm.ops.dispatch import padding_layout, with_padding
 from tests import numpy_reference as ref
 
 mesh = Mesh(np.array(jax.devices()), ("d",))

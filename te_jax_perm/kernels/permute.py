@@ -59,7 +59,7 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_p
             # Combine backward: one pass per map column, since each destination needs its dot.
             for j in range(kmax):
                 dest, e, ok = _dest(rid_row, pad_ptr, j, E, tm & (j < cnt), PADDED)
-                w = tl.load(w_ptr + t64 * E + e, mask=ok, other=0)
+                w = tl.load(w_ptr + t64 * E + e, mask=ok, other=0).to(tl.float32)
                 acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
                 for h0 in range(0, H, BLOCK_H):
                     off = h0 + tl.arange(0, BLOCK_H)
@@ -70,7 +70,7 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_p
                     acc += g * yv.to(tl.float32)
                     tl.store(out_ptr + dest[:, None] * H + off[None, :],
                              (g * w[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None] & hm)
-                tl.store(dw_ptr + t64 * E + e, tl.sum(acc, axis=1), mask=ok)
+                tl.store(dw_ptr + t64 * E + e, tl.sum(acc, axis=1).to(dw_ptr.dtype.element_ty), mask=ok)
         else:
             if HAS_PROBS:
                 for j in range(kmax):
@@ -162,7 +162,7 @@ def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, out_ptr, dprobs_
             nxt, ne, nok = _dest(rid_row, pad_ptr, j + 1, E, tm & (j + 1 < cnt), PADDED)
             v = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0).to(tl.float32)
             if WEIGHTED:
-                v = v * tl.load(w_ptr + t64 * E + e, mask=ok, other=0)[:, None]
+                v = v * tl.load(w_ptr + t64 * E + e, mask=ok, other=0).to(tl.float32)[:, None]
             acc += v
         tl.store(out_ptr + t64[:, None] * H + off[None, :], acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & hm)
     if HAS_PGRAD:

@@ -29,6 +29,11 @@ def check_float32(name: str, x: Any) -> None:
         raise TypeError(f"{name} has dtype {_dt(x).name}; expected float32")
 
 
+def check_probs_dtype(name: str, x: Any) -> None:
+    if _dt(x).name not in ("bfloat16", "float16", "float32"):
+        raise TypeError(f"{name} has dtype {_dt(x).name}; expected bfloat16, float16 or float32")
+
+
 def check_int32(name: str, x: Any) -> None:
     if _dt(x) != np.int32:
         raise TypeError(f"{name} has dtype {_dt(x).name}; expected int32")

@@ -35,9 +35,9 @@ def _apply(inp, row_id_map, probs, is_forward: bool, backend: str):
     x = to_bits(inp)
     if probs is None:
         (out,) = D.sort_chunks(x, row_id_map, backend=backend, is_forward=is_forward)
-        return from_bits(out, inp.dtype), None
+        return from_bits(out, inp.dtype, inp.shape), None
     out, pout = D.sort_chunks_probs(x, row_id_map, probs, backend=backend, is_forward=is_forward)
-    return from_bits(out, inp.dtype), pout
+    return from_bits(out, inp.dtype, inp.shape), pout
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -122,24 +122,42 @@ def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array |
     return _sort_by_map(inp, row_id_map, probs, bool(is_forward), resolve_backend(backend))
 
 
-def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array,
-                         probs: jax.Array | None = None, backend: str | None = None
-                         ) -> tuple[jax.Array, jax.Array | None, jax.Array]:
+def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array, *,
+                         backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Reorders contiguous chunks of rows: output chunk ``j`` = input chunk ``sorted_indices[j]``.
 
     Args:
-      inp: [N, H], any dtype; rows grouped in chunks of ``split_sizes`` rows from row 0.
+      inp: ``[N, H]`` or ``[B, S, H]`` (flattened to ``N = B*S`` rows), any dtype; rows
+        grouped in chunks of ``split_sizes`` rows from row 0.
       split_sizes: int [C], may be traced (no host sync); ``sum <= N``.
       sorted_indices: int [C], a permutation of ``range(C)``.
-      probs: optional float [N], moved with the rows.
       backend: ``"triton"``, ``"interpret"`` or ``"xla"``; ``None`` picks the default.
 
     Returns:
-      ``(output [N, H], permuted_probs [N] or None, row_id_map int32 [N])``. Rows beyond
-      ``sum(split_sizes)`` are zero in the output. Pass ``row_id_map`` to
-      :func:`sort_chunks_by_map` with ``is_forward=False`` to undo the sort. Gradients flow
-      to ``inp`` and ``probs`` (the inverse sort); none to the sizes or indices.
+      ``(output [N, H], row_id_map int32 [N])``. Rows beyond ``sum(split_sizes)`` are zero
+      in the output. Pass ``row_id_map`` to :func:`sort_chunks_by_map` with
+      ``is_forward=False`` to undo the sort. Gradients flow to ``inp`` (the inverse sort);
+      none to the sizes or indices. :func:`sort_chunks_by_index_with_probs` also moves
+      per-row probabilities.
     """
+    out, _, row_map = _sort_chunks(inp, split_sizes, sorted_indices, None, backend)
+    return out, row_map
+
+
+def sort_chunks_by_index_with_probs(inp: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array,
+                                    probs: jax.Array, *, backend: str | None = None
+                                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`sort_chunks_by_index` moving float ``probs [N]`` with the rows.
+
+    Returns:
+      ``(output [N, H], permuted_probs [N] in probs.dtype, row_id_map int32 [N])``;
+      differentiable in ``inp`` and ``probs``.
+    """
+    return _sort_chunks(inp, split_sizes, sorted_indices, probs, backend)
+
+
+def _sort_chunks(inp, split_sizes, sorted_indices, probs, backend):
+    inp = _flatten_rows(inp)
     inp, probs = _rows_and_probs(inp, probs)
     chosen = resolve_backend(backend)
     row_map = make_chunk_sort_map(split_sizes, sorted_indices, inp.shape[0], backend=chosen)
@@ -147,11 +165,18 @@ def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices:
     return out, permuted_probs, row_map
 
 
+def _flatten_rows(inp):
+    inp = jnp.asarray(inp)
+    _checks.check_rank("inp", inp, (2, 3), "[N, H] or [B, S, H]")
+    return inp.reshape(-1, inp.shape[-1]) if inp.ndim == 3 else inp
+
+
 def sort_chunks_reference(inp: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array,
                           probs: jax.Array | None = None):
-    """:func:`sort_chunks_by_index` in plain JAX: ``(output, permuted_probs or None, row_id_map)``."""
-    inp, probs = _rows_and_probs(inp, probs)
+    """:func:`sort_chunks_by_index` (``probs=None``) or :func:`sort_chunks_by_index_with_probs`
+    in plain JAX, with their return arity."""
+    inp, probs = _rows_and_probs(_flatten_rows(inp), probs)
     split_sizes, sorted_indices = _chunks(split_sizes, sorted_indices)
     (row_map,) = D.chunk_sort_map_reference(split_sizes, sorted_indices, num_tokens=inp.shape[0])
     outs = D.sort_chunks_by_map_reference(inp, row_map, probs, is_forward=True)
-    return outs[0], (outs[1] if probs is not None else None), row_map
+    return (outs[0], row_map) if probs is None else (outs[0], outs[1], row_map)

@@ -5,6 +5,14 @@ order within an expert), optionally dropping rows beyond a static budget and pad
 expert's rows to a multiple of ``align_size``. ``token_combine`` brings the expert rows
 back and sums each token's rows, weighted by ``merging_probs`` when given.
 
+Signatures, dtypes, output sizes and return arity are those of
+``transformer_engine.jax.permutation``; ``backend=`` is keyword-only and ours.
+
+The row-id map that ``token_dispatch`` returns addresses the rows of *its* output buffer,
+padding included: ``token_combine`` needs nothing else, so a padded dispatch combined
+without ``pad_offsets`` still returns the right tokens (``pad_offsets`` is accepted, as in
+TransformerEngine, and checked, but not needed).
+
 Batch shape: inputs may be ``[B, S, ...]``; they are flattened to ``T = B*S`` tokens.
 ``token_combine`` returns ``[T, H]`` (the row-id map keeps no batch shape); reshape to
 ``[B, S, H]`` if needed.
@@ -14,8 +22,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops.permute import permute_with_mask_map, unpermute_with_mask_map
+from te_jax_perm.ops.permute import _permute, _unpermute, segments
 from te_jax_perm.ops.row_id_map import make_row_id_map
 
 
@@ -34,29 +43,48 @@ def padding_layout(tokens_per_expert: jax.Array, align_size: int) -> tuple[jax.A
     return padded, (jnp.cumsum(padded) - padded) - (jnp.cumsum(kept) - kept)
 
 
+def padded_rows(num_out_tokens: int, num_experts: int, align_size: int) -> int:
+    """Rows of a padded dispatch buffer: the worst case (every expert ``align_size - 1``
+    rows of padding) rounded down to a multiple of ``align_size``, as TransformerEngine.
+    Padded counts are multiples of ``align_size`` summing to at most
+    ``num_out_tokens + E*(align_size-1)``, so the rounding never cuts a used row."""
+    return ((num_out_tokens + num_experts * (align_size - 1)) // align_size) * align_size
+
+
+def with_padding(row_id_map: jax.Array, pad_offsets: jax.Array) -> jax.Array:
+    """``row_id_map`` whose destinations include each expert's ``pad_offsets`` (kept -1s)."""
+    e = (row_id_map.shape[1] - 1) // 2
+    dest, ex = row_id_map[:, :e], row_id_map[:, e:2 * e]
+    shifted = jnp.where(dest >= 0, dest + pad_offsets[jnp.clip(ex, 0, e - 1)], dest)
+    return jnp.concatenate([shifted.astype(jnp.int32), row_id_map[:, e:]], axis=1)
+
+
 def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
-                   probs: jax.Array | None = None, align_size: int | None = None,
+                   probs: jax.Array | None = None, align_size: int | None = None, *,
                    backend: str | None = None):
     """Dispatches tokens to experts.
 
     Args:
-      inp: ``[T, H]`` or ``[B, S, H]`` tokens (bf16, fp16, fp32, fp8 e4m3).
+      inp: ``[T, H]`` or ``[B, S, H]`` tokens (bf16, fp16, fp32, fp8 e4m3; moved bit-exactly).
       routing_map: ``[T, E]`` or ``[B, S, E]``, bool or integer 0/1.
       num_out_tokens: static number of output rows before padding, usually ``T * k``.
         Routed rows whose expert-sorted position is ``>= num_out_tokens`` are dropped
         (deterministically: the tail of the highest experts). Rows beyond the routed count
         are zero.
-      probs: optional float32 ``[T, E]`` (or ``[B, S, E]``) routing probabilities.
+      probs: optional ``[T, E]`` (or ``[B, S, E]``) routing probabilities, bfloat16,
+        float16 or float32.
       align_size: optional static int; pads each expert's rows with zero rows up to a
-        multiple of it. The output then has ``num_out_tokens + E*(align_size-1)`` rows.
+        multiple of it. The output then has ``((num_out_tokens + E*(align_size-1)) //
+        align_size) * align_size`` rows.
       backend: ``"triton"``, ``"interpret"``, ``"xla"`` or ``None`` (default).
 
     Returns:
       ``(output, permuted_probs, row_id_map, pad_offsets, tokens_per_expert)``:
-      ``output [R, H]`` in ``inp.dtype``; ``permuted_probs`` float32 ``[R]`` or ``None``;
-      ``row_id_map`` int32 ``[T, 2E+1]``; ``pad_offsets`` int32 ``[E]`` (``None`` without
-      ``align_size``); ``tokens_per_expert`` int32 ``[E]`` rows per expert (kept rows,
-      padded up when ``align_size`` is given).
+      ``output [R, H]`` in ``inp.dtype``; ``permuted_probs [R]`` in ``probs.dtype`` or
+      ``None``; ``row_id_map`` int32 ``[T, 2E+1]`` addressing rows of ``output`` (padding
+      included); ``pad_offsets`` int32 ``[E]`` (``None`` without ``align_size``);
+      ``tokens_per_expert`` int32 ``[E]`` rows per expert (kept rows, padded up when
+      ``align_size`` is given).
     """
     inp = jnp.asarray(inp)
     routing_map = jnp.asarray(routing_map)
@@ -74,29 +102,34 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
         if tuple(probs.shape) != tuple(routing_map.shape):
             raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} "
                              "(the routing_map shape)")
-        _checks.check_float32("probs", probs)
+        _checks.check_probs_dtype("probs", probs)
         probs = probs.reshape(-1, e)
+    backend = resolve_backend(backend)
     row_id_map, kept = make_row_id_map(rm, num_out_tokens, backend=backend)
+    no_pad = jnp.zeros((e,), jnp.int32)
     if align_size is None:
-        pad_offsets, tokens_per_expert, rows = None, kept, num_out_tokens
+        pad_offsets, tokens_per_expert, rows, pad = None, kept, num_out_tokens, no_pad
     else:
         align_size = _checks.check_static_int("align_size", align_size, 1)
         tokens_per_expert, pad_offsets = padding_layout(kept, align_size)
-        rows = num_out_tokens + e * (align_size - 1)
-    out, permuted_probs = permute_with_mask_map(x, row_id_map, kept, rows, probs=probs, pad_offsets=pad_offsets,
-                                                backend=backend)
+        rows, pad = padded_rows(num_out_tokens, e, align_size), pad_offsets
+        row_id_map = with_padding(row_id_map, pad_offsets)
+    seg_start, seg_count = segments(kept, pad)
+    out, permuted_probs = _permute(x, probs, row_id_map, no_pad, seg_start, seg_count, rows, False, backend)
     return out, permuted_probs, row_id_map, pad_offsets, tokens_per_expert
 
 
 def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,
-                  pad_offsets: jax.Array | None = None, backend: str | None = None) -> jax.Array:
+                  pad_offsets: jax.Array | None = None, *, backend: str | None = None) -> jax.Array:
     """Combines expert rows back into tokens.
 
     Args:
       inp: ``[R, H]`` expert rows, laid out as :func:`token_dispatch` produced them.
       row_id_map: int32 ``[T, 2E+1]`` from :func:`token_dispatch`.
-      merging_probs: optional float32 ``[T, E]`` (or ``[B, S, E]``) weights.
-      pad_offsets: the ``pad_offsets`` from :func:`token_dispatch` when it padded.
+      merging_probs: optional ``[T, E]`` (or ``[B, S, E]``) weights, bfloat16, float16 or
+        float32; their gradient comes back in their dtype.
+      pad_offsets: the ``pad_offsets`` from :func:`token_dispatch` when it padded; checked
+        (int ``[E]``) but not needed: the map already addresses the padded rows.
       backend: as for :func:`token_dispatch`.
 
     Returns:
@@ -104,7 +137,15 @@ def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Arra
       weighted by ``merging_probs`` when given. Dropped rows contribute nothing.
     """
     inp = jnp.asarray(inp)
+    _checks.check_rank("inp", inp, (2,), "[R, H]")
+    _checks.check_token_dtype("inp", inp)
+    e = _checks.num_experts_of_map(row_id_map)
+    t = row_id_map.shape[0]
     if merging_probs is not None:
-        merging_probs = jnp.asarray(merging_probs)
-        merging_probs = _flatten("merging_probs", merging_probs, "E")
-    return unpermute_with_mask_map(inp, row_id_map, merging_probs, pad_offsets, backend=backend)
+        merging_probs = _flatten("merging_probs", jnp.asarray(merging_probs), "E")
+        _checks.check_shape("merging_probs", merging_probs, (t, e), f"[T={t}, E={e}] (from row_id_map)")
+        _checks.check_probs_dtype("merging_probs", merging_probs)
+    if pad_offsets is not None:
+        _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}] (from row_id_map)")
+    no_pad = jnp.zeros((e,), jnp.int32)
+    return _unpermute(inp, merging_probs, row_id_map, no_pad, None, False, resolve_backend(backend))

@@ -26,12 +26,18 @@ def segments(tokens_per_expert: jax.Array, pad: jax.Array) -> tuple[jax.Array, j
     return (jnp.cumsum(kept) - kept + pad).astype(jnp.int32), kept
 
 
-def kept_per_expert(row_id_map: jax.Array) -> jax.Array:
-    """Rows kept per expert, recovered from a row-id map (int32 [E])."""
+def map_segments(row_id_map: jax.Array, pad: jax.Array, padded: bool) -> tuple[jax.Array, jax.Array]:
+    """:func:`segments` read off a row-id map itself: each expert's first row and row count.
+
+    Works for any map whose expert rows are contiguous (every map the ops build, padded
+    destinations included), so the backward zero-fill can never be told a used row is free.
+    """
     e = _checks.num_experts_of_map(row_id_map)
-    valid = row_id_map[:, :e] >= 0
-    ids = jnp.where(valid, row_id_map[:, e:2 * e], e).ravel()
-    return jax.ops.segment_sum(valid.ravel().astype(jnp.int32), ids, num_segments=e + 1)[:e]
+    dest, ex, valid = R.dests(row_id_map, pad, padded)
+    ids = jnp.where(valid, ex, e).ravel()
+    count = jax.ops.segment_sum(valid.ravel().astype(jnp.int32), ids, num_segments=e + 1)[:e]
+    first = jax.ops.segment_min(jnp.where(valid, dest, 0).ravel(), ids, num_segments=e + 1)[:e]
+    return jnp.where(count > 0, first, 0).astype(jnp.int32), count
 
 
 # -- differentiable cores ------------------------------------------------------------------
@@ -47,7 +53,7 @@ def _permute_fwd(inp, probs, rid, pad, seg_start, seg_count, num_out_rows, padde
         (out,), pout = D.permute(x, rid, pad, seg_start, seg_count, **kw), None
     else:
         out, pout = D.permute_probs(x, rid, pad, seg_start, seg_count, probs, **kw)
-    return (from_bits(out, inp.dtype), pout), (rid, pad)
+    return (from_bits(out, inp.dtype, (num_out_rows,) + inp.shape[1:]), pout), (rid, pad)
 
 
 def _permute_bwd(num_out_rows, padded, backend, res, cts):
@@ -78,8 +84,10 @@ def _unpermute_fwd(inp, merging_probs, rid, pad, tokens_per_expert, padded, back
 
 def _unpermute_bwd(padded, backend, res, g):
     inp, merging_probs, rid, pad, tokens_per_expert = res
-    kept = kept_per_expert(rid) if tokens_per_expert is None else tokens_per_expert
-    seg_start, seg_count = segments(kept, pad)
+    if tokens_per_expert is None:
+        seg_start, seg_count = map_segments(rid, pad, padded)
+    else:
+        seg_start, seg_count = segments(tokens_per_expert, pad)
     if merging_probs is None:
         g_inp, _ = _permute_fwd(g.astype(inp.dtype), None, rid, pad, seg_start, seg_count,
                                 inp.shape[0], padded, backend)[0]
@@ -105,7 +113,7 @@ def _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_o
     num_out_rows = _checks.check_static_int("num_out_rows", num_out_rows, 0)
     if probs is not None:
         _checks.check_shape("probs", probs, (inp.shape[0], e), f"[T={inp.shape[0]}, E={e}]")
-        _checks.check_float32("probs", probs)
+        _checks.check_probs_dtype("probs", probs)
     return pad_or_zeros(pad_offsets, e), pad_offsets is not None, num_out_rows
 
 
@@ -152,7 +160,7 @@ def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expe
     t = row_id_map.shape[0]
     if merging_probs is not None:
         _checks.check_shape("merging_probs", merging_probs, (t, e), f"[T={t}, E={e}] (from row_id_map)")
-        _checks.check_float32("merging_probs", merging_probs)
+        _checks.check_probs_dtype("merging_probs", merging_probs)
     if tokens_per_expert is not None:
         _checks.check_shape("tokens_per_expert", tokens_per_expert, (e,), f"[E={e}]")
     return pad_or_zeros(pad_offsets, e), pad_offsets is not None

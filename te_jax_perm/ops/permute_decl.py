@@ -130,9 +130,15 @@ _X = Operand("inp", ("T", "H"))
 _RID = Operand("row_id_map", ("T", "W"), ("int32",))
 _PAD = Operand("pad_offsets", ("E",), ("int32",))
 _SEG = (Operand("seg_start", ("E",), ("int32",)), Operand("seg_count", ("E",), ("int32",)))
-_TE32 = lambda name: Operand(name, ("T", "E"), ("float32",))  # noqa: E731
-_GRAD_PROBS = Output("grad_probs", lambda dims, params: (dims["T"], dims["E"]), lambda dtypes, params: jnp.float32,
-                     init="zeros")
+# Probabilities in bf16, fp16 or fp32: loaded in their dtype, combined in fp32.
+PROB_DTYPES = ("bfloat16", "float16", "float32")
+_TE_PROBS = lambda name: Operand(name, ("T", "E"), PROB_DTYPES)  # noqa: E731
+
+
+def _grad_probs(like: str) -> Output:
+    """Gradient of [T, E] probabilities, in the dtype of operand ``like`` (the probs' dtype)."""
+    return Output("grad_probs", lambda dims, params: (dims["T"], dims["E"]), lambda dtypes, params: dtypes[like],
+                  init="zeros")
 
 
 def _scatter_fill_grid(dims, rows: int, config) -> tuple[int]:
@@ -153,9 +159,9 @@ def _permute_decl(name: str, kernel, with_probs: bool):
                       lambda dtypes, params: dtypes["inp"]),)
     operands = (_X, _RID, _PAD, *_SEG)
     if with_probs:
-        operands += (_TE32("probs"),)
+        operands += (_TE_PROBS("probs"),)
         outputs += (Output("permuted_probs", lambda dims, params: (params["num_out_rows"],),
-                           lambda dtypes, params: jnp.float32),)
+                           lambda dtypes, params: dtypes["probs"]),)
     # Each H-slice of a row moves independently, so a kernel that only moves (and sums)
     # rows is shard-local along H; never along tokens (rows go anywhere). Outputs without H
     # (permuted probs, their gradients) come out whole and identical on every H-shard.
@@ -174,10 +180,10 @@ permute_probs = _permute_decl("permute_probs", K.permute_probs_kernel, True)
 
 unpermute_bwd_weighted = declare(KernelDecl(
     name="unpermute_bwd_weighted", kernel=K.unpermute_bwd_weighted_kernel,
-    operands=(Operand("grad", ("T", "H")), _RID, _PAD, *_SEG, _TE32("merging_probs"),
+    operands=(Operand("grad", ("T", "H")), _RID, _PAD, *_SEG, _TE_PROBS("merging_probs"),
               Operand("fwd_inp", ("N", "H"))),
     outputs=(Output("grad_inp", lambda dims, params: (dims["N"], dims["H"]), lambda dtypes, params: dtypes["fwd_inp"]),
-             _GRAD_PROBS),
+             _grad_probs("merging_probs")),
     params=("padded",), reference=R.unpermute_bwd_weighted_reference,
     grid=lambda dims, params, config: _scatter_fill_grid(dims, dims["N"], config),
     scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N_OUT": dims["N"]},
@@ -206,7 +212,7 @@ def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_r
 
 
 unpermute = _unpermute_decl("unpermute", K.unpermute_kernel, (), ())
-unpermute_weighted = _unpermute_decl("unpermute_weighted", K.unpermute_weighted_kernel, (_TE32("merging_probs"),), ())
+unpermute_weighted = _unpermute_decl("unpermute_weighted", K.unpermute_weighted_kernel, (_TE_PROBS("merging_probs"),), ())
 permute_bwd_probs = _unpermute_decl(
-    "permute_bwd_probs", K.permute_bwd_probs_kernel, (Operand("grad_permuted_probs", ("N",), ("float32",)),),
-    (_GRAD_PROBS,), reference=R.permute_bwd_probs_reference)
+    "permute_bwd_probs", K.permute_bwd_probs_kernel, (Operand("grad_permuted_probs", ("N",), PROB_DTYPES),),
+    (_grad_probs("grad_permuted_probs"),), reference=R.permute_bwd_probs_reference)

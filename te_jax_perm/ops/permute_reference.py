@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 
-def _dests(rid, pad, padded):
+def dests(rid, pad, padded):
     """(dest [T,E] with -1 where dropped, expert ids [T,E] clipped to [0,E), valid [T,E])."""
     e = (rid.shape[1] - 1) // 2
     dest, ex = rid[:, :e], rid[:, e:2 * e]
@@ -29,7 +29,7 @@ def _inverse_map(rid, pad, padded, n):
     unused budget) get token T and expert E, which index the zero row/column that callers
     pad their [T, .] and [T, E] arrays with."""
     t, e = rid.shape[0], (rid.shape[1] - 1) // 2
-    dest, ex, valid = _dests(rid, pad, padded)
+    dest, ex, valid = dests(rid, pad, padded)
     # Out-of-range rows (dropped entries point at row n) fall into the extra slot, sliced off.
     safe = jnp.where(valid, dest, n).ravel()
     tok = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], dest.shape).ravel()
@@ -49,9 +49,9 @@ def _weights_at(w, row_token, row_expert):
     return wp[row_token, row_expert]
 
 
-def _to_token_expert(values, row_token, row_expert, t, e):
-    """Scatter one value per output row into a float32 [T, E] matrix (zero elsewhere)."""
-    return jnp.zeros((t + 1, e + 1), jnp.float32).at[row_token, row_expert].set(values, mode="drop")[:t, :e]
+def _to_token_expert(values, row_token, row_expert, t, e, dtype):
+    """Scatter one value per output row into a ``dtype`` [T, E] matrix (zero elsewhere)."""
+    return jnp.zeros((t + 1, e + 1), dtype).at[row_token, row_expert].set(values.astype(dtype), mode="drop")[:t, :e]
 
 
 def permute_rows_reference(x, rid, pad, seg_start, seg_count, probs=None, *, num_out_rows, padded):
@@ -75,7 +75,7 @@ def unpermute_bwd_weighted_reference(g, rid, pad, seg_start, seg_count, w, y, *,
     out = (g_rows * _weights_at(w, row_token, row_expert)[:, None]).astype(y.dtype)
     # d w[t, e] = <g[t], y[r]> for the row r of (t, e): N dots over H, scattered into [T, E].
     dots = jnp.sum(g_rows * y.astype(jnp.float32), axis=-1)
-    return out, _to_token_expert(dots, row_token, row_expert, t, e)
+    return out, _to_token_expert(dots, row_token, row_expert, t, e, w.dtype)
 
 
 def unpermute_rows_reference(y, rid, pad, w=None, gpp=None, *, padded):
@@ -91,7 +91,7 @@ def unpermute_rows_reference(y, rid, pad, w=None, gpp=None, *, padded):
     if gpp is None:
         return (out,)
     # d probs[t, e] = gpp[r] for the row r of (t, e): N scalars scattered into [T, E].
-    return out, _to_token_expert(gpp.astype(jnp.float32), row_token, row_expert, t, e)
+    return out, _to_token_expert(gpp, row_token, row_expert, t, e, gpp.dtype)
 
 
 def permute_bwd_probs_reference(y, rid, pad, gpp, *, padded):

@@ -114,7 +114,7 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
     # 3. (source rank, local expert) -> (local expert, source rank)
     pad = cap - recv_sizes.sum(1)
     split_sizes = jnp.concatenate([recv_sizes, pad[:, None]], axis=1).reshape(-1)
-    grouped, _, smap = sort_chunks_by_index(recv, split_sizes,
+    grouped, smap = sort_chunks_by_index(recv, split_sizes,
                                             jnp.asarray(_chunk_order(ep, el)), backend=be)
 
     # 4. expert FFN; the padding tail is one extra all-zero group
