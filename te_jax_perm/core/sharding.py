@@ -127,7 +127,8 @@ def partitioned(fn, ops, outs, local):
         return tuple(_shardings(mesh, outs, chosen))
 
     def propagate(mesh, user_shape):
-        return user_shape.sharding
+        # Multi-output kernels get a tuple of ShapeDtypeStructs.
+        return tuple(u.sharding for u in user_shape) if isinstance(user_shape, tuple) else user_shape.sharding
 
     def partition(mesh, arg_shapes, result_shape):
         chosen = _choose(ops, local, arg_shapes)

@@ -13,19 +13,26 @@ padding included: ``token_combine`` needs nothing else, so a padded dispatch com
 without ``pad_offsets`` still returns the right tokens (``pad_offsets`` is accepted, as in
 TransformerEngine, and checked, but not needed).
 
+Token sharding: with tokens sharded over a data/FSDP-parallel mesh, each shard dispatches
+and combines its own tokens, with ``num_out_tokens`` (the output rows) divided across the
+shards, as TransformerEngine does; see :mod:`te_jax_perm.ops.token_split`.
+
 Batch shape: inputs may be ``[B, S, ...]``; they are flattened to ``T = B*S`` tokens.
 ``token_combine`` returns ``[T, H]`` (the row-id map keeps no batch shape); reshape to
 ``[B, S, H]`` if needed.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops.permute import _permute, _unpermute, segments
+from te_jax_perm.ops.permute import _permute_bwd, _permute_fwd, _unpermute_bwd, _unpermute_fwd, map_segments, segments
 from te_jax_perm.ops.row_id_map import make_row_id_map
+from te_jax_perm.ops.token_split import split_over_tokens
 
 
 def _flatten(name: str, x: jax.Array, last: str) -> jax.Array:
@@ -57,6 +64,136 @@ def with_padding(row_id_map: jax.Array, pad_offsets: jax.Array) -> jax.Array:
     dest, ex = row_id_map[:, :e], row_id_map[:, e:2 * e]
     shifted = jnp.where(dest >= 0, dest + pad_offsets[jnp.clip(ex, 0, e - 1)], dest)
     return jnp.concatenate([shifted.astype(jnp.int32), row_id_map[:, e:]], axis=1)
+
+
+def local_budget(num_out_tokens: int, shards: int, rows: int, num_experts: int, align_size: int | None) -> int:
+    """Row budget of one of ``shards`` token shards whose buffer holds ``rows`` rows.
+
+    ``num_out_tokens`` is divided across the shards; padded, the budget is also capped so
+    that the shard's padded layout (at most ``budget + E*(align_size-1)`` rows, a multiple
+    of ``align_size``) always fits its rows. Unsharded the cap never binds."""
+    budget = num_out_tokens // shards
+    if align_size is None:
+        return min(budget, rows)
+    fits = (rows // align_size + 1) * align_size - 1 - num_experts * (align_size - 1)
+    return max(0, min(budget, fits))
+
+
+def _dispatch_local(num_out_tokens, align_size, rows, with_probs, backend):
+    """``make_local`` of the dispatch forward: ``(x, rm[, probs]) -> (out[, pp], rid)``."""
+    def make(shards):
+        local_rows = rows // shards
+
+        def run(x, rm, *probs):
+            e = rm.shape[1]
+            budget = local_budget(num_out_tokens, shards, local_rows, e, align_size)
+            rid, kept = make_row_id_map(rm, budget, backend=backend)
+            no_pad = pad = jnp.zeros((e,), jnp.int32)
+            if align_size is not None:
+                _, pad = padding_layout(kept, align_size)
+                rid = with_padding(rid, pad)
+            seg_start, seg_count = segments(kept, pad)
+            (out, pp), _ = _permute_fwd(x, probs[0] if probs else None, rid, no_pad, seg_start, seg_count,
+                                        local_rows, False, backend)
+            return (out, pp, rid) if probs else (out, rid)
+        return run
+    return make
+
+
+def _dispatch_bwd_local(rows, with_probs, backend):
+    """``(g_out[, g_pp], rid) -> (g_x[, g_probs])``: the gather of the dispatch backward."""
+    def make(shards):
+        def run(g_out, *rest):
+            *g_pp, rid = rest
+            no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
+            g_x, g_probs = _permute_bwd(rows // shards, False, backend, (rid, no_pad),
+                                        (g_out, g_pp[0] if g_pp else None))[:2]
+            return (g_x, g_probs) if g_pp else (g_x,)
+        return run
+    return make
+
+
+def _dispatch_axes(with_probs):
+    probs = (("T", "E"),) if with_probs else ()
+    return (("T", "H"), ("T", "E")) + probs, (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"),)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _dispatch(x, rm, probs, num_out_tokens, align_size, rows, backend):
+    return _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend)[0]
+
+
+def _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend):
+    with_probs = probs is not None
+    args = (x, rm) + ((probs,) if with_probs else ())
+    arg_axes, out_axes = _dispatch_axes(with_probs)
+    outs = split_over_tokens("token_dispatch", _dispatch_local(num_out_tokens, align_size, rows, with_probs, backend),
+                             args, arg_axes, out_axes, backend)
+    out, pp, rid = outs if with_probs else (outs[0], None, outs[1])
+    return (out, pp, rid), rid
+
+
+def _dispatch_bwd(num_out_tokens, align_size, rows, backend, rid, cts):
+    g_out, g_pp, _ = cts
+    with_probs = g_pp is not None
+    args = (g_out,) + ((g_pp,) if with_probs else ()) + (rid,)
+    arg_axes = (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"),)
+    out_axes = (("T", "H"),) + ((("T", "E"),) if with_probs else ())
+    grads = split_over_tokens("token_dispatch (backward)", _dispatch_bwd_local(rows, with_probs, backend),
+                              args, arg_axes, out_axes, backend)
+    return grads[0], None, (grads[1] if with_probs else None)
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def _combine_local(weighted, backend):
+    """``(inp, rid[, w]) -> (out,)``: each token's rows summed (weighted)."""
+    def make(shards):
+        def run(inp, rid, *w):
+            no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
+            return (_unpermute_fwd(inp, w[0] if w else None, rid, no_pad, None, False, backend)[0],)
+        return run
+    return make
+
+
+def _combine_bwd_local(weighted, backend):
+    """``(g, rid, inp[, w]) -> (g_inp[, g_w])``: the scatter of the combine backward."""
+    def make(shards):
+        def run(g, rid, inp, *w):
+            no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
+            g_inp, g_w = _unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, no_pad, None), g)[:2]
+            return (g_inp, g_w) if w else (g_inp,)
+        return run
+    return make
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine(inp, w, rid, backend):
+    return _combine_fwd(inp, w, rid, backend)[0]
+
+
+def _combine_fwd(inp, w, rid, backend):
+    weighted = w is not None
+    args = (inp, rid) + ((w,) if weighted else ())
+    arg_axes = (("R", "H"), ("T", "W")) + ((("T", "E"),) if weighted else ())
+    (out,) = split_over_tokens("token_combine", _combine_local(weighted, backend), args, arg_axes, (("T", "H"),),
+                               backend)
+    return out, (inp, w, rid)
+
+
+def _combine_bwd(backend, res, g):
+    inp, w, rid = res
+    weighted = w is not None
+    args = (g, rid, inp) + ((w,) if weighted else ())
+    arg_axes = (("T", "H"), ("T", "W"), ("R", "H")) + ((("T", "E"),) if weighted else ())
+    out_axes = (("R", "H"),) + ((("T", "E"),) if weighted else ())
+    grads = split_over_tokens("token_combine (backward)", _combine_bwd_local(weighted, backend), args, arg_axes,
+                              out_axes, backend)
+    return grads[0], (grads[1] if weighted else None), None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
@@ -104,18 +241,16 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
                              "(the routing_map shape)")
         _checks.check_probs_dtype("probs", probs)
         probs = probs.reshape(-1, e)
-    backend = resolve_backend(backend)
-    row_id_map, kept = make_row_id_map(rm, num_out_tokens, backend=backend)
-    no_pad = jnp.zeros((e,), jnp.int32)
-    if align_size is None:
-        pad_offsets, tokens_per_expert, rows, pad = None, kept, num_out_tokens, no_pad
-    else:
+    if align_size is not None:
         align_size = _checks.check_static_int("align_size", align_size, 1)
-        tokens_per_expert, pad_offsets = padding_layout(kept, align_size)
-        rows, pad = padded_rows(num_out_tokens, e, align_size), pad_offsets
-        row_id_map = with_padding(row_id_map, pad_offsets)
-    seg_start, seg_count = segments(kept, pad)
-    out, permuted_probs = _permute(x, probs, row_id_map, no_pad, seg_start, seg_count, rows, False, backend)
+    rows = num_out_tokens if align_size is None else padded_rows(num_out_tokens, e, align_size)
+    out, permuted_probs, row_id_map = _dispatch(x, rm, probs, num_out_tokens, align_size, rows,
+                                                resolve_backend(backend))
+    # Counts of the whole output (summed over token shards when sharded), as TE reports them.
+    kept = map_segments(row_id_map, jnp.zeros((e,), jnp.int32), False)[1]
+    if align_size is None:
+        return out, permuted_probs, row_id_map, None, kept
+    tokens_per_expert, pad_offsets = padding_layout(kept, align_size)
     return out, permuted_probs, row_id_map, pad_offsets, tokens_per_expert
 
 
@@ -147,5 +282,4 @@ def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Arra
         _checks.check_probs_dtype("merging_probs", merging_probs)
     if pad_offsets is not None:
         _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}] (from row_id_map)")
-    no_pad = jnp.zeros((e,), jnp.int32)
-    return _unpermute(inp, merging_probs, row_id_map, no_pad, None, False, resolve_backend(backend))
+    return _combine(inp, merging_probs, row_id_map, resolve_backend(backend))
