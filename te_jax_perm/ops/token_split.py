@@ -71,11 +71,15 @@ def _rule(arg_axes: Sequence[Axes], out_axes: Sequence[Axes], sizes: dict[str, i
     g = math.gcd(*(sizes[n] for n in SPLIT if n in sizes))
     # A split dim is s itself when g is all of it, else the compound (s, rest); Shardy
     # wants s sized explicitly only when no dim is s alone.
-    whole = any(sizes[n] == g for n in SPLIT if n in sizes)
+    whole = g == 1 or any(sizes[n] == g for n in SPLIT if n in sizes)
     factor_sizes = {} if whole else {"s": g}
     names: dict[str, str] = {}
 
     def dim(n: str):
+        if n in SPLIT and g == 1:
+            # T and R share no divisor: T stays splittable (so a token-sharded call reaches
+            # the partition callback, which reports the sizes), R is replicated.
+            return names.setdefault(n, "tok" if n == "T" else "rows")
         if n in SPLIT:
             if sizes[n] == g:
                 return "s"
@@ -85,7 +89,7 @@ def _rule(arg_axes: Sequence[Axes], out_axes: Sequence[Axes], sizes: dict[str, i
 
     ops = tuple(tuple(dim(n) for n in axes) for axes in arg_axes)
     outs = tuple(tuple(dim(n) for n in axes) for axes in out_axes)
-    keep = {"s", names.get(LOCAL)}
+    keep = {"s", "tok", names.get(LOCAL)}
     # Shardy wants special factors listed in order of first appearance.
     seen: list[str] = []
     for d in (d for mapping in ops + outs for d in mapping):
