@@ -20,6 +20,12 @@ the ordinary primitive and only the emitted module changes:
 
 With one device, or inside a fully manual ``shard_map``, the wrapper lowers straight to the
 per-device function: there is no custom-partitioning call in single-device programs.
+
+The three axis rules of the library: the H axis (a row's slices move independently) and the
+vmap batch axis are shard-local kernel axes, declared here; the token axis of
+``token_dispatch``/``token_combine`` is not (a token's row depends on every earlier token),
+so a token-sharded call instead runs as independent local calls, one per shard, with the
+output rows divided across the shards - an op-level rule in ``te_jax_perm.ops.token_split``.
 """
 from __future__ import annotations
 
