@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,10 +28,14 @@ MAX_CHUNKS = 2048
 def chunk_sort_map_reference(split_sizes, sorted_indices, *, num_tokens: int, xp: ModuleType = jnp):
     """The row map of a chunk sort, in plain ``xp`` (``jax.numpy`` or ``numpy``): a 1-tuple."""
     n = num_tokens
-    sizes = xp.maximum(split_sizes.astype(xp.int32), 0)
-    cum = xp.cumsum(sizes)
-    incl = xp.minimum(cum, n)
-    excl = xp.minimum(cum - sizes, n)
+    # Sizes clipped to [0, N], then summed saturating at N: int32 cannot overflow, and chunks
+    # are truncated where the input ends.
+    sizes = xp.clip(split_sizes.astype(xp.int32), 0, n)
+    if xp is np:
+        incl = np.minimum(np.cumsum(sizes.astype(np.int64)), n).astype(np.int32)
+    else:
+        incl = jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, n - a), sizes)
+    excl = xp.concatenate([xp.zeros((1,), xp.int32), incl[:-1]])
     eff = incl - excl
     out_sizes = eff[sorted_indices]
     out_excl = xp.cumsum(out_sizes) - out_sizes
@@ -127,7 +132,7 @@ chunk_sort_map = declare(KernelDecl(
 def sort_chunks_by_map_reference(inp, row_id_map, probs=None, *, is_forward: bool):
     """Rows (and probs) moved by a chunk-sort map (``is_forward``) or its inverse, in plain JAX."""
     n = inp.shape[0]
-    mapped = row_id_map >= 0
+    mapped = (row_id_map >= 0) & (row_id_map < n)  # as the kernel: entries outside [0, N) are unmapped
     if is_forward:
         # Unmapped rows are exactly [total, N): send them to themselves as zeros.
         dst = jnp.where(mapped, row_id_map, jnp.arange(n, dtype=row_id_map.dtype))

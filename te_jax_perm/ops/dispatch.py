@@ -269,7 +269,9 @@ def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Arra
 
     Returns:
       ``[T, H]`` in ``inp.dtype``: each token's expert rows summed (fp32 accumulation),
-      weighted by ``merging_probs`` when given. Dropped rows contribute nothing.
+      weighted by ``merging_probs`` when given. Dropped rows contribute nothing, and so do
+      map entries addressing rows ``inp`` does not have (which rows a map addresses is
+      data, so a short ``inp`` cannot be detected at trace time; no kernel reads past it).
     """
     inp = jnp.asarray(inp)
     _checks.check_rank("inp", inp, (2,), "[R, H]")

@@ -130,13 +130,14 @@ def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expe
         result of :func:`make_row_id_map`); it tells which output rows are padding.
       num_out_rows: static output row count (``num_out_tokens``, plus ``E*(align_size-1)``
         when padded).
-      probs: optional float32 ``[T, E]``; permuted alongside the rows.
+      probs: optional ``[T, E]`` bfloat16, float16 or float32; permuted alongside the rows.
       pad_offsets: optional int32 ``[E]``: rows of padding inserted before each expert.
       backend: ``"triton"``, ``"interpret"``, ``"xla"`` or ``None`` (default).
 
     Returns:
-      ``(out [num_out_rows, H] inp.dtype, permuted_probs [num_out_rows] float32 or None)``.
-      Output rows that no token fills (padding, unused budget) are zero.
+      ``(out [num_out_rows, H] inp.dtype, permuted_probs [num_out_rows] probs.dtype or
+      None)``. Output rows that no token fills (padding, unused budget) are zero; map
+      entries addressing rows past ``num_out_rows`` are dropped.
     """
     pad, padded, num_out_rows = _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_offsets)
     seg_start, seg_count = segments(tokens_per_expert, pad)
@@ -174,7 +175,8 @@ def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs
     Args:
       inp: ``[N, H]`` expert-sorted rows (as produced by :func:`permute_with_mask_map`).
       row_id_map: int32 ``[T, 2E+1]``.
-      merging_probs: optional float32 ``[T, E]`` weights; unweighted sum when ``None``.
+      merging_probs: optional ``[T, E]`` weights (bfloat16, float16 or float32; their
+        gradient comes back in their dtype); unweighted sum when ``None``.
       pad_offsets: int32 ``[E]`` when ``inp`` is padded; padding rows are ignored.
       tokens_per_expert: optional int32 ``[E]`` kept rows per expert (unpadded); only the
         backward pass uses it (to know which gradient rows are padding) and recovers it
@@ -182,7 +184,8 @@ def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs
       backend: as for :func:`permute_with_mask_map`.
 
     Returns:
-      ``[T, H]`` in ``inp.dtype``, accumulated in float32.
+      ``[T, H]`` in ``inp.dtype``, accumulated in float32. Map entries addressing rows
+      ``inp`` does not have contribute nothing (no kernel reads past ``inp``).
     """
     pad, padded = _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expert)
     return _unpermute(inp, merging_probs, row_id_map, pad, tokens_per_expert, padded, backend)

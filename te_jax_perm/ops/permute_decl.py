@@ -205,7 +205,8 @@ def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_r
                  *extra_outs),
         params=("padded",), reference=reference,
         grid=lambda dims, params, config: (-(-dims["T"] // config.kw["ROWS"]),),
-        scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"]},
+        # N: rows of inp, the bound every row read is checked against.
+        scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": dims["N"]},
         constexprs=lambda dims, params, config: {"H": dims["H"], "PADDED": params["padded"]},
         exact=False, rtol=1e-2, atol=1e-2, example_inputs=_unpermute_example(extra), partitioning=part,
         **_common()))

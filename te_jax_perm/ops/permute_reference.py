@@ -15,12 +15,17 @@ import jax.numpy as jnp
 
 
 def dests(rid, pad, padded):
-    """(dest [T,E] with -1 where dropped, expert ids [T,E] clipped to [0,E), valid [T,E])."""
+    """(dest [T,E] with -1 where absent, expert ids [T,E] clipped to [0,E), valid [T,E]).
+
+    An entry counts only as the kernels count it: a column below the token's routed count
+    (clamped to [0, E]), a non-negative destination and an expert id in [0, E)."""
     e = (rid.shape[1] - 1) // 2
     dest, ex = rid[:, :e], rid[:, e:2 * e]
-    valid = dest >= 0
+    routed = jnp.clip(rid[:, 2 * e], 0, e)
+    valid = (dest >= 0) & (jnp.arange(e)[None, :] < routed[:, None]) & (ex >= 0) & (ex < e)
     if padded:
         dest = dest + pad[jnp.clip(ex, 0, e - 1)]
+        valid = valid & (dest >= 0)
     return jnp.where(valid, dest, -1), jnp.clip(ex, 0, e - 1), valid
 
 

@@ -70,7 +70,7 @@ def map_from_counts(rm, counts, block_t: int, drop_at: int, xp: ModuleType = jnp
     m = routed(rm, xp)
     nb = num_blocks(t, block_t)
     within = (xp.cumsum(xp.pad(m, ((0, nb * block_t - t), (0, 0))).reshape(nb, block_t, e), axis=1)
-              .reshape(-1, e)[:t] - m)
+              .reshape(nb * block_t, e)[:t] - m)
     totals = counts.sum(axis=0, dtype=xp.int32)
     prefix = xp.cumsum(counts, axis=0, dtype=xp.int32) - counts
     start = xp.cumsum(totals) - totals
