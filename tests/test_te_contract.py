@@ -21,7 +21,7 @@ import pytest
 
 import te_jax_perm
 from tests import numpy_reference as ref
-from tests.multidevice import MULTI, multidevice, run_module_on_8_devices
+from tests.multidevice import MULTI, collectives, multidevice, partitioner, run_module_on_8_devices  # noqa: F401
 
 # (num_tokens, num_experts, hidden_size, topk): TE's L0 cases, scaled down for the interpreter.
 CASES = [(32, 5, 32, 3), (24, 8, 40, 8)]
@@ -234,24 +234,10 @@ def test_in_8_device_subprocess():
     run_module_on_8_devices(__file__)
 
 
-COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 # (mesh shape, mesh axes, token axes): TE's n4_dp2_tp2 and n8_dp2_fsdp2_tp2, tokens over dp
 # (TE's own tests) and over dp and fsdp together.
 MESHES = [((2, 2), ("dp", "tpsp"), "dp"), ((2, 2, 2), ("dp", "fsdp", "tpsp"), "dp"),
           ((2, 2, 2), ("dp", "fsdp", "tpsp"), ("dp", "fsdp"))]
-
-
-def _collectives(f, *args):
-    txt = jax.jit(f).lower(*args).compile().as_text()
-    return [c for c in COLLECTIVES if c in txt]
-
-
-@pytest.fixture(params=[True, False], ids=["shardy", "gspmd"])
-def partitioner(request):
-    old = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", request.param)
-    yield request.param
-    jax.config.update("jax_use_shardy_partitioner", old)
 
 
 @multidevice
@@ -284,8 +270,8 @@ def test_token_sharded_dispatch_and_combine_are_local(partitioner, mesh_shape, m
         out, pp, _, back = layer(x, rms, p, us)
         return jnp.sum(out ** 2) + jnp.sum(pp ** 2) + jnp.sum(back ** 2)
 
-    assert _collectives(layer, xs, rms, ps, us) == []
-    assert _collectives(jax.grad(loss, argnums=(0, 1)), xs, ps) == []
+    assert collectives(layer, xs, rms, ps, us) == []
+    assert collectives(jax.grad(loss, argnums=(0, 1)), xs, ps) == []
     out, pp, rid, back = jax.jit(layer)(xs, rms, ps, us)
     gx, gp = jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ps)
     assert out.sharding.spec[0] == token_axes and rid.sharding.spec[0] == token_axes
