@@ -60,9 +60,8 @@ def test_example_matches_dense_reference(example, backend, tokens, hidden, exper
 
 def test_example_ep_detects_a_missing_regrouping(example, monkeypatch):
     """With EP, skipping the chunk sort (identity) must break the grouped GEMM and fail."""
-    def identity_sort(inp, split_sizes, sorted_indices, probs=None, backend=None):
-        n = inp.shape[0]
-        return inp, probs, jax.numpy.arange(n, dtype=jax.numpy.int32)
+    def identity_sort(inp, split_sizes, sorted_indices, *, backend=None):
+        return inp, jax.numpy.arange(inp.shape[0], dtype=jax.numpy.int32)
 
     monkeypatch.setattr(te_jax_perm, "sort_chunks_by_index", identity_sort)
     cfg = example.MoEConfig(tokens=32, hidden=16, ffn=32, experts=4, topk=2, backend="xla", ep_ranks=2, steps=1)
