@@ -139,14 +139,14 @@ def _sort(p: Problem, backend: str, aux, x, probs):
     import te_jax_perm as tp
 
     split_sizes, sorted_indices = aux
-    out, pprobs, _ = tp.sort_chunks_by_index(x, split_sizes, sorted_indices, probs=probs, backend=backend)
+    out, pprobs, _ = tp.sort_chunks_by_index_with_probs(x, split_sizes, sorted_indices, probs, backend=backend)
     return out, pprobs
 
 
 def _sort_fwd(p: Problem, backend: str) -> Built:
     import te_jax_perm as tp
 
-    fn = lambda x, s, i, pr: tp.sort_chunks_by_index(x, s, i, probs=pr, backend=backend)  # noqa: E731
+    fn = lambda x, s, i, pr: tp.sort_chunks_by_index_with_probs(x, s, i, pr, backend=backend)  # noqa: E731
     args = (p.permuted, p.split_sizes, p.sorted_indices, p.sort_probs)
     outs = jax.eval_shape(fn, *args)
     return Built(fn, args, nbytes(args) + nbytes(outs))
@@ -169,7 +169,7 @@ def copy_xla(p: Problem) -> Built:
 
 def copy_triton(p: Problem, config) -> Built:
     """The declared Triton copy kernel through our own ``triton`` backend (or interpreter)."""
-    from te_jax_perm.ops.copy import device_copy
+    from benchmarks.copy_baseline import device_copy
 
     backend = "triton" if jax.default_backend() == "gpu" else "interpret"
     return Built(lambda x: device_copy(x, backend=backend, config=config), (p.permuted,), 2 * nbytes(p.permuted))

@@ -238,12 +238,11 @@ def moe_layer_ep(params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig) -> 
     chunk = lambda r, j: r * (e + 1) + j
     order = jnp.array([chunk(r, j) for j in range(e) for r in range(ep)] + [chunk(r, e) for r in range(ep)],
                       jnp.int32)
-    sorted_out = te_jax_perm.sort_chunks_by_index(rows.reshape(ep * per_rank, hdim), split_sizes, order,
-                                                  backend=cfg.backend)
-    sorted_rows, sort_map = sorted_out[0], sorted_out[-1]     # (rows, .., row map): the map comes last
+    sorted_rows, sort_map = te_jax_perm.sort_chunks_by_index(rows.reshape(ep * per_rank, hdim), split_sizes, order,
+                                                             backend=cfg.backend)
     y = expert_ffn(params, sorted_rows, tpe.sum(axis=0).astype(jnp.int32), cfg.gemm_impl)
-    back = te_jax_perm.sort_chunks_by_map(y, sort_map, is_forward=False, backend=cfg.backend)
-    y_back = (back[0] if isinstance(back, (tuple, list)) else back).reshape(ep, per_rank, hdim)
+    y_back, _ = te_jax_perm.sort_chunks_by_map(y, sort_map, is_forward=False, backend=cfg.backend)
+    y_back = y_back.reshape(ep, per_rank, hdim)
     if use_dispatch_probs:   # per row, so it commutes with the chunk sort: apply it in the rank layout
         y_back = (y_back.astype(jnp.float32) * permuted_probs[..., None]).astype(x.dtype)
 

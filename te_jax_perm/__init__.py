@@ -14,6 +14,7 @@ _LAZY = {
     "token_dispatch": "te_jax_perm.ops.dispatch",
     "token_combine": "te_jax_perm.ops.dispatch",
     "sort_chunks_by_index": "te_jax_perm.ops.chunk_sort",
+    "sort_chunks_by_index_with_probs": "te_jax_perm.ops.chunk_sort",
     # lower-level primitives
     "make_row_id_map": "te_jax_perm.ops.row_id_map",
     "permute_with_mask_map": "te_jax_perm.ops.permute",

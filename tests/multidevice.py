@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+
 MULTI = os.environ.get("TE_JAX_PERM_MULTIDEVICE") == "1"
 multidevice = pytest.mark.skipif(not MULTI, reason="runs in the 8-device subprocess")
 
@@ -24,3 +26,20 @@ def run_module_on_8_devices(module_file: str) -> None:
                        env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
+
+
+def collectives(f, *args) -> list[str]:
+    """The collective ops in ``f``'s compiled module for ``args``."""
+    import jax
+    txt = jax.jit(f).lower(*args).compile().as_text()
+    return [c for c in COLLECTIVES if c in txt]
+
+
+@pytest.fixture(params=[True, False], ids=["shardy", "gspmd"])
+def partitioner(request):
+    """Runs a test under Shardy and under GSPMD propagation."""
+    import jax
+    old = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", request.param)
+    yield request.param
+    jax.config.update("jax_use_shardy_partitioner", old)

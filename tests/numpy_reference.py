@@ -45,12 +45,16 @@ def dispatch_layout(rm: np.ndarray, num_out_tokens: int, align: int | None):
         for ex in range(e):
             if unpadded[tok, ex] >= 0:
                 dest[tok, ex] = unpadded[tok, ex] + pad[ex]
-    return dest, np.array(padded_counts), pad, num_out_tokens + e * (align - 1)
+    # The buffer: worst-case padding, rounded down to a multiple of align.
+    return dest, np.array(padded_counts), pad, (num_out_tokens + e * (align - 1)) // align * align
 
 
-def row_id_map(rm: np.ndarray, num_out_tokens: int) -> np.ndarray:
+def row_id_map(rm: np.ndarray, num_out_tokens: int, pad_offsets: np.ndarray | None = None) -> np.ndarray:
+    """The [T, 2E+1] map; with ``pad_offsets`` its destinations are the padded rows."""
     t, e = rm.shape
     unpadded, _, _, _ = dispatch_layout(rm, num_out_tokens, None)
+    if pad_offsets is not None:
+        unpadded = np.where(unpadded >= 0, unpadded + np.asarray(pad_offsets)[None, :], -1)
     out = -np.ones((t, 2 * e + 1), np.int64)
     for tok in range(t):
         j = 0

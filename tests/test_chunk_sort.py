@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import te_jax_perm
 from te_jax_perm.core import Config
-from te_jax_perm.ops import chunk_sort as cs
+from te_jax_perm.ops import chunk_sort_decl as cs
 from tests.conftest import KERNEL_BACKEND
 
 
@@ -53,6 +53,14 @@ CASES = [  # (N, H, sizes, order)
 ]
 
 
+def sort3(x, sizes, order, probs=None, backend=None):
+    """``(output, permuted_probs or None, row_id_map)`` from whichever public op fits."""
+    if probs is None:
+        out, row_map = te_jax_perm.sort_chunks_by_index(x, sizes, order, backend=backend)
+        return out, None, row_map
+    return te_jax_perm.sort_chunks_by_index_with_probs(x, sizes, order, probs, backend=backend)
+
+
 def _inputs(n, h, dtype=jnp.float32, seed=0):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((n, h)), dtype)
@@ -64,7 +72,7 @@ def _inputs(n, h, dtype=jnp.float32, seed=0):
 @pytest.mark.parametrize("with_probs", [False, True])
 def test_forward_matches_numpy(backend, n, h, sizes, order, with_probs):
     x, p = _inputs(n, h)
-    out, pp, row_map = te_jax_perm.sort_chunks_by_index(
+    out, pp, row_map = sort3(
         x, jnp.array(sizes, jnp.int32), jnp.array(order, jnp.int32), p if with_probs else None, backend=backend)
     np.testing.assert_array_equal(np.asarray(out), np_sort_chunks(x, sizes, order))
     if with_probs:
@@ -87,7 +95,7 @@ def test_backward_matches_numpy(backend, n, h, sizes, order, with_probs):
     ss, si = jnp.array(sizes, jnp.int32), jnp.array(order, jnp.int32)
 
     def loss(x, p):
-        out, pp, _ = te_jax_perm.sort_chunks_by_index(x, ss, si, p, backend=backend)
+        out, pp, _ = sort3(x, ss, si, p, backend=backend)
         return jnp.sum(out * w) + (jnp.sum(pp * v) if pp is not None else 0.0)
 
     if with_probs:
@@ -103,7 +111,7 @@ def test_backward_matches_numpy(backend, n, h, sizes, order, with_probs):
 def test_dtypes_copy_exactly(backend, dtype):
     n, h, sizes, order = 12, 9, [4, 1, 5], [1, 2, 0]
     x = jnp.asarray(np.random.default_rng(3).integers(-50, 50, (n, h)), dtype)
-    out, _, _ = te_jax_perm.sort_chunks_by_index(x, jnp.array(sizes), jnp.array(order), backend=backend)
+    out, _, _ = sort3(x, jnp.array(sizes), jnp.array(order), backend=backend)
     assert out.dtype == dtype
     expected = np_sort_chunks(np.asarray(x).view(np.uint8) if dtype == jnp.float8_e4m3fn else x, sizes, order)
     got = np.asarray(out).view(np.uint8) if dtype == jnp.float8_e4m3fn else np.asarray(out)
@@ -116,7 +124,7 @@ def test_traced_split_sizes_under_jit_and_round_trip(backend):
 
     @jax.jit
     def fwd_back(x, p, sizes, order):
-        out, pp, row_map = te_jax_perm.sort_chunks_by_index(x, sizes, order, p, backend=backend)
+        out, pp, row_map = sort3(x, sizes, order, p, backend=backend)
         back, pb = te_jax_perm.sort_chunks_by_map(out, row_map, pp, is_forward=False, backend=backend)
         return out, back, pb
 
@@ -134,7 +142,7 @@ def test_traced_oversized_splits_are_truncated(backend):
     n, h = 10, 4
     x, _ = _inputs(n, h, seed=5)
     sizes, order = [4, 9, 3], [2, 1, 0]
-    out, _, row_map = jax.jit(lambda x, s, o: te_jax_perm.sort_chunks_by_index(x, s, o, backend=backend))(
+    out, _, row_map = jax.jit(lambda x, s, o: sort3(x, s, o, backend=backend))(
         x, jnp.array(sizes), jnp.array(order))
     # Effective sizes [4, 6, 0]: the same as an exact split with those sizes.
     np.testing.assert_array_equal(np.asarray(out), np_sort_chunks(x, [4, 6, 0], order))
@@ -187,8 +195,8 @@ def test_move_kernel_configs(cfg, is_forward):
     n, h, sizes, order = 11, 37, [3, 0, 6, 1], [2, 3, 0, 1]
     x, p = _inputs(n, h, seed=7)
     row_map = te_jax_perm.make_chunk_sort_map(jnp.array(sizes), jnp.array(order), n, backend="xla")
-    got = cs._move_probs(x, row_map, p, backend=KERNEL_BACKEND, config=cfg, is_forward=is_forward)
-    ref = cs._move_probs(x, row_map, p, backend="xla", is_forward=is_forward)
+    got = cs.sort_chunks_probs(x, row_map, p, backend=KERNEL_BACKEND, config=cfg, is_forward=is_forward)
+    ref = cs.sort_chunks_probs(x, row_map, p, backend="xla", is_forward=is_forward)
     for a, b in zip(got, ref):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -210,23 +218,23 @@ def test_map_kernel_many_chunks():
 def test_map_kernel_configs(cfg):
     sizes, order = [5, 0, 7, 3, 9, 1], [5, 3, 1, 0, 4, 2]
     args = (jnp.array(sizes, jnp.int32), jnp.array(order, jnp.int32))
-    got = cs._chunk_sort_map(*args, backend=KERNEL_BACKEND, config=cfg, num_tokens=30)
-    ref = cs._chunk_sort_map(*args, backend="xla", num_tokens=30)
+    got = cs.chunk_sort_map(*args, backend=KERNEL_BACKEND, config=cfg, num_tokens=30)
+    ref = cs.chunk_sort_map(*args, backend="xla", num_tokens=30)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
 
 
-@pytest.mark.parametrize("decl", [cs.MAP_DECL, cs.MOVE_DECL, cs.MOVE_PROBS_DECL], ids=lambda d: d.name)
+@pytest.mark.parametrize("decl", [cs.chunk_sort_map.decl, cs.sort_chunks.decl, cs.sort_chunks_probs.decl], ids=lambda d: d.name)
 def test_default_config_valid_for_real_shapes(decl):
     """Default configs satisfy the declared constraints across shapes.md (incl. H=2880, 7168)."""
     for n in (1, 7, 4096, 16384):
         for h in (1, 37, 2880, 4096, 7168):
             for c in (1, 3, 8, 256, 1024, cs.MAX_CHUNKS):
-                dims = {"C": c} if decl is cs.MAP_DECL else {"N": n, "H": h}
-                params = {"num_tokens": n} if decl is cs.MAP_DECL else {"is_forward": True}
+                dims = {"C": c} if decl is cs.chunk_sort_map.decl else {"N": n, "H": h}
+                params = {"num_tokens": n} if decl is cs.chunk_sort_map.decl else {"is_forward": True}
                 cfg = decl.default_config(dims, params)
                 assert decl.violated(dims, params, cfg) is None, (dims, cfg)
     assert all(isinstance(c, Config) for c in decl.configs) and decl.configs
-    assert set(decl.key_dims) <= ({"C"} if decl is cs.MAP_DECL else {"N", "H"})
+    assert set(decl.key_dims) <= ({"C"} if decl is cs.chunk_sort_map.decl else {"N", "H"})
 
 
 # -- aliasing ---------------------------------------------------------------------------
@@ -240,7 +248,7 @@ def test_alias_audit_forward_and_backward(kernel_backend):
     n, h = 12, 8
     x, p = _inputs(n, h)
     ss, si = jnp.array([4, 8]), jnp.array([1, 0])
-    fwd = lambda x, p: te_jax_perm.sort_chunks_by_index(x, ss, si, p, backend=kernel_backend)[:2]
+    fwd = lambda x, p: sort3(x, ss, si, p, backend=kernel_backend)[:2]
     audit = te_jax_perm.audit_aliases(fwd, x, p)
     assert audit.ok, str(audit)
     _ours(audit, "chunk_sort_map")
@@ -278,7 +286,7 @@ def test_lesson1_backward_with_donated_gradient(kernel_backend):
     audit = te_jax_perm.audit_aliases(bwd, x, jnp.zeros((n, h), jnp.float32))
     assert audit.ok, str(audit)
     moves = _ours(audit, "sort_chunks")
-    num_operands = len(cs.MOVE_DECL.operands)
+    num_operands = len(cs.sort_chunks.decl.operands)
     for call in moves:
         assert call.aliases == {0: num_operands}, str(audit)
         assert call.aliases[0] != 0
@@ -309,10 +317,10 @@ def test_errors():
         te_jax_perm.sort_chunks_by_index(x, jnp.array([1.0, 2.0]), jnp.array([0, 1]))
     with pytest.raises(ValueError, match="split_sizes.*shape \\(1, 2\\).*rank 1"):
         te_jax_perm.sort_chunks_by_index(x, jnp.array([[1, 2]]), jnp.array([0, 1]))
-    with pytest.raises(ValueError, match="'inp' has shape \\(10,\\).*rank 2"):
+    with pytest.raises(ValueError, match="inp has shape \\(10,\\).*expected \\[N, H\\]"):
         te_jax_perm.sort_chunks_by_index(jnp.zeros(10), jnp.array([1]), jnp.array([0]))
-    with pytest.raises(ValueError, match="'probs' has shape \\(9,\\).*expected \\(10,\\)"):
-        te_jax_perm.sort_chunks_by_index(x, jnp.array([1]), jnp.array([0]), jnp.zeros(9))
+    with pytest.raises(ValueError, match="probs has shape \\(9,\\).*expected \\(10,\\)"):
+        te_jax_perm.sort_chunks_by_index_with_probs(x, jnp.array([1]), jnp.array([0]), jnp.zeros(9))
     with pytest.raises(ValueError, match="sum\\(split_sizes\\) = 11 exceeds.*10"):
         te_jax_perm.sort_chunks_by_index(x, jnp.array([5, 6]), jnp.array([0, 1]))
     with pytest.raises(ValueError, match="negative"):

@@ -51,7 +51,8 @@ def test_example_matches_dense_reference(example, backend, tokens, hidden, exper
     assert rep.ok, rep.errors
     assert rep.backend == backend
     assert set(rep.errors) == {"output", "loss", "grad input", "grad router", "grad w_in", "grad w_out"}
-    rows = (tokens // ep) * topk + (experts * (align - 1) if align else 0)
+    rows = (tokens // ep) * topk
+    rows = (rows + experts * (align - 1)) // align * align if align else rows
     assert rep.shapes["output"] == (tokens, hidden)
     if ep == 1:
         assert rep.shapes["dispatched rows"] == (rows, hidden)

@@ -7,6 +7,8 @@ import pytest
 import te_jax_perm
 from te_jax_perm.core import Config
 from te_jax_perm.ops import permute as P
+from te_jax_perm.ops import permute_decl as D
+from te_jax_perm.ops.dispatch import padding_layout, with_padding
 from tests import numpy_reference as ref
 
 
@@ -46,10 +48,16 @@ def test_permute_unpermute_lower_level(backend, align, budget):
         np.testing.assert_allclose(np.asarray(gw), e_gw, rtol=1e-4, atol=1e-5)
 
 
-def test_kept_per_expert_recovered_from_map():
+@pytest.mark.parametrize("align", [None, 4])
+def test_segments_recovered_from_map(align):
+    """The backward zero-fill's segments, read off the map, equal the dispatch layout's."""
     rm, n, _, _ = _setup(budget=0.7)
     rid, kept = te_jax_perm.make_row_id_map(rm, n, backend="xla")
-    np.testing.assert_array_equal(np.asarray(P.kept_per_expert(rid)), np.asarray(kept))
+    pad = jnp.zeros(kept.shape, jnp.int32) if align is None else padding_layout(kept, align)[1]
+    for start, count in (P.map_segments(rid, pad, align is not None), P.map_segments(with_padding(rid, pad), 0 * pad, False)):
+        want_start, want_count = P.segments(kept, pad)
+        np.testing.assert_array_equal(np.asarray(count), np.asarray(want_count))
+        np.testing.assert_array_equal(np.asarray(start)[np.asarray(count) > 0], np.asarray(want_start)[np.asarray(count) > 0])
 
 
 # Configs that change ROWS (token ranges per program) and BLOCK_H (loop over H): all exact.
@@ -63,21 +71,21 @@ def test_every_kernel_config_matches_reference(kernel_backend, cfg):
     rid, kept = te_jax_perm.make_row_id_map(rm, n, backend="xla")
     e_out, e_pp, dest, e_pad, _ = ref.dispatch(x, rm, n, p, 4)
     pad = jnp.asarray(e_pad, jnp.int32)
-    ss, sc = P._segments(kept, pad)
+    ss, sc = P.segments(kept, pad)
     rows = e_out.shape[0]
     for b in ("xla", kernel_backend):
-        out, pp = P.permute_rows_probs(x, rid, pad, ss, sc, p, backend=b, config=cfg if b != "xla" else None,
+        out, pp = D.permute_probs(x, rid, pad, ss, sc, p, backend=b, config=cfg if b != "xla" else None,
                                        num_out_rows=rows, padded=True)
         np.testing.assert_array_equal(np.asarray(out), e_out)
         np.testing.assert_array_equal(np.asarray(pp), e_pp)
-        (y,) = P.unpermute_rows_weighted(out, rid, pad, p, backend=b, config=cfg if b != "xla" else None,
+        (y,) = D.unpermute_weighted(out, rid, pad, p, backend=b, config=cfg if b != "xla" else None,
                                         padded=True)
         np.testing.assert_allclose(np.asarray(y), ref.combine(e_out, dest, p), rtol=1e-5, atol=1e-6)
 
 
 def test_declarations_prune_bad_configs():
     d = {"T": 4, "H": 64, "E": 2, "W": 5}
-    decl = P.permute_rows.decl
+    decl = D.permute.decl
     assert decl.violated(d, {}, Config.make(BLOCK_H=96, ROWS=1))  # not a power of two
     assert decl.violated(d, {}, Config.make(BLOCK_H=4096, ROWS=1))  # far wider than H
     assert decl.violated(d, {}, Config.make(BLOCK_H=64, ROWS=8))  # more rows than tokens
@@ -135,25 +143,25 @@ def _sm90_ptx(decl, dims, params, dtypes):
 
 
 def _row_kernels():
-    from te_jax_perm.ops import chunk_sort as cs
-    from te_jax_perm.ops import copy as C
+    from benchmarks.copy_baseline import device_copy_primitive
+    from te_jax_perm.ops import chunk_sort_decl as cs
     idx = {"row_id_map": "int32", "pad_offsets": "int32", "seg_start": "int32", "seg_count": "int32"}
     rows = {"T": 4096, "E": 256, "W": 513, "N": 4096 * 8}
     scatter = {"num_out_rows": 4096 * 8, "padded": True}
     return [
-        ("permute", P.permute_rows.decl, rows, scatter, {**idx, "inp": "bfloat16"}),
-        ("permute_probs", P.permute_rows_probs.decl, rows, scatter, {**idx, "inp": "bfloat16", "probs": "float32"}),
-        ("unpermute_bwd_weighted", P.scatter_weighted.decl, rows, {"padded": True},
+        ("permute", D.permute.decl, rows, scatter, {**idx, "inp": "bfloat16"}),
+        ("permute_probs", D.permute_probs.decl, rows, scatter, {**idx, "inp": "bfloat16", "probs": "float32"}),
+        ("unpermute_bwd_weighted", D.unpermute_bwd_weighted.decl, rows, {"padded": True},
          {**idx, "grad": "bfloat16", "merging_probs": "float32", "fwd_inp": "bfloat16"}),
-        ("unpermute", P.unpermute_rows.decl, rows, {"padded": False}, {**idx, "inp": "bfloat16"}),
-        ("unpermute_weighted", P.unpermute_rows_weighted.decl, rows, {"padded": True},
+        ("unpermute", D.unpermute.decl, rows, {"padded": False}, {**idx, "inp": "bfloat16"}),
+        ("unpermute_weighted", D.unpermute_weighted.decl, rows, {"padded": True},
          {**idx, "inp": "bfloat16", "merging_probs": "float32"}),
-        ("permute_bwd_probs", P.unpermute_rows_pgrad.decl, rows, {"padded": True},
+        ("permute_bwd_probs", D.permute_bwd_probs.decl, rows, {"padded": True},
          {**idx, "inp": "bfloat16", "grad_permuted_probs": "float32"}),
-        ("sort_chunks_probs", cs.MOVE_PROBS_DECL, {"N": 8192}, {"is_forward": False},
+        ("sort_chunks_probs", cs.sort_chunks_probs.decl, {"N": 8192}, {"is_forward": False},
          {"inp": "bfloat16", "row_id_map": "int32", "probs": "float32"}),
         # An odd element count: only the ragged last program may mask.
-        ("device_copy", C._copy.decl, {"N": 8192 * 7 + 3}, {}, {"src": "bfloat16"}),
+        ("device_copy", device_copy_primitive.decl, {"N": 8192 * 7 + 3}, {}, {"src": "bfloat16"}),
     ]
 
 
@@ -179,28 +187,33 @@ def test_row_kernels_vectorise_for_sm90(case, h):
 @pytest.mark.parametrize("n", [1, 2048, 3 * 1024 + 5])
 def test_device_copy_full_and_ragged_tiles(kernel_backend, n):
     """Unmasked full tiles, then one masked ragged program (n not a multiple of the tile)."""
-    from te_jax_perm.ops.copy import device_copy
+    from benchmarks.copy_baseline import device_copy
     x = np.random.default_rng(n).standard_normal(n).astype(jnp.bfloat16)
     for cfg in (None, Config.make(num_warps=4, BLOCK=1024, ITERS=2)):
         np.testing.assert_array_equal(np.asarray(device_copy(x, backend=kernel_backend, config=cfg)), x)
 
 
-def test_example_row_id_map_matches_make_row_id_map():
+def test_numpy_row_id_map_reference_matches_make_row_id_map():
+    """The NumPy run of ``row_id_map_reference`` (autotuning trial operands) is the map the
+    kernels build, and the independent loop reference's."""
+    from te_jax_perm.ops.row_id_map import row_id_map_reference
     rng = np.random.default_rng(3)
     rm = ref.routing(rng, 13, 6, 3, "skew")
     for drop_at in (int(rm.sum()), 7, 0):
         rid, kept = te_jax_perm.make_row_id_map(rm, drop_at, backend="xla")
-        e_rid, e_kept = P._np_row_id_map(rm, drop_at)
+        e_rid, e_kept = row_id_map_reference(rm, drop_at, xp=np)
+        assert isinstance(e_rid, np.ndarray) and e_rid.dtype == np.int32 and e_kept.dtype == np.int32
         np.testing.assert_array_equal(np.asarray(rid), e_rid)
         np.testing.assert_array_equal(np.asarray(kept), e_kept)
+        np.testing.assert_array_equal(e_rid, ref.row_id_map(rm, drop_at))
 
 
-_EXAMPLE_DECLS = [(P.permute_rows, {"num_out_rows": 40, "padded": True}),
-                  (P.permute_rows_probs, {"num_out_rows": 23, "padded": False}),
-                  (P.scatter_weighted, {"padded": True}),
-                  (P.unpermute_rows, {"padded": False}),
-                  (P.unpermute_rows_weighted, {"padded": True}),
-                  (P.unpermute_rows_pgrad, {"padded": True})]
+_EXAMPLE_DECLS = [(D.permute, {"num_out_rows": 40, "padded": True}),
+                  (D.permute_probs, {"num_out_rows": 23, "padded": False}),
+                  (D.unpermute_bwd_weighted, {"padded": True}),
+                  (D.unpermute, {"padded": False}),
+                  (D.unpermute_weighted, {"padded": True}),
+                  (D.permute_bwd_probs, {"padded": True})]
 
 
 @pytest.mark.parametrize("prim,params", _EXAMPLE_DECLS, ids=[p.decl.name for p, _ in _EXAMPLE_DECLS])
@@ -227,7 +240,8 @@ _SHARD_SCRIPT = r"""
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as PS
 import te_jax_perm
-from te_jax_perm.ops.copy import device_copy
+from benchmarks.copy_baseline import device_copy
+from te_jax_perm.ops.dispatch import padding_layout, with_padding
 from tests import numpy_reference as ref
 
 mesh = Mesh(np.array(jax.devices()), ("d",))

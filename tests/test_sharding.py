@@ -9,9 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.multidevice import MULTI, multidevice, run_module_on_8_devices  # noqa: E402,F401
+from tests.multidevice import MULTI, collectives, multidevice, partitioner, run_module_on_8_devices  # noqa: E402,F401
 
-COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 
 
 def test_in_8_device_subprocess():
@@ -37,19 +36,6 @@ def _put(x, *spec):
     return jax.device_put(x, NamedSharding(MESH, P(*spec)))
 
 
-def _collectives(f, *args):
-    txt = jax.jit(f).lower(*args).compile().as_text()
-    return [c for c in COLLECTIVES if c in txt]
-
-
-@pytest.fixture(params=[True, False], ids=["shardy", "gspmd"])
-def partitioner(request):
-    old = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", request.param)
-    yield request.param
-    jax.config.update("jax_use_shardy_partitioner", old)
-
-
 @multidevice
 @pytest.mark.parametrize("spec", [("d",), (None, "d")], ids=["rows", "hidden"])
 def test_declared_local_axes_partition_without_collectives(partitioner, spec):
@@ -61,7 +47,7 @@ def test_declared_local_axes_partition_without_collectives(partitioner, spec):
     out = jax.jit(f)(*args)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(src)[np.asarray(idx)])
     assert out.sharding.spec == P(*spec)
-    assert _collectives(f, *args) == []
+    assert collectives(f, *args) == []
 
 
 @multidevice
@@ -73,7 +59,7 @@ def test_undeclared_axis_is_replicated(partitioner):
     f = lambda s, i: GATHER(s, i, backend="xla")[0]
     out = jax.jit(f)(_put(src, "d"), _put(idx, "d"))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(src)[np.asarray(idx)])
-    assert "all-gather" in _collectives(f, _put(src, "d"), _put(idx, "d"))
+    assert "all-gather" in collectives(f, _put(src, "d"), _put(idx, "d"))
 
 
 def _routing(g, t, e, k, rng):
@@ -96,8 +82,6 @@ def _group_dispatch_combine(x, routing_map, probs, backend):
 @multidevice
 def test_vmapped_dispatch_combine_is_shard_local(partitioner):
     """Tokens sharded by routing group (one group per device): each device permutes its own."""
-    if not partitioner:
-        pytest.skip("known: XLA aborts (no message) partitioning this chain under GSPMD; Shardy is the default")
     g, t, e, h = 8, 12, 4, 16
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((g, t, h)), jnp.float32)
@@ -110,7 +94,7 @@ def test_vmapped_dispatch_combine_is_shard_local(partitioner):
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
         assert a.sharding.spec[0] == "d"
-    assert _collectives(f, *args) == []
+    assert collectives(f, *args) == []
 
 
 @multidevice
@@ -127,8 +111,8 @@ def test_vmapped_chunk_sort_is_shard_local_and_differentiable(partitioner):
     np.testing.assert_array_equal(np.asarray(jax.jit(f)(*args)), np.asarray(jax.jit(f)(x, sizes, order)))
     gs = jax.jit(jax.grad(loss))(*args)
     np.testing.assert_array_equal(np.asarray(gs), np.asarray(jax.jit(jax.grad(loss))(x, sizes, order)))
-    assert _collectives(f, *args) == []
-    assert _collectives(jax.grad(loss), *args) == []
+    assert collectives(f, *args) == []
+    assert collectives(jax.grad(loss), *args) == []
 
 
 @multidevice

@@ -20,6 +20,12 @@ the ordinary primitive and only the emitted module changes:
 
 With one device, or inside a fully manual ``shard_map``, the wrapper lowers straight to the
 per-device function: there is no custom-partitioning call in single-device programs.
+
+The three axis rules of the library: the H axis (a row's slices move independently) and the
+vmap batch axis are shard-local kernel axes, declared here; the token axis of
+``token_dispatch``/``token_combine`` is not (a token's row depends on every earlier token),
+so a token-sharded call instead runs as independent local calls, one per shard, with the
+output rows divided across the shards - an op-level rule in ``te_jax_perm.ops.token_split``.
 """
 from __future__ import annotations
 
@@ -114,7 +120,8 @@ def partitioned(fn, ops, outs, local):
         return tuple(_shardings(mesh, outs, chosen))
 
     def propagate(mesh, user_shape):
-        return user_shape.sharding
+        # Multi-output kernels get a tuple of ShapeDtypeStructs.
+        return tuple(u.sharding for u in user_shape) if isinstance(user_shape, tuple) else user_shape.sharding
 
     def partition(mesh, arg_shapes, result_shape):
         chosen = _choose(ops, local, arg_shapes)

@@ -16,12 +16,12 @@ def chunk_sort_map_kernel(split_ptr, sorted_ptr, C, N, map_prealloc_ptr, map_ptr
     """Each program maps BLOCK_N rows; chunk bookkeeping is recomputed per program (C is small)."""
     pid = tl.program_id(0)
     c = tl.arange(0, C_POW2)
-    sizes = tl.load(split_ptr + c, mask=c < C, other=0).to(tl.int32)
-    sizes = tl.maximum(sizes, 0)
+    # Sizes summed in int64: C sizes of up to 2**31-1 cannot overflow it, so chunks are
+    # truncated where the input ends (destinations never leave [0, N)) whatever the sizes.
+    sizes = tl.maximum(tl.load(split_ptr + c, mask=c < C, other=0).to(tl.int64), 0)
     cum = tl.cumsum(sizes, axis=0)
-    # Chunks are truncated where the input ends, so destinations never leave [0, N).
-    incl = tl.minimum(cum, N)
-    excl = tl.minimum(cum - sizes, N)
+    incl = tl.minimum(cum, N).to(tl.int32)
+    excl = tl.minimum(cum - sizes, N).to(tl.int32)
     eff = incl - excl
     # Output start of every chunk: walk the sorted order in tiles, carrying the running sum.
     dst_start = tl.zeros([C_POW2], dtype=tl.int32)
@@ -54,7 +54,8 @@ def _move_rows(inp_ptr, map_ptr, probs_ptr, N, out_ptr, probs_out_ptr, H: tl.con
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     in_range = rows < N
     target = tl.load(map_ptr + rows, mask=in_range, other=-1)
-    mapped = target >= 0
+    # Entries outside [0, N) count as unmapped: no map moves a row outside the buffers.
+    mapped = (target >= 0) & (target < N)
     if FORWARD:
         # Scatter: row i goes to target[i]; unmapped rows zero-fill their own slot.
         src = rows
@@ -78,13 +79,13 @@ def _move_rows(inp_ptr, map_ptr, probs_ptr, N, out_ptr, probs_out_ptr, H: tl.con
 
 
 @triton.jit
-def sort_rows_kernel(inp_ptr, map_ptr, N, out_prealloc_ptr, out_ptr, H: tl.constexpr,
+def sort_chunks_kernel(inp_ptr, map_ptr, N, out_prealloc_ptr, out_ptr, H: tl.constexpr,
                      FORWARD: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     _move_rows(inp_ptr, map_ptr, map_ptr, N, out_ptr, out_ptr, H, FORWARD, False, ROWS, BLOCK_H)
 
 
 @triton.jit
-def sort_rows_probs_kernel(inp_ptr, map_ptr, probs_ptr, N, out_prealloc_ptr, probs_prealloc_ptr,
+def sort_chunks_probs_kernel(inp_ptr, map_ptr, probs_ptr, N, out_prealloc_ptr, probs_prealloc_ptr,
                            out_ptr, probs_out_ptr, H: tl.constexpr,
                            FORWARD: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     _move_rows(inp_ptr, map_ptr, probs_ptr, N, out_ptr, probs_out_ptr, H, FORWARD, True, ROWS, BLOCK_H)

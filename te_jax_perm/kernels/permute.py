@@ -28,14 +28,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _dest(rid_row, pad_ptr, j, E, live, PADDED: tl.constexpr):
-    """Destination rows (int64, -1 where absent) and expert ids of map column ``j``."""
+def _dest(rid_row, pad_ptr, j, E, N, live, PADDED: tl.constexpr):
+    """Destination rows (int64) and expert ids of map column ``j``, and where they are usable.
+
+    Whatever the map holds, nothing outside the buffers is touched: callers pass ``live``
+    only where ``j`` is below the token's routed count clamped to ``[0, E]``, so only the
+    row's own columns are read; expert ids outside ``[0, E)`` and destinations outside
+    ``[0, N)`` (the rows of the expert-sorted buffer) mark the entry absent."""
     dest = tl.load(rid_row + j, mask=live, other=-1)
     ok = live & (dest >= 0)
     e = tl.load(rid_row + E + j, mask=ok, other=0)
+    ok = ok & (e >= 0) & (e < E)
     dest = dest.to(tl.int64)
     if PADDED:
         dest += tl.load(pad_ptr + e, mask=ok, other=0)
+    ok = ok & (dest >= 0) & (dest < N)
     return dest, e, ok
 
 
@@ -52,14 +59,15 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_p
         tm = t < T
         t64 = t.to(tl.int64)
         rid_row = rid_ptr + t64 * (2 * E + 1)
-        cnt = tl.load(rid_row + 2 * E, mask=tm, other=0)
+        # The routed count bounds loops and columns: clamped to [0, E] whatever the map says.
+        cnt = tl.minimum(tl.maximum(tl.load(rid_row + 2 * E, mask=tm, other=0), 0), E)
         kmax = tl.max(cnt, axis=0)
         live0 = tm & (0 < cnt)
         if WEIGHTED:
             # Combine backward: one pass per map column, since each destination needs its dot.
             for j in range(kmax):
-                dest, e, ok = _dest(rid_row, pad_ptr, j, E, tm & (j < cnt), PADDED)
-                w = tl.load(w_ptr + t64 * E + e, mask=ok, other=0)
+                dest, e, ok = _dest(rid_row, pad_ptr, j, E, N_OUT, tm & (j < cnt), PADDED)
+                w = tl.load(w_ptr + t64 * E + e, mask=ok, other=0).to(tl.float32)
                 acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
                 for h0 in range(0, H, BLOCK_H):
                     off = h0 + tl.arange(0, BLOCK_H)
@@ -70,22 +78,22 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_p
                     acc += g * yv.to(tl.float32)
                     tl.store(out_ptr + dest[:, None] * H + off[None, :],
                              (g * w[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None] & hm)
-                tl.store(dw_ptr + t64 * E + e, tl.sum(acc, axis=1), mask=ok)
+                tl.store(dw_ptr + t64 * E + e, tl.sum(acc, axis=1).to(dw_ptr.dtype.element_ty), mask=ok)
         else:
             if HAS_PROBS:
                 for j in range(kmax):
-                    dest, e, ok = _dest(rid_row, pad_ptr, j, E, tm & (j < cnt), PADDED)
+                    dest, e, ok = _dest(rid_row, pad_ptr, j, E, N_OUT, tm & (j < cnt), PADDED)
                     tl.store(pout_ptr + dest, tl.load(probs_ptr + t64 * E + e, mask=ok), mask=ok)
             # Read each slice of the tokens once and write it to all their experts.
             for h0 in range(0, H, BLOCK_H):
                 off = h0 + tl.arange(0, BLOCK_H)
                 hm = (off < H)[None, :]
                 v = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=tm[:, None] & hm)
-                nxt, _e, nok = _dest(rid_row, pad_ptr, 0, E, live0, PADDED)
+                nxt, _e, nok = _dest(rid_row, pad_ptr, 0, E, N_OUT, live0, PADDED)
                 for j in range(kmax):
                     dest = nxt
                     ok = nok
-                    nxt, _e, nok = _dest(rid_row, pad_ptr, j + 1, E, tm & (j + 1 < cnt), PADDED)
+                    nxt, _e, nok = _dest(rid_row, pad_ptr, j + 1, E, N_OUT, tm & (j + 1 < cnt), PADDED)
                     tl.store(out_ptr + dest[:, None] * H + off[None, :], v, mask=ok[:, None] & hm)
     else:
         rows = (pid - n_tok) * FILL_ROWS + tl.arange(0, FILL_ROWS)
@@ -128,7 +136,7 @@ def permute_probs_kernel(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, 
 
 
 @triton.jit
-def scatter_weighted_kernel(g_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, w_ptr, y_ptr, T, E, N_OUT,
+def unpermute_bwd_weighted_kernel(g_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, w_ptr, y_ptr, T, E, N_OUT,
                             out_prealloc, dw_prealloc, out_ptr, dw_ptr, H: tl.constexpr,
                             PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
                             FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, FILL_H: tl.constexpr):
@@ -138,7 +146,7 @@ def scatter_weighted_kernel(g_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_pt
 
 
 @triton.jit
-def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, out_ptr, dprobs_ptr, H: tl.constexpr,
+def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, N, out_ptr, dprobs_ptr, H: tl.constexpr,
                  WEIGHTED: tl.constexpr, HAS_PGRAD: tl.constexpr, PADDED: tl.constexpr,
                  BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0)
@@ -146,48 +154,48 @@ def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, out_ptr, dprobs_
     tm = t < T
     t64 = t.to(tl.int64)
     rid_row = rid_ptr + t64 * (2 * E + 1)
-    cnt = tl.load(rid_row + 2 * E, mask=tm, other=0)
+    cnt = tl.minimum(tl.maximum(tl.load(rid_row + 2 * E, mask=tm, other=0), 0), E)
     kmax = tl.max(cnt, axis=0)
     live0 = tm & (0 < cnt)
     for h0 in range(0, H, BLOCK_H):
         off = h0 + tl.arange(0, BLOCK_H)
         hm = (off < H)[None, :]
         acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
-        nxt, ne, nok = _dest(rid_row, pad_ptr, 0, E, live0, PADDED)
+        nxt, ne, nok = _dest(rid_row, pad_ptr, 0, E, N, live0, PADDED)
         for j in range(kmax):
             dest = nxt
             e = ne
             ok = nok
             # Next column's indices first: their latency hides behind this column's row load.
-            nxt, ne, nok = _dest(rid_row, pad_ptr, j + 1, E, tm & (j + 1 < cnt), PADDED)
+            nxt, ne, nok = _dest(rid_row, pad_ptr, j + 1, E, N, tm & (j + 1 < cnt), PADDED)
             v = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0).to(tl.float32)
             if WEIGHTED:
-                v = v * tl.load(w_ptr + t64 * E + e, mask=ok, other=0)[:, None]
+                v = v * tl.load(w_ptr + t64 * E + e, mask=ok, other=0).to(tl.float32)[:, None]
             acc += v
         tl.store(out_ptr + t64[:, None] * H + off[None, :], acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & hm)
     if HAS_PGRAD:
         for j in range(kmax):
-            dest, e, ok = _dest(rid_row, pad_ptr, j, E, tm & (j < cnt), PADDED)
+            dest, e, ok = _dest(rid_row, pad_ptr, j, E, N, tm & (j < cnt), PADDED)
             tl.store(dprobs_ptr + t64 * E + e, tl.load(gpp_ptr + dest, mask=ok), mask=ok)
 
 
 @triton.jit
-def unpermute_kernel(y_ptr, rid_ptr, pad_ptr, T, E, out_prealloc, out_ptr, H: tl.constexpr,
+def unpermute_kernel(y_ptr, rid_ptr, pad_ptr, T, E, N, out_prealloc, out_ptr, H: tl.constexpr,
                      PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
-    _gather_body(y_ptr, rid_ptr, pad_ptr, y_ptr, y_ptr, T, E, out_ptr, out_ptr, H,
+    _gather_body(y_ptr, rid_ptr, pad_ptr, y_ptr, y_ptr, T, E, N, out_ptr, out_ptr, H,
                  False, False, PADDED, BLOCK_H, ROWS)
 
 
 @triton.jit
-def unpermute_weighted_kernel(y_ptr, rid_ptr, pad_ptr, w_ptr, T, E, out_prealloc, out_ptr, H: tl.constexpr,
+def unpermute_weighted_kernel(y_ptr, rid_ptr, pad_ptr, w_ptr, T, E, N, out_prealloc, out_ptr, H: tl.constexpr,
                               PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
-    _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, w_ptr, T, E, out_ptr, out_ptr, H,
+    _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, w_ptr, T, E, N, out_ptr, out_ptr, H,
                  True, False, PADDED, BLOCK_H, ROWS)
 
 
 @triton.jit
-def unpermute_pgrad_kernel(y_ptr, rid_ptr, pad_ptr, gpp_ptr, T, E, out_prealloc, dprobs_prealloc,
+def permute_bwd_probs_kernel(y_ptr, rid_ptr, pad_ptr, gpp_ptr, T, E, N, out_prealloc, dprobs_prealloc,
                            out_ptr, dprobs_ptr, H: tl.constexpr,
                            PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
-    _gather_body(y_ptr, rid_ptr, pad_ptr, gpp_ptr, gpp_ptr, T, E, out_ptr, dprobs_ptr, H,
+    _gather_body(y_ptr, rid_ptr, pad_ptr, gpp_ptr, gpp_ptr, T, E, N, out_ptr, dprobs_ptr, H,
                  False, True, PADDED, BLOCK_H, ROWS)

@@ -11,10 +11,10 @@ Tokens go in blocks of ``BLOCK_T``, one program per block. A program needs, per 
 the number of routed tokens in all earlier blocks (its exclusive prefix) and in all blocks
 (the totals, whose exclusive scan over experts gives each expert's first row).
 
-* Two launches (``block_counts_kernel`` then ``fill_map_kernel``): pass 1 writes each
-  block's per-expert counts ``[NB, E]``; in pass 2 every program reduces that small
+* Two launches (``row_id_map_block_counts_kernel`` then ``row_id_map_fill_kernel``): pass 1
+  writes each block's per-expert counts ``[NB, E]``; in pass 2 every program reduces that small
   matrix (L2-resident) itself, so no separate scan pass or host-side glue is needed.
-* One launch (``fused_map_kernel``), for small ``T*E``: every program reduces the routing
+* One launch (``row_id_map_fused_kernel``), for small ``T*E``: every program reduces the routing
   map itself instead of the counts - cheaper than a second launch while ``T*E`` is small.
 
 The routing map may be bool (Triton loads ``*i1`` as bytes) or any integer type holding 0/1.
@@ -24,7 +24,7 @@ import triton.language as tl
 
 
 @triton.jit
-def block_counts_kernel(rm_ptr, T, counts_prealloc, counts_ptr, E: tl.constexpr,
+def row_id_map_block_counts_kernel(rm_ptr, T, counts_prealloc, counts_ptr, E: tl.constexpr,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr):
     # [SUB, BLOCK_E] sub-tiles keep registers low; E compiled in makes the rows vector loads.
     b = tl.program_id(0)
@@ -85,7 +85,7 @@ def _fill_block(rm_ptr, run, b, T, N, map_ptr, E: tl.constexpr, BLOCK_T: tl.cons
 
 
 @triton.jit
-def fill_map_kernel(rm_ptr, counts_ptr, T, N, map_prealloc, kept_prealloc, map_ptr, kept_ptr,
+def row_id_map_fill_kernel(rm_ptr, counts_ptr, T, N, map_prealloc, kept_prealloc, map_ptr, kept_ptr,
                     E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr,
                     CH: tl.constexpr):
     # Pass 2: this block's prefix and the totals, reduced from the [NB, E] counts in
@@ -107,7 +107,7 @@ def fill_map_kernel(rm_ptr, counts_ptr, T, N, map_prealloc, kept_prealloc, map_p
 
 
 @triton.jit
-def fused_map_kernel(rm_ptr, T, N, map_prealloc, kept_prealloc, map_ptr, kept_ptr, E: tl.constexpr,
+def row_id_map_fused_kernel(rm_ptr, T, N, map_prealloc, kept_prealloc, map_ptr, kept_ptr, E: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr, CH: tl.constexpr):
     # One launch: the prefix and totals reduced straight from the routing map's [CH, BLOCK_E]
     # row chunks (every program reads the whole map: only worth it while T*E is small).

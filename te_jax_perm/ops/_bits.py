@@ -1,8 +1,12 @@
-"""Pure row moves carry fp8 as raw bytes.
+"""Pure row moves carry bits, not values.
 
-Triton has no fp8 zero constant in its interpreter and nothing in a copy needs fp8
-semantics, so fp8 rows travel through the kernels as uint8 of the same width and are
-viewed back afterwards: bit-exact, and one kernel binary serves every 1-byte dtype.
+Every row move (dispatch forward, chunk sorts) runs on unsigned integers of the rows' byte
+width and views the result back: bit-exact for every bit pattern on every backend (XLA on
+CPU would otherwise quiet bf16 signalling NaNs in a select), one kernel binary per byte
+width, and dtypes Triton cannot hold (fp8 in its interpreter, bool, complex, 8-byte types)
+move like any other.
+
+Rows are ``[N, H]``; types wider than 4 bytes travel as ``[N, H*k]`` uint32 words.
 """
 from __future__ import annotations
 
@@ -10,14 +14,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def is_fp8(dtype) -> bool:
-    return np.dtype(dtype).name.startswith("float8")
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
 def to_bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, jnp.uint8) if is_fp8(x.dtype) else x
+    """``[N, H]`` rows of any dtype as unsigned-integer rows ``[N, H*k]`` holding the same bytes."""
+    dt = np.dtype(x.dtype)
+    if dt == np.bool_:
+        return x.astype(jnp.uint8)  # jax stores bool as one byte holding 0 or 1
+    if jnp.issubdtype(dt, jnp.complexfloating):
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+        dt = np.dtype(x.dtype)
+    if dt.itemsize in _UINT:
+        y = jax.lax.bitcast_convert_type(x, _UINT[dt.itemsize])
+    else:  # 8-byte elements: pairs of 32-bit words
+        y = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return y.reshape(x.shape[0], -1)
 
 
-def from_bits(y: jax.Array, dtype) -> jax.Array:
-    return jax.lax.bitcast_convert_type(y, dtype) if y.dtype != np.dtype(dtype) else y
+def from_bits(y: jax.Array, dtype, shape: tuple[int, ...]) -> jax.Array:
+    """Inverse of :func:`to_bits`: ``y`` viewed back as ``dtype`` rows of ``shape``."""
+    dt = np.dtype(dtype)
+    if dt == np.bool_:
+        return y.reshape(shape).astype(jnp.bool_)
+    if jnp.issubdtype(dt, jnp.complexfloating):
+        part = np.dtype(jnp.finfo(dt).dtype)
+        pairs = from_bits(y, part, tuple(shape) + (2,))
+        return jax.lax.complex(pairs[..., 0], pairs[..., 1])
+    if dt.itemsize in _UINT:
+        return jax.lax.bitcast_convert_type(y.reshape(shape), dt)
+    return jax.lax.bitcast_convert_type(y.reshape(tuple(shape) + (dt.itemsize // 4,)), dt)

@@ -29,6 +29,11 @@ def check_float32(name: str, x: Any) -> None:
         raise TypeError(f"{name} has dtype {_dt(x).name}; expected float32")
 
 
+def check_probs_dtype(name: str, x: Any) -> None:
+    if _dt(x).name not in ("bfloat16", "float16", "float32"):
+        raise TypeError(f"{name} has dtype {_dt(x).name}; expected bfloat16, float16 or float32")
+
+
 def check_int32(name: str, x: Any) -> None:
     if _dt(x) != np.int32:
         raise TypeError(f"{name} has dtype {_dt(x).name}; expected int32")
@@ -45,6 +50,21 @@ def check_routing_dtype(name: str, x: Any) -> None:
     dt = _dt(x)
     if not (dt == np.bool_ or np.issubdtype(dt, np.integer)):
         raise TypeError(f"{name} has dtype {dt.name}; expected bool or an integer dtype holding 0/1")
+
+
+def check_float(name: str, x: Any) -> None:
+    dt = _dt(x)
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"{name} has dtype {dt.name}; expected a floating dtype")
+
+
+def index_vector(name: str, x: Any) -> Any:
+    """``x`` as an int32 vector ``[C]`` (chunk sizes, chunk orders), checked."""
+    x = jnp.asarray(x)
+    check_rank(name, x, (1,), "rank 1 [C]")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} has dtype {_dt(x).name}; expected an integer dtype")
+    return x.astype(jnp.int32)
 
 
 def check_static_int(name: str, v: Any, minimum: int) -> int:

@@ -5,18 +5,34 @@ order within an expert), optionally dropping rows beyond a static budget and pad
 expert's rows to a multiple of ``align_size``. ``token_combine`` brings the expert rows
 back and sums each token's rows, weighted by ``merging_probs`` when given.
 
+Signatures, dtypes, output sizes and return arity are those of
+``transformer_engine.jax.permutation``; ``backend=`` is keyword-only and ours.
+
+The row-id map that ``token_dispatch`` returns addresses the rows of *its* output buffer,
+padding included: ``token_combine`` needs nothing else, so a padded dispatch combined
+without ``pad_offsets`` still returns the right tokens (``pad_offsets`` is accepted, as in
+TransformerEngine, and checked, but not needed).
+
+Token sharding: with tokens sharded over a data/FSDP-parallel mesh, each shard dispatches
+and combines its own tokens, with ``num_out_tokens`` (the output rows) divided across the
+shards, as TransformerEngine does; see :mod:`te_jax_perm.ops.token_split`.
+
 Batch shape: inputs may be ``[B, S, ...]``; they are flattened to ``T = B*S`` tokens.
 ``token_combine`` returns ``[T, H]`` (the row-id map keeps no batch shape); reshape to
 ``[B, S, H]`` if needed.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops.permute import permute_with_mask_map, unpermute_with_mask_map
+from te_jax_perm.ops.permute import _permute_bwd, _permute_fwd, _unpermute_bwd, _unpermute_fwd, map_segments, segments
 from te_jax_perm.ops.row_id_map import make_row_id_map
+from te_jax_perm.ops.token_split import split_over_tokens
 
 
 def _flatten(name: str, x: jax.Array, last: str) -> jax.Array:
@@ -34,29 +50,178 @@ def padding_layout(tokens_per_expert: jax.Array, align_size: int) -> tuple[jax.A
     return padded, (jnp.cumsum(padded) - padded) - (jnp.cumsum(kept) - kept)
 
 
+def padded_rows(num_out_tokens: int, num_experts: int, align_size: int) -> int:
+    """Rows of a padded dispatch buffer: the worst case (every expert ``align_size - 1``
+    rows of padding) rounded down to a multiple of ``align_size``, as TransformerEngine.
+    Padded counts are multiples of ``align_size`` summing to at most
+    ``num_out_tokens + E*(align_size-1)``, so the rounding never cuts a used row."""
+    return ((num_out_tokens + num_experts * (align_size - 1)) // align_size) * align_size
+
+
+def with_padding(row_id_map: jax.Array, pad_offsets: jax.Array) -> jax.Array:
+    """``row_id_map`` whose destinations include each expert's ``pad_offsets`` (kept -1s)."""
+    e = (row_id_map.shape[1] - 1) // 2
+    dest, ex = row_id_map[:, :e], row_id_map[:, e:2 * e]
+    shifted = jnp.where(dest >= 0, dest + pad_offsets[jnp.clip(ex, 0, e - 1)], dest)
+    return jnp.concatenate([shifted.astype(jnp.int32), row_id_map[:, e:]], axis=1)
+
+
+def local_budget(num_out_tokens: int, shards: int, rows: int, num_experts: int, align_size: int | None) -> int:
+    """Row budget of one of ``shards`` token shards whose buffer holds ``rows`` rows.
+
+    ``num_out_tokens`` is divided across the shards; padded, the budget is also capped so
+    that the shard's padded layout (at most ``budget + E*(align_size-1)`` rows, a multiple
+    of ``align_size``) always fits its rows. Unsharded the cap never binds."""
+    budget = num_out_tokens // shards
+    if align_size is None:
+        return min(budget, rows)
+    fits = (rows // align_size + 1) * align_size - 1 - num_experts * (align_size - 1)
+    return max(0, min(budget, fits))
+
+
+def _dispatch_local(num_out_tokens, align_size, rows, with_probs, backend):
+    """``make_local`` of the dispatch forward: ``(x, rm[, probs]) -> (out[, pp], rid)``."""
+    def make(shards):
+        local_rows = rows // shards
+
+        def run(x, rm, *probs):
+            e = rm.shape[1]
+            budget = local_budget(num_out_tokens, shards, local_rows, e, align_size)
+            rid, kept = make_row_id_map(rm, budget, backend=backend)
+            no_pad = pad = jnp.zeros((e,), jnp.int32)
+            if align_size is not None:
+                _, pad = padding_layout(kept, align_size)
+                rid = with_padding(rid, pad)
+            seg_start, seg_count = segments(kept, pad)
+            (out, pp), _ = _permute_fwd(x, probs[0] if probs else None, rid, no_pad, seg_start, seg_count,
+                                        local_rows, False, backend)
+            return (out, pp, rid) if probs else (out, rid)
+        return run
+    return make
+
+
+def _dispatch_bwd_local(rows, with_probs, backend):
+    """``(g_out[, g_pp], rid) -> (g_x[, g_probs])``: the gather of the dispatch backward."""
+    def make(shards):
+        def run(g_out, *rest):
+            *g_pp, rid = rest
+            no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
+            g_x, g_probs = _permute_bwd(rows // shards, False, backend, (rid, no_pad),
+                                        (g_out, g_pp[0] if g_pp else None))[:2]
+            return (g_x, g_probs) if g_pp else (g_x,)
+        return run
+    return make
+
+
+def _dispatch_axes(with_probs):
+    probs = (("T", "E"),) if with_probs else ()
+    return (("T", "H"), ("T", "E")) + probs, (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"),)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _dispatch(x, rm, probs, num_out_tokens, align_size, rows, backend):
+    return _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend)[0]
+
+
+def _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend):
+    with_probs = probs is not None
+    args = (x, rm) + ((probs,) if with_probs else ())
+    arg_axes, out_axes = _dispatch_axes(with_probs)
+    outs = split_over_tokens("token_dispatch", _dispatch_local(num_out_tokens, align_size, rows, with_probs, backend),
+                             args, arg_axes, out_axes, backend)
+    out, pp, rid = outs if with_probs else (outs[0], None, outs[1])
+    return (out, pp, rid), rid
+
+
+def _dispatch_bwd(num_out_tokens, align_size, rows, backend, rid, cts):
+    g_out, g_pp, _ = cts
+    with_probs = g_pp is not None
+    args = (g_out,) + ((g_pp,) if with_probs else ()) + (rid,)
+    arg_axes = (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"),)
+    out_axes = (("T", "H"),) + ((("T", "E"),) if with_probs else ())
+    grads = split_over_tokens("token_dispatch (backward)", _dispatch_bwd_local(rows, with_probs, backend),
+                              args, arg_axes, out_axes, backend)
+    return grads[0], None, (grads[1] if with_probs else None)
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def _combine_local(weighted, backend):
+    """``(inp, rid[, w]) -> (out,)``: each token's rows summed (weighted)."""
+    def make(shards):
+        def run(inp, rid, *w):
+            no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
+            return (_unpermute_fwd(inp, w[0] if w else None, rid, no_pad, None, False, backend)[0],)
+        return run
+    return make
+
+
+def _combine_bwd_local(weighted, backend):
+    """``(g, rid, inp[, w]) -> (g_inp[, g_w])``: the scatter of the combine backward."""
+    def make(shards):
+        def run(g, rid, inp, *w):
+            no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
+            g_inp, g_w = _unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, no_pad, None), g)[:2]
+            return (g_inp, g_w) if w else (g_inp,)
+        return run
+    return make
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine(inp, w, rid, backend):
+    return _combine_fwd(inp, w, rid, backend)[0]
+
+
+def _combine_fwd(inp, w, rid, backend):
+    weighted = w is not None
+    args = (inp, rid) + ((w,) if weighted else ())
+    arg_axes = (("R", "H"), ("T", "W")) + ((("T", "E"),) if weighted else ())
+    (out,) = split_over_tokens("token_combine", _combine_local(weighted, backend), args, arg_axes, (("T", "H"),),
+                               backend)
+    return out, (inp, w, rid)
+
+
+def _combine_bwd(backend, res, g):
+    inp, w, rid = res
+    weighted = w is not None
+    args = (g, rid, inp) + ((w,) if weighted else ())
+    arg_axes = (("T", "H"), ("T", "W"), ("R", "H")) + ((("T", "E"),) if weighted else ())
+    out_axes = (("R", "H"),) + ((("T", "E"),) if weighted else ())
+    grads = split_over_tokens("token_combine (backward)", _combine_bwd_local(weighted, backend), args, arg_axes,
+                              out_axes, backend)
+    return grads[0], (grads[1] if weighted else None), None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
 def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
-                   probs: jax.Array | None = None, align_size: int | None = None,
+                   probs: jax.Array | None = None, align_size: int | None = None, *,
                    backend: str | None = None):
     """Dispatches tokens to experts.
 
     Args:
-      inp: ``[T, H]`` or ``[B, S, H]`` tokens (bf16, fp16, fp32, fp8 e4m3).
+      inp: ``[T, H]`` or ``[B, S, H]`` tokens (bf16, fp16, fp32, fp8 e4m3; moved bit-exactly).
       routing_map: ``[T, E]`` or ``[B, S, E]``, bool or integer 0/1.
       num_out_tokens: static number of output rows before padding, usually ``T * k``.
         Routed rows whose expert-sorted position is ``>= num_out_tokens`` are dropped
         (deterministically: the tail of the highest experts). Rows beyond the routed count
         are zero.
-      probs: optional float32 ``[T, E]`` (or ``[B, S, E]``) routing probabilities.
+      probs: optional ``[T, E]`` (or ``[B, S, E]``) routing probabilities, bfloat16,
+        float16 or float32.
       align_size: optional static int; pads each expert's rows with zero rows up to a
-        multiple of it. The output then has ``num_out_tokens + E*(align_size-1)`` rows.
+        multiple of it. The output then has ``((num_out_tokens + E*(align_size-1)) //
+        align_size) * align_size`` rows.
       backend: ``"triton"``, ``"interpret"``, ``"xla"`` or ``None`` (default).
 
     Returns:
       ``(output, permuted_probs, row_id_map, pad_offsets, tokens_per_expert)``:
-      ``output [R, H]`` in ``inp.dtype``; ``permuted_probs`` float32 ``[R]`` or ``None``;
-      ``row_id_map`` int32 ``[T, 2E+1]``; ``pad_offsets`` int32 ``[E]`` (``None`` without
-      ``align_size``); ``tokens_per_expert`` int32 ``[E]`` rows per expert (kept rows,
-      padded up when ``align_size`` is given).
+      ``output [R, H]`` in ``inp.dtype``; ``permuted_probs [R]`` in ``probs.dtype`` or
+      ``None``; ``row_id_map`` int32 ``[T, 2E+1]`` addressing rows of ``output`` (padding
+      included); ``pad_offsets`` int32 ``[E]`` (``None`` without ``align_size``);
+      ``tokens_per_expert`` int32 ``[E]`` rows per expert (kept rows, padded up when
+      ``align_size`` is given).
     """
     inp = jnp.asarray(inp)
     routing_map = jnp.asarray(routing_map)
@@ -74,37 +239,49 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
         if tuple(probs.shape) != tuple(routing_map.shape):
             raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} "
                              "(the routing_map shape)")
-        _checks.check_float32("probs", probs)
+        _checks.check_probs_dtype("probs", probs)
         probs = probs.reshape(-1, e)
-    row_id_map, kept = make_row_id_map(rm, num_out_tokens, backend=backend)
-    if align_size is None:
-        pad_offsets, tokens_per_expert, rows = None, kept, num_out_tokens
-    else:
+    if align_size is not None:
         align_size = _checks.check_static_int("align_size", align_size, 1)
-        tokens_per_expert, pad_offsets = padding_layout(kept, align_size)
-        rows = num_out_tokens + e * (align_size - 1)
-    out, permuted_probs = permute_with_mask_map(x, row_id_map, kept, rows, probs=probs, pad_offsets=pad_offsets,
-                                                backend=backend)
+    rows = num_out_tokens if align_size is None else padded_rows(num_out_tokens, e, align_size)
+    out, permuted_probs, row_id_map = _dispatch(x, rm, probs, num_out_tokens, align_size, rows,
+                                                resolve_backend(backend))
+    # Counts of the whole output (summed over token shards when sharded), as TE reports them.
+    kept = map_segments(row_id_map, jnp.zeros((e,), jnp.int32), False)[1]
+    if align_size is None:
+        return out, permuted_probs, row_id_map, None, kept
+    tokens_per_expert, pad_offsets = padding_layout(kept, align_size)
     return out, permuted_probs, row_id_map, pad_offsets, tokens_per_expert
 
 
 def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,
-                  pad_offsets: jax.Array | None = None, backend: str | None = None) -> jax.Array:
+                  pad_offsets: jax.Array | None = None, *, backend: str | None = None) -> jax.Array:
     """Combines expert rows back into tokens.
 
     Args:
       inp: ``[R, H]`` expert rows, laid out as :func:`token_dispatch` produced them.
       row_id_map: int32 ``[T, 2E+1]`` from :func:`token_dispatch`.
-      merging_probs: optional float32 ``[T, E]`` (or ``[B, S, E]``) weights.
-      pad_offsets: the ``pad_offsets`` from :func:`token_dispatch` when it padded.
+      merging_probs: optional ``[T, E]`` (or ``[B, S, E]``) weights, bfloat16, float16 or
+        float32; their gradient comes back in their dtype.
+      pad_offsets: the ``pad_offsets`` from :func:`token_dispatch` when it padded; checked
+        (int ``[E]``) but not needed: the map already addresses the padded rows.
       backend: as for :func:`token_dispatch`.
 
     Returns:
       ``[T, H]`` in ``inp.dtype``: each token's expert rows summed (fp32 accumulation),
-      weighted by ``merging_probs`` when given. Dropped rows contribute nothing.
+      weighted by ``merging_probs`` when given. Dropped rows contribute nothing, and so do
+      map entries addressing rows ``inp`` does not have (which rows a map addresses is
+      data, so a short ``inp`` cannot be detected at trace time; no kernel reads past it).
     """
     inp = jnp.asarray(inp)
+    _checks.check_rank("inp", inp, (2,), "[R, H]")
+    _checks.check_token_dtype("inp", inp)
+    e = _checks.num_experts_of_map(row_id_map)
+    t = row_id_map.shape[0]
     if merging_probs is not None:
-        merging_probs = jnp.asarray(merging_probs)
-        merging_probs = _flatten("merging_probs", merging_probs, "E")
-    return unpermute_with_mask_map(inp, row_id_map, merging_probs, pad_offsets, backend=backend)
+        merging_probs = _flatten("merging_probs", jnp.asarray(merging_probs), "E")
+        _checks.check_shape("merging_probs", merging_probs, (t, e), f"[T={t}, E={e}] (from row_id_map)")
+        _checks.check_probs_dtype("merging_probs", merging_probs)
+    if pad_offsets is not None:
+        _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}] (from row_id_map)")
+    return _combine(inp, merging_probs, row_id_map, resolve_backend(backend))

@@ -119,8 +119,8 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
     # 3. (source rank, local expert) -> (local expert, source rank)
     pad = cap - recv_sizes.sum(1)
     split_sizes = jnp.concatenate([recv_sizes, pad[:, None]], axis=1).reshape(-1)
-    sorted_out = sort_chunks_by_index(recv, split_sizes, jnp.asarray(_chunk_order(ep, el)), backend=be)
-    grouped, smap = sorted_out[0], sorted_out[-1]          # (rows, .., row map): the map comes last
+    grouped, smap = sort_chunks_by_index(recv, split_sizes,
+                                            jnp.asarray(_chunk_order(ep, el)), backend=be)
 
     # 4. expert FFN; the padding tail after the groups comes out zero
     gs = recv_sizes.sum(0).astype(jnp.int32)

@@ -31,7 +31,7 @@ def check_case(t, h, e, k, align, drop, rng) -> None:
 
     def layer(x, probs):
         out, pp, rid, pad, tpe = te_jax_perm.token_dispatch(x, rm, n, probs=probs, align_size=align, backend=b)
-        sorted_out, _, smap = te_jax_perm.sort_chunks_by_index(
+        sorted_out, smap = te_jax_perm.sort_chunks_by_index(
             out, jnp.array([out.shape[0] // 2, out.shape[0] - out.shape[0] // 2], jnp.int32),
             jnp.array([1, 0], jnp.int32), backend=b)
         back, _ = te_jax_perm.sort_chunks_by_map(sorted_out, smap, is_forward=False, backend=b)

@@ -50,7 +50,9 @@ class StressCase:
 
     @property
     def out_rows(self) -> int:
-        return self.num_out + (self.E * (self.align - 1) if self.align else 0)
+        if not self.align:
+            return self.num_out
+        return (self.num_out + self.E * (self.align - 1)) // self.align * self.align
 
     def __str__(self) -> str:
         return (f"T{self.T}/H{self.H}/E{self.E}/k{self.k}/{self.dtype}/align{self.align}/drop{self.drop}/"
@@ -107,13 +109,19 @@ def program(case: StressCase, backend: str) -> Callable[..., dict[str, jax.Array
             res["pprobs"] = pprobs
         if pad is not None:
             res["pad_offsets"] = pad
-        s_out, s_probs, s_map = tp.sort_chunks_by_index(out, split, order, probs=pprobs, backend=backend)
+
+        def sort(o, p):
+            if p is None:
+                o, m = tp.sort_chunks_by_index(o, split, order, backend=backend)
+                return o, None, m
+            return tp.sort_chunks_by_index_with_probs(o, split, order, p, backend=backend)
+
+        s_out, s_probs, s_map = sort(out, pprobs)
         res.update(sort=s_out, sort_map=s_map)
         if s_probs is not None:
             res["sort_probs"] = s_probs
         # Backward of the sort: the cotangent is the sorted rows themselves (pure data movement).
-        _, sort_vjp = jax.vjp(lambda o, p: tp.sort_chunks_by_index(o, split, order, probs=p, backend=backend)[:2],
-                              out, pprobs)
+        _, sort_vjp = jax.vjp(lambda o, p: sort(o, p)[:2], out, pprobs)
         g = sort_vjp((s_out, s_probs))
         res["g_sort_x"] = g[0]
         if s_probs is not None:

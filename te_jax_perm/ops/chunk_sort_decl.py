@@ -1,0 +1,213 @@
+"""Kernel declarations of chunk sorting: the row map build and the row movement by map.
+
+Row-map convention: int32 ``[N]``, the output row of each input row or ``-1`` (layout and
+guarantees in :mod:`te_jax_perm.kernels.chunk_sort`). The public API and VJP rules are in
+:mod:`te_jax_perm.ops.chunk_sort`.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
+from te_jax_perm.core.sharding import Partitioning
+from te_jax_perm.kernels.chunk_sort import chunk_sort_map_kernel, sort_chunks_kernel, sort_chunks_probs_kernel
+from te_jax_perm.ops.tiling import next_pow2, pow2_bucket, tile_too_large
+
+# Chunk tables are padded to at least 16 lanes: no size-1 aranges, friendlier layouts.
+MIN_LANES = 16
+MAX_CHUNKS = 2048
+
+
+# --------------------------------------------------------------------------------------
+# Row map: int32 [N], output row of each input row or -1.
+# --------------------------------------------------------------------------------------
+def chunk_sort_map_reference(split_sizes, sorted_indices, *, num_tokens: int, xp: ModuleType = jnp):
+    """The row map of a chunk sort, in plain ``xp`` (``jax.numpy`` or ``numpy``): a 1-tuple."""
+    n = num_tokens
+    # Sizes clipped to [0, N], then summed saturating at N: int32 cannot overflow, and chunks
+    # are truncated where the input ends.
+    sizes = xp.clip(split_sizes.astype(xp.int32), 0, n)
+    if xp is np:
+        incl = np.minimum(np.cumsum(sizes.astype(np.int64)), n).astype(np.int32)
+    else:
+        incl = jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, n - a), sizes)
+    excl = xp.concatenate([xp.zeros((1,), xp.int32), incl[:-1]])
+    eff = incl - excl
+    out_sizes = eff[sorted_indices]
+    out_excl = xp.cumsum(out_sizes) - out_sizes
+    dst_start = xp.zeros_like(sizes)
+    if xp is np:
+        dst_start[sorted_indices] = out_excl
+    else:
+        dst_start = dst_start.at[sorted_indices].set(out_excl)
+    rows = xp.arange(n, dtype=xp.int32)
+    chunk = xp.clip(xp.searchsorted(incl, rows, side="right"), 0, sizes.shape[0] - 1)
+    dst = rows - excl[chunk] + dst_start[chunk]
+    return (xp.where(rows < incl[-1], dst, -1).astype(xp.int32),)
+
+
+def _map_params_check(dims, params) -> None:
+    n = params["num_tokens"]
+    if not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"chunk_sort_map: num_tokens must be a non-negative Python int, got {n!r}")
+    if dims["C"] < 1:
+        raise ValueError("chunk_sort_map: argument 'split_sizes' has shape (0,); expected at least one chunk")
+    if dims["C"] > MAX_CHUNKS:
+        raise ValueError(f"chunk_sort_map: argument 'split_sizes' has shape ({dims['C']},); at most "
+                         f"{MAX_CHUNKS} chunks are supported (the chunk table lives in registers)")
+
+
+def _map_validate(operands, dims, params) -> None:
+    sizes, order = (np.asarray(o) for o in operands)
+    c = dims["C"]
+    if not np.array_equal(np.sort(order), np.arange(c)):
+        raise ValueError(f"chunk_sort_map: argument 'sorted_indices' = {order.tolist()[:16]}"
+                         f"{'...' if c > 16 else ''} is not a permutation of range({c})")
+    if (sizes < 0).any():
+        raise ValueError(f"chunk_sort_map: argument 'split_sizes' has negative entries: {sizes.tolist()[:16]}")
+    if int(sizes.astype(np.int64).sum()) > params["num_tokens"]:
+        raise ValueError(f"chunk_sort_map: sum(split_sizes) = {int(sizes.sum())} exceeds the number of "
+                         f"rows num_tokens = {params['num_tokens']}")
+
+
+def _random_chunks(c: int, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Random split sizes summing to at most n (some chunks empty) and a random order."""
+    cuts = np.sort(rng.integers(0, n + 1, size=c - 1)) if c > 1 else np.zeros(0, np.int64)
+    edges = np.concatenate([[0], cuts, [n - int(rng.integers(0, max(1, n // 8)))]])
+    edges = np.minimum(edges, edges[-1])
+    return np.diff(edges).astype(np.int32), rng.permutation(c).astype(np.int32)
+
+
+def _map_example(dims, params, dtypes, rng) -> tuple[np.ndarray, ...]:
+    sizes, order = _random_chunks(dims["C"], params["num_tokens"], rng)
+    return sizes.astype(dtypes["split_sizes"]), order.astype(dtypes["sorted_indices"])
+
+
+def chunk_lanes(c: int) -> int:
+    return max(MIN_LANES, next_pow2(c))
+
+
+def _map_fits(dims, params, config: Config) -> str | None:
+    lanes = chunk_lanes(dims["C"])
+    kw = config.kw
+    return (tile_too_large(kw["BLOCK_N"], lanes, 32768, "BLOCK_N*next_pow2(C)")
+            or tile_too_large(kw["BLOCK_C"], lanes, 32768, "BLOCK_C*next_pow2(C)"))
+
+
+def _map_default(dims, params) -> Config:
+    lanes = chunk_lanes(dims["C"])
+    return Config.make(num_warps=4, BLOCK_N=max(16, min(256, 8192 // lanes)), BLOCK_C=max(4, min(16, 8192 // lanes)))
+
+
+chunk_sort_map = declare(KernelDecl(
+    name="chunk_sort_map",
+    kernel=chunk_sort_map_kernel,
+    example_inputs=_map_example,
+    operands=(Operand("split_sizes", ("C",), ("int",)), Operand("sorted_indices", ("C",), ("int",))),
+    outputs=(Output("row_id_map", lambda dims, params: (params["num_tokens"],), lambda dtypes, params: np.int32),),
+    params=("num_tokens",),
+    reference=chunk_sort_map_reference,
+    grid=lambda dims, params, config: (-(-params["num_tokens"] // config.kw["BLOCK_N"]),),
+    scalars=lambda dims, params: {"C": dims["C"], "N": params["num_tokens"]},
+    constexprs=lambda dims, params, config: {"C_POW2": chunk_lanes(dims["C"])},
+    configs=tuple(Config.make(num_warps=w, BLOCK_N=bn, BLOCK_C=bc)
+                  for bn in (16, 32, 64, 128, 256) for bc in (4, 16) for w in (2, 4, 8)),
+    constraints=(_map_fits,),
+    default_config=_map_default,
+    key_dims=("C",),
+    key_params=("num_tokens",),
+    key_bucket=pow2_bucket,
+    params_check=_map_params_check,
+    validate=_map_validate,
+))
+
+
+# --------------------------------------------------------------------------------------
+# Row movement by map, forward (scatter) or inverse (gather), with optional probs.
+# --------------------------------------------------------------------------------------
+def sort_chunks_by_map_reference(inp, row_id_map, probs=None, *, is_forward: bool):
+    """Rows (and probs) moved by a chunk-sort map (``is_forward``) or its inverse, in plain JAX."""
+    n = inp.shape[0]
+    mapped = (row_id_map >= 0) & (row_id_map < n)  # as the kernel: entries outside [0, N) are unmapped
+    if is_forward:
+        # Unmapped rows are exactly [total, N): send them to themselves as zeros.
+        dst = jnp.where(mapped, row_id_map, jnp.arange(n, dtype=row_id_map.dtype))
+        keep = mapped[:, None]
+        out = jnp.zeros_like(inp).at[dst].set(jnp.where(keep, inp, jnp.zeros((), inp.dtype)))
+        outs = (out,)
+        if probs is not None:
+            outs += (jnp.zeros_like(probs).at[dst].set(jnp.where(mapped, probs, jnp.zeros((), probs.dtype))),)
+        return outs
+    src = jnp.where(mapped, row_id_map, 0)
+    outs = (jnp.where(mapped[:, None], inp[src], jnp.zeros((), inp.dtype)),)
+    if probs is not None:
+        outs += (jnp.where(mapped, probs[src], jnp.zeros((), probs.dtype)),)
+    return outs
+
+
+def _move_fits(dims, params, config: Config) -> str | None:
+    kw = config.kw
+    too_wide = kw["BLOCK_H"] > max(16, next_pow2(dims["H"]))
+    return tile_too_large(kw["ROWS"], kw["BLOCK_H"]) or (
+        f"BLOCK_H = {kw['BLOCK_H']} wider than next_pow2(H = {dims['H']})" if too_wide else None)
+
+
+def _move_default(dims, params) -> Config:
+    block_h = min(max(16, next_pow2(dims["H"])), 2048)
+    rows = max(1, min(8, 4096 // block_h))
+    return Config.make(num_warps=8 if rows * block_h >= 4096 else 4, ROWS=rows, BLOCK_H=block_h)
+
+
+_MOVE_CONFIGS = tuple(Config.make(num_warps=w, ROWS=r, BLOCK_H=b)
+                      for r in (1, 2, 4, 8) for b in (128, 256, 512, 1024, 2048, 4096) for w in (4, 8))
+
+
+def _move_example(with_probs: bool):
+    def make(dims, params, dtypes, rng) -> tuple[np.ndarray, ...]:
+        n, h = dims["N"], dims["H"]
+        sizes, order = _random_chunks(max(1, min(16, n)), n, rng)
+        (row_map,) = chunk_sort_map_reference(sizes, order, num_tokens=n, xp=np)
+        ops = (rng.standard_normal((n, h)).astype(dtypes["inp"]), row_map)
+        if with_probs:
+            ops += (rng.random(n).astype(dtypes["probs"]),)
+        return ops
+    return make
+
+
+def _move_decl(with_probs: bool):
+    operands = (Operand("inp", ("N", "H")), Operand("row_id_map", ("N",), ("int32",)))
+    outputs = (Output("output", lambda dims, params: (dims["N"], dims["H"]), lambda dtypes, params: dtypes["inp"]),)
+    if with_probs:
+        operands += (Operand("probs", ("N",), ("float",)),)
+        outputs += (Output("permuted_probs", lambda dims, params: (dims["N"],),
+                           lambda dtypes, params: dtypes["probs"]),)
+    return declare(KernelDecl(
+        example_inputs=_move_example(with_probs),
+        name="sort_chunks_probs" if with_probs else "sort_chunks",
+        kernel=sort_chunks_probs_kernel if with_probs else sort_chunks_kernel,
+        operands=operands,
+        outputs=outputs,
+        params=("is_forward",),
+        reference=sort_chunks_by_map_reference,
+        grid=lambda dims, params, config: (-(-dims["N"] // config.kw["ROWS"]),),
+        scalars=lambda dims, params: {"N": dims["N"]},
+        # H is compiled in (vectorised rows; see the kernel); it is a key dim, so each H
+        # has its own cache entry and tuning.
+        constexprs=lambda dims, params, config: {"FORWARD": bool(params["is_forward"]), "H": dims["H"]},
+        configs=_MOVE_CONFIGS,
+        constraints=(_move_fits,),
+        default_config=_move_default,
+        key_dims=("N", "H"),
+        key_params=("is_forward",),
+        key_bucket=lambda name, v: next_pow2(v) if name == "N" else int(v),  # H is compiled in
+        # Rows move whole to other rows (not N-local); each H-slice moves independently.
+        partitioning=Partitioning(outputs=(("N", "H"), ("N",))[:len(outputs)], local=("H",)),
+    ))
+
+
+sort_chunks = _move_decl(False)
+sort_chunks_probs = _move_decl(True)

@@ -1,0 +1,219 @@
+"""Kernel declarations of the row movers between token rows and expert-sorted rows.
+
+Six kernels over two bodies (see :mod:`te_jax_perm.kernels.permute`): the scatters
+``permute``, ``permute_probs`` and ``unpermute_bwd_weighted``; the gathers ``unpermute``,
+``unpermute_weighted`` and ``permute_bwd_probs``. Their references are in
+:mod:`te_jax_perm.ops.permute_reference`; the public API and VJP rules in
+:mod:`te_jax_perm.ops.permute`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
+from te_jax_perm.core.sharding import Partitioning
+from te_jax_perm.kernels import permute as K
+from te_jax_perm.ops import permute_reference as R
+from te_jax_perm.ops.row_id_map import row_id_map_reference
+from te_jax_perm.ops.tiling import MAX_TILE, next_pow2, not_pow2, pow2_at_most, tile_too_large
+
+FILL_ROWS = 16  # output rows per zero-fill program (only rows no token writes are touched)
+
+
+# -- configs shared by all row-moving kernels ------------------------------------------
+def _key_bucket(name: str, v: int) -> int:
+    return next_pow2(v) if name == "T" else v
+
+
+def _default_config(dims, params) -> Config:
+    """Whole rows per program (up to 8192 elements: 16 KB of bf16, so H=7168 is one step),
+    ~8192 elements per program so each thread keeps four 16-byte vectors in flight, and
+    enough warps for that: 8 warps at H in {2880, 4096, 7168} (bf16: 2 rows of 4096 lanes,
+    or 1 row of 8192 lanes; masked lanes past H move no bytes). Dtype-agnostic: fp32 rows
+    double the bytes per thread, still well within registers (checked in the PTX test)."""
+    block_h = min(next_pow2(max(dims["H"], 16)), 8192)
+    rows = min(max(1, 8192 // block_h), 4, pow2_at_most(dims["T"]))
+    return Config.make(num_warps=max(1, min(8, rows * block_h // 1024)), BLOCK_H=block_h, ROWS=rows)
+
+
+_CONFIGS = tuple(Config.make(num_warps=w, BLOCK_H=bh, ROWS=r)
+                 for bh in (128, 256, 512, 1024, 2048, 4096, 8192) for r in (1, 2, 4)
+                 for w in (2, 4, 8) if r * bh <= MAX_TILE)
+
+
+def _block_h_ok(dims, params, config) -> str | None:
+    bh = config.kw["BLOCK_H"]
+    if not_pow2("BLOCK_H", bh):
+        return not_pow2("BLOCK_H", bh)
+    if bh > 2 * next_pow2(max(dims["H"], 16)):
+        return f"BLOCK_H={bh} is over twice the row width H={dims['H']} (all-masked lanes)"
+    return tile_too_large(config.kw["ROWS"], bh)
+
+
+def _rows_ok(dims, params, config) -> str | None:
+    # Programs own the disjoint token ranges [pid*ROWS, pid*ROWS+ROWS) by construction;
+    # ROWS beyond the token count would only add idle iterations.
+    r = config.kw["ROWS"]
+    if r < 1:
+        return f"ROWS={r} must be >= 1"
+    if r > 1 and r > dims["T"]:
+        return f"ROWS={r} exceeds the token count T={dims['T']}"
+    return None
+
+
+def _map_check(dims, params) -> None:
+    if dims["W"] != 2 * dims["E"] + 1:
+        raise ValueError(f"row_id_map has {dims['W']} columns; expected 2*E+1 = {2 * dims['E'] + 1} for "
+                         f"E={dims['E']} experts (from pad_offsets)")
+
+
+def _common(**kw: Any) -> dict:
+    return dict(configs=_CONFIGS, constraints=(_block_h_ok, _rows_ok), default_config=_default_config,
+                key_dims=("T", "H"), key_bucket=_key_bucket, key_params=("padded",), params_check=_map_check, **kw)
+
+
+# -- valid autotuning operands ----------------------------------------------------------
+# Random ints are not a row-id map; trial operands come from a real map of top-k routing,
+# with padding and drops as the params ask, so every candidate config can be validated.
+def _np_layout(t: int, e: int, rows: int, padded: bool, rng: np.random.Generator):
+    """A row-id map, pad offsets and segments whose rows fit in ``rows`` output rows."""
+    k = min(e, 4)
+    top = np.argsort(rng.random((t, e)), axis=1)[:, :k]
+    rm = np.zeros((t, e), bool)
+    np.put_along_axis(rm, top, True, axis=1)
+    align = 4 if padded and rows > e * 3 else 1
+    rid, kept = row_id_map_reference(rm, rows - e * (align - 1), xp=np)
+    padded_counts = -(-kept // align) * align
+    pad = ((np.cumsum(padded_counts) - padded_counts) - (np.cumsum(kept) - kept)).astype(np.int32)
+    return rid, pad, (np.cumsum(kept) - kept + pad).astype(np.int32), kept
+
+
+def _rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def _permute_example(with_probs: bool):
+    def make(dims, params, dtypes, rng):
+        t, h, e = dims["T"], dims["H"], dims["E"]
+        rid, pad, seg_start, seg_count = _np_layout(t, e, params["num_out_rows"], params["padded"], rng)
+        ops = (_rand(rng, (t, h), dtypes["inp"]), rid, pad, seg_start, seg_count)
+        return ops + ((rng.random((t, e)).astype(dtypes["probs"]),) if with_probs else ())
+    return make
+
+
+def _unpermute_bwd_weighted_example(dims, params, dtypes, rng):
+    t, h, e, n = dims["T"], dims["H"], dims["E"], dims["N"]
+    rid, pad, seg_start, seg_count = _np_layout(t, e, n, params["padded"], rng)
+    return (_rand(rng, (t, h), dtypes["grad"]), rid, pad, seg_start, seg_count,
+            rng.random((t, e)).astype(dtypes["merging_probs"]), _rand(rng, (n, h), dtypes["fwd_inp"]))
+
+
+def _unpermute_example(extra: str | None):
+    def make(dims, params, dtypes, rng):
+        t, h, e, n = dims["T"], dims["H"], dims["E"], dims["N"]
+        rid, pad, _, _ = _np_layout(t, e, n, params["padded"], rng)
+        ops = (_rand(rng, (n, h), dtypes["inp"]), rid, pad)
+        if extra == "merging_probs":
+            ops += (rng.random((t, e)).astype(dtypes[extra]),)
+        elif extra == "grad_permuted_probs":
+            ops += (rng.random(n).astype(dtypes[extra]),)
+        return ops
+    return make
+
+
+# -- declarations ----------------------------------------------------------------------
+# Token dtypes are checked by the public functions (core's "float" kind misses bfloat16).
+_X = Operand("inp", ("T", "H"))
+_RID = Operand("row_id_map", ("T", "W"), ("int32",))
+_PAD = Operand("pad_offsets", ("E",), ("int32",))
+_SEG = (Operand("seg_start", ("E",), ("int32",)), Operand("seg_count", ("E",), ("int32",)))
+# Probabilities in bf16, fp16 or fp32: loaded in their dtype, combined in fp32.
+PROB_DTYPES = ("bfloat16", "float16", "float32")
+_TE_PROBS = lambda name: Operand(name, ("T", "E"), PROB_DTYPES)  # noqa: E731
+
+
+def _grad_probs(like: str) -> Output:
+    """Gradient of [T, E] probabilities, in the dtype of operand ``like`` (the probs' dtype)."""
+    return Output("grad_probs", lambda dims, params: (dims["T"], dims["E"]), lambda dtypes, params: dtypes[like],
+                  init="zeros")
+
+
+def _scatter_fill_grid(dims, rows: int, config) -> tuple[int]:
+    """Token programs first, then one zero-fill program per FILL_ROWS output rows."""
+    return (-(-dims["T"] // config.kw["ROWS"]) + -(-rows // FILL_ROWS),)
+
+
+def _scatter_constexprs(dims, params, config):
+    # H is compiled in (16-byte vector rows, see kernels/permute.py); it is an exact key dim.
+    fill_h = max(16, min(next_pow2(dims["H"]), 8192 // FILL_ROWS))
+    return {"H": dims["H"], "PADDED": params["padded"], "FILL_ROWS": FILL_ROWS, "BLOCK_E": next_pow2(dims["E"]),
+            "FILL_H": fill_h}
+
+
+def _permute_decl(name: str, kernel, with_probs: bool):
+    """``permute`` / ``permute_probs``: token rows (and probs) to ``num_out_rows`` expert-sorted rows."""
+    outputs = (Output("out", lambda dims, params: (params["num_out_rows"], dims["H"]),
+                      lambda dtypes, params: dtypes["inp"]),)
+    operands = (_X, _RID, _PAD, *_SEG)
+    if with_probs:
+        operands += (_TE_PROBS("probs"),)
+        outputs += (Output("permuted_probs", lambda dims, params: (params["num_out_rows"],),
+                           lambda dtypes, params: dtypes["probs"]),)
+    # Each H-slice of a row moves independently, so a kernel that only moves (and sums)
+    # rows is shard-local along H; never along tokens (rows go anywhere). Outputs without H
+    # (permuted probs, their gradients) come out whole and identical on every H-shard.
+    part = Partitioning(outputs=(("R", "H"), ("R",))[:len(outputs)], local=("H",))
+    return declare(KernelDecl(
+        name=name, kernel=kernel, operands=operands, outputs=outputs,
+        params=("num_out_rows", "padded"), reference=R.permute_rows_reference,
+        grid=lambda dims, params, config: _scatter_fill_grid(dims, params["num_out_rows"], config),
+        scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N_OUT": params["num_out_rows"]},
+        constexprs=_scatter_constexprs, example_inputs=_permute_example(with_probs), partitioning=part,
+        **_common()))
+
+
+permute = _permute_decl("permute", K.permute_kernel, False)
+permute_probs = _permute_decl("permute_probs", K.permute_probs_kernel, True)
+
+unpermute_bwd_weighted = declare(KernelDecl(
+    name="unpermute_bwd_weighted", kernel=K.unpermute_bwd_weighted_kernel,
+    operands=(Operand("grad", ("T", "H")), _RID, _PAD, *_SEG, _TE_PROBS("merging_probs"),
+              Operand("fwd_inp", ("N", "H"))),
+    outputs=(Output("grad_inp", lambda dims, params: (dims["N"], dims["H"]), lambda dtypes, params: dtypes["fwd_inp"]),
+             _grad_probs("merging_probs")),
+    params=("padded",), reference=R.unpermute_bwd_weighted_reference,
+    grid=lambda dims, params, config: _scatter_fill_grid(dims, dims["N"], config),
+    scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N_OUT": dims["N"]},
+    constexprs=_scatter_constexprs, exact=False, rtol=1e-5, atol=1e-5,
+    # Not H-local: grad_probs is a dot product over all of H (replicated).
+    example_inputs=_unpermute_bwd_weighted_example,
+    **_common()))
+
+
+def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_rows_reference):
+    """A gather: each token's rows summed (fp32) into ``out [T, H]``."""
+    extra = extra_ops[0].name if extra_ops else None
+    # Sums over a token's rows, slice by slice of H: H-local (grad_probs has no H axis).
+    part = Partitioning(outputs=(("T", "H"),) + tuple(("T", "E") for _ in extra_outs), local=("H",))
+    return declare(KernelDecl(
+        name=name, kernel=kernel,
+        operands=(Operand("inp", ("N", "H")), _RID, _PAD, *extra_ops),
+        outputs=(Output("out", lambda dims, params: (dims["T"], dims["H"]), lambda dtypes, params: dtypes["inp"]),
+                 *extra_outs),
+        params=("padded",), reference=reference,
+        grid=lambda dims, params, config: (-(-dims["T"] // config.kw["ROWS"]),),
+        # N: rows of inp, the bound every row read is checked against.
+        scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": dims["N"]},
+        constexprs=lambda dims, params, config: {"H": dims["H"], "PADDED": params["padded"]},
+        exact=False, rtol=1e-2, atol=1e-2, example_inputs=_unpermute_example(extra), partitioning=part,
+        **_common()))
+
+
+unpermute = _unpermute_decl("unpermute", K.unpermute_kernel, (), ())
+unpermute_weighted = _unpermute_decl("unpermute_weighted", K.unpermute_weighted_kernel, (_TE_PROBS("merging_probs"),), ())
+permute_bwd_probs = _unpermute_decl(
+    "permute_bwd_probs", K.permute_bwd_probs_kernel, (Operand("grad_permuted_probs", ("N",), PROB_DTYPES),),
+    (_grad_probs("grad_permuted_probs"),), reference=R.permute_bwd_probs_reference)

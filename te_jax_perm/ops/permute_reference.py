@@ -1,0 +1,103 @@
+"""Pure-JAX row movement through a row-id map: the ``xla`` backend of every permute kernel.
+
+These are the CPU default and the pure-XLA baseline on GPU, so they must stay O(N*H + T*H
++ T*E) in memory: never a [T, E, H] tensor (60 GB at T=8192, E=256, H=7168). Every op goes
+through the inverse map (output row -> token, expert), built from int32 [T, E] entries, and
+then moves or sums whole rows by gathers and segment sums over the N output rows.
+
+The kernel-level functions take the kernels' operands (``seg_start``/``seg_count`` only
+tell the kernels' zero-fill programs which rows are used; a gather needs no such hint).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def dests(rid, pad, padded):
+    """(dest [T,E] with -1 where absent, expert ids [T,E] clipped to [0,E), valid [T,E]).
+
+    An entry counts only as the kernels count it: a column below the token's routed count
+    (clamped to [0, E]), a non-negative destination and an expert id in [0, E)."""
+    e = (rid.shape[1] - 1) // 2
+    dest, ex = rid[:, :e], rid[:, e:2 * e]
+    routed = jnp.clip(rid[:, 2 * e], 0, e)
+    valid = (dest >= 0) & (jnp.arange(e)[None, :] < routed[:, None]) & (ex >= 0) & (ex < e)
+    if padded:
+        dest = dest + pad[jnp.clip(ex, 0, e - 1)]
+        valid = valid & (dest >= 0)
+    return jnp.where(valid, dest, -1), jnp.clip(ex, 0, e - 1), valid
+
+
+def _inverse_map(rid, pad, padded, n):
+    """Per output row: (token int32 [n], expert int32 [n]); rows no token writes (padding,
+    unused budget) get token T and expert E, which index the zero row/column that callers
+    pad their [T, .] and [T, E] arrays with."""
+    t, e = rid.shape[0], (rid.shape[1] - 1) // 2
+    dest, ex, valid = dests(rid, pad, padded)
+    # Out-of-range rows (dropped entries point at row n) fall into the extra slot, sliced off.
+    safe = jnp.where(valid, dest, n).ravel()
+    tok = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], dest.shape).ravel()
+    row_token = jnp.full((n + 1,), t, jnp.int32).at[safe].set(tok, mode="drop")[:n]
+    row_expert = jnp.full((n + 1,), e, jnp.int32).at[safe].set(ex.ravel().astype(jnp.int32), mode="drop")[:n]
+    return row_token, row_expert
+
+
+def _pad_rows(x):
+    """``x`` with one zero row appended (the row unwritten output rows gather)."""
+    return jnp.concatenate([x, jnp.zeros((1,) + x.shape[1:], x.dtype)], axis=0)
+
+
+def _weights_at(w, row_token, row_expert):
+    """``w[token, expert]`` per output row as float32, 0 for unwritten rows."""
+    wp = jnp.pad(w.astype(jnp.float32), ((0, 1), (0, 1)))
+    return wp[row_token, row_expert]
+
+
+def _to_token_expert(values, row_token, row_expert, t, e, dtype):
+    """Scatter one value per output row into a ``dtype`` [T, E] matrix (zero elsewhere)."""
+    return jnp.zeros((t + 1, e + 1), dtype).at[row_token, row_expert].set(values.astype(dtype), mode="drop")[:t, :e]
+
+
+def permute_rows_reference(x, rid, pad, seg_start, seg_count, probs=None, *, num_out_rows, padded):
+    """Kernels ``permute`` / ``permute_probs``: token rows to expert-sorted rows."""
+    del seg_start, seg_count
+    row_token, row_expert = _inverse_map(rid, pad, padded, num_out_rows)
+    # A gather of N rows (zero row for unwritten ones): bit-exact data movement.
+    out = _pad_rows(x)[row_token]
+    if probs is None:
+        return (out,)
+    pout = jnp.pad(probs, ((0, 1), (0, 1)))[row_token, row_expert]
+    return out, pout
+
+
+def unpermute_bwd_weighted_reference(g, rid, pad, seg_start, seg_count, w, y, *, padded):
+    """Kernel ``unpermute_bwd_weighted``: the weighted combine's gradients (rows and weights)."""
+    del seg_start, seg_count
+    n, t, e = y.shape[0], g.shape[0], w.shape[1]
+    row_token, row_expert = _inverse_map(rid, pad, padded, n)
+    g_rows = _pad_rows(g.astype(jnp.float32))[row_token]  # [N, H]; zero for unwritten rows
+    out = (g_rows * _weights_at(w, row_token, row_expert)[:, None]).astype(y.dtype)
+    # d w[t, e] = <g[t], y[r]> for the row r of (t, e): N dots over H, scattered into [T, E].
+    dots = jnp.sum(g_rows * y.astype(jnp.float32), axis=-1)
+    return out, _to_token_expert(dots, row_token, row_expert, t, e, w.dtype)
+
+
+def unpermute_rows_reference(y, rid, pad, w=None, gpp=None, *, padded):
+    """Kernels ``unpermute`` / ``unpermute_weighted`` (``w``) / ``permute_bwd_probs`` (``gpp``):
+    expert-sorted rows summed back into token rows, fp32 accumulation."""
+    n, t, e = y.shape[0], rid.shape[0], (rid.shape[1] - 1) // 2
+    row_token, row_expert = _inverse_map(rid, pad, padded, n)
+    rows = y.astype(jnp.float32)
+    if w is not None:
+        rows = rows * _weights_at(w, row_token, row_expert)[:, None]
+    # Unwritten rows go to segment T, which is sliced off; f32 accumulation, then cast.
+    out = jax.ops.segment_sum(rows, row_token, num_segments=t + 1)[:t].astype(y.dtype)
+    if gpp is None:
+        return (out,)
+    # d probs[t, e] = gpp[r] for the row r of (t, e): N scalars scattered into [T, E].
+    return out, _to_token_expert(gpp, row_token, row_expert, t, e, gpp.dtype)
+
+
+def permute_bwd_probs_reference(y, rid, pad, gpp, *, padded):
+    return unpermute_rows_reference(y, rid, pad, None, gpp, padded=padded)

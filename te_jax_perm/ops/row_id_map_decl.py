@@ -1,0 +1,169 @@
+"""Kernel declarations of the row-id map build: per-block counts, fill, and the fused one-pass.
+
+The pure-JAX reference (the ``xla`` backend) is :func:`te_jax_perm.ops.row_id_map.row_id_map_reference`'s
+building block :func:`map_from_counts`, written once for NumPy and JAX alike so that the
+autotuner's trial operands come from the same code.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
+from te_jax_perm.kernels import row_id_map as K
+from te_jax_perm.ops.tiling import next_pow2
+
+# Blocks per map: enough programs for ~2 per SM (132 SMs on an H100); more blocks make
+# every fill program's reduction of the [NB, E] counts longer.
+_TARGET_BLOCKS = 256
+
+_WARPS = tuple(Config.make(num_warps=w) for w in (1, 2, 4, 8))
+_ROUTING = Operand("routing_map", ("T", "E"), ("int", "bool"))
+
+
+def default_block_tokens(num_tokens: int, num_experts: int) -> int:
+    """Tokens per block: about ``_TARGET_BLOCKS`` blocks, at most 128 tokens, a power of two."""
+    return min(128, next_pow2(-(-num_tokens // _TARGET_BLOCKS)))
+
+
+def _sub_tokens(block_t: int, num_experts: int) -> int:
+    """Tokens per sub-tile of the count/fill loops: ~2K routing entries in registers."""
+    return max(1, min(block_t, 2048 // next_pow2(num_experts)))
+
+
+def num_blocks(t: int, block_t: int) -> int:
+    return -(-t // block_t)
+
+
+def _tile_constexprs(dims, params, config) -> dict:
+    # E is compiled in (an exact key dim): routing rows become vector loads.
+    e = dims["E"]
+    return {"E": e, "BLOCK_T": params["block_t"], "BLOCK_E": next_pow2(e), "SUB": _sub_tokens(params["block_t"], e)}
+
+
+def _fill_constexprs(dims, params, config) -> dict:
+    # CH: rows of the reduced matrix per chunk, ~8K int32 counts or ~16K routing bytes;
+    # from E and block_t only, so the binary does not depend on T.
+    be = next_pow2(dims["E"])
+    ch = max(1, 8192 // be) if "NB" in dims else max(1, min(16384 // be, 32 * params["block_t"]))
+    return {**_tile_constexprs(dims, params, config), "CH": ch}
+
+
+# -- the reference, for NumPy (trial operands) and JAX (the xla backend) ----------------------
+def routed(rm, xp: ModuleType = jnp):
+    return (rm != 0).astype(xp.int32)
+
+
+def block_sums(m, block_t: int, xp: ModuleType = jnp):
+    """Per-block column sums of the int32 [T, E] matrix ``m``: int32 [NB, E]."""
+    t, e = m.shape
+    nb = num_blocks(t, block_t)
+    return xp.pad(m, ((0, nb * block_t - t), (0, 0))).reshape(nb, block_t, e).sum(axis=1, dtype=xp.int32)
+
+
+def map_from_counts(rm, counts, block_t: int, drop_at: int, xp: ModuleType = jnp):
+    """``(row_id_map int32 [T, 2E+1], kept int32 [E])`` of routing map ``rm`` given its
+    per-block counts, exactly as the kernels build them (layout in ``kernels/row_id_map.py``)."""
+    t, e = rm.shape
+    m = routed(rm, xp)
+    nb = num_blocks(t, block_t)
+    within = (xp.cumsum(xp.pad(m, ((0, nb * block_t - t), (0, 0))).reshape(nb, block_t, e), axis=1)
+              .reshape(nb * block_t, e)[:t] - m)
+    totals = counts.sum(axis=0, dtype=xp.int32)
+    prefix = xp.cumsum(counts, axis=0, dtype=xp.int32) - counts
+    start = xp.cumsum(totals) - totals
+    dest = start[None, :] + prefix[xp.arange(t) // block_t] + within
+    is_routed = m > 0
+    cnt = m.sum(axis=1, dtype=xp.int32)
+    rank_r = xp.cumsum(m, axis=1) - m
+    rank_n = xp.cumsum(1 - m, axis=1) - (1 - m)
+    col = xp.where(is_routed, rank_r, cnt[:, None] + rank_n)
+    order = xp.argsort(col, axis=1)  # a permutation per row: ties cannot occur
+    vd = xp.where(is_routed & (dest < drop_at), dest, -1).astype(xp.int32)
+    ve = xp.where(is_routed, xp.arange(e, dtype=xp.int32)[None, :], -1)
+    rid = xp.concatenate([xp.take_along_axis(vd, order, 1), xp.take_along_axis(ve, order, 1).astype(xp.int32),
+                          cnt[:, None]], axis=1)
+    kept = xp.clip(drop_at - start, 0, totals).astype(xp.int32)
+    return rid, kept
+
+
+def _counts_reference(rm, *, block_t):
+    return (block_sums(routed(rm), block_t),)
+
+
+def _fill_reference(rm, counts, *, block_t, drop_at):
+    return map_from_counts(rm, counts, block_t, drop_at)
+
+
+def _fused_reference(rm, *, block_t, drop_at):
+    return map_from_counts(rm, block_sums(routed(rm), block_t), block_t, drop_at)
+
+
+# -- autotuning trial operands ---------------------------------------------------------------
+def _example_routing(dims, dtypes, rng):
+    rm = rng.random((dims["T"], dims["E"])) < 0.3
+    return rm if dtypes["routing_map"] == np.bool_ else rm.astype(dtypes["routing_map"])
+
+
+def _fill_examples(dims, params, dtypes, rng):
+    rm = _example_routing(dims, dtypes, rng)
+    return rm, block_sums(routed(rm, np), params["block_t"], np)
+
+
+def _fill_params_check(dims, params) -> None:
+    nb = num_blocks(dims["T"], params["block_t"])
+    if dims["NB"] != nb:
+        raise ValueError(f"counts has {dims['NB']} rows; expected cdiv(T={dims['T']}, block_t={params['block_t']}) "
+                         f"= {nb}")
+
+
+# -- declarations ------------------------------------------------------------------------------
+row_id_map_block_counts = declare(KernelDecl(
+    name="row_id_map_block_counts", kernel=K.row_id_map_block_counts_kernel,
+    operands=(_ROUTING,),
+    outputs=(Output("counts", lambda dims, params: (num_blocks(dims["T"], params["block_t"]), dims["E"]),
+                    lambda dtypes, params: jnp.int32),),
+    params=("block_t",),
+    reference=_counts_reference,
+    grid=lambda dims, params, config: (num_blocks(dims["T"], params["block_t"]),),
+    scalars=lambda dims, params: {"T": dims["T"]},
+    constexprs=_tile_constexprs,
+    configs=_WARPS,
+    default_config=lambda dims, params: Config.make(num_warps=4),
+    key_dims=("E",),
+    key_params=("block_t",),
+))
+
+# What the two map writers (two-pass fill, one-pass fused) share: outputs, grid, scalars,
+# compile-time constants and search space.
+_MAP_WRITER = dict(
+    outputs=(Output("row_id_map", lambda dims, params: (dims["T"], 2 * dims["E"] + 1),
+                    lambda dtypes, params: jnp.int32),
+             Output("tokens_per_expert", lambda dims, params: (dims["E"],), lambda dtypes, params: jnp.int32)),
+    params=("block_t", "drop_at"),
+    # At least one program: program 0 writes tokens_per_expert even when T == 0.
+    grid=lambda dims, params, config: (max(1, num_blocks(dims["T"], params["block_t"])),),
+    scalars=lambda dims, params: {"T": dims["T"], "N": params["drop_at"]},
+    constexprs=_fill_constexprs, configs=_WARPS, key_dims=("E",), key_params=("block_t",))
+
+row_id_map_fill = declare(KernelDecl(
+    name="row_id_map_fill", kernel=K.row_id_map_fill_kernel,
+    operands=(_ROUTING, Operand("counts", ("NB", "E"), ("int32",))),
+    reference=_fill_reference,
+    # 8 warps: the [SUB, 256] sub-tiles fit without spills at E=256 (sm_90 ptxas).
+    default_config=lambda dims, params: Config.make(num_warps=8),
+    params_check=_fill_params_check,
+    example_inputs=_fill_examples,
+    **_MAP_WRITER,
+))
+
+row_id_map_fused = declare(KernelDecl(
+    name="row_id_map_fused", kernel=K.row_id_map_fused_kernel,
+    operands=(_ROUTING,),
+    reference=_fused_reference,
+    default_config=lambda dims, params: Config.make(num_warps=4 if next_pow2(dims["E"]) <= 32 else 8),
+    example_inputs=lambda dims, params, dtypes, rng: (_example_routing(dims, dtypes, rng),),
+    **_MAP_WRITER,
+))

@@ -1,0 +1,38 @@
+"""Tile arithmetic shared by every kernel declaration: powers of two and register budgets.
+
+Triton's ``tl.arange`` needs power-of-two extents, so block sizes are powers of two and
+row widths, chunk and expert counts are rounded up to one; autotuning keys bucket sizes
+the same way so that nearby sizes share one tuned entry.
+"""
+from __future__ import annotations
+
+# Elements of one program's [rows, block] register tile: 16384 is 32 KB of bf16 (64 KB of
+# fp32) per program, the most the row movers keep in flight without spilling.
+MAX_TILE = 16384
+
+
+def next_pow2(v: int) -> int:
+    """Smallest power of two ``>= v`` (1 for ``v <= 1``)."""
+    v = int(v)
+    return 1 if v <= 1 else 1 << (v - 1).bit_length()
+
+
+def pow2_at_most(v: int) -> int:
+    """Largest power of two ``<= max(v, 1)``."""
+    return 1 << (max(int(v), 1).bit_length() - 1)
+
+
+def pow2_bucket(name: str, v: int) -> int:
+    """Autotuning key bucket: the next power of two (the name is part of the hook's signature)."""
+    del name
+    return next_pow2(v)
+
+
+def not_pow2(name: str, v: int) -> str | None:
+    """``None`` when ``v`` is a positive power of two, else the reason it is not."""
+    return None if v > 0 and v & (v - 1) == 0 else f"{name}={v} is not a power of two"
+
+
+def tile_too_large(rows: int, block: int, limit: int = MAX_TILE, what: str = "ROWS*BLOCK_H") -> str | None:
+    """``None`` when a ``[rows, block]`` register tile fits in ``limit`` elements, else why not."""
+    return f"{what} = {rows * block} > {limit} (register tile too large)" if rows * block > limit else None

@@ -1,0 +1,147 @@
+"""The token-axis rule: a token-sharded dispatch or combine runs as independent local calls.
+
+Data- and FSDP-parallel meshes shard tokens. Routing is data-dependent (a token's row
+depends on every earlier token), so there is no sharding of one global dispatch that
+needs no communication; instead, as TransformerEngine does, each shard dispatches its own
+tokens: shard ``i`` of ``S`` builds the row-id map of its ``T/S`` tokens and fills its
+``R/S`` rows of the output, where ``R`` is the output's global row count (so
+``num_out_tokens`` is divided across the shards). Outputs stay sharded the same way,
+and the matching combine (and both backward passes) run locally too: no collectives.
+
+Axis names: ``"T"`` (tokens) and ``"R"`` (expert-sorted rows) are split together along
+the mesh axes that shard the tokens; ``"H"`` is local (sliced along whatever shards it, as
+every row mover is); any other axis is replicated. ``T`` and ``R`` must be divisible by
+the number of token shards.
+
+Mechanics: :func:`jax.experimental.custom_partitioning` with a Shardy rule in which ``T``
+and ``R`` share one factor (of size ``gcd(T, R)``), so propagation shards ``R`` exactly
+like ``T``; the per-shard function is built for the shard count it is given. With one
+device, or inside a fully manual ``shard_map``, the call is the plain function. Under
+``vmap`` the batch is mapped over the plain function (its kernels keep the batch axis
+local). The ``interpret`` backend runs kernels in host callbacks, which cannot live in a
+partitioned module (a JAX limitation), so with it a multi-device program computes the
+unsharded (global) result instead.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.custom_batching import custom_vmap
+from jax.experimental.custom_partitioning import CompoundFactor, SdyShardingRule, custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+SPLIT = ("T", "R")
+LOCAL = "H"
+
+Axes = Sequence[str]
+MakeLocal = Callable[[int], Callable]
+
+
+def _spec(sharding, ndim: int) -> list:
+    if isinstance(sharding, NamedSharding):
+        return list((tuple(sharding.spec) + (None,) * ndim)[:ndim])
+    return [None] * ndim
+
+
+def _mesh_axes(arg_shapes, arg_axes: Sequence[Axes], name_set) -> object:
+    """Mesh axes sharding the first operand axis named in ``name_set`` (``None``: unsharded)."""
+    for shape, axes in zip(arg_shapes, arg_axes):
+        for n, ax in zip(axes, _spec(shape.sharding, len(axes))):
+            if n in name_set and ax is not None:
+                return ax
+    return None
+
+
+def _count(mesh, ax) -> int:
+    if ax is None:
+        return 1
+    return int(np.prod([mesh.shape[a] for a in (ax if isinstance(ax, tuple) else (ax,))]))
+
+
+def _shardings(mesh, axes_list: Sequence[Axes], tokens, hidden) -> list[NamedSharding]:
+    pick = lambda n: tokens if n in SPLIT else (hidden if n == LOCAL else None)  # noqa: E731
+    return [NamedSharding(mesh, PartitionSpec(*(pick(n) for n in axes))) for axes in axes_list]
+
+
+def _rule(arg_axes: Sequence[Axes], out_axes: Sequence[Axes], sizes: dict[str, int]) -> SdyShardingRule:
+    """T and R as compounds (s, tx) and (s, rx) of one shared factor s = gcd(T, R)."""
+    g = math.gcd(*(sizes[n] for n in SPLIT if n in sizes))
+    # A split dim is s itself when g is all of it, else the compound (s, rest); Shardy
+    # wants s sized explicitly only when no dim is s alone.
+    whole = g == 1 or any(sizes[n] == g for n in SPLIT if n in sizes)
+    factor_sizes = {} if whole else {"s": g}
+    names: dict[str, str] = {}
+
+    def dim(n: str):
+        if n in SPLIT and g == 1:
+            # T and R share no divisor: T stays splittable (so a token-sharded call reaches
+            # the partition callback, which reports the sizes), R is replicated.
+            return names.setdefault(n, "tok" if n == "T" else "rows")
+        if n in SPLIT:
+            if sizes[n] == g:
+                return "s"
+            factor_sizes[n.lower() + "x"] = sizes[n] // g
+            return CompoundFactor("s", n.lower() + "x")
+        return names.setdefault(n, f"f{len(names)}")
+
+    ops = tuple(tuple(dim(n) for n in axes) for axes in arg_axes)
+    outs = tuple(tuple(dim(n) for n in axes) for axes in out_axes)
+    keep = {"s", "tok", names.get(LOCAL)}
+    # Shardy wants special factors listed in order of first appearance.
+    seen: list[str] = []
+    for d in (d for mapping in ops + outs for d in mapping):
+        seen += [f for f in (d if isinstance(d, CompoundFactor) else (d,)) if f not in seen]
+    replicate = tuple(f for f in seen if f not in keep)
+    return SdyShardingRule(ops, outs, need_replication_factors=replicate, **factor_sizes)
+
+
+def split_over_tokens(name: str, make_local: MakeLocal, args: Sequence[jax.Array], arg_axes: Sequence[Axes],
+                      out_axes: Sequence[Axes], backend: str) -> tuple[jax.Array, ...]:
+    """``make_local(1)(*args)``, run per token shard under SPMD as the module docstring says.
+
+    ``make_local(S)`` returns the function one of ``S`` shards runs on its local operands
+    (same arity and output structure for every ``S``); ``arg_axes``/``out_axes`` name each
+    operand's and output's axes.
+    """
+    plain = make_local(1)
+    sizes = {n: d for axes, a in zip(arg_axes, args) for n, d in zip(axes, a.shape)}
+    outs = jax.eval_shape(plain, *args)
+    sizes.update({n: d for axes, o in zip(out_axes, outs) for n, d in zip(axes, o.shape)})
+    if backend == "interpret" or any(sizes.get(n, 1) == 0 for n in SPLIT):
+        return tuple(plain(*args))
+
+    def infer(mesh, arg_shapes, result_shape):
+        tokens = _mesh_axes(arg_shapes, arg_axes, SPLIT)
+        hidden = _mesh_axes(arg_shapes, arg_axes, {LOCAL})
+        return tuple(_shardings(mesh, out_axes, tokens, hidden))
+
+    def partition(mesh, arg_shapes, result_shape):
+        tokens = _mesh_axes(arg_shapes, arg_axes, SPLIT)
+        hidden = _mesh_axes(arg_shapes, arg_axes, {LOCAL})
+        shards = _count(mesh, tokens)
+        for n in SPLIT:
+            if n in sizes and sizes[n] % shards:
+                raise ValueError(f"{name}: its {'tokens' if n == 'T' else 'output rows'} ({sizes[n]}) do not "
+                                 f"divide into the {shards} token shards of mesh axes {tokens}; choose sizes "
+                                 f"divisible by {shards}")
+        local = make_local(shards)
+        return (mesh, lambda *xs: tuple(local(*xs)), tuple(_shardings(mesh, out_axes, tokens, hidden)),
+                tuple(_shardings(mesh, arg_axes, tokens, hidden)))
+
+    partitioned = custom_partitioning(lambda *xs: tuple(plain(*xs)))
+    partitioned.def_partition(partition, infer_sharding_from_operands=infer,
+                              propagate_user_sharding=lambda mesh, user_shape: tuple(u.sharding for u in user_shape),
+                              sharding_rule=_rule(arg_axes, out_axes, sizes))
+
+    batched = custom_vmap(lambda *xs: partitioned(*xs))
+
+    @batched.def_vmap
+    def _vmap(axis_size, in_batched, *xs):
+        # Each batch element is an independent call of the plain function.
+        out = jax.vmap(plain, in_axes=tuple(0 if b else None for b in in_batched))(*xs)
+        return tuple(out), tuple(True for _ in out)
+
+    return tuple(batched(*args))

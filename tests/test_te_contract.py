@@ -1,0 +1,312 @@
+"""TransformerEngine's JAX permutation contracts, against our independent NumPy reference.
+
+``transformer_engine.jax.permutation`` users switch with one import, so its public
+``token_dispatch`` / ``token_combine`` / ``sort_chunks_by_index`` contracts are ours:
+signatures and return arity, probabilities in the tokens' dtype (bf16 included) with
+``permuted_probs`` and gradients in that dtype, the padded buffer size
+``((num_out_tokens + E*(A-1)) // A) * A``, values within TE's dtype tolerances, and the
+sharded semantics (each token shard dispatches its own tokens, ``num_out_tokens`` divided
+across the shards, no collectives), checked on 8 virtual CPU devices in a subprocess.
+
+Single-device tests run on ``xla`` and on this machine's kernel backend (``interpret`` on
+CPU, ``triton`` on a GPU).
+"""
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_jax_perm
+from tests import numpy_reference as ref
+from tests.multidevice import MULTI, collectives, multidevice, partitioner, run_module_on_8_devices  # noqa: F401
+
+# (num_tokens, num_experts, hidden_size, topk): TE's L0 cases, scaled down for the interpreter.
+CASES = [(32, 5, 32, 3), (24, 8, 40, 8)]
+PADDED_CASES = [(32, 5, 32, 3, 8), (24, 8, 40, 8, 16)]
+DTYPES = [jnp.float32, jnp.bfloat16]
+# The 8-device subprocess runs only the sharded tests.
+single_device = pytest.mark.skipif(MULTI, reason="ran in the single-device session")
+
+
+def te_tols(dtype) -> dict:
+    """TE's test tolerances: rtol = eps**(2/3), atol = max(ulp(1), eps**(2/3))."""
+    finfo = jnp.finfo(dtype)
+    relaxed = math.pow(float(finfo.eps), 2 / 3)
+    one = np.asarray(1, dtype)
+    ulp = float(np.nextafter(one, np.asarray(np.inf, dtype)).astype(np.float64) - 1.0)
+    return {"rtol": relaxed, "atol": max(ulp, relaxed)}
+
+
+def close(actual, desired, dtype):
+    np.testing.assert_allclose(np.asarray(actual, np.float64), np.asarray(desired, np.float64), **te_tols(dtype))
+
+
+def _routing(t, e, k, seed=42):
+    return ref.routing(np.random.default_rng(seed), t, e, k, "topk").astype(np.int32)
+
+
+def _inputs(t, e, h, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.uniform(-1, 1, (t, h)), dtype)
+    probs = jnp.asarray(rng.uniform(0.1, 1.0, (t, e)), dtype)
+    return x, probs
+
+
+def _merging(rm, dtype, seed=1):
+    w = np.random.default_rng(seed).uniform(0.1, 1.0, rm.shape) * rm
+    return jnp.asarray(w / np.maximum(w.sum(axis=1, keepdims=True), 1e-8), dtype)
+
+
+def _uniform(rm, dtype):
+    return jnp.asarray(rm / np.maximum(rm.sum(axis=1, keepdims=True), 1.0), dtype)
+
+
+# -- signatures and arity ----------------------------------------------------------------------
+@single_device
+@pytest.mark.parametrize("fn,params", [
+    ("token_dispatch", ["inp", "routing_map", "num_out_tokens", "probs", "align_size"]),
+    ("token_combine", ["inp", "row_id_map", "merging_probs", "pad_offsets"]),
+    ("sort_chunks_by_index", ["inp", "split_sizes", "sorted_indices"]),
+])
+def test_signatures_are_te_plus_keyword_only_backend(fn, params):
+    sig = inspect.signature(getattr(te_jax_perm, fn))
+    positional = [p.name for p in sig.parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional == params
+    assert sig.parameters["backend"].kind == inspect.Parameter.KEYWORD_ONLY
+
+
+# -- token_dispatch / token_combine ----------------------------------------------------------
+@single_device
+@pytest.mark.parametrize("t,e,h,k", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_dispatch_and_combine(backend, t, e, h, k, dtype, with_probs):
+    rm = _routing(t, e, k)
+    n = int(rm.sum())
+    x, probs = _inputs(t, e, h, dtype)
+    probs = probs if with_probs else None
+    out, pp, rid, pad, tpe = te_jax_perm.token_dispatch(x, rm, n, probs=probs, backend=backend)
+    xf, pf = np.asarray(x, np.float64), None if probs is None else np.asarray(probs, np.float64)
+    e_out, e_pp, dest, _, e_tpe = ref.dispatch(xf, rm.astype(bool), n, pf, None)
+    assert out.shape == (n, h) and out.dtype == dtype and rid.shape == (t, 2 * e + 1) and pad is None
+    close(out, e_out, dtype)
+    np.testing.assert_array_equal(np.asarray(rid)[:, -1], rm.sum(axis=1))
+    np.testing.assert_array_equal(np.asarray(tpe), e_tpe)
+    if with_probs:
+        assert pp.shape == (n,) and pp.dtype == dtype  # permuted_probs in the probs' dtype
+        close(pp, e_pp, dtype)
+    else:
+        assert pp is None
+
+    # Dispatch backward, through TE's loss sum(out**2) + sum(pp**2).
+    def loss(x, p):
+        o, q, *_ = te_jax_perm.token_dispatch(x, rm, n, probs=p, backend=backend)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + (jnp.sum(q.astype(jnp.float32) ** 2) if q is not None else 0.0)
+
+    val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1) if with_probs else 0))(x, probs)
+    e_gx, e_gp = ref.dispatch_vjp(2 * e_out, None if e_pp is None else 2 * e_pp, dest)
+    close(val, np.sum(e_out ** 2) + (np.sum(e_pp ** 2) if with_probs else 0.0), dtype)
+    gx, gp = grads if with_probs else (grads, None)
+    assert gx.dtype == dtype
+    close(gx, e_gx, dtype)
+    if with_probs:
+        assert gp.dtype == dtype
+        close(gp, e_gp, dtype)
+
+    # Combine forward and backward with merging probs in the tokens' dtype.
+    w = _merging(rm, dtype)
+    combined = te_jax_perm.token_combine(out, rid, w, backend=backend)
+    assert combined.shape == (t, h) and combined.dtype == dtype
+    y = np.asarray(out, np.float64)
+    close(combined, ref.combine(y, dest, np.asarray(w, np.float64)), dtype)
+    g = 2 * np.asarray(combined, np.float64)
+    gy, gw = jax.jit(jax.grad(lambda y, w: jnp.sum(te_jax_perm.token_combine(y, rid, w, backend=backend)
+                                                   .astype(jnp.float32) ** 2), argnums=(0, 1)))(out, w)
+    e_gy, e_gw = ref.combine_vjp(g, y, dest, np.asarray(w, np.float64))
+    assert gy.dtype == dtype and gw.dtype == dtype  # merging_probs' gradient in their dtype
+    close(gy, e_gy, dtype)
+    close(gw, e_gw, dtype)
+
+    # Round trip with uniform merging probs is the identity.
+    uniform = _uniform(rm, dtype)
+    back = jax.jit(lambda x: te_jax_perm.token_combine(
+        te_jax_perm.token_dispatch(x, rm, n, backend=backend)[0],
+        te_jax_perm.token_dispatch(x, rm, n, backend=backend)[2], uniform, backend=backend))(x)
+    close(back, np.asarray(x, np.float64), dtype)
+
+
+@single_device
+@pytest.mark.parametrize("t,e,h,k,align", PADDED_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_dispatch_and_combine_with_padding(backend, t, e, h, k, align, dtype, with_probs):
+    rm = _routing(t, e, k)
+    n = int(rm.sum())
+    worst = ((n + e * (align - 1)) // align) * align  # TE's buffer size
+    x, probs = _inputs(t, e, h, dtype)
+    probs = probs if with_probs else None
+    out, pp, rid, pad, tpe = te_jax_perm.token_dispatch(x, rm, n, probs=probs, align_size=align, backend=backend)
+    assert out.shape == (worst, h)
+    assert (pp.shape == (worst,) and pp.dtype == dtype) if with_probs else pp is None
+    assert pad.shape == (e,) and tpe.shape == (e,)
+    assert all(int(c) % align == 0 for c in np.asarray(tpe))
+    xf = np.asarray(x, np.float64)
+    e_out, e_pp, dest, e_pad, e_tpe = ref.dispatch(xf, rm.astype(bool), n, None if probs is None else
+                                                   np.asarray(probs, np.float64), align)
+    close(out, e_out, dtype)
+    np.testing.assert_array_equal(np.asarray(pad), e_pad)
+    np.testing.assert_array_equal(np.asarray(tpe), e_tpe)
+
+    def loss(x, p):
+        o, q, *_ = te_jax_perm.token_dispatch(x, rm, n, probs=p, align_size=align, backend=backend)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + (jnp.sum(q.astype(jnp.float32) ** 2) if q is not None else 0.0)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1) if with_probs else 0))(x, probs)
+    for gr, like in zip(grads if with_probs else (grads,), (x, probs)):
+        assert gr.shape == like.shape and not np.isnan(np.asarray(gr, np.float32)).any()
+
+    w = _merging(rm, dtype)
+    combined = te_jax_perm.token_combine(out, rid, w, pad, backend=backend)
+    assert combined.shape == (t, h)
+    close(combined, ref.combine(np.asarray(out, np.float64), dest, np.asarray(w, np.float64)), dtype)
+    gy = jax.jit(jax.grad(lambda y: jnp.sum(te_jax_perm.token_combine(y, rid, w, pad, backend=backend)
+                                            .astype(jnp.float32) ** 2)))(out)
+    assert gy.shape == out.shape and not np.isnan(np.asarray(gy, np.float32)).any()
+
+    uniform = _uniform(rm, dtype)
+
+    def roundtrip(x, with_offsets):
+        o, _, r, p, _ = te_jax_perm.token_dispatch(x, rm, n, align_size=align, backend=backend)
+        return te_jax_perm.token_combine(o, r, uniform, p if with_offsets else None, backend=backend)
+
+    for with_offsets in (True, False):  # the map carries the padding: pad_offsets are optional
+        close(jax.jit(roundtrip, static_argnums=1)(x, with_offsets), xf, dtype)
+    g = jax.jit(jax.grad(lambda x: jnp.sum(roundtrip(x, True).astype(jnp.float32) ** 2)))(x)
+    close(g, 2 * xf, dtype)
+
+
+# -- sort_chunks_by_index ------------------------------------------------------------------
+@single_device
+@pytest.mark.parametrize("num_splits,total,h", [(8, 256, 24), (16, 300, 40)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sort_chunks_by_index(backend, num_splits, total, h, dtype):
+    rng = np.random.default_rng(42)
+    sizes = rng.integers(10, total // num_splits, num_splits)
+    sizes[-1] = total - sizes[:-1].sum()
+    order = rng.permutation(num_splits)
+    x = jnp.asarray(rng.uniform(-1, 1, (total, h)), dtype)
+    res = te_jax_perm.sort_chunks_by_index(x, jnp.asarray(sizes, jnp.int32), jnp.asarray(order, jnp.int32),
+                                           backend=backend)
+    assert len(res) == 2  # TE's arity: (output, row_id_map)
+    out, row_map = res
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    src = np.concatenate([np.arange(starts[c], starts[c] + sizes[c]) for c in order])
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x)[src])
+    np.testing.assert_array_equal(np.asarray(row_map)[src], np.arange(total))
+    loss = lambda x: jnp.sum(te_jax_perm.sort_chunks_by_index(
+        x, jnp.asarray(sizes, jnp.int32), jnp.asarray(order, jnp.int32), backend=backend)[0].astype(jnp.float32) ** 2)
+    val, g = jax.jit(jax.value_and_grad(loss))(x)
+    close(val, np.sum(np.asarray(x, np.float64) ** 2), dtype)
+    close(g, 2 * np.asarray(x, np.float64), dtype)
+    # [B, S, H] inputs are flattened, as in TE.
+    out3, _ = te_jax_perm.sort_chunks_by_index(x.reshape(4, total // 4, h), jnp.asarray(sizes, jnp.int32),
+                                               jnp.asarray(order, jnp.int32), backend=backend)
+    np.testing.assert_array_equal(np.asarray(out3), np.asarray(out))
+
+
+@single_device
+def test_sort_chunks_probs_variant_keeps_te_arity_separate(backend):
+    x = jnp.arange(20, dtype=jnp.float32).reshape(10, 2)
+    p = jnp.arange(10, dtype=jnp.bfloat16)
+    sizes, order = jnp.asarray([3, 7], jnp.int32), jnp.asarray([1, 0], jnp.int32)
+    out, pp, row_map = te_jax_perm.sort_chunks_by_index_with_probs(x, sizes, order, p, backend=backend)
+    assert pp.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(pp, np.float32), np.r_[3:10, 0:3])
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(te_jax_perm.sort_chunks_by_index(
+        x, sizes, order, backend=backend)[0]))
+
+
+# -- sharded semantics (8 virtual CPU devices) -----------------------------------------------
+def test_in_8_device_subprocess():
+    run_module_on_8_devices(__file__)
+
+
+# (mesh shape, mesh axes, token axes): TE's n4_dp2_tp2 and n8_dp2_fsdp2_tp2, tokens over dp
+# (TE's own tests) and over dp and fsdp together.
+MESHES = [((2, 2), ("dp", "tpsp"), "dp"), ((2, 2, 2), ("dp", "fsdp", "tpsp"), "dp"),
+          ((2, 2, 2), ("dp", "fsdp", "tpsp"), ("dp", "fsdp"))]
+
+
+@multidevice
+@pytest.mark.parametrize("mesh_shape,mesh_axes,token_axes", MESHES, ids=["dp2_tp2", "dp2_fsdp2_tp2", "dpfsdp4_tp2"])
+@pytest.mark.parametrize("align", [None, 8])
+def test_token_sharded_dispatch_and_combine_are_local(partitioner, mesh_shape, mesh_axes, token_axes, align):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from te_jax_perm.ops.dispatch import local_budget
+
+    t, e, h, k = 64, 4, 32, 2
+    rm = _routing(t, e, k)
+    x, probs = _inputs(t, e, h, jnp.float32)
+    devices = np.asarray(jax.devices()[:int(np.prod(mesh_shape))]).reshape(mesh_shape)
+    mesh = Mesh(devices, mesh_axes)
+    shards = int(np.prod([mesh.shape[a] for a in (token_axes if isinstance(token_axes, tuple) else (token_axes,))]))
+    if align is None:
+        n = t * k  # TE: global num_out_tokens, divided by the partitioner
+    else:  # TE's distributed test: room for each shard's worst-case padding
+        tl = t // shards
+        n = ((tl * k + e * (align - 1)) // align) * align * shards
+    uniform = _uniform(rm, jnp.float32)
+    sh = NamedSharding(mesh, P(token_axes, None))
+    xs, rms, ps, us = (jax.device_put(a, sh) for a in (x, rm, probs, uniform))
+
+    def layer(x, rm, p, u):
+        out, pp, rid, pad, _ = te_jax_perm.token_dispatch(x, rm, n, probs=p, align_size=align, backend="xla")
+        return out, pp, rid, te_jax_perm.token_combine(out, rid, u, pad, backend="xla")
+
+    def loss(x, p):
+        out, pp, _, back = layer(x, rms, p, us)
+        return jnp.sum(out ** 2) + jnp.sum(pp ** 2) + jnp.sum(back ** 2)
+
+    assert collectives(layer, xs, rms, ps, us) == []
+    assert collectives(jax.grad(loss, argnums=(0, 1)), xs, ps) == []
+    out, pp, rid, back = jax.jit(layer)(xs, rms, ps, us)
+    gx, gp = jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ps)
+    assert out.sharding.spec[0] == token_axes and rid.sharding.spec[0] == token_axes
+
+    rows = out.shape[0] // shards
+    tl = t // shards
+    for i in range(shards):
+        tok = slice(i * tl, (i + 1) * tl)
+        budget = local_budget(n, shards, rows, e, align)
+        xi, pi = np.asarray(x)[tok].astype(np.float64), np.asarray(probs)[tok].astype(np.float64)
+        e_out, e_pp, dest, e_pad, _ = ref.dispatch(xi, rm[tok].astype(bool), budget, pi, align)
+        block = slice(i * rows, (i + 1) * rows)
+        used = e_out.shape[0]
+        assert used <= rows
+        np.testing.assert_array_equal(np.asarray(out)[block][:used], e_out.astype(np.float32))
+        assert not np.asarray(out)[block][used:].any() and not np.asarray(pp)[block][used:].any()
+        np.testing.assert_array_equal(np.asarray(pp)[block][:used], e_pp.astype(np.float32))
+        np.testing.assert_array_equal(np.asarray(rid)[tok], ref.row_id_map(rm[tok].astype(bool), budget, e_pad))
+        np.testing.assert_allclose(np.asarray(back)[tok], xi, rtol=1e-5, atol=1e-5)  # every row kept here
+        g_out, g_pp = 2 * e_out, 2 * e_pp
+        gb = ref.combine_vjp(2 * xi, e_out, dest, np.asarray(uniform)[tok])[0]
+        e_gx, e_gp = ref.dispatch_vjp(g_out + np.pad(gb, ((0, g_out.shape[0] - gb.shape[0]), (0, 0))), g_pp, dest)
+        np.testing.assert_allclose(np.asarray(gx)[tok], e_gx, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(gp)[tok], e_gp, rtol=1e-5, atol=1e-5)
+
+
+@multidevice
+def test_token_count_not_divisible_by_shards_is_a_clear_error():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.asarray(jax.devices()[:2]), ("dp",))
+    rm = _routing(8, 4, 2)
+    x, _ = _inputs(8, 4, 16, jnp.float32)
+    sh = NamedSharding(mesh, P("dp", None))
+    with pytest.raises(Exception, match="do not divide into the 2 token shards"):
+        jax.jit(lambda x, rm: te_jax_perm.token_dispatch(x, rm, 15, backend="xla")[0])(
+            jax.device_put(x, sh), jax.device_put(rm, sh))
+
