@@ -205,11 +205,6 @@ def test_bf16_weighted_combine_rounds_to_nearest_even(kernel_backend, k):
         np.testing.assert_array_equal(y.view(np.uint16), y_xla.view(np.uint16))
 
 
-_FP8_KERNEL = ("the combine kernel loads fp8 rows with an int `other=0`, which Triton cannot cast to fp8 "
-               "(compiling for the GPU fails the same way); fixed in the kernels, not the interpreter")
-
-
-@pytest.mark.xfail(strict=True, reason=_FP8_KERNEL)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_fp8_combine_matches_xla(kernel_backend, weighted):
     from te_jax_perm import token_combine, token_dispatch
@@ -225,7 +220,6 @@ def test_fp8_combine_matches_xla(kernel_backend, weighted):
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
-@pytest.mark.xfail(strict=True, reason=_FP8_KERNEL)
 def test_fp8_dispatch_gradient_matches_xla(kernel_backend):
     from te_jax_perm import token_dispatch
 

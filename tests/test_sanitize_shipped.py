@@ -232,22 +232,7 @@ HOSTILE = {
 }
 
 
-# Out-of-bounds today (stores near element 2**32 / loads past `inp`); the kernels are being
-# made to bound-check. Remove the marks once they do: strict, so a fix shows up as XPASS.
-_PENDING_FIX = {
-    "chunk_sort": "sort_chunks stores out of bounds when the int32 sum of traced split_sizes overflows",
-    "combine": "token_combine loads past an input shorter than its row-id map addresses",
-}
-
-
-def _pending(name: str) -> str:
-    return next(why for prefix, why in _PENDING_FIX.items() if name.startswith(prefix))
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=_pending(n))]
-                 if any(n.startswith(p) for p in _PENDING_FIX) else [])
-    for n in sorted(HOSTILE)])
+@pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_hostile_inputs_access_nothing_out_of_bounds(name):
     """Sizes that overflow int32 and an input shorter than its map are user errors the ops
     must answer with a defined result or a trace-time error naming the argument, never with

@@ -72,9 +72,9 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_p
                 for h0 in range(0, H, BLOCK_H):
                     off = h0 + tl.arange(0, BLOCK_H)
                     hm = (off < H)[None, :]
-                    g = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0)
+                    g = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0.0)
                     g = g.to(tl.float32)
-                    yv = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0)
+                    yv = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0.0)
                     acc += g * yv.to(tl.float32)
                     tl.store(out_ptr + dest[:, None] * H + off[None, :],
                              (g * w[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None] & hm)
@@ -168,7 +168,7 @@ def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, N, out_ptr, dpro
             ok = nok
             # Next column's indices first: their latency hides behind this column's row load.
             nxt, ne, nok = _dest(rid_row, pad_ptr, j + 1, E, N, tm & (j + 1 < cnt), PADDED)
-            v = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0).to(tl.float32)
+            v = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0.0).to(tl.float32)
             if WEIGHTED:
                 v = v * tl.load(w_ptr + t64 * E + e, mask=ok, other=0).to(tl.float32)[:, None]
             acc += v
