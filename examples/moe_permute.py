@@ -270,7 +270,8 @@ def dense_reference(params: dict[str, jax.Array], frozen: dict[str, jax.Array], 
     a = swiglu(h).astype(x.dtype)
     y = _einsum32("tef,efh->teh", a, frozen["w_out"])
     y = y.at[:, experts].set(_einsum32("tef,efh->teh", a[:, experts], params["w_out_q"]))
-    return jnp.einsum("te,teh->th", probs, y.astype(x.dtype).astype(jnp.float32))
+    return jnp.einsum("te,teh->th", probs, y.astype(x.dtype).astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
 
 
 def _einsum32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -278,7 +279,9 @@ def _einsum32(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
     the operands are widened (small problems); on GPUs they stay 16-bit (tens of GiB)."""
     if jax.default_backend() == "cpu":
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    # HIGHEST: on GPUs XLA would otherwise multiply float32 in TF32, and the reference must
+    # be more accurate than what it checks.
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
 
 
 def layer_gemm_flops(cfg: MoEConfig) -> float:

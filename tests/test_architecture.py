@@ -14,6 +14,7 @@ import pytest
 
 from te_jax_perm.core import bind_call, configure, env, hooks
 from te_jax_perm.core.kernel_args import kernel_arguments, signature
+from tests.conftest import KERNEL_BACKEND
 from tests.example_kernels import gather_rows
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -137,9 +138,7 @@ def test_resolver_and_call_observers_plug_in_through_hooks(on_cpu):
 
 def _run(code, **env_vars):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TE_JAX_PERM_")}
-    # JAX_PLATFORMS=cpu: the snippets run the interpret backend, which needs host buffers.
-    environ.update(env_vars, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                   JAX_PLATFORMS="cpu")
+    environ.update(env_vars, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-c", code], env=environ, cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
 
@@ -174,7 +173,7 @@ def test_cached_tuning_is_used_without_opting_in(tmp_path):
     tune = ("import numpy as np\n"
             "from te_jax_perm import autotune\n"
             "from tests.example_kernels import gather_rows\n"
-            "r = autotune.tune(gather_rows.decl, [((6, 40), np.float32), ((4,), np.int32)], {}, 'interpret')\n"
+            f"r = autotune.tune(gather_rows.decl, [((6, 40), np.float32), ((4,), np.int32)], {{}}, '{KERNEL_BACKEND}')\n"
             "print('BEST', r.best)\n")
     first = _run(tune, TE_JAX_PERM_AUTOTUNE_CACHE=str(tmp_path))
     assert first.returncode == 0 and "BEST Config" in first.stdout, first.stderr
@@ -186,7 +185,7 @@ def test_cached_tuning_is_used_without_opting_in(tmp_path):
            "picked = []\n"
            "resolver = hooks.config_resolver()\n"
            "with hooks.using_config_resolver(lambda call: picked.append(resolver(call)) or picked[-1]):\n"
-           "    jax.jit(lambda s, i: gather_rows(s, i, backend='interpret')).lower(jnp.ones((6, 40)),"
+           f"    jax.jit(lambda s, i: gather_rows(s, i, backend='{KERNEL_BACKEND}')).lower(jnp.ones((6, 40)),"
            " jnp.zeros((4,), jnp.int32))\n"
            "print('PICKED', picked[0])\n"
            "print('TUNES', sys.modules['te_jax_perm.autotune.tuner'].stats['tunes'])\n")

@@ -87,7 +87,7 @@ def test_example_detects_a_broken_combine(example, monkeypatch):
     assert not rep.ok
     assert rep.errors["output"] > rep.tolerance
     with flagsaver.flagsaver():
-        example.FLAGS(["moe_permute", "--tokens=32", "--hidden=16", "--experts=4", "--steps=1", "--backend=xla"])
+        example.FLAGS(["moe_permute", "--preset=cpu", "--tokens=32", "--hidden=16", "--experts=4", "--steps=1", "--backend=xla"])
         assert example.main([]) == 1
 
 

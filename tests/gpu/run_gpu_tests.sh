@@ -18,7 +18,7 @@ OUT=${1:?usage: tests/gpu/run_gpu_tests.sh OUT_DIR}
 mkdir -p "$OUT"
 STEPS=${STEPS:-pytest,capture,stress,memcheck}
 PYTEST_S=${PYTEST_S:-220}
-STRESS_S=${STRESS_S:-130}
+STRESS_S=${STRESS_S:-160}
 MEMCHECK_S=${MEMCHECK_S:-90}
 PYTEST_WORKERS=${PYTEST_WORKERS:-4}
 CAPTURE_S=${CAPTURE_S:-100}
