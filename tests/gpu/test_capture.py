@@ -50,6 +50,8 @@ def test_dispatch_combine_step_is_captured_in_command_buffers(tmp_path):
     assert on["our_kernels"] and on["our_kernels_per_step"] >= len(on["our_kernels"]), on
     if off["api_events_seen"]:
         assert off["graph_launches_per_step"] == 0, off  # off really is off
-    # Our kernels are most of the step: were they launched one by one with command buffers
-    # on, the two runs would time alike.
-    assert on["wall_us"] < 0.85 * off["wall_us"], (on["wall_us"], off["wall_us"])
+    # Proof of capture from the profiler's CUDA API records (not from timing, which is noisy
+    # on a shared machine): with command buffers on, the whole step, our kernels included,
+    # is one CUDA graph launch and no kernel is launched on its own.
+    assert on["api_events_seen"], on
+    assert on["graph_launches_per_step"] >= 1 and on["kernel_launches_per_step"] == 0, on
