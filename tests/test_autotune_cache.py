@@ -143,11 +143,14 @@ def test_unwritable_cache_keeps_results_in_memory_and_warns_once(tmp_path, caplo
     assert "cache_unwritable" in autotune.format_cache() and "in memory" in autotune.format_cache()
 
 
+SHIPPED, PARAMS = "sort_chunks", {"is_forward": True}   # any kernel the library ships
+
+
 def _shipped_copy_key():
     from te_jax_perm.autotune.__main__ import shipped_decls
-    decl = shipped_decls()["device_copy"]
-    dims = {"N": 4096}
-    return decl, keymod.make_key(decl, dims, {}, [np.float32], "interpret"), dims
+    decl = shipped_decls()[SHIPPED]
+    dims = {"N": 64, "H": 4096}
+    return decl, keymod.make_key(decl, dims, PARAMS, [np.float32, np.int32], "interpret"), dims
 
 
 def test_print_cache_survives_any_file_and_names_the_bad_ones(tmp_cache):
@@ -162,10 +165,10 @@ def test_print_cache_survives_any_file_and_names_the_bad_ones(tmp_cache):
     for name, data in files.items():
         (tmp_cache / name).write_bytes(data)
     decl, key, dims = _shipped_copy_key()
-    good = decl.default_config(dims, {}).to_json()
+    good = decl.default_config(dims, PARAMS).to_json()
     cache.store(key, {"best": good, "ranking": [[good, 1e-6]], "tuned_dims": dims})
-    bad_key = dict(key, dims={"N": 8192})
-    cache.store(bad_key, {"best": None, "ranking": [[_cfg(BLOCK=3, BOGUS=1), 1e-6]], "tuned_dims": {"N": 8192}})
+    bad_key = dict(key, dims={**key["dims"], "N": 8192})
+    cache.store(bad_key, {"best": None, "ranking": [[_cfg(BLOCK=3, BOGUS=1), 1e-6]], "tuned_dims": {**dims, "N": 8192}})
     out = subprocess.run([sys.executable, "-m", "te_jax_perm.autotune", "--print-cache", "--cache-dir", str(tmp_cache)],
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
@@ -175,15 +178,15 @@ def test_print_cache_survives_any_file_and_names_the_bad_ones(tmp_cache):
         assert any(name in ln for ln in bad_lines), out.stdout
     assert any(cache.entry_path(bad_key).name in ln and "BOGUS" in ln for ln in bad_lines), out.stdout
     assert sum(cache.entry_path(key).name in ln for ln in bad_lines) == 0, out.stdout
-    assert "device_copy  backend=interpret dims={'N': 4096}" in out.stdout, out.stdout
+    assert f"{SHIPPED}  backend=interpret dims={dict(sorted(key['dims'].items()))}" in out.stdout, out.stdout
     assert "6 bad entries" in out.stdout, out.stdout
 
 
 def test_format_cache_checks_configs_against_the_declaration(tmp_cache):
     decl, key, dims = _shipped_copy_key()
     cfg = decl.configs[0].to_json()
-    wrong = dict(cfg, constants={**cfg["constants"], "BLOCK": 3})   # declared names and types, not a tile
+    wrong = dict(cfg, constants={**cfg["constants"], "BLOCK_H": 3})   # declared names and types, not a tile
     cache.store(key, {"best": wrong, "ranking": [[wrong, 1e-6]], "tuned_dims": dims})
     assert "BAD" not in cache.format_cache()                  # well formed...
-    text = cache.format_cache({"device_copy": decl})          # ...but not a config device_copy declares
-    assert "BAD" in text and "not one of device_copy's declared configs" in text, text
+    text = cache.format_cache({SHIPPED: decl})          # ...but not a config the kernel declares
+    assert "BAD" in text and f"not one of {SHIPPED}'s declared configs" in text, text
