@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one command, from the repository root on the GPU machine (~9 min):
+# The whole GPU suite in one command, from the repository root on the GPU machine (~7 min on an H100):
 #   tests/gpu/run_gpu_tests.sh OUT_DIR
-# (a) pytest: every kernel test (op tests get backend in {xla, triton}; gpu-marked tests run,
-#     4 workers when pytest-xdist is installed,
+# (a) pytest: every test file (op tests get backend in {xla, triton}; gpu-marked tests run,
+#     8 workers when pytest-xdist is installed,
 # (b) the command-buffer capture test, alone (it times),
 # (c) the unsynchronised alternating-shape stress (python3 -m tests.gpu.stress),
 # (d) every kernel fwd+bwd (tests/gpu/memcheck_ops.py) under compute-sanitizer --tool memcheck.
@@ -17,10 +17,10 @@ set -u
 OUT=${1:?usage: tests/gpu/run_gpu_tests.sh OUT_DIR}
 mkdir -p "$OUT"
 STEPS=${STEPS:-pytest,capture,stress,memcheck}
-PYTEST_S=${PYTEST_S:-220}
-STRESS_S=${STRESS_S:-160}
+PYTEST_S=${PYTEST_S:-330}
+STRESS_S=${STRESS_S:-150}
 MEMCHECK_S=${MEMCHECK_S:-90}
-PYTEST_WORKERS=${PYTEST_WORKERS:-4}
+PYTEST_WORKERS=${PYTEST_WORKERS:-8}
 CAPTURE_S=${CAPTURE_S:-100}
 PYTEST_ARGS=${PYTEST_ARGS:-}
 
@@ -90,7 +90,7 @@ PY
 
 # The tests that exercise kernels on this machine's backend (CPU-only machinery - the
 # sanitizer, the compile pool, virtual-device sharding - is covered by CI).
-PYTEST_TARGET=${PYTEST_TARGET:-"tests/test_core_framework.py tests/test_architecture.py tests/test_triton_call.py tests/test_row_id_map.py tests/test_permute.py tests/test_dispatch.py tests/test_chunk_sort.py tests/test_example.py tests/gpu"}
+PYTEST_TARGET=${PYTEST_TARGET:-tests}
 XDIST=""
 if [ "$PYTEST_WORKERS" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then XDIST="-n $PYTEST_WORKERS"; fi
 STRESS_ARGS="--cases 40 --passes 4"
