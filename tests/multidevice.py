@@ -19,7 +19,8 @@ def run_module_on_8_devices(module_file: str) -> None:
     if MULTI:
         pytest.skip("already in the 8-device subprocess")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    # JAX_PLATFORMS=cpu: the 8 devices are virtual CPU devices, also on a GPU machine.
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "TE_JAX_PERM_MULTIDEVICE": "1", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TE_JAX_PERM_BACKEND", None)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(module_file)],

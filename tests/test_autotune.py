@@ -178,7 +178,7 @@ def test_concurrent_writers_leave_a_complete_file(tmp_cache):
     assert not list(tmp_cache.glob("*.tmp"))
 
 
-def test_resolver_tunes_on_miss_when_enabled_and_uses_cache_when_disabled():
+def test_resolver_tunes_on_miss_when_enabled_and_uses_cache_when_disabled(on_cpu):
     decl = K.accumulate_decl(name="resolved", default_config=lambda d, p: Config.make(BS=16, BT=2))
     prim = declare(decl)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((48, 10)).astype(np.float32))

@@ -266,7 +266,7 @@ def test_environment_variable_enables_the_sanitizer(mode):
         "    print('RAISED', 'out-of-bounds load by program (0, 0, 0)' in str(e))\n"
         "r = s.env_report()\n"
         "print('OOB', len(r.of_kind(s.OOB)))\n")
-    env = {**os.environ, "TE_JAX_PERM_SANITIZE": mode, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "TE_JAX_PERM_SANITIZE": mode, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     if mode == "raise":

@@ -61,6 +61,7 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
 def _launch_locked(interp, kernel, grid3, args, constexprs, name, buffers) -> None:
     fn = interp.InterpretedFunction(kernel.fn).rewrite()
     scope = interp._patch_lang(kernel.fn)
+    interpret_numerics.patch_scalar_index(scope)
     observers = hooks.launch_observers()
     for ob in observers:
         ob.launch_begin(name or kernel.fn.__name__, buffers, grid3)
@@ -97,6 +98,7 @@ def _nested_jit_calls(interp: Any) -> Iterator[None]:
         if fn is None:
             fn = _rewritten[self.fn] = interp.InterpretedFunction(self.fn).rewrite()
         scope = interp._patch_lang(self.fn)
+        interpret_numerics.patch_scalar_index(scope)
         try:
             return fn(*a, **kw)
         finally:

@@ -233,3 +233,16 @@ def _as_f32(t) -> np.ndarray:
     if _name(t.dtype.scalar) == "bf16":
         return (t.data.astype(np.uint32) << 16).view(np.float32)
     return t.data.astype(np.float32)
+
+
+def patch_scalar_index(scope: Any) -> None:
+    """Scalars used as Python ints (loop bounds, ``range``) under NumPy >= 2.4.
+
+    The interpreter holds every scalar as a one-element array; Triton 3.6-3.8 turn it into
+    an index with ``int(array)``, which NumPy 2.4 refuses for arrays of one dimension
+    ("only 0-dimensional arrays can be converted to Python scalars"). ``scope`` is the
+    interpreter's language patch for one launch, which undoes this with everything else.
+    """
+    import triton.language as tl
+
+    scope.set_attr(tl.core.tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
