@@ -245,4 +245,9 @@ def patch_scalar_index(scope: Any) -> None:
     """
     import triton.language as tl
 
-    scope.set_attr(tl.core.tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+    def first(self):
+        return np.asarray(self.handle.data).reshape(-1)[0]
+
+    scope.set_attr(tl.core.tensor, "__index__", lambda self: int(first(self)))
+    # Same rule as the interpreter's own (only a scalar has a truth value), read as a scalar.
+    scope.set_attr(tl.core.tensor, "__bool__", lambda self: bool(first(self)) if self.handle.data.size == 1 else True)

@@ -102,6 +102,18 @@ def _g_p2(dims) -> int:
     return triton.next_power_of_2(max(dims["G"], 1))
 
 
+# What both GEMM declarations share: one static param (the operand width sets the tile
+# budget and the precision), rows bucketed to powers of two in tuning keys, and a tolerance
+# instead of bit-exactness (float32 accumulation order differs between tilings).
+_SHARED = dict(
+    params=("elem_bytes",),
+    scalars=lambda dims, params: {"M": dims["M"]},
+    key_params=("elem_bytes",),
+    key_bucket=lambda name, v: triton.next_power_of_2(v) if name == "M" else v,
+    exact=False, rtol=2e-2, atol=2e-2,
+)
+
+
 def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
     # Without trans_rhs: lhs [M,C] x rhs [G,C,D]; with it: lhs [M,C] x rhs [G,D,C] (used transposed).
     rhs_dims = ("G", "D", "C") if trans_rhs else ("G", "C", "D")
@@ -113,11 +125,9 @@ def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
                   Operand("group_sizes", ("G",), ("int32",))),
         outputs=(Output("out", lambda dims, params: (dims["M"], dims["D"]),
                         lambda dtypes, params: dtypes["lhs"]),),
-        params=("elem_bytes",),
         reference=lambda lhs, rhs, group_sizes, elem_bytes: (reference(lhs, rhs, group_sizes),),
         grid=lambda dims, params, config: (
             (triton.cdiv(dims["M"], config.kw["BM"]) + dims["G"] + 1) * triton.cdiv(dims["D"], config.kw["BN"]),),
-        scalars=lambda dims, params: {"M": dims["M"]},
         constexprs=lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"],
                                                   "G_P2": _g_p2(dims), "TRANS_RHS": trans_rhs,
                                                   "PRECISION": _precision(params)},
@@ -126,10 +136,8 @@ def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
                       for w in (4, 8) for s in (3, 4)),
         constraints=(_mm_fits,),
         key_dims=("M", "C", "D", "G"),
-        key_params=("elem_bytes",),
-        key_bucket=lambda name, v: triton.next_power_of_2(v) if name == "M" else v,
         default_config=_mm_default,
-        exact=False, rtol=2e-2, atol=2e-2,
+        **_SHARED,
     )
 
 
@@ -143,12 +151,10 @@ _grouped_gemm_wgrad = declare(KernelDecl(
               Operand("group_sizes", ("G",), ("int32",))),
     outputs=(Output("out", lambda dims, params: (dims["G"], dims["K"], dims["N"]),
                     lambda dtypes, params: dtypes["lhs"]),),
-    params=("elem_bytes",),
     reference=lambda lhs, dout, group_sizes, elem_bytes: (
         grouped_gemm_wgrad_reference(lhs, dout, group_sizes, group_sizes.shape[0]),),
     grid=lambda dims, params, config: (
         dims["G"] * triton.cdiv(dims["K"], config.kw["BK"]) * triton.cdiv(dims["N"], config.kw["BN"]),),
-    scalars=lambda dims, params: {"M": dims["M"]},
     constexprs=lambda dims, params, config: {"K": dims["K"], "N": dims["N"], "G": dims["G"],
                                               "G_P2": _g_p2(dims), "PRECISION": _precision(params)},
     configs=tuple(Config.make(num_warps=w, num_stages=s, BK=bk, BN=bn, BR=br)
@@ -156,10 +162,8 @@ _grouped_gemm_wgrad = declare(KernelDecl(
                   for w in (4, 8) for s in (3, 4)),
     constraints=(_wgrad_fits,),
     key_dims=("M", "K", "N", "G"),
-    key_params=("elem_bytes",),
-    key_bucket=lambda name, v: triton.next_power_of_2(v) if name == "M" else v,
     default_config=_wgrad_default,
-    exact=False, rtol=2e-2, atol=2e-2,
+    **_SHARED,
 ))
 
 
