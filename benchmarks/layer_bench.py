@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.shapes import by_substrings
 from te_jax_perm.ops.grouped_gemm import grouped_matmul, tokamax_available
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -267,13 +268,10 @@ def plot(result: dict, path: pathlib.Path) -> None:
 
 # -- main ---------------------------------------------------------------------------------
 def _pick(items: tuple, spec: str) -> tuple:
-    if not spec:
-        return items
-    wanted = [w.strip() for w in spec.split(",") if w.strip()]
-    picked = tuple(i for i in items if any(w in i.name for w in wanted))
-    if not picked:
-        raise SystemExit(f"--shapes {spec!r} matches none of {[i.name for i in items]}")
-    return picked
+    try:
+        return by_substrings(spec, items, "--shapes")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

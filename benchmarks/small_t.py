@@ -32,15 +32,8 @@ TOKENS = (16, 64, 256, 1024)
 def problem(T: int, H: int, E: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """bf16 tokens ``[T, H]``, a top-k routing map ``[T, E]`` and its probs (fp32)."""
     import ml_dtypes
-    rng = np.random.default_rng(seed)
-    logits = rng.standard_normal((T, E)).astype(np.float32)
-    top = np.argsort(-logits, axis=1)[:, :k]
-    rmap = np.zeros((T, E), bool)
-    np.put_along_axis(rmap, top, True, axis=1)
-    probs = np.where(rmap, np.exp(logits), 0).astype(np.float32)
-    probs /= probs.sum(1, keepdims=True)
-    x = rng.standard_normal((T, H)).astype(ml_dtypes.bfloat16)
-    return x, rmap, probs
+    from te_jax_perm.autotune.workloads import moe_problem
+    return moe_problem(T, H, E, k, ml_dtypes.bfloat16, seed)
 
 
 def make_step(backend: str, k: int) -> Callable:

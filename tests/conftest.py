@@ -42,3 +42,13 @@ def on_cpu():
     trials), whose kernels run on host buffers."""
     with jax.default_device(jax.devices("cpu")[0]):
         yield
+
+
+@pytest.fixture
+def tmp_cache(tmp_path):
+    """A private, empty tuning cache (and fresh tuner counters) for one test."""
+    from te_jax_perm import autotune
+    autotune.set_cache_dir(tmp_path / "cache")
+    autotune.stats.clear()
+    yield tmp_path / "cache"
+    autotune.set_cache_dir(None)

@@ -21,12 +21,7 @@ from te_jax_perm.core.aliasing import alias_plan
 SHAPE = [((64, 16), np.float32)]
 
 
-@pytest.fixture(autouse=True)
-def tmp_cache(tmp_path):
-    autotune.set_cache_dir(tmp_path / "cache")
-    autotune.stats.clear()
-    yield tmp_path / "cache"
-    autotune.set_cache_dir(None)
+pytestmark = pytest.mark.usefixtures("tmp_cache")
 
 
 def test_pruning_drops_invalid_configs_before_trials():

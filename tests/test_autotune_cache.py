@@ -17,17 +17,9 @@ from te_jax_perm.autotune import cache, key as keymod
 from te_jax_perm.core import Config, declare
 
 # The interpret backend runs on host buffers: on a GPU machine too, these run on the CPU.
-pytestmark = pytest.mark.usefixtures("on_cpu")
+pytestmark = pytest.mark.usefixtures("on_cpu", "tmp_cache")
 
 SHAPE = (48, 10)
-
-
-@pytest.fixture(autouse=True)
-def tmp_cache(tmp_path):
-    autotune.set_cache_dir(tmp_path / "cache")
-    autotune.stats.clear()
-    yield tmp_path / "cache"
-    autotune.set_cache_dir(None)
 
 
 def _cfg(**kw):
