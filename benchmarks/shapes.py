@@ -37,6 +37,15 @@ GPU_SHAPES: tuple[MoEShape, ...] = (
     MoEShape("gpt-oss-120b", 8192, 2880, 128, 4),
 )
 
+# Real MoE layers outside the shapes the defaults were first tuned on: a default rule has to
+# hold here too (H=2048/3584/5120/6144, E=16/64, k=1/4).
+OFF_LIST_SHAPES: tuple[MoEShape, ...] = (
+    MoEShape("Qwen3-30B-A3B", 8192, 2048, 128, 8),
+    MoEShape("DBRX", 8192, 6144, 16, 4),
+    MoEShape("Qwen2-57B-A14B", 8192, 3584, 64, 8),
+    MoEShape("Llama-4-Scout", 8192, 5120, 16, 1),
+)
+
 # Shapes whose whole-layer speedup over xla has a target (>= 3x).
 LAYER_TARGET_MODELS = ("DeepSeek-V3", "Qwen3-235B-A22B")
 

@@ -12,16 +12,11 @@ import jax
 import jax.numpy as jnp
 
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops.row_id_map_decl import (block_sums, default_block_tokens, map_from_counts, num_blocks, routed,
+from te_jax_perm.ops.row_id_map_decl import (block_sums, default_block_tokens, map_from_counts, map_plan, num_blocks, routed,
                                              row_id_map_block_counts, row_id_map_fill, row_id_map_fused)
 from te_jax_perm.ops.tiling import not_pow2
 
 NO_DROP = 2**31 - 1  # drop threshold meaning "keep every routed row"
-
-# One launch while every program can afford to reduce the whole routing map (T*E bytes)
-# itself: below this a second launch costs more than the redundant reads.
-FUSED_MAX_ENTRIES = 1 << 17
-
 
 def _drop_at(num_out_tokens: int | None) -> int:
     return NO_DROP if num_out_tokens is None else _checks.check_static_int("num_out_tokens", num_out_tokens, 0)
@@ -37,11 +32,12 @@ def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *
         to expert ``e``.
       num_out_tokens: static row budget; rows whose expert-sorted destination is
         ``>= num_out_tokens`` are dropped (their map entry is ``-1``). ``None`` keeps all.
-      block_tokens: tokens per block (one program each; a power of two); the default
-        suits the GPU. Results do not depend on it.
+      block_tokens: tokens per block (one program each; a power of two); ``None`` takes
+        :func:`~te_jax_perm.ops.row_id_map_decl.map_plan`'s, measured per (T, E). Results do
+        not depend on it.
       single_pass: one launch in which every program reduces the whole routing map
-        (``True``), or per-block counts then fill (``False``); ``None`` picks one launch
-        while ``T*E <= FUSED_MAX_ENTRIES``. Results do not depend on it.
+        (``True``), or per-block counts then fill (``False``); ``None`` takes the plan's.
+        Results do not depend on it.
       backend: ``"triton"``, ``"interpret"`` or ``"xla"``; ``None`` picks the default.
 
     Returns:
@@ -54,11 +50,12 @@ def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *
     _checks.check_routing_dtype("routing_map", routing_map)
     drop_at = _drop_at(num_out_tokens)
     t, e = routing_map.shape
-    bt = default_block_tokens(t, e) if block_tokens is None else block_tokens
+    plan = map_plan(t, e)
+    bt = plan.block_tokens if block_tokens is None else block_tokens
     if not_pow2("block_tokens", bt):
         raise ValueError(f"block_tokens must be a positive power of two, got {bt}")
     if single_pass is None:
-        single_pass = t * e <= FUSED_MAX_ENTRIES or num_blocks(t, bt) <= 1
+        single_pass = plan.single_pass or num_blocks(t, bt) <= 1
     if single_pass:
         return tuple(row_id_map_fused(routing_map, backend=backend, block_t=bt, drop_at=drop_at))
     (counts,) = row_id_map_block_counts(routing_map, backend=backend, block_t=bt)

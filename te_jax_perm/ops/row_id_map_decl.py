@@ -6,6 +6,8 @@ autotuner's trial operands come from the same code.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from types import ModuleType
 
 import jax.numpy as jnp
@@ -13,19 +15,56 @@ import numpy as np
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels import row_id_map as K
-from te_jax_perm.ops.tiling import next_pow2
+from te_jax_perm.ops.tiling import next_pow2, pow2_at_most
 
-# Blocks per map: enough programs for ~2 per SM (132 SMs on an H100); more blocks make
-# every fill program's reduction of the [NB, E] counts longer.
-_TARGET_BLOCKS = 256
+# How the map is built, by token and expert count: one launch or two, tokens per block,
+# warps. Each entry is the fastest of every variant measured on an H100 at that (T, E)
+# (``python3 -m benchmarks.config_sweep --part rowmap``; the measurements are in
+# benchmarks/results/sweep_rowmap_H100.json). One launch wins only while every program can
+# afford to reduce the whole routing map itself (small T*E); otherwise two launches with
+# about 128-512 blocks balance each fill program's reduction of the [NB, E] counts against
+# parallelism.
+_MAP_PLANS = {
+    (16, 8): (True, 1, 1), (16, 32): (True, 1, 1), (16, 128): (True, 1, 1), (16, 256): (False, 1, 4),
+    (64, 8): (True, 2, 1), (64, 32): (True, 2, 1), (64, 128): (False, 1, 4), (64, 256): (False, 2, 4),
+    (256, 8): (True, 16, 4), (256, 32): (False, 4, 4), (256, 128): (False, 4, 4), (256, 256): (False, 8, 4),
+    (1024, 8): (True, 32, 4), (1024, 32): (False, 8, 4), (1024, 128): (False, 8, 4), (1024, 256): (False, 8, 4),
+    (4096, 8): (False, 32, 4), (4096, 32): (False, 16, 4), (4096, 128): (False, 32, 4), (4096, 256): (False, 32, 4),
+    (16384, 8): (False, 32, 4), (16384, 32): (False, 16, 4), (16384, 128): (False, 128, 4),
+    (16384, 256): (False, 64, 4),
+}
+MAX_BLOCK_TOKENS = 128
 
 _WARPS = tuple(Config.make(num_warps=w) for w in (1, 2, 4, 8))
 _ROUTING = Operand("routing_map", ("T", "E"), ("int", "bool"))
 
 
+@dataclasses.dataclass(frozen=True)
+class MapPlan:
+    single_pass: bool
+    block_tokens: int
+    num_warps: int
+
+
+def map_plan(num_tokens: int, num_experts: int) -> MapPlan:
+    """The build of the nearest measured (T, E) in log2 distance, keeping its number of
+    blocks, so unseen sizes get the plan of their neighbourhood. Of equally near ones the
+    plan with the fewest blocks wins: each fill program reduces blocks x E counts."""
+    lt, le = math.log2(max(num_tokens, 1)), math.log2(max(num_experts, 1))
+
+    def rank(item):
+        (t0, e0), (_, bt0, _) = item
+        return abs(math.log2(t0) - lt) + abs(math.log2(e0) - le), -(-t0 // bt0)
+
+    (t0, _), (single, bt0, warps) = min(_MAP_PLANS.items(), key=rank)
+    blocks = -(-t0 // bt0)
+    bt = min(MAX_BLOCK_TOKENS, pow2_at_most(max(1, num_tokens // blocks)))
+    return MapPlan(single or num_blocks(num_tokens, bt) <= 1, bt, warps)
+
+
 def default_block_tokens(num_tokens: int, num_experts: int) -> int:
-    """Tokens per block: about ``_TARGET_BLOCKS`` blocks, at most 128 tokens, a power of two."""
-    return min(128, next_pow2(-(-num_tokens // _TARGET_BLOCKS)))
+    """Tokens per block of :func:`map_plan`."""
+    return map_plan(num_tokens, num_experts).block_tokens
 
 
 def _sub_tokens(block_t: int, num_experts: int) -> int:
@@ -119,6 +158,10 @@ def _fill_params_check(dims, params) -> None:
                          f"= {nb}")
 
 
+def _plan_warps(dims) -> Config:
+    return Config.make(num_warps=map_plan(dims["T"], dims["E"]).num_warps)
+
+
 # -- declarations ------------------------------------------------------------------------------
 row_id_map_block_counts = declare(KernelDecl(
     name="row_id_map_block_counts", kernel=K.row_id_map_block_counts_kernel,
@@ -131,7 +174,7 @@ row_id_map_block_counts = declare(KernelDecl(
     scalars=lambda dims, params: {"T": dims["T"]},
     constexprs=_tile_constexprs,
     configs=_WARPS,
-    default_config=lambda dims, params: Config.make(num_warps=4),
+    default_config=lambda dims, params: _plan_warps(dims),
     key_dims=("E",),
     key_params=("block_t",),
 ))
@@ -152,8 +195,7 @@ row_id_map_fill = declare(KernelDecl(
     name="row_id_map_fill", kernel=K.row_id_map_fill_kernel,
     operands=(_ROUTING, Operand("counts", ("NB", "E"), ("int32",))),
     reference=_fill_reference,
-    # 8 warps: the [SUB, 256] sub-tiles fit without spills at E=256 (sm_90 ptxas).
-    default_config=lambda dims, params: Config.make(num_warps=8),
+    default_config=lambda dims, params: _plan_warps(dims),
     params_check=_fill_params_check,
     example_inputs=_fill_examples,
     **_MAP_WRITER,
@@ -163,7 +205,7 @@ row_id_map_fused = declare(KernelDecl(
     name="row_id_map_fused", kernel=K.row_id_map_fused_kernel,
     operands=(_ROUTING,),
     reference=_fused_reference,
-    default_config=lambda dims, params: Config.make(num_warps=4 if next_pow2(dims["E"]) <= 32 else 8),
+    default_config=lambda dims, params: _plan_warps(dims),
     example_inputs=lambda dims, params, dtypes, rng: (_example_routing(dims, dtypes, rng),),
     **_MAP_WRITER,
 ))

@@ -1,0 +1,112 @@
+"""Device kernel times of many labelled functions, JAX and PyTorch alike, from one profile.
+
+CUPTI (through PyTorch's profiler) records every kernel the process runs, XLA's
+graph-launched ones included, so one profile times our custom calls, XLA's glue kernels
+and TransformerEngine's PyTorch kernels side by side on the same device. Labels are told
+apart by a tiny marker kernel launched, with the device idle, before each label's calls:
+the kernels between two markers belong to the label in between.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any, Callable, Sequence
+
+MARKER = "bench_marker_kernel"
+
+
+@dataclasses.dataclass
+class KernelTimes:
+    """One label's kernels: every kernel execution, in order, and the calls made."""
+
+    label: Any
+    calls: int
+    kernels: list[tuple[str, float]]   # (kernel name, µs)
+
+    def per_call_us(self, name_filter: Callable[[str], bool] | None = None) -> float:
+        """Median over calls of the summed kernel time of a call (kernels split evenly by call)."""
+        ks = [us for n, us in self.kernels if name_filter is None or name_filter(n)]
+        if not ks or self.calls <= 0:
+            return float("nan")
+        if len(ks) % self.calls:
+            return sum(ks) / self.calls
+        per = len(ks) // self.calls
+        return statistics.median(sum(ks[i * per:(i + 1) * per]) for i in range(self.calls))
+
+    def by_name(self) -> dict[str, float]:
+        """Kernel name -> µs per call (summed over the label's calls, divided by calls)."""
+        out: dict[str, float] = {}
+        for n, us in self.kernels:
+            out[n] = out.get(n, 0.0) + us / self.calls
+        return out
+
+    def count_per_call(self) -> float:
+        return len(self.kernels) / self.calls if self.calls else 0.0
+
+
+def _marker():
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def bench_marker_kernel(p):
+        tl.store(p, tl.load(p) + 1)
+
+    buf = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def launch() -> None:
+        torch.cuda.synchronize()
+        bench_marker_kernel[(1,)](buf)
+        torch.cuda.synchronize()
+
+    return launch
+
+
+def _block(out: Any) -> None:
+    import jax
+    import torch
+
+    leaves = jax.tree.leaves(out)
+    if any(isinstance(x, jax.Array) for x in leaves):
+        jax.block_until_ready(out)
+    torch.cuda.synchronize()
+
+
+def measure(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int = 10, warmup: int = 2) -> list[KernelTimes]:
+    """Runs each ``(label, fn)``: ``warmup`` calls unprofiled, then ``calls`` calls in one
+    profile; returns each label's kernels. ``fn()`` may return JAX arrays or torch tensors."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    marker = _marker()
+    marker()  # compile outside the profile
+    for _, fn in items:
+        for _ in range(warmup):
+            _block(fn())
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _, fn in items:
+            marker()
+            out = None
+            for _ in range(calls):
+                out = fn()
+            _block(out)
+        marker()
+    events = []
+    for e in prof.events():
+        if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA"):
+            events.append((e.time_range.start, e.name, e.time_range.elapsed_us()))
+    events.sort()
+    groups: list[list[tuple[str, float]]] = []
+    current: list[tuple[str, float]] | None = None
+    for _, name, us in events:
+        if MARKER in name:
+            if current is not None:
+                groups.append(current)
+            current = []
+        elif current is not None and not name.startswith("Memcpy"):
+            current.append((name, us))  # kernels and memsets (XLA zero-fills) count; host copies do not
+    if len(groups) != len(items):
+        raise RuntimeError(f"profile shows {len(groups)} marked groups for {len(items)} labels: "
+                           "the profiler did not record every kernel")
+    return [KernelTimes(label, calls, g) for (label, _), g in zip(items, groups)]

@@ -1,0 +1,237 @@
+"""Every op against TransformerEngine's Triton permutation kernels, in one process, on one GPU.
+
+    python3 -m benchmarks.peer --out DIR [--shapes Mixtral,Qwen3] [--calls 10]
+
+TransformerEngine's PyTorch wrappers (``transformer_engine.pytorch.triton.permutation``,
+which need only torch and Triton) run on the same routing problems as our ops (default
+configs, no tuning in the process) and as the ``xla`` backend. Kernel times come from one
+CUPTI profile (``benchmarks/kernel_timer.py``): each op's time is the sum of every kernel
+one call launches (XLA's glue included), median over calls. "%" is the op's honestly
+counted bytes (``benchmarks/cases.py``) per second over a device-to-device copy measured
+in the same run (torch ``copy_``, read + write). TE's kernels are autotuned on their first
+call (TransformerEngine's own ``triton.autotune``); that happens in the warm-up, outside
+the profile.
+
+Writes ``DIR/peer.json``, ``DIR/peer.png`` and ``DIR/peer_summary.txt``, whose
+``TARGET`` lines compare, per shape: each op's kernel time with TE's (ours <= TE), with
+the ``xla`` backend's, and each backward with its forward (<= 1.1x).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+from benchmarks import kernel_timer
+from benchmarks.shapes import GPU_SHAPES, OFF_LIST_SHAPES, MoEShape, by_name
+
+OPS = ("make_row_id_map.fwd", "token_dispatch.fwd", "token_dispatch.bwd", "token_combine.fwd",
+       "token_combine.bwd", "sort_chunks_by_index.fwd", "sort_chunks_by_index.bwd")
+BWD_LIMIT = 1.1
+
+
+def te_module():
+    """TransformerEngine's PyTorch permutation wrappers, or ``None`` when not importable."""
+    try:
+        from transformer_engine.pytorch.triton import permutation
+    except Exception:  # noqa: BLE001 - absent or broken: the run goes on without the peer
+        return None
+    return permutation
+
+
+def _torch(a: np.ndarray):
+    import torch
+    import ml_dtypes
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.astype(np.float32)).to("cuda").to(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a)).to("cuda")
+
+
+def te_ops(te, p) -> dict[str, Callable[[], Any]]:
+    """TE's op for every name in ``OPS``, as zero-argument calls on the problem's data."""
+    import torch
+    s = p.shape
+    T, H, E, n = s.T, s.H, s.E, s.num_out
+    inp = _torch(np.asarray(p.inp))
+    rm = _torch(np.asarray(p.routing_map))
+    probs = _torch(np.asarray(p.probs))
+    rid = te.make_row_id_map(rm, T, E)
+    permuted, _, pprobs = te.permute_with_mask_map(inp, rid, probs, None, None, T, E, n, H, 0)
+    grad_rows = torch.ones_like(permuted)
+    grad_pprobs = torch.ones_like(pprobs)
+    grad_tok = torch.ones_like(inp)
+    split = _torch(np.asarray(p.split_sizes))
+    order = _torch(np.asarray(p.sorted_indices))
+    sprobs = _torch(np.asarray(p.sort_probs))
+    chunk_map = te.make_chunk_sort_map(split, order, n, split.shape[0])
+
+    def dispatch():
+        r = te.make_row_id_map(rm, T, E)
+        return te.permute_with_mask_map(inp, r, probs, None, None, T, E, n, H, 0)
+
+    def sort_fwd():
+        m = te.make_chunk_sort_map(split, order, n, split.shape[0])
+        return te.sort_chunks_by_map(permuted, m, sprobs, n, H, True)
+
+    return {
+        "make_row_id_map.fwd": lambda: te.make_row_id_map(rm, T, E),
+        "token_dispatch.fwd": dispatch,
+        # TE's permute backward: rows summed back per token, probs gathered back.
+        "token_dispatch.bwd": lambda: te.unpermute_with_mask_map(grad_rows, rid, None, grad_pprobs, None, T, E, H),
+        "token_combine.fwd": lambda: te.unpermute_with_mask_map(permuted, rid, probs, None, None, T, E, H),
+        "token_combine.bwd": lambda: te.unpermute_with_mask_map_bwd_with_merging_probs(
+            grad_tok, rid, permuted, probs, None, T, E, n, H),
+        "sort_chunks_by_index.fwd": sort_fwd,
+        "sort_chunks_by_index.bwd": lambda: te.sort_chunks_by_map(permuted, chunk_map, sprobs, n, H, False),
+    }
+
+
+def our_ops(p, backend: str) -> dict[str, tuple[Callable[[], Any], int]]:
+    """Our op (on ``backend``) for every name in ``OPS`` and its byte count."""
+    import jax
+    from benchmarks import cases
+    out = {}
+    for c in cases.CASES:
+        if c.name in OPS:
+            built = c.build(p, backend)
+            fn = jax.jit(built.fn)
+            out[c.name] = ((lambda fn=fn, args=built.args: fn(*args)), built.bytes)
+    return out
+
+
+def copy_op(p) -> tuple[Callable[[], Any], int]:
+    import torch
+    src = torch.randn(p.shape.num_out, p.shape.H, device="cuda").to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    return (lambda: dst.copy_(src)), 2 * src.numel() * src.element_size()
+
+
+def measure_shape(shape: MoEShape, te, calls: int, log) -> list[dict]:
+    from benchmarks import cases
+    p = cases.Problem.make(shape)
+    copy_fn, copy_bytes = copy_op(p)
+    items: list[tuple[tuple[str, str], Callable[[], Any]]] = [(("copy", "torch"), copy_fn)]
+    nbytes: dict[str, int] = {}
+    for impl in ("ours", "xla"):
+        for name, (fn, b) in our_ops(p, "triton" if impl == "ours" else "xla").items():
+            items.append(((name, impl), fn))
+            nbytes[name] = b
+    if te is not None:
+        items += [((name, "te"), fn) for name, fn in te_ops(te, p).items()]
+    times = kernel_timer.measure(items, calls=calls)
+    copy_us = times[0].per_call_us()
+    copy_bw = copy_bytes / (copy_us * 1e-6)
+    rows = []
+    for t in times[1:]:
+        name, impl = t.label
+        us = t.per_call_us()
+        bw = nbytes[name] / (us * 1e-6)
+        rows.append({"shape": shape.name, "model": shape.model, "T": shape.T, "H": shape.H, "E": shape.E,
+                     "k": shape.k, "op": name, "impl": impl, "kernel_us": us, "bytes": nbytes[name],
+                     "pct_copy": 100 * bw / copy_bw, "copy_GBps": copy_bw / 1e9,
+                     "kernels_per_call": t.count_per_call(), "kernels": t.by_name()})
+        log(f"{shape.name:40s} {name:26s} {impl:5s} {us:9.1f} µs  {100 * bw / copy_bw:6.1f}% of copy")
+    return rows
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """One TARGET line per (shape, op) against TE and xla, and per backward against its forward."""
+    by = {(r["shape"], r["op"], r["impl"]): r["kernel_us"] for r in rows}
+    lines = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for op in OPS:
+            ours = by.get((shape, op, "ours"))
+            if ours is None:
+                continue
+            for peer in ("te", "xla"):
+                other = by.get((shape, op, peer))
+                if other is not None:
+                    ok = ours <= other
+                    lines.append(f"TARGET {'PASS' if ok else 'FAIL'} {shape} {op}: ours {ours:.1f} µs <= {peer} "
+                                 f"{other:.1f} µs (ratio {other / ours:.2f}x)")
+            if op.endswith(".bwd"):
+                fwd = by.get((shape, op[:-4] + ".fwd", "ours"))
+                if fwd:
+                    ok = ours <= BWD_LIMIT * fwd
+                    lines.append(f"TARGET {'PASS' if ok else 'FAIL'} {shape} {op}: {ours:.1f} µs <= "
+                                 f"{BWD_LIMIT}x forward {fwd:.1f} µs ({ours / fwd:.2f}x)")
+    return lines
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    impls = [i for i in ("ours", "te", "xla") if any(r["impl"] == i for r in rows)]
+    fig, axes = plt.subplots(len(OPS), 1, figsize=(max(8, 1.3 * len(shapes)), 2.6 * len(OPS)), sharex=True)
+    by = {(r["shape"], r["op"], r["impl"]): r["pct_copy"] for r in rows}
+    width = 0.8 / len(impls)
+    for ax, op in zip(axes, OPS):
+        for j, impl in enumerate(impls):
+            vals = [by.get((s, op, impl), np.nan) for s in shapes]
+            ax.bar(np.arange(len(shapes)) + j * width, vals, width, label=impl)
+        ax.set_ylabel("% of copy")
+        ax.set_title(op, fontsize=9)
+        ax.axhline(100, color="gray", lw=0.5)
+    axes[0].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[-1].set_xticks(np.arange(len(shapes)) + 0.4 - width / 2)
+    axes[-1].set_xticklabels([s.replace("/", "\n", 1) for s in shapes], fontsize=7)
+    fig.suptitle("bytes moved per second over a device copy (higher is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shapes", default="", help="comma-separated substrings of shape names (default: all)")
+    ap.add_argument("--calls", type=int, default=10, help="profiled calls per op")
+    args = ap.parse_args(argv)
+    import jax
+    import triton
+    os.makedirs(args.out, exist_ok=True)
+    te = te_module()
+    log_lines: list[str] = []
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        log_lines.append(msg)
+
+    log(f"peer benchmark on {jax.devices()[0].device_kind}; TransformerEngine kernels: "
+        f"{'present' if te else 'absent (not importable)'}")
+    rows: list[dict] = []
+    t0 = time.monotonic()
+    for shape in by_name(args.shapes, GPU_SHAPES + OFF_LIST_SHAPES):
+        try:
+            rows += measure_shape(shape, te, args.calls, log)
+        except Exception:  # one shape failing must not end the run
+            log(f"{shape.name}: FAILED\n{traceback.format_exc()}")
+    lines = targets(rows)
+    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "te_present": te is not None, "calls": args.calls,
+            "wall_s": time.monotonic() - t0, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    with open(os.path.join(args.out, "peer.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows, "targets": lines}, f, indent=1)
+    with open(os.path.join(args.out, "peer_summary.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if rows:
+        try:
+            plot(rows, os.path.join(args.out, "peer.png"))
+        except ImportError as e:  # the numbers are written; only the chart needs matplotlib
+            log(f"no chart: {e}")
+    for line in lines:
+        log(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
