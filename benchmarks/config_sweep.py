@@ -29,10 +29,10 @@ from benchmarks.shapes import GPU_SHAPES, OFF_LIST_SHAPES, by_name
 MOVERS = (("token_combine.fwd", "unpermute_weighted"), ("token_dispatch.fwd", "permute_probs"),
           ("token_dispatch.bwd", "permute_bwd_probs"), ("token_combine.bwd", "unpermute_bwd_weighted"))
 WARPS = (1, 2, 4, 8)
-BLOCK_H = (1024, 2048, 4096, 8192)
-# Bytes in flight per thread decide a bandwidth-bound mover's speed: 16 to 128 elements
-# (32 to 256 bytes of bf16) per thread per row step spans every config worth having.
-PER_THREAD = (16, 128)
+BLOCK_H = (512, 1024, 2048, 4096, 8192)
+# Bytes in flight per thread decide a bandwidth-bound mover's speed: 8 to 128 elements
+# (16 to 256 bytes of bf16) per thread per row step spans every config worth having.
+PER_THREAD = (8, 128)
 
 
 def _forcing(name: str, config):

@@ -104,8 +104,8 @@ def measure(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int = 10, war
             if current is not None:
                 groups.append(current)
             current = []
-        elif current is not None and not name.startswith("Memcpy"):
-            current.append((name, us))  # kernels and memsets (XLA zero-fills) count; host copies do not
+        elif current is not None and not name.startswith(("Memcpy HtoD", "Memcpy DtoH")):
+            current.append((name, us))  # kernels, memsets and device copies count; host transfers do not
     if len(groups) != len(items):
         raise RuntimeError(f"profile shows {len(groups)} marked groups for {len(items)} labels: "
                            "the profiler did not record every kernel")
