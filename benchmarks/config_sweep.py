@@ -35,9 +35,29 @@ BLOCK_H = (512, 1024, 2048, 4096, 8192)
 PER_THREAD = (8, 128)
 
 
-def _forcing(name: str, config):
+def _forced_jit(fn: Callable, args: tuple, name: str, config) -> Callable:
+    """``fn`` compiled afresh with ``config`` for kernel ``name`` (defaults for the others).
+
+    JAX caches lowerings per function, and the config is chosen while lowering: caches are
+    cleared first, and the resolver must have been consulted for ``name``, or the group's
+    timings would all be of one binary."""
+    import jax
     from te_jax_perm.core import hooks
-    return hooks.using_config_resolver(lambda call: config if call.decl.name == name else None)
+    used = []
+
+    def resolve(call):
+        if call.decl.name == name:
+            used.append(call)
+            return config
+        return None
+
+    jax.clear_caches()
+    with hooks.using_config_resolver(resolve):
+        f = jax.jit(lambda *a: fn(*a))
+        jax.block_until_ready(f(*args))
+    if not used:
+        raise RuntimeError(f"lowering never chose a config for {name}: the sweep would time one binary")
+    return f
 
 
 def _candidates(decl, dims, params) -> list:
@@ -102,9 +122,7 @@ def sweep_movers(shapes, budget_s: float, calls: int, log) -> list[dict]:
                 info = _precompile([configure(call, c) for c in cands])
                 items = []
                 for cfg in cands:
-                    with _forcing(kname, cfg):
-                        f = jax.jit(built.fn)
-                        jax.block_until_ready(f(*built.args))
+                    f = _forced_jit(built.fn, built.args, kname, cfg)
                     items.append((cfg, (lambda f=f: f(*built.args))))
                 kfn = decl.kernel.fn.__name__
                 times = kernel_timer.measure(items, calls=calls, warmup=1)
@@ -185,11 +203,9 @@ def sweep_rowmap(budget_s: float, calls: int, log) -> list[dict]:
                     if (t, e) != (T, E):
                         continue
                     cfg = Config.make(num_warps=w)
-                    with hooks.using_config_resolver(lambda call, cfg=cfg: cfg if call.decl.name.startswith(
-                            "row_id_map") else None):
-                        f = jax.jit(lambda m, bt=bt, single=single: make_row_id_map(
-                            m, None, block_tokens=bt, single_pass=single, backend="triton"))
-                        jax.block_until_ready(f(rm))
+                    f = _forced_jit(lambda m, bt=bt, single=single: make_row_id_map(
+                        m, None, block_tokens=bt, single_pass=single, backend="triton"), (rm,),
+                        "row_id_map_fused" if single else "row_id_map_fill", cfg)
                     items.append(((bt, single, w), (lambda f=f: f(rm))))
                 times = kernel_timer.measure(items, calls=calls, warmup=1)
                 for t in times:
