@@ -53,7 +53,8 @@ def _forced_jit(fn: Callable, args: tuple, name: str, config) -> Callable:
 
     jax.clear_caches()
     with hooks.using_config_resolver(resolve):
-        f = jax.jit(lambda *a: fn(*a))
+        # Compiled ahead: a later cache clear would otherwise re-lower it, with the defaults.
+        f = jax.jit(lambda *a: fn(*a)).lower(*args).compile()
         jax.block_until_ready(f(*args))
     if not used:
         raise RuntimeError(f"lowering never chose a config for {name}: the sweep would time one binary")

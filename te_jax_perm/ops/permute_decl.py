@@ -70,8 +70,17 @@ def _map_check(dims, params) -> None:
                          f"E={dims['E']} experts (from pad_offsets)")
 
 
-def _common(**kw: Any) -> dict:
-    return dict(configs=_CONFIGS, constraints=(_block_h_ok, _rows_ok), default_config=_default_config,
+def _gather_default_config(dims, params) -> Config:
+    """Gathers (combine forward, dispatch backward): one token per program, 512-column
+    slices, 2 warps, and a 4-stage software pipeline over the token's expert rows, so the
+    next rows' loads are in flight while this one is summed. Measured on an H100 against
+    the scatter-style default above: 127 -> 87 us (gpt-oss, H=2880), 234 -> 213 us (Qwen3),
+    80 -> 72 us (Mixtral); without the pipeline every tile shape ran at the same speed."""
+    return Config.make(num_warps=2, num_stages=4, BLOCK_H=min(512, next_pow2(max(dims["H"], 16))), ROWS=1)
+
+
+def _common(default_config=_default_config, **kw: Any) -> dict:
+    return dict(configs=_CONFIGS, constraints=(_block_h_ok, _rows_ok), default_config=default_config,
                 key_dims=("T", "H"), key_bucket=_key_bucket, key_params=("padded",), params_check=_map_check, **kw)
 
 
@@ -209,7 +218,7 @@ def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_r
         scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": dims["N"]},
         constexprs=lambda dims, params, config: {"H": dims["H"], "PADDED": params["padded"]},
         exact=False, rtol=1e-2, atol=1e-2, example_inputs=_unpermute_example(extra), partitioning=part,
-        **_common()))
+        **_common(default_config=_gather_default_config)))
 
 
 unpermute = _unpermute_decl("unpermute", K.unpermute_kernel, (), ())
