@@ -104,44 +104,43 @@ def sweep_movers(shapes, budget_s: float, calls: int, log) -> list[dict]:
     order = [(shape, pair) for pairs in (MOVERS[:2], MOVERS[2:]) for shape in shapes for pair in pairs]
     p = None
     for shape, (case_name, kname) in order:
-        if p is None or p.shape != shape:
-            p = None
-            p = cases.Problem.make(shape)
         if time.monotonic() - t0 > budget_s:
             log(f"budget spent: {shape.name} {case_name} not swept")
             continue
-        if True:
-            try:
-                case = next(c for c in cases.CASES if c.name == case_name)
-                built = case.build(p, "triton")
-                f0 = jax.jit(built.fn)
-                call = next(c for c in _captured_calls(lambda: jax.block_until_ready(f0(*built.args)))
-                            if c.decl.name == kname)
-                decl = call.decl
-                default = decl.default_config(call.dims, call.params)
-                cands = _candidates(decl, call.dims, call.params)
-                info = _precompile([configure(call, c) for c in cands])
-                items = []
-                for cfg in cands:
-                    f = _forced_jit(built.fn, built.args, kname, cfg)
-                    items.append((cfg, (lambda f=f: f(*built.args))))
-                kfn = decl.kernel.fn.__name__
-                times = kernel_timer.measure(items, calls=calls, warmup=1)
-                for t in times:
-                    us = t.per_call_us(lambda n: n.startswith(kfn))
-                    rows.append({"shape": shape.name, "T": shape.T, "H": shape.H, "E": shape.E, "k": shape.k,
-                                 "case": case_name, "kernel": kname, "config": t.label.to_json()
-                                 if hasattr(t.label, "to_json") else str(t.label),
-                                 "config_str": str(t.label), "is_default": t.label == default, "us": us})
-                best = min((r for r in rows if r["shape"] == shape.name and r["kernel"] == kname),
-                           key=lambda r: r["us"])
-                dflt = next(r for r in rows if r["shape"] == shape.name and r["kernel"] == kname and r["is_default"])
-                log(f"{shape.name:40s} {kname:24s} {len(cands):3d} configs ({info['compile_s']:.0f}s compile) "
-                    f"default {dflt['us']:8.1f} µs {dflt['config_str']} | best {best['us']:8.1f} µs "
-                    f"{best['config_str']} ({dflt['us'] / best['us']:.3f}x)")
-                jax.clear_caches()
-            except Exception:  # one failing group must not end the sweep
-                log(f"{shape.name} {case_name}: FAILED\n{traceback.format_exc()}")
+        if p is None or p.shape != shape:
+            p = None  # free the previous shape's buffers first
+            p = cases.Problem.make(shape)
+        try:
+            case = next(c for c in cases.CASES if c.name == case_name)
+            built = case.build(p, "triton")
+            f0 = jax.jit(built.fn)
+            call = next(c for c in _captured_calls(lambda: jax.block_until_ready(f0(*built.args)))
+                        if c.decl.name == kname)
+            decl = call.decl
+            default = decl.default_config(call.dims, call.params)
+            cands = _candidates(decl, call.dims, call.params)
+            info = _precompile([configure(call, c) for c in cands])
+            items = []
+            for cfg in cands:
+                f = _forced_jit(built.fn, built.args, kname, cfg)
+                items.append((cfg, (lambda f=f: f(*built.args))))
+            kfn = decl.kernel.fn.__name__
+            times = kernel_timer.measure(items, calls=calls, warmup=1)
+            for t in times:
+                us = t.per_call_us(lambda n: n.startswith(kfn))
+                rows.append({"shape": shape.name, "T": shape.T, "H": shape.H, "E": shape.E, "k": shape.k,
+                             "case": case_name, "kernel": kname, "config": t.label.to_json()
+                             if hasattr(t.label, "to_json") else str(t.label),
+                             "config_str": str(t.label), "is_default": t.label == default, "us": us})
+            best = min((r for r in rows if r["shape"] == shape.name and r["kernel"] == kname),
+                       key=lambda r: r["us"])
+            dflt = next(r for r in rows if r["shape"] == shape.name and r["kernel"] == kname and r["is_default"])
+            log(f"{shape.name:40s} {kname:24s} {len(cands):3d} configs ({info['compile_s']:.0f}s compile) "
+                f"default {dflt['us']:8.1f} µs {dflt['config_str']} | best {best['us']:8.1f} µs "
+                f"{best['config_str']} ({dflt['us'] / best['us']:.3f}x)")
+            jax.clear_caches()
+        except Exception:  # one failing group must not end the sweep
+            log(f"{shape.name} {case_name}: FAILED\n{traceback.format_exc()}")
     return rows
 
 

@@ -75,3 +75,15 @@ def test_row_id_map_errors(bad, match):
 def test_row_id_map_negative_budget():
     with pytest.raises(ValueError, match="num_out_tokens must be >= 0, got -1"):
         te_jax_perm.make_row_id_map(np.ones((2, 2), bool), -1)
+
+
+def test_map_plan_is_the_measured_one_and_keeps_block_counts():
+    """At a measured (T, E) the plan is the fastest one measured; elsewhere it keeps the
+    nearest measured plan's number of blocks (tokens per block a power of two, at most 128)."""
+    from te_jax_perm.ops import row_id_map_decl as D
+    for (t, e), (single, bt, warps) in D._MAP_PLANS.items():
+        assert D.map_plan(t, e) == D.MapPlan(single or -(-t // bt) <= 1, bt, warps)
+    for t, e in [(1, 1), (3, 7), (100, 200), (8192, 64), (65536, 384), (10**6, 8)]:
+        plan = D.map_plan(t, e)
+        assert plan.block_tokens & (plan.block_tokens - 1) == 0 and 1 <= plan.block_tokens <= D.MAX_BLOCK_TOKENS
+        assert plan.num_warps in (1, 2, 4, 8)
