@@ -18,7 +18,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -87,17 +87,9 @@ def _precompile(launches: list) -> dict:
             "compile_s": time.monotonic() - t0}
 
 
-def _captured_calls(fn: Callable[[], Any]) -> list:
-    from te_jax_perm.core import hooks
-    calls = []
-    with hooks.observe_calls(calls.append):
-        fn()
-    return calls
-
-
 def sweep_movers(shapes, budget_s: float, calls: int, log) -> list[dict]:
-    import jax
     from benchmarks import cases
+    from te_jax_perm.autotune.workloads import record_launches
     from te_jax_perm.core.launch import configure
     rows, t0 = [], time.monotonic()
     # Forward movers at every shape first, so a short budget still covers them.
@@ -113,9 +105,7 @@ def sweep_movers(shapes, budget_s: float, calls: int, log) -> list[dict]:
         try:
             case = next(c for c in cases.CASES if c.name == case_name)
             built = case.build(p, "triton")
-            f0 = jax.jit(built.fn)
-            call = next(c for c in _captured_calls(lambda: jax.block_until_ready(f0(*built.args)))
-                        if c.decl.name == kname)
+            call = next(c for c in record_launches(built.fn, built.args) if c.decl.name == kname)
             decl = call.decl
             default = decl.default_config(call.dims, call.params)
             cands = _candidates(decl, call.dims, call.params)
@@ -129,8 +119,7 @@ def sweep_movers(shapes, budget_s: float, calls: int, log) -> list[dict]:
             for t in times:
                 us = t.per_call_us(lambda n: n.startswith(kfn))
                 rows.append({"shape": shape.name, "T": shape.T, "H": shape.H, "E": shape.E, "k": shape.k,
-                             "case": case_name, "kernel": kname, "config": t.label.to_json()
-                             if hasattr(t.label, "to_json") else str(t.label),
+                             "case": case_name, "kernel": kname, "config": t.label.to_json(),
                              "config_str": str(t.label), "is_default": t.label == default, "us": us})
             best = min((r for r in rows if r["shape"] == shape.name and r["kernel"] == kname),
                        key=lambda r: r["us"])
@@ -138,7 +127,6 @@ def sweep_movers(shapes, budget_s: float, calls: int, log) -> list[dict]:
             log(f"{shape.name:40s} {kname:24s} {len(cands):3d} configs ({info['compile_s']:.0f}s compile) "
                 f"default {dflt['us']:8.1f} µs {dflt['config_str']} | best {best['us']:8.1f} µs "
                 f"{best['config_str']} ({dflt['us'] / best['us']:.3f}x)")
-            jax.clear_caches()
         except Exception:  # one failing group must not end the sweep
             log(f"{shape.name} {case_name}: FAILED\n{traceback.format_exc()}")
     return rows
@@ -154,7 +142,7 @@ def sweep_rowmap(budget_s: float, calls: int, log) -> list[dict]:
     import jax
     import jax.numpy as jnp
     from benchmarks.workloads import topk_routing
-    from te_jax_perm.core import Config, hooks
+    from te_jax_perm.core import Config
     from te_jax_perm.core.launch import bind_call, configure
     from te_jax_perm.ops.row_id_map import make_row_id_map
     from te_jax_perm.ops.row_id_map_decl import (num_blocks, row_id_map_block_counts, row_id_map_fill,
@@ -162,7 +150,6 @@ def sweep_rowmap(budget_s: float, calls: int, log) -> list[dict]:
     rows, t0 = [], time.monotonic()
     rng = np.random.default_rng(0)
     # Compile everything first: E and the block size are compiled in, T is not.
-    launches = []
     variants = []
     for E in ROWMAP_E:
         for T in ROWMAP_T:
@@ -216,7 +203,6 @@ def sweep_rowmap(budget_s: float, calls: int, log) -> list[dict]:
                 best = min(mine, key=lambda x: x["us"])
                 log(f"rowmap T={T:6d} E={E:4d}: best {best['us']:7.1f} µs (block_t={best['block_t']}, "
                     f"single={best['single_pass']}, warps={best['num_warps']}) of {len(mine)}")
-                jax.clear_caches()
             except Exception:
                 log(f"rowmap T={T} E={E}: FAILED\n{traceback.format_exc()}")
     return rows

@@ -12,11 +12,12 @@ import jax
 import jax.numpy as jnp
 
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops.row_id_map_decl import (block_sums, default_block_tokens, map_from_counts, map_plan, num_blocks, routed,
+from te_jax_perm.ops.row_id_map_decl import (block_sums, map_from_counts, map_plan, num_blocks, routed,
                                              row_id_map_block_counts, row_id_map_fill, row_id_map_fused)
 from te_jax_perm.ops.tiling import not_pow2
 
 NO_DROP = 2**31 - 1  # drop threshold meaning "keep every routed row"
+
 
 def _drop_at(num_out_tokens: int | None) -> int:
     return NO_DROP if num_out_tokens is None else _checks.check_static_int("num_out_tokens", num_out_tokens, 0)
@@ -64,6 +65,6 @@ def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *
 
 def row_id_map_reference(routing_map, num_out_tokens: int | None = None, xp: ModuleType = jnp):
     """What :func:`make_row_id_map` returns, in plain ``xp`` (``jax.numpy`` or ``numpy``)."""
-    block_t = default_block_tokens(*routing_map.shape)
+    block_t = map_plan(*routing_map.shape).block_tokens
     m = routed(routing_map, xp)
     return map_from_counts(routing_map, block_sums(m, block_t, xp), block_t, _drop_at(num_out_tokens), xp)

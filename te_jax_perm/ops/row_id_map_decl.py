@@ -62,11 +62,6 @@ def map_plan(num_tokens: int, num_experts: int) -> MapPlan:
     return MapPlan(single or num_blocks(num_tokens, bt) <= 1, bt, warps)
 
 
-def default_block_tokens(num_tokens: int, num_experts: int) -> int:
-    """Tokens per block of :func:`map_plan`."""
-    return map_plan(num_tokens, num_experts).block_tokens
-
-
 def _sub_tokens(block_t: int, num_experts: int) -> int:
     """Tokens per sub-tile of the count/fill loops: ~2K routing entries in registers."""
     return max(1, min(block_t, 2048 // next_pow2(num_experts)))
