@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     with autotune.autotuning(False):
         launches = workloads.record_launches(workloads.moe_step(backend, k), args)
     if gpu:
-        from te_jax_perm.autotune.tuner import _device_target
-        target = _device_target()
+        from te_jax_perm.autotune.tuner import device_target
+        target = device_target()
     else:
         target = ("cuda", 90, 32)
     ct = compile_time(launches, target, a.max_configs, a.workers or None)

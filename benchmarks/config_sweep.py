@@ -3,8 +3,10 @@
     python3 -m benchmarks.config_sweep --out DIR [--part movers,rowmap] [--shapes ...] [--budget-s 400]
 
 ``movers``: at each benchmark shape, every op direction's main kernel (dispatch's
-``permute_probs``, combine's ``unpermute_weighted``, and their backwards) under every
-config its declaration allows plus a wider warp range, the default among them.
+``permute_probs``, combine's ``unpermute_weighted``, and their backwards) on the operands
+the op really hands it, launched directly through the backend's call under every tile
+shape and warp count its declaration allows, then the fastest few at every stage count;
+each config's outputs are checked bitwise against the default's.
 ``rowmap``: ``make_row_id_map`` over a grid of token and expert counts, one launch or two,
 every block size and warp count. Kernel times from one CUPTI profile per group
 (``benchmarks/kernel_timer.py``). Writes ``DIR/sweep_<part>.json``; the default-config
@@ -28,11 +30,169 @@ from benchmarks.shapes import GPU_SHAPES, OFF_LIST_SHAPES, by_name
 # (case, kernel declaration name) pairs of the row movers.
 MOVERS = (("token_combine.fwd", "unpermute_weighted"), ("token_dispatch.fwd", "permute_probs"),
           ("token_dispatch.bwd", "permute_bwd_probs"), ("token_combine.bwd", "unpermute_bwd_weighted"))
-WARPS = (1, 2, 4, 8)
-BLOCK_H = (512, 1024, 2048, 4096, 8192)
-# Bytes in flight per thread decide a bandwidth-bound mover's speed: 8 to 128 elements
-# (16 to 256 bytes of bf16) per thread per row step spans every config worth having.
-PER_THREAD = (8, 128)
+# Phase one times every tile shape and warp count at one stage count; phase two gives the
+# TOP fastest every stage count.
+FIRST_STAGES = 3
+TOP = 6
+
+
+class _Found(Exception):
+    def __init__(self, operands, params):
+        self.operands, self.params = operands, params
+
+
+def capture_operands(fn: Callable, args: tuple, name: str) -> tuple[list, dict]:
+    """The concrete operands and static params of kernel ``name``'s first launch inside
+    ``fn(*args)``: the program's jaxpr is evaluated equation by equation (descending into
+    nested jaxprs) until that kernel's primitive is reached."""
+    import jax
+    from jax.extend import core as jcore
+    targets = {f"te_jax_perm_{name}", f"te_jax_perm_{name}_local"}
+
+    def contains(jaxpr) -> bool:
+        return any(e.primitive.name in targets or any(contains(j) for j in _subjaxprs(e, len(e.invars)))
+                   for e in jaxpr.eqns)
+
+    def run(jaxpr, consts, vals):
+        env = dict(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, vals))
+        read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            if eqn.primitive.name in targets:
+                raise _Found(ins, {k: v for k, v in eqn.params.items() if k not in ("backend", "config")})
+            subs = [j for j in _subjaxprs(eqn, len(ins)) if contains(j)]
+            if subs:
+                outs = run(subs[0], [], ins)
+            else:
+                bind = eqn.primitive.get_bind_params(eqn.params)  # older jax: (subfuns, params)
+                subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
+                outs = eqn.primitive.bind(*subfuns, *ins, **params)
+                outs = outs if eqn.primitive.multiple_results else [outs]
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    closed = jax.make_jaxpr(fn)(*args)
+    try:
+        run(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+    except _Found as f:
+        return f.operands, f.params
+    raise LookupError(f"no launch of {name} in the program")
+
+
+def _subjaxprs(eqn, n_in: int) -> list:
+    """Nested jaxprs of ``eqn`` that take its operands (with their consts folded in)."""
+    from jax.extend import core as jcore
+    out = []
+    for v in eqn.params.values():
+        if isinstance(v, jcore.ClosedJaxpr) and len(v.jaxpr.invars) == n_in and not v.consts:
+            out.append(v.jaxpr)
+        elif isinstance(v, jcore.Jaxpr) and len(v.invars) == n_in and not v.constvars:
+            out.append(v)
+    return out
+
+
+def _candidates(decl, dims, params, stages=None) -> list:
+    return [c for c in decl.configs if (stages is None or c.num_stages in stages)
+            and not decl.violated(dims, params, c)] or [decl.default_config(dims, params)]
+
+
+def _precompile(launches: list) -> dict:
+    """Compiles every launch's kernel in the autotuner's worker pool (filling Triton's cache)."""
+    from te_jax_perm.autotune.compile_job import make_job
+    from te_jax_perm.autotune.pool import get_pool
+    from te_jax_perm.core.triton_backend import compute_capability
+    cc = compute_capability()
+    t0 = time.monotonic()
+    results = get_pool().compile_many([make_job(l, ("cuda", cc, 32)) for l in launches])
+    return {"compiled": sum(r.ok for r in results), "failed": sum(not r.ok for r in results),
+            "compile_s": time.monotonic() - t0}
+
+
+def _time_configs(call, configs, operands, want, calls: int) -> list[dict]:
+    """Each config's kernel time (CUPTI) and whether its outputs equal ``want`` bitwise."""
+    import jax
+    import numpy as np
+    from te_jax_perm.core.launch import configure
+    from te_jax_perm.core.triton_backend import triton_call
+    launches = [configure(call, c) for c in configs]
+    _precompile(launches)
+    items, rows = [], []
+    for cfg, launch in zip(configs, launches):
+        try:
+            exe = jax.jit(lambda ops, launch=launch: triton_call(launch, ops)).lower(operands).compile()
+            got = exe(operands)
+            same = all(np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+                       for g, w in zip(got, want))
+            items.append((cfg, (lambda exe=exe: exe(operands))))
+            rows.append({"config": cfg.to_json(), "config_str": str(cfg), "same_as_default": same})
+        except Exception as e:  # noqa: BLE001 - a failing config is recorded, the rest go on
+            rows.append({"config": cfg.to_json(), "config_str": str(cfg), "error": f"{type(e).__name__}: {e}"})
+    kfn = call.decl.kernel.fn.__name__
+    times = {t.label: t.per_call_us(lambda n: n.startswith(kfn)) for t in kernel_timer.measure(items, calls=calls,
+                                                                                              warmup=1)}
+    for r in rows:
+        r["us"] = times.get(_config(r["config"]))
+    return rows
+
+
+def _config(j):
+    from te_jax_perm.core import Config
+    return Config.from_json(j)
+
+
+def sweep_movers(shapes, budget_s: float, calls: int, log) -> list[dict]:
+    import jax
+    import numpy as np
+    from benchmarks import cases
+    from te_jax_perm.core.launch import bind_call, configure
+    from te_jax_perm.core.triton_backend import triton_call
+    rows, t0 = [], time.monotonic()
+    # Forward movers at every shape first, so a short budget still covers them.
+    order = [(shape, pair) for pairs in (MOVERS[:2], MOVERS[2:]) for shape in shapes for pair in pairs]
+    p = None
+    for shape, (case_name, kname) in order:
+        if time.monotonic() - t0 > budget_s:
+            log(f"budget spent: {shape.name} {case_name} not swept")
+            continue
+        if p is None or p.shape != shape:
+            p = None  # free the previous shape's buffers first
+            p = cases.Problem.make(shape)
+        try:
+            case = next(c for c in cases.CASES if c.name == case_name)
+            built = case.build(p, "triton")
+            operands, params = capture_operands(built.fn, built.args, kname)
+            from te_jax_perm.ops import permute_decl
+            decl = getattr(permute_decl, kname).decl
+            call = bind_call(decl, operands, params, "triton")
+            default = decl.default_config(call.dims, call.params)
+            want = [np.asarray(o) for o in jax.jit(lambda ops: triton_call(configure(call, default), ops))(operands)]
+            first = _time_configs(call, _candidates(decl, call.dims, call.params, {FIRST_STAGES}) + [default],
+                                  operands, want, calls)
+            timed = sorted((r for r in first if r.get("us") is not None), key=lambda r: r["us"])
+            tried = {r["config_str"] for r in first}
+            second = [c for r in timed[:TOP] for c in _restaged(_config(r["config"])) if str(c) not in tried]
+            group = first + (_time_configs(call, second, operands, want, calls) if second else [])
+            for r in group:
+                r.update({"shape": shape.name, "T": shape.T, "H": shape.H, "E": shape.E, "k": shape.k,
+                          "case": case_name, "kernel": kname, "is_default": r["config_str"] == str(default)})
+            rows += group
+            ok = [r for r in group if r.get("us") is not None and r.get("same_as_default")]
+            best = min(ok, key=lambda r: r["us"])
+            dflt = next(r for r in group if r["is_default"])
+            wrong = [r["config_str"] for r in group if r.get("same_as_default") is False]
+            log(f"{shape.name:40s} {kname:24s} {len(group):3d} configs default {dflt['us']:8.1f} µs "
+                f"{dflt['config_str']} | best {best['us']:8.1f} µs {best['config_str']} "
+                f"({dflt['us'] / best['us']:.3f}x)" + (f" | WRONG OUTPUT: {wrong}" if wrong else ""))
+        except Exception:  # one failing group must not end the sweep
+            log(f"{shape.name} {case_name}: FAILED\n{traceback.format_exc()}")
+    return rows
+
+
+def _restaged(cfg) -> list:
+    from te_jax_perm.core import Config
+    return [Config.make(num_warps=cfg.num_warps, num_stages=s, **cfg.kw) for s in (1, 2, 3, 4)
+            if s != cfg.num_stages]
 
 
 def _forced_jit(fn: Callable, args: tuple, name: str, config) -> Callable:
@@ -59,77 +219,6 @@ def _forced_jit(fn: Callable, args: tuple, name: str, config) -> Callable:
     if not used:
         raise RuntimeError(f"lowering never chose a config for {name}: the sweep would time one binary")
     return f
-
-
-def _candidates(decl, dims, params) -> list:
-    from te_jax_perm.core import Config
-    default = decl.default_config(dims, params)
-    out = [default]
-    for c in decl.configs:
-        for w in WARPS:
-            cfg = Config.make(num_warps=w, num_stages=c.num_stages, **c.kw)
-            per_thread = c.kw["ROWS"] * c.kw["BLOCK_H"] / (32 * w)
-            if (c.kw["BLOCK_H"] in BLOCK_H and PER_THREAD[0] <= per_thread <= PER_THREAD[1] and cfg not in out
-                    and not decl.violated(dims, params, cfg)):
-                out.append(cfg)
-    return out
-
-
-def _precompile(launches: list) -> dict:
-    """Compiles every launch's kernel in the autotuner's worker pool (filling Triton's cache)."""
-    from te_jax_perm.autotune.compile_job import make_job
-    from te_jax_perm.autotune.pool import get_pool
-    from te_jax_perm.core.triton_backend import _lib_and_capability
-    cc = _lib_and_capability()[1]
-    t0 = time.monotonic()
-    results = get_pool().compile_many([make_job(l, ("cuda", cc, 32)) for l in launches])
-    return {"compiled": sum(r.ok for r in results), "failed": sum(not r.ok for r in results),
-            "compile_s": time.monotonic() - t0}
-
-
-def sweep_movers(shapes, budget_s: float, calls: int, log) -> list[dict]:
-    from benchmarks import cases
-    from te_jax_perm.autotune.workloads import record_launches
-    from te_jax_perm.core.launch import configure
-    rows, t0 = [], time.monotonic()
-    # Forward movers at every shape first, so a short budget still covers them.
-    order = [(shape, pair) for pairs in (MOVERS[:2], MOVERS[2:]) for shape in shapes for pair in pairs]
-    p = None
-    for shape, (case_name, kname) in order:
-        if time.monotonic() - t0 > budget_s:
-            log(f"budget spent: {shape.name} {case_name} not swept")
-            continue
-        if p is None or p.shape != shape:
-            p = None  # free the previous shape's buffers first
-            p = cases.Problem.make(shape)
-        try:
-            case = next(c for c in cases.CASES if c.name == case_name)
-            built = case.build(p, "triton")
-            call = next(c for c in record_launches(built.fn, built.args) if c.decl.name == kname)
-            decl = call.decl
-            default = decl.default_config(call.dims, call.params)
-            cands = _candidates(decl, call.dims, call.params)
-            info = _precompile([configure(call, c) for c in cands])
-            items = []
-            for cfg in cands:
-                f = _forced_jit(built.fn, built.args, kname, cfg)
-                items.append((cfg, (lambda f=f: f(*built.args))))
-            kfn = decl.kernel.fn.__name__
-            times = kernel_timer.measure(items, calls=calls, warmup=1)
-            for t in times:
-                us = t.per_call_us(lambda n: n.startswith(kfn))
-                rows.append({"shape": shape.name, "T": shape.T, "H": shape.H, "E": shape.E, "k": shape.k,
-                             "case": case_name, "kernel": kname, "config": t.label.to_json(),
-                             "config_str": str(t.label), "is_default": t.label == default, "us": us})
-            best = min((r for r in rows if r["shape"] == shape.name and r["kernel"] == kname),
-                       key=lambda r: r["us"])
-            dflt = next(r for r in rows if r["shape"] == shape.name and r["kernel"] == kname and r["is_default"])
-            log(f"{shape.name:40s} {kname:24s} {len(cands):3d} configs ({info['compile_s']:.0f}s compile) "
-                f"default {dflt['us']:8.1f} µs {dflt['config_str']} | best {best['us']:8.1f} µs "
-                f"{best['config_str']} ({dflt['us'] / best['us']:.3f}x)")
-        except Exception:  # one failing group must not end the sweep
-            log(f"{shape.name} {case_name}: FAILED\n{traceback.format_exc()}")
-    return rows
 
 
 ROWMAP_T = (16, 64, 256, 1024, 4096, 16384)

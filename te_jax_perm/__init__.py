@@ -1,6 +1,6 @@
 """te_jax_perm: MoE token permutation primitives for JAX, as Triton kernels behind aliased
 XLA custom calls. Public names are loaded lazily so that importing the package stays cheap
-and never imports jax-triton (which needs a CUDA jaxlib)."""
+and imports no GPU-only module."""
 from __future__ import annotations
 
 import importlib

@@ -204,3 +204,39 @@ def test_cached_winner_invalid_for_exact_dims_is_skipped(tmp_cache):
     from te_jax_perm.autotune.resolver import pick
     assert pick(decl, entry, {"T": 64, "H": 16}, {}) == Config.make(BS=64, BT=4)
     assert pick(decl, entry, {"T": 32, "H": 16}, {}) != Config.make(BS=64, BT=4)
+
+
+@pytest.mark.gpu
+def test_gpu_trials_restore_donated_buffers_and_need_no_torch(tmp_path):
+    """On the GPU, trials run through the backend's own XLA call with torch unimportable:
+    out += x tuned over >= 8 configs, then launched once, leaves out == out0 + x; a whole
+    tune writes its cache entry."""
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None  # any import of torch now fails
+        import numpy as np
+        from tests import _autotune_kernels as K
+        from te_jax_perm import autotune
+        from te_jax_perm.autotune.gpu_trials import GpuRunner
+        from te_jax_perm.autotune.trials import run_trials
+        decl = K.accumulate_decl()
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((64, 16)).astype(np.float32)
+        out0 = rng.standard_normal((64, 16)).astype(np.float32)
+        runner = GpuRunner(decl, [x], [out0.copy()], {})
+        results = run_trials(decl, runner, K.SAFE_CONFIGS, [out0 + x], reps=3, warmup=1)
+        assert len(results) >= 8, len(results)
+        assert all(r.time_s is not None for r in results), [(r.rejected, r.error) for r in results]
+        np.testing.assert_array_equal(runner.outputs()[0], out0)  # restored after the last trial
+        runner.launch(min(results, key=lambda r: r.time_s).config)
+        np.testing.assert_array_equal(runner.outputs()[0], out0 + x)  # exactly one application
+        res = autotune.tune(decl, [((64, 16), np.float32)], backend="triton")
+        assert res.entry["complete"] and res.best is not None and not res.entry["rejected"], res.entry
+        assert autotune.cache.load_valid(decl, res.key, res.entry["tuned_dims"], {}) is not None
+        print("ok", len(res.entry["ranking"]))
+    """)
+    env = dict(os.environ, TE_JAX_PERM_AUTOTUNE_CACHE=str(tmp_path / "cache"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -83,9 +83,13 @@ def test_tune_survives_injected_abort_and_skips_that_config():
 
 
 def test_parent_loads_worker_binary_without_recompiling(pool, monkeypatch):
+    """The backend's compile of a config the pool compiled is a Triton cache hit."""
+    import jax
+    from te_jax_perm.core import bind_call, configure, triton_compile
     decl = K.accumulate_decl()
-    job = _jobs(decl, [Config.make(BS=16, BT=8, num_warps=2)])[0]
-    (res,) = pool.compile_many([job])
+    launch = configure(bind_call(decl, [jax.ShapeDtypeStruct((64, 16), np.float32)], {}, "triton"),
+                       Config.make(BS=16, BT=8, num_warps=2))
+    (res,) = pool.compile_many([compile_job.make_job(launch, TARGET)])
     assert res.ok
     monkeypatch.setenv("TRITON_CACHE_DIR", pool.cache_dir)
     from triton.compiler import ASTSource
@@ -93,5 +97,5 @@ def test_parent_loads_worker_binary_without_recompiling(pool, monkeypatch):
     def no_compile(*a, **k):
         raise AssertionError("parent recompiled instead of loading the worker's binary")
     monkeypatch.setattr(ASTSource, "make_ir", no_compile)
-    k = compile_job.load_compiled(job)
-    assert k.hash == res.info["hash"] and bytes(k.asm["cubin"]) == res.info["binary"]
+    triton_compile._compile_cached.cache_clear()
+    assert triton_compile.compiled_for(launch, TARGET[1]).name

@@ -111,35 +111,17 @@ def test_lower_level_errors():
 
 # -- code generation ------------------------------------------------------------------------
 def _sm90_ptx(decl, dims, params, dtypes):
-    """PTX of ``decl``'s kernel at its default config for sm_90, compiled here (no GPU needed).
-
-    Pointers carry jax-triton's 16-byte alignment attribute and scalars are plain i32, as on
-    the GPU, where jax-triton passes runtime ints without divisibility hints.
-    """
-    import triton
-    from triton.compiler import ASTSource
+    """PTX of ``decl``'s kernel at its default config for sm_90, compiled here (no GPU
+    needed) exactly as the ``triton`` backend compiles it (same specialisation)."""
+    from te_jax_perm.core import bind_call, configure, triton_compile
+    avals = [jax.ShapeDtypeStruct(tuple(dims[d] for d in op.dims), dtypes[op.name]) for op in decl.operands]
+    call = bind_call(decl, avals, params, "triton")
     try:
-        from triton.backends.compiler import GPUTarget
-    except ImportError:
-        pytest.skip("this triton has no GPUTarget")
-    tname = {"bfloat16": "bf16", "float32": "fp32", "int32": "i32", "int8": "i8", "uint8": "u8", "float16": "fp16"}
-    cfg = decl.default_config(dims, params)
-    constexprs = {**cfg.kw, **decl.constexprs(dims, params, cfg)}
-    np_dtypes = {k: np.dtype(v) for k, v in dtypes.items()}
-    outs = ["*" + tname[np.dtype(o.dtype(np_dtypes, params)).name] for o in decl.outputs]
-    types = iter(["*" + tname[dtypes[o.name]] for o in decl.operands] + ["i32"] * len(decl.scalars(dims, params))
-                 + outs + outs)
-    names = decl.kernel.arg_names
-    sig = {n: ("constexpr" if n in constexprs else next(types)) for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
-    try:
-        compiled = triton.compile(ASTSource(decl.kernel, sig, constexprs, attrs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+        return triton_compile.compiled_for(configure(call, decl.default_config(call.dims, call.params)), 90).ptx
     except Exception as e:  # no CUDA toolchain in this triton build
         if "ptxas" in str(e).lower() or "cuda" in str(e).lower():
             pytest.skip(f"cannot compile for sm_90 here: {e}")
         raise
-    return compiled.asm["ptx"]
 
 
 def _row_kernels():
@@ -168,11 +150,8 @@ def _row_kernels():
 @pytest.mark.parametrize("h", [7168, 2880])
 @pytest.mark.parametrize("case", _row_kernels(), ids=lambda c: c[0])
 def test_row_kernels_vectorise_for_sm90(case, h):
-    """Every row-moving kernel compiles to 16-byte loads and stores of bf16 rows.
-
-    jax-triton passes runtime ints without divisibility hints, so a runtime row stride H
-    gives 2-byte accesses; H is compiled in for this reason (the copy is flat: N * H).
-    """
+    """Every row-moving kernel compiles to 16-byte loads and stores of bf16 rows, also at
+    H=2880 (a multiple of 16 but not of 128): H is compiled in (the copy is flat: N * H)."""
     import re
     name, decl, dims, params, dtypes = case
     dims = {**dims, "H": h} if "H" in decl.kernel.arg_names else {"N": dims["N"] * h}

@@ -1,7 +1,7 @@
 """The ``triton`` backend's custom call, checked without a GPU: a CUDA lowering of a real
 kernel (compiled by Triton for sm_90) with a stand-in for jaxlib's kernel-call bindings,
 so the target, the API version, the aliases and the kernel-call parameters are the ones a
-GPU run executes. The compatibility table is checked against the ``[cuda]`` extra's pins."""
+GPU run executes. The version table is checked against the ``[cuda]`` extra's pins."""
 import json
 import pathlib
 import re
@@ -63,10 +63,10 @@ def _custom_calls(lowered):
     return calls
 
 
-def _lower_for_cuda(fn, *args, mode="ffi", lib=None):
+def _lower_for_cuda(fn, *args, lib=None):
     lib = lib or FakeKernelCallLib()
-    jax.clear_caches()  # the call mode is read when lowering; JAX caches lowerings
-    with triton_backend.kernel_call_library(lib, 90), triton_backend.triton_call_mode(mode):
+    jax.clear_caches()  # the kernel-call library is read when lowering; JAX caches lowerings
+    with triton_backend.kernel_call_library(lib, 90):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)), lib
 
 
@@ -106,23 +106,35 @@ def test_ffi_lowering_target_aliases_and_kernel_call():
     assert kernel["extra"] == []  # no global scratch: the 7-argument TritonKernel of every jaxlib
 
 
-def test_legacy_lowering_is_the_same_call_on_the_old_target():
-    src, idx = jnp.ones((7, 33), jnp.float32), jnp.zeros((5,), jnp.int32)
-    lowered, _ = _lower_for_cuda(_gather, src, idx, mode="legacy")
-    (call,) = [c for c in _custom_calls(lowered) if "AllocateBuffer" not in str(c.attributes["call_target_name"])]
-    assert str(call.attributes["call_target_name"]) == f'"{triton_backend.LEGACY_TARGET}"'
-    assert "2" in str(call.attributes["api_version"]) and "mhlo.backend_config" not in call.attributes
-    assert _aliases(call) == [(2, 0)]
-
-
-def test_default_mode_follows_what_jaxlib_registers():
-    assert triton_backend.current_mode(FakeKernelCallLib(ffi_registered=True)) == "ffi"
-    assert triton_backend.current_mode(FakeKernelCallLib(ffi_registered=False)) == "legacy"
+def test_a_jaxlib_without_the_ffi_call_is_refused_by_name():
     src, idx = jnp.ones((3, 8), jnp.float32), jnp.zeros((2,), jnp.int32)
-    lib = FakeKernelCallLib(ffi_registered=False)
-    with triton_backend.kernel_call_library(lib, 90), triton_backend.triton_call_mode("ffi"):
-        with pytest.raises(Exception, match="does not register triton_kernel_call_ffi|typed-FFI"):
-            jax.jit(_gather).trace(src, idx).lower(lowering_platforms=("cuda",))
+    with pytest.raises(Exception, match="does not register triton_kernel_call_ffi"):
+        _lower_for_cuda(_gather, src, idx, lib=FakeKernelCallLib(ffi_registered=False))
+
+
+def test_integer_scalars_are_specialised_like_tritons_launcher():
+    """Divisible by 16: a divisibility attribute (vectorised accesses); 1: a constant that
+    the call no longer passes; anything else: a plain runtime value."""
+    from te_jax_perm.core import triton_compile
+    from te_jax_perm.core.launch import bind_call, configure
+
+    def spec(h):
+        call = bind_call(gather_rows.decl, [jnp.ones((7, h), jnp.float32), jnp.zeros((5,), jnp.int32)], {}, "triton")
+        launch = configure(call, gather_rows.decl.default_config(call.dims, call.params))
+        return triton_compile.launch_spec(launch)
+
+    sig, constexprs, attrs = spec(32)  # parameters: src_ptr, idx_ptr, H, out_prealloc, out
+    assert sig["H"] == "i32" and (2,) in attrs and "H" not in constexprs
+    sig, constexprs, attrs = spec(33)
+    assert sig["H"] == "i32" and (2,) not in attrs and set(attrs) == {(0,), (1,), (3,), (4,)}
+    sig, constexprs, attrs = spec(1)
+    assert sig["H"] == "constexpr" and constexprs["H"] == 1
+    lowered, lib = _lower_for_cuda(_gather, jnp.ones((7, 1), jnp.float32), jnp.zeros((5,), jnp.int32))
+    (call,) = [c for c in _custom_calls(lowered) if triton_backend.FFI_TARGET in str(c.attributes["call_target_name"])]
+    opaque = call.attributes["mhlo.backend_config"]["opaque"]
+    payload = json.loads(zlib.decompress(opaque.value_bytes if hasattr(opaque, "value_bytes") else
+                                         str(opaque).strip('"').encode("latin1")))
+    assert payload["params"] == [{"array": [0, 16]}] * 4  # H=1 is compiled in, not passed
 
 
 def test_zeroed_output_and_every_alias_in_a_differentiated_step():
@@ -158,8 +170,7 @@ def _extra(name):
 def test_cuda_extra_pins_a_working_set(python):
     reqs = [r for r in _extra("cuda") if r.marker is None or r.marker.evaluate({"python_version": python})]
     by_name = {r.name: r for r in reqs}
-    # No jax-triton: the default call modes do not need it (and 0.3.x cannot bound its triton).
-    assert "jax-triton" not in by_name
+    assert "jax-triton" not in by_name  # the typed-FFI call needs none
     jax_req, triton_req = by_name["jax"], by_name["triton"]
     assert "cuda13" in jax_req.extras or "cuda12" in jax_req.extras
     # Every jax the extra admits registers the typed-FFI call...
@@ -170,24 +181,11 @@ def test_cuda_extra_pins_a_working_set(python):
         assert (Version(v) in triton_req.specifier) == (Version(v) in compat.TRITON_TESTED_SPEC), v
 
 
-def test_jax_triton_extra_is_a_pair_of_the_table():
-    by_name = {r.name: r for r in _extra("jax-triton")}
-    (pinned,) = [Version(str(by_name["jax-triton"].specifier).lstrip("="))]
-    (pair,) = [p for p in compat.JAX_TRITON_PAIRS if pinned in p.jax_triton]
-    for v in ["3.5.0", "3.6.0", "3.6.9", "3.7.0", "3.9.0"]:
-        assert (Version(v) in by_name["triton"].specifier) == (Version(v) in pair.triton), v
-
-
-def test_jax_triton_pairs_name_the_fix(monkeypatch):
-    versions = {"jax-triton": "0.3.1", "triton": "3.9.0", "jax": "0.11.2", "jaxlib": "0.11.2"}
+def test_problems_name_the_fix(monkeypatch):
+    versions = {"triton": "3.6.0", "jax": "0.11.2", "jaxlib": "0.11.2"}
     monkeypatch.setattr(compat, "installed", lambda p: Version(versions[p]) if p in versions else None)
-    (problem,) = compat.problems("jax_triton")
-    assert "jax-triton 0.3.1 does not work with triton 3.9.0" in problem and "pip install 'triton<3.7,>=3.6'" in problem
-    versions["triton"] = "3.6.0"
-    assert compat.problems("jax_triton") == []
-    versions.update({"jax-triton": "0.4.0", "triton": "3.6.0"})
-    assert "needs triton>=3.7" in compat.problems("jax_triton")[0]
+    assert compat.problems() == []
     versions["jaxlib"] = "0.10.0"
-    assert any("no typed-FFI Triton call" in p for p in compat.problems("ffi"))
+    assert any("jaxlib 0.10.0" in p and "pip install" in p for p in compat.problems())
     del versions["triton"]
-    assert any("the triton package is not installed" in p for p in compat.problems("legacy"))
+    assert any("the triton package is not installed" in p for p in compat.problems())

@@ -56,9 +56,3 @@ def compile_job(job: CompileJob) -> dict:
     return {"hash": k.hash, "binary": bytes(binary) if isinstance(binary, (bytes, bytearray)) else binary,
             "n_regs": getattr(k, "n_regs", None), "shared": getattr(meta, "shared", None),
             "compile_s": time.perf_counter() - t0}
-
-
-def load_compiled(job: CompileJob) -> Any:
-    """The parent's handle on a kernel a worker compiled: a Triton cache hit, no recompile
-    (workers and parent share ``TRITON_CACHE_DIR``)."""
-    return _compile(job)

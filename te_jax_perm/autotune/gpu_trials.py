@@ -1,121 +1,91 @@
-"""``triton`` trials: each candidate's pool-compiled binary launched on device buffers.
+"""``triton`` trials: each candidate run through the XLA call the backend lowers to.
 
-Buffers are torch CUDA tensors (torch is on the GPU machine; Triton launches on torch's
-current stream), timed with CUDA events. The binary is loaded from the Triton cache the
-pool workers filled, so nothing is recompiled here. Imported only on the GPU path.
+A trial is a jitted ``triton_call`` of the candidate's launch on JAX device buffers, so it
+is the very custom call (same compiled kernel, same arguments, same aliases) a lowered
+program runs. The preallocated output buffers are donated to each trial and written in
+place, as in production; this runner keeps their initial contents and restores them
+before every launch itself (the trials never rely on XLA copying a buffer for them).
+
+Time per launch is taken on the device: a chain of ``chain`` dependent launches (each
+writes the buffers the next one is handed) minus a single launch, over ``chain - 1``, so
+the host's dispatch and synchronisation cost cancels out and back-to-back kernel time is
+left. Imported only on the GPU path.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import time
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from te_jax_perm.autotune.compile_job import CompileJob, load_compiled
+from te_jax_perm.autotune.validate import mismatch
 from te_jax_perm.core.declaration import Config, KernelDecl
-from te_jax_perm.core.kernel_args import kernel_arguments
 from te_jax_perm.core.launch import bind_call, configure
-
-# NumPy dtypes torch cannot take directly travel as same-width integers, then are viewed back.
-_VIA_INT = {"bfloat16": ("int16", "bfloat16"), "float8_e4m3fn": ("uint8", "float8_e4m3fn"),
-            "float8_e5m2": ("uint8", "float8_e5m2")}
-
-
-def to_device(a: np.ndarray) -> Any:
-    import torch
-    a = np.ascontiguousarray(a)
-    if a.dtype.name in _VIA_INT:
-        carrier, name = _VIA_INT[a.dtype.name]
-        return torch.from_numpy(a.view(carrier)).cuda().view(getattr(torch, name))
-    if a.dtype == np.bool_:
-        return torch.from_numpy(a).cuda()
-    return torch.from_numpy(a).cuda()
-
-
-def to_host(t: Any, dtype: np.dtype) -> np.ndarray:
-    import torch  # noqa: F401
-    dtype = np.dtype(dtype)
-    if dtype.name in _VIA_INT:
-        carrier, _ = _VIA_INT[dtype.name]
-        import torch as _t
-        return t.view(getattr(_t, carrier)).cpu().numpy().view(dtype)
-    return t.cpu().numpy()
 
 
 class GpuRunner:
+    """Runs configs of one call on fixed device buffers: operands, then preallocated outputs."""
+
     def __init__(self, decl: KernelDecl, inputs: Sequence[np.ndarray], preallocs: Sequence[np.ndarray],
-                 params: Mapping[str, Any], jobs: Mapping[Config, CompileJob]):
-        import torch
-        self.torch = torch
-        self.decl, self.jobs = decl, jobs
+                 params: Mapping[str, Any], chain: int = 16):
+        import jax
+        self.jax, self.decl, self.chain = jax, decl, chain
         self.call = bind_call(decl, inputs, params, "triton")
-        self.out_dtypes = [a.dtype for a in preallocs]
-        self.buffers = [to_device(a) for a in inputs] + [to_device(a) for a in preallocs]
         self.n_in = len(inputs)
+        self.operands = [jax.device_put(a) for a in inputs]
+        self.buffers = [jax.device_put(a) for a in preallocs]  # the outputs' current contents
         self.saved: dict[int, Any] = {}
-        self._compiled: dict[Config, Any] = {}
-        self._launch_args: dict[Config, tuple] = {}
+        self._exes: dict[tuple[Config, int], Callable] = {}
         self._expected: tuple[int, list[Any]] | None = None
 
     def save(self, indices: Sequence[int]) -> None:
-        self.saved = {i: self.buffers[i].clone() for i in indices}
+        """Keeps the contents of the written buffers (operand indices: preallocs follow operands)."""
+        self.saved = {i: self._copy(self.buffers[i - self.n_in]) for i in indices}
 
     def restore(self) -> None:
         for i, snap in self.saved.items():
-            self.buffers[i].copy_(snap)
+            self.buffers[i - self.n_in] = self._copy(snap)
+        self.jax.block_until_ready(self.buffers)
 
-    def _kernel(self, config: Config) -> Any:
-        if config not in self._compiled:
-            self._compiled[config] = load_compiled(self.jobs[config])
-        return self._compiled[config]
+    def _copy(self, a: Any) -> Any:
+        return self.jax.numpy.copy(a)
 
-    def _args(self, config: Config) -> tuple:
-        """Grid and argument list of ``config``, built once (not per timed launch)."""
-        if config not in self._launch_args:
-            ins, outs = self.buffers[:self.n_in], self.buffers[self.n_in:]
+    def _exe(self, config: Config, n: int) -> Callable:
+        """``n`` dependent launches of ``config``, its buffers donated; compiled once."""
+        if (config, n) not in self._exes:
+            from te_jax_perm.core.triton_backend import triton_call
             launch = configure(self.call, config)
-            # Triton's launcher takes constexprs too; each output is its own preallocated buffer.
-            args = [a.value for a in kernel_arguments(launch, ins, outs, outs)] + list(launch.constexprs.values())
-            self._launch_args[config] = (launch.grid3, args, self._kernel(config))
-        return self._launch_args[config]
+
+            def run(operands, buffers):
+                for _ in range(n):
+                    buffers = triton_call(launch, operands, buffers)
+                return buffers
+
+            jit = self.jax.jit(run, donate_argnums=1)
+            self._exes[(config, n)] = jit.lower(self.operands, self.buffers).compile()
+        return self._exes[(config, n)]
+
+    def _timed(self, exe: Callable, buffers: list) -> tuple[float, list]:
+        t0 = time.perf_counter()
+        out = exe(self.operands, buffers)
+        self.jax.block_until_ready(out)
+        return time.perf_counter() - t0, list(out)
 
     def launch(self, config: Config) -> float:
-        torch = self.torch
-        grid, args, kernel = self._args(config)
-        if any(g == 0 for g in grid):
-            return 0.0
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        kernel[grid](*args)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        """One launch on the current buffers (its outputs are kept for checking); returns the
+        device time of a launch, from a chain of launches on a copy of the same buffers."""
+        single, chained = self._exe(config, 1), self._exe(config, self.chain)
+        spare = [self._copy(b) for b in self.buffers]
+        self.jax.block_until_ready(spare)
+        t1, self.buffers = self._timed(single, self.buffers)
+        tn, _ = self._timed(chained, spare)
+        return max(tn - t1, 0.0) / (self.chain - 1)
 
     def mismatch(self, expected: Sequence[np.ndarray]) -> str | None:
-        """``validate.mismatch`` on the device: a 100+ MB output is compared where it lies
-        instead of being copied to the host and walked by NumPy for every trial."""
-        torch, decl = self.torch, self.decl
+        """The reference comparison on the device: a 100+ MB output is compared where it lies."""
         if self._expected is None or self._expected[0] != id(expected):
-            self._expected = (id(expected), [to_device(np.asarray(w)) for w in expected])
-        for o, g, w, wn in zip(decl.outputs, self.buffers[self.n_in:], self._expected[1], expected):
-            wn = np.asarray(wn)
-            if tuple(g.shape) != wn.shape or g.element_size() != wn.dtype.itemsize:
-                return f"{o.name}: shape {tuple(g.shape)} != reference {wn.shape} {wn.dtype}"
-            floating = np.issubdtype(wn.dtype, np.floating) or wn.dtype.name.startswith(("bfloat", "float"))
-            if decl.exact or not floating:
-                gb = g.reshape(-1).view(torch.uint8).reshape(-1, g.element_size())
-                wb = w.reshape(-1).view(torch.uint8).reshape(-1, w.element_size())
-                n = int((gb != wb).any(dim=1).sum().item())
-                if n:
-                    return f"{o.name}: {n} of {g.numel()} elements differ bitwise from the reference"
-            else:
-                gf, wf = g.float(), w.float()
-                ok = torch.isclose(gf, wf, rtol=decl.rtol, atol=decl.atol, equal_nan=True)
-                bad = int((~ok).sum().item())
-                if bad:
-                    i = tuple(int(x) for x in np.unravel_index(int(torch.argmin(ok.to(torch.int8)).item()), tuple(ok.shape)))
-                    return (f"{o.name}: {bad} of {g.numel()} elements outside rtol={decl.rtol} "
-                            f"atol={decl.atol}; e.g. at {i}: {float(gf[i])} vs {float(wf[i])}")
-        return None
+            self._expected = (id(expected), [self.jax.device_put(w) for w in expected])
+        return mismatch(self.decl, self.buffers, self._expected[1], xp=self.jax.numpy)
 
     def outputs(self) -> list[np.ndarray]:
-        return [to_host(b, dt) for b, dt in zip(self.buffers[self.n_in:], self.out_dtypes)]
+        return [np.asarray(b) for b in self.buffers]

@@ -88,12 +88,12 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
     failed: list[tuple[Config, str]] = []
     target = options.compile_target
     if target == AUTO:
-        target = _device_target() if backend == "triton" else None
-    jobs = {}
+        target = device_target() if backend == "triton" else None
     t0 = time.perf_counter()
     if target is not None:
-        # All candidates in one parallel batch, before any trial.
-        valid, failed, jobs = _compile_stage(call, valid, tuple(target), options, pool)
+        # All candidates in one parallel batch, before any trial: a config whose compile
+        # crashes or hangs is dropped here, in a worker, never in this process.
+        valid, failed = _compile_stage(call, valid, tuple(target), options, pool)
     phases["compile_s"] = time.perf_counter() - t0
 
     # Inputs and the reference once per (kernel, shape); every trial reuses them.
@@ -108,7 +108,7 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
     t0 = time.perf_counter()
     if backend == "triton":
         from te_jax_perm.autotune.gpu_trials import GpuRunner
-        runner = GpuRunner(decl, inputs, preallocs, params, jobs)
+        runner = GpuRunner(decl, inputs, preallocs, params)
         reps, warmup = options.reps or 15, 1 if options.warmup is None else options.warmup
     elif backend == "interpret":
         runner = HostRunner(decl, inputs, preallocs, params)
@@ -187,13 +187,14 @@ def _compile_stage(call, valid, target, options, pool):
                          r.info.get("n_regs"))
         else:
             failed.append((c, r.error.strip().splitlines()[-1] if r.error else "failed"))
-    return kept, failed, {c: jobs[c] for c in kept}
+    return kept, failed
 
 
-def _device_target() -> tuple[str, int, int]:
-    from triton.runtime import driver
-    t = driver.active.get_current_target()
-    return (t.backend, t.arch, t.warp_size)
+def device_target() -> tuple[str, int, int]:
+    """The compile target of this process's GPU, as the ``triton`` backend compiles for it
+    (asked of jaxlib, not of Triton's driver, which would import torch)."""
+    from te_jax_perm.core.triton_backend import compute_capability
+    return ("cuda", compute_capability(), 32)
 
 
 def _reference(decl: KernelDecl, inputs: Sequence[np.ndarray], params: Mapping[str, Any]) -> list[np.ndarray]:

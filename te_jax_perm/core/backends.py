@@ -63,10 +63,7 @@ def ensure_available(name: str) -> None:
                 f"{jax.default_backend()!r}); install a CUDA jax (pip install 'jax[cuda13]') or use "
                 "backend 'interpret' (CPU, Triton interpreter) or 'xla'")
         from te_jax_perm.core import compat
-        from te_jax_perm.core.triton_backend import requested_mode
-        # Without a requested call mode the backend uses the best jaxlib has (ffi or legacy):
-        # check what both need.
-        problems = compat.problems(requested_mode() or "legacy")
+        problems = compat.problems()
         if problems:
             raise BackendUnavailableError("backend 'triton': " + "; ".join(problems))
     if name in ("triton", "interpret") and importlib.util.find_spec("triton") is None:

@@ -12,12 +12,8 @@ from typing import Iterator, Mapping
 BACKEND = "TE_JAX_PERM_BACKEND"
 AUTOTUNE = "TE_JAX_PERM_AUTOTUNE"
 SANITIZE = "TE_JAX_PERM_SANITIZE"
-TRITON_CALL = "TE_JAX_PERM_TRITON_CALL"
 
 BACKEND_VALUES = ("triton", "interpret", "xla")
-# How the triton backend calls its kernel: XLA's typed-FFI Triton call, the legacy custom
-# call it replaces (same compiled kernel), or through the jax-triton package.
-TRITON_CALL_VALUES = ("ffi", "legacy", "jax_triton")
 _SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 # None: no sanitizer session; otherwise the session's mode.
 _SANITIZE = {"raise": "raise", "collect": "collect", "1": "collect", "true": "collect", "on": "collect",
@@ -55,25 +51,19 @@ def sanitize() -> str | None:
     return _lookup(SANITIZE, _SANITIZE)  # type: ignore[return-value]
 
 
-def triton_call() -> str | None:
-    """``TE_JAX_PERM_TRITON_CALL``: ``ffi``, ``legacy``, ``jax_triton``, or ``None`` (the best available)."""
-    return _lookup(TRITON_CALL, {m: m for m in TRITON_CALL_VALUES})  # type: ignore[return-value]
-
-
 def check_all() -> None:
     """Raises on the first variable holding a value it does not accept."""
     backend()
     autotune()
     sanitize()
-    triton_call()
 
 
 @contextlib.contextmanager
 def triton_cache_dir_kept() -> Iterator[None]:
     """Puts ``TRITON_CACHE_DIR`` back after the block.
 
-    jax-triton (imported by itself or by packages such as tokamax) blanks the variable at
-    import, after which every later ``triton.compile`` in the process fails with "Could not
+    jax-triton (imported by packages such as tokamax) blanks the variable at import,
+    after which every later ``triton.compile`` in the process fails with "Could not
     create or locate cache dir" (and the autotuner's pool hands binaries over that cache).
     """
     saved = os.environ.get("TRITON_CACHE_DIR")

@@ -11,7 +11,9 @@ import dataclasses
 import functools
 from typing import Any, Mapping
 
-from te_jax_perm.core.kernel_args import pointer_positions, signature
+import numpy as np
+
+from te_jax_perm.core.kernel_args import SCALAR, kernel_arguments, signature
 from te_jax_perm.core.launch import Launch
 
 # -- Triton version shims ----------------------------------------------------------------------
@@ -54,11 +56,31 @@ def compile_kernel(kernel: Any, sig: Mapping[str, str], constexprs: Mapping[str,
                                                                        "num_stages": num_stages})
 
 
+def specialisation(value: Any) -> str | None:
+    """How a runtime scalar is compiled, as Triton's own launcher does it: an integer equal
+    to 1 becomes a constant (``"one"``), one divisible by 16 carries that fact
+    (``"div16"``: with it, ``row * E`` offsets keep 16-byte alignment and loads vectorise);
+    anything else (and every float or bool) is a plain runtime value (``None``). The
+    values are the call's static scalars, so the binary can never meet another value."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return None
+    if int(value) == 1:
+        return "one"
+    return "div16" if int(value) % 16 == 0 else None
+
+
 def launch_spec(launch: Launch) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int, ...], Any]]:
-    """(signature, constexprs, attrs) of ``launch``: pointers are 16-byte aligned (XLA's and
-    torch's allocations are), nothing else is specialised."""
-    attrs = {(i,): DIVISIBILITY for i in pointer_positions(launch)}
-    return signature(launch), dict(launch.constexprs), attrs
+    """(signature, constexprs, attrs) of ``launch``: pointers are 16-byte aligned (XLA's
+    allocations are) and integer scalars are specialised (:func:`specialisation`)."""
+    sig, constexprs, attrs = signature(launch), dict(launch.constexprs), {}
+    # Constexprs follow every runtime argument, so argument i is kernel parameter i.
+    for i, a in enumerate(kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)):
+        kind = "div16" if a.is_pointer else specialisation(a.value) if a.role == SCALAR else None
+        if kind == "one":
+            sig[a.name], constexprs[a.name] = "constexpr", 1
+        elif kind == "div16":
+            attrs[(i,)] = DIVISIBILITY
+    return sig, constexprs, attrs
 
 
 def compiled_for(launch: Launch, compute_capability: int) -> CompiledKernel:

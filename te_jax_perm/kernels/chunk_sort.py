@@ -48,9 +48,9 @@ def _move_rows(inp_ptr, map_ptr, probs_ptr, N, out_ptr, probs_out_ptr, H: tl.con
                FORWARD: tl.constexpr, HAS_PROBS: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     """ROWS rows per program, BLOCK_H columns per step; int64 offsets (N*H may pass 2**31).
 
-    H is a compile-time constant: jax-triton passes runtime ints without divisibility
-    hints, and only a known H lets Triton prove row starts and column masks 16-byte
-    aligned and emit vector loads/stores (checked in the PTX: v4.b32 vs b16)."""
+    H is a compile-time constant: only a known H lets Triton prove the column masks and
+    row starts 16-byte aligned and emit vector loads/stores (checked in the PTX: v4.b32
+    vs b16) whatever H is; a runtime H would be known divisible by 16 at best."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     in_range = rows < N
     target = tl.load(map_ptr + rows, mask=in_range, other=-1)

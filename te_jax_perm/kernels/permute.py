@@ -4,18 +4,24 @@ Two bodies, each specialised by constexpr flags and exposed through thin wrapper
 signatures follow the framework convention (operands, scalars, preallocs, outputs):
 
 * ``_scatter_body``: token rows -> expert-sorted rows (dispatch forward, combine backward).
-  Programs ``[0, cdiv(T, ROWS))`` each own ROWS tokens; the programs after them each own
-  FILL_ROWS output rows and zero those that no token writes (padding, dropped budget), so
-  every output element is written exactly once and no output needs a memset.
+  Programs ``[0, cdiv(T, ROWS))`` of grid axis 0 each own ROWS tokens; the programs after
+  them each own FILL_ROWS output rows and zero those that no token writes (padding, dropped
+  budget), so every output element is written exactly once and no output needs a memset.
 * ``_gather_body``: expert-sorted rows -> token rows, summed in fp32 (combine forward,
   dispatch backward). Each program owns ROWS tokens and writes each of their rows once.
 
+Grid axis 1 splits the row into ``BLOCK_H``-wide column slices, one per program, so a
+small slice still gives the GPU many independent programs (and bytes in flight) per
+token. The weighted scatter (combine backward) is the exception: its probability gradient
+is a dot product over the whole row, so one program walks all of H (axis 1 has one program).
+Values without a column axis (permuted probabilities, their gradients) are written by the
+slice-0 program only.
+
 Performance notes (H100-class, bandwidth bound):
 
-* ``H`` is a compile-time constant. jax-triton passes runtime ints without divisibility
-  hints, so a runtime row stride makes Triton emit 2-byte accesses for bf16; a known H
-  (e.g. 7168 = 1024*7, 2880 = 64*45) proves row starts 16-byte aligned and gives 128-bit
-  vector loads/stores. Token counts stay runtime so they never recompile.
+* ``H`` is a compile-time constant: a known H (e.g. 7168 = 1024*7, 2880 = 64*45) proves row
+  starts 16-byte aligned and gives 128-bit vector loads/stores. Token counts stay runtime
+  values, so a new token count never needs a new binary.
 * A program handles its ROWS tokens as one ``[ROWS, BLOCK_H]`` tile: all ROWS row loads
   are issued before any store, and each map column ``j`` is one ``[ROWS]`` vector load.
 * The map entries of step ``j + 1`` are fetched before step ``j``'s row traffic, so the
@@ -54,6 +60,14 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_p
                   FILL_H: tl.constexpr):
     pid = tl.program_id(0)
     n_tok = tl.cdiv(T, ROWS)
+    # This program's columns: one slice, or (weighted: a dot product over the row) all of H.
+    if WEIGHTED:
+        h_lo = 0
+        h_hi = H
+    else:
+        h_lo = tl.program_id(1) * BLOCK_H
+        h_hi = h_lo + BLOCK_H
+    first_slice = tl.program_id(1) == 0
     if pid < n_tok:
         t = pid * ROWS + tl.arange(0, ROWS)
         tm = t < T
@@ -69,7 +83,7 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_p
                 dest, e, ok = _dest(rid_row, pad_ptr, j, E, N_OUT, tm & (j < cnt), PADDED)
                 w = tl.load(w_ptr + t64 * E + e, mask=ok, other=0).to(tl.float32)
                 acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
-                for h0 in range(0, H, BLOCK_H):
+                for h0 in range(h_lo, h_hi, BLOCK_H):
                     off = h0 + tl.arange(0, BLOCK_H)
                     hm = (off < H)[None, :]
                     g = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0.0)
@@ -80,12 +94,12 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_p
                              (g * w[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None] & hm)
                 tl.store(dw_ptr + t64 * E + e, tl.sum(acc, axis=1).to(dw_ptr.dtype.element_ty), mask=ok)
         else:
-            if HAS_PROBS:
+            if HAS_PROBS and first_slice:
                 for j in range(kmax):
                     dest, e, ok = _dest(rid_row, pad_ptr, j, E, N_OUT, tm & (j < cnt), PADDED)
                     tl.store(pout_ptr + dest, tl.load(probs_ptr + t64 * E + e, mask=ok), mask=ok)
-            # Read each slice of the tokens once and write it to all their experts.
-            for h0 in range(0, H, BLOCK_H):
+            # Read the tokens' slice once and write it to all their experts.
+            for h0 in range(h_lo, h_hi, BLOCK_H):
                 off = h0 + tl.arange(0, BLOCK_H)
                 hm = (off < H)[None, :]
                 v = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=tm[:, None] & hm)
@@ -106,11 +120,11 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_p
         zero = (used == 0) & (rows < N_OUT)
         if tl.sum(zero.to(tl.int32), axis=0) > 0:
             r64 = rows.to(tl.int64)
-            if HAS_PROBS:
+            if HAS_PROBS and first_slice:
                 tl.store(pout_ptr + r64, tl.zeros([FILL_ROWS], dtype=pout_ptr.dtype.element_ty), mask=zero)
-            for h0 in range(0, H, FILL_H):
+            for h0 in range(h_lo, h_hi, FILL_H):
                 off = h0 + tl.arange(0, FILL_H)
-                m = zero[:, None] & (off < H)[None, :]
+                m = zero[:, None] & ((off < H) & (off < h_hi))[None, :]
                 tl.store(out_ptr + r64[:, None] * H + off[None, :],
                          tl.zeros([FILL_ROWS, FILL_H], dtype=out_ptr.dtype.element_ty), mask=m)
 
@@ -157,23 +171,22 @@ def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, N, out_ptr, dpro
     cnt = tl.minimum(tl.maximum(tl.load(rid_row + 2 * E, mask=tm, other=0), 0), E)
     kmax = tl.max(cnt, axis=0)
     live0 = tm & (0 < cnt)
-    for h0 in range(0, H, BLOCK_H):
-        off = h0 + tl.arange(0, BLOCK_H)
-        hm = (off < H)[None, :]
-        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
-        nxt, ne, nok = _dest(rid_row, pad_ptr, 0, E, N, live0, PADDED)
-        for j in range(kmax):
-            dest = nxt
-            e = ne
-            ok = nok
-            # Next column's indices first: their latency hides behind this column's row load.
-            nxt, ne, nok = _dest(rid_row, pad_ptr, j + 1, E, N, tm & (j + 1 < cnt), PADDED)
-            v = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0.0).to(tl.float32)
-            if WEIGHTED:
-                v = v * tl.load(w_ptr + t64 * E + e, mask=ok, other=0).to(tl.float32)[:, None]
-            acc += v
-        tl.store(out_ptr + t64[:, None] * H + off[None, :], acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & hm)
-    if HAS_PGRAD:
+    off = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = (off < H)[None, :]
+    acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+    nxt, ne, nok = _dest(rid_row, pad_ptr, 0, E, N, live0, PADDED)
+    for j in range(kmax):
+        dest = nxt
+        e = ne
+        ok = nok
+        # Next column's indices first: their latency hides behind this column's row load.
+        nxt, ne, nok = _dest(rid_row, pad_ptr, j + 1, E, N, tm & (j + 1 < cnt), PADDED)
+        v = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            v = v * tl.load(w_ptr + t64 * E + e, mask=ok, other=0).to(tl.float32)[:, None]
+        acc += v
+    tl.store(out_ptr + t64[:, None] * H + off[None, :], acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & hm)
+    if HAS_PGRAD and tl.program_id(1) == 0:
         for j in range(kmax):
             dest, e, ok = _dest(rid_row, pad_ptr, j, E, N, tm & (j < cnt), PADDED)
             tl.store(dprobs_ptr + t64 * E + e, tl.load(gpp_ptr + dest, mask=ok), mask=ok)

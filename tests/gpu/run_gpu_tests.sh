@@ -10,8 +10,7 @@
 # OUT_DIR/summary.txt); OUT_DIR/gpu_suite_<GPU>.txt (e.g. gpu_suite_H100.txt) gets the
 # device, the versions and passed/failed counts per step. Env: STEPS (default
 # "pytest,capture,stress,memcheck"), PYTEST_S, CAPTURE_S, STRESS_S, MEMCHECK_S (per-step time limits, s),
-# PYTEST_ARGS (extra pytest args, e.g. "-k dispatch"), PYTEST_WORKERS (default 4),
-# TE_JAX_PERM_TRITON_CALL (ffi, legacy, jax_triton: the call mode under test).
+# PYTEST_ARGS (extra pytest args, e.g. "-k dispatch"), PYTEST_WORKERS (default 8).
 # DRY_RUN=1 checks the plumbing anywhere (CPU included): a few fast tests, a 2-case stress.
 set -u
 OUT=${1:?usage: tests/gpu/run_gpu_tests.sh OUT_DIR}
@@ -39,7 +38,6 @@ DEVICE=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1
 {
   echo "device: ${DEVICE:-none}"
   python3 -c "import sys, jax, triton; from te_jax_perm.core import compat; print('python', sys.version.split()[0], 'jax', jax.__version__, 'triton', triton.__version__, 'jax-triton', compat.installed('jax-triton'))" 2>&1 | tail -1
-  echo "triton call mode: ${TE_JAX_PERM_TRITON_CALL:-default (ffi where jaxlib has it)}"
 } > "$SUITE"
 # counts NAME LOG: "passed=N failed=M ..." from a pytest summary line.
 counts() {
