@@ -1,6 +1,7 @@
 """Every candidate config of the row-moving and row-id-map kernels, timed on the GPU.
 
     python3 -m benchmarks.config_sweep --out DIR [--part movers,rowmap] [--shapes ...] [--budget-s 400]
+    python3 -m benchmarks.config_sweep --out DIR --table SWEEP.json ...   # the movers' default table
 
 ``movers``: at each benchmark shape, every op direction's main kernel (dispatch's
 ``permute_probs``, combine's ``unpermute_weighted``, and their backwards) on the operands
@@ -9,8 +10,8 @@ shape and warp count its declaration allows, then the fastest few at every stage
 each config's outputs are checked bitwise against the default's.
 ``rowmap``: ``make_row_id_map`` over a grid of token and expert counts, one launch or two,
 every block size and warp count. Kernel times from one CUPTI profile per group
-(``benchmarks/kernel_timer.py``). Writes ``DIR/sweep_<part>.json``; the default-config
-rule and the shipped table are derived from these files.
+(``benchmarks/kernel_timer.py``). Writes ``DIR/sweep_<part>.json``; ``--table`` turns mover
+sweeps into the shipped table of default configs (``te_jax_perm/ops/mover_defaults_sm90.json``).
 """
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ def _config(j):
     return Config.from_json(j)
 
 
-def sweep_movers(shapes, budget_s: float, calls: int, log) -> list[dict]:
+def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "") -> list[dict]:
     import jax
     import numpy as np
     from benchmarks import cases
@@ -149,7 +150,8 @@ def sweep_movers(shapes, budget_s: float, calls: int, log) -> list[dict]:
     from te_jax_perm.core.triton_backend import triton_call
     rows, t0 = [], time.monotonic()
     # Forward movers at every shape first, so a short budget still covers them.
-    order = [(shape, pair) for pairs in (MOVERS[:2], MOVERS[2:]) for shape in shapes for pair in pairs]
+    order = [(shape, pair) for pairs in (MOVERS[:2], MOVERS[2:]) for shape in shapes for pair in pairs
+             if not kernels or pair[1] in kernels.split(",")]
     p = None
     for shape, (case_name, kname) in order:
         if time.monotonic() - t0 > budget_s:
@@ -187,6 +189,21 @@ def sweep_movers(shapes, budget_s: float, calls: int, log) -> list[dict]:
         except Exception:  # one failing group must not end the sweep
             log(f"{shape.name} {case_name}: FAILED\n{traceback.format_exc()}")
     return rows
+
+
+def default_table(sweeps: list[str]) -> dict:
+    """The fastest config of each mover kernel at each row width H measured in ``sweeps``
+    (sweep JSON files), keyed ``kernel -> H -> config``: the table the defaults read."""
+    best: dict = {}
+    for path in sweeps:
+        with open(path) as f:
+            for r in json.load(f)["rows"]:
+                if r.get("us") is None or "error" in r:
+                    continue
+                cur = best.setdefault(r["kernel"], {}).get(str(r["H"]))
+                if cur is None or r["us"] < cur[1]:
+                    best[r["kernel"]][str(r["H"])] = (r["config"], r["us"])
+    return {k: {h: c for h, (c, _) in sorted(v.items(), key=lambda kv: int(kv[0]))} for k, v in sorted(best.items())}
 
 
 def _restaged(cfg) -> list:
@@ -302,9 +319,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--part", default="movers,rowmap")
     ap.add_argument("--shapes", default="")
+    ap.add_argument("--table", nargs="*", default=None, metavar="SWEEP_JSON",
+                    help="write the movers' default table from these sweep files to "
+                         "te_jax_perm/ops/mover_defaults_sm90.json and exit")
+    ap.add_argument("--kernels", default="", help="comma-separated mover kernel names (default: all four)")
+    ap.add_argument("--tokens", default="", help="comma-separated token counts replacing each shape's T "
+                    "(small-T sweeps, e.g. 16,64,256)")
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--calls", type=int, default=5)
     args = ap.parse_args(argv)
+    if args.table is not None:
+        from te_jax_perm.ops import permute_decl
+        with open(permute_decl.DEFAULTS_TABLE, "w") as f:
+            json.dump(default_table(args.table), f, indent=1)
+            f.write("\n")
+        return 0
     import jax
     os.makedirs(args.out, exist_ok=True)
 
@@ -314,7 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     parts = args.part.split(",")
     if "movers" in parts:
-        rows = sweep_movers(by_name(args.shapes, GPU_SHAPES + OFF_LIST_SHAPES), args.budget_s, args.calls, log)
+        shapes = by_name(args.shapes, GPU_SHAPES + OFF_LIST_SHAPES)
+        if args.tokens:
+            import dataclasses
+            shapes = tuple(dataclasses.replace(s, T=int(t)) for s in shapes for t in args.tokens.split(","))
+        rows = sweep_movers(shapes, args.budget_s, args.calls, log, args.kernels)
         with open(os.path.join(args.out, "sweep_movers.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f)
     if "rowmap" in parts:

@@ -1,4 +1,4 @@
-"""Lower-level permute/unpermute primitives and their kernel declarations (issue 3)."""
+"""Lower-level permute/unpermute primitives and their kernel declarations."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,9 +6,7 @@ import pytest
 
 import te_jax_perm
 from te_jax_perm.core import Config
-from te_jax_perm.ops import permute as P
 from te_jax_perm.ops import permute_decl as D
-from te_jax_perm.ops.dispatch import padding_layout, with_padding
 from tests import numpy_reference as ref
 
 
@@ -48,16 +46,60 @@ def test_permute_unpermute_lower_level(backend, align, budget):
         np.testing.assert_allclose(np.asarray(gw), e_gw, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("align", [None, 4])
-def test_segments_recovered_from_map(align):
-    """The backward zero-fill's segments, read off the map, equal the dispatch layout's."""
-    rm, n, _, _ = _setup(budget=0.7)
+def test_row_owner_kernel_matches_its_reference_on_hostile_maps(kernel_backend):
+    """Duplicate destinations, out-of-range rows and expert ids, negative counts: the
+    kernel and the reference name the same one writer per row (the highest entry)."""
+    rng = np.random.default_rng(5)
+    t, e, n = 9, 4, 12
+    rid = np.full((t, 2 * e + 1), -1, np.int32)
+    rid[:, 2 * e] = rng.integers(-1, e + 2, t)
+    rid[:, :e] = rng.integers(-2, n + 3, (t, e))          # duplicates and rows past n
+    rid[:, e:2 * e] = rng.integers(-1, e + 1, (t, e))     # some expert ids out of range
+    pad = rng.integers(0, 3, e).astype(np.int32)
+    for padded in (False, True):
+        got = [np.asarray(D.row_owner(rid, pad, backend=b, num_out_rows=n, padded=padded)[0])
+               for b in ("xla", kernel_backend)]
+        np.testing.assert_array_equal(got[1], got[0])
+        assert (got[0] > 0).any() and (got[0] == 0).any()
+
+
+@pytest.mark.parametrize("counts", ["routed", "zeros", "huge"])
+def test_permute_ignores_counts_that_disagree_with_the_map(kernel_backend, counts):
+    """The rows written are derived from the map on the device: the pre-drop routed counts
+    (what TransformerEngine reports), zeros or nonsense give the same, fully written output."""
+    rm, n, x, p = _setup(budget=0.6)
     rid, kept = te_jax_perm.make_row_id_map(rm, n, backend="xla")
-    pad = jnp.zeros(kept.shape, jnp.int32) if align is None else padding_layout(kept, align)[1]
-    for start, count in (P.map_segments(rid, pad, align is not None), P.map_segments(with_padding(rid, pad), 0 * pad, False)):
-        want_start, want_count = P.segments(kept, pad)
-        np.testing.assert_array_equal(np.asarray(count), np.asarray(want_count))
-        np.testing.assert_array_equal(np.asarray(start)[np.asarray(count) > 0], np.asarray(want_start)[np.asarray(count) > 0])
+    e_out, e_pp, _, e_pad, _ = ref.dispatch(x, rm, n, p, 4)
+    pad = jnp.asarray(e_pad, jnp.int32)
+    tpe = {"routed": rm.sum(0), "zeros": 0 * rm.sum(0), "huge": rm.sum(0) * 1000}[counts].astype(np.int32)
+    for b in ("xla", kernel_backend):
+        out, pp = te_jax_perm.permute_with_mask_map(x, rid, tpe, e_out.shape[0], probs=p, pad_offsets=pad, backend=b)
+        np.testing.assert_array_equal(np.asarray(out), e_out)
+        np.testing.assert_array_equal(np.asarray(pp), e_pp)
+
+
+def test_duplicate_destinations_have_one_writer_on_every_backend(kernel_backend):
+    """A map sending two tokens to one row: the later token writes it, on every backend,
+    forward and backward (combine gradient rows and weights), and no row is left unwritten."""
+    t, e, h, n = 4, 2, 8, 5
+    rid = np.full((t, 2 * e + 1), -1, np.int32)
+    for tok, (dests, experts) in enumerate([([0, 1], [0, 1]), ([0, 2], [0, 1]), ([3, -1], [1, -1]), ([1, 4], [0, 1])]):
+        k = sum(d >= 0 for d in dests)
+        rid[tok, :k], rid[tok, e:e + k], rid[tok, 2 * e] = dests[:k], experts[:k], k
+    x = np.arange(t * h, dtype=np.float32).reshape(t, h) + 1
+    w = np.random.default_rng(0).random((t, e)).astype(np.float32)
+    kept = np.zeros(e, np.int32)
+    outs = []
+    for b in ("xla", kernel_backend):
+        out, _ = te_jax_perm.permute_with_mask_map(x, rid, kept, n, backend=b)
+        _, vjp = jax.vjp(lambda y, ww: te_jax_perm.unpermute_with_mask_map(y, rid, ww, backend=b), jnp.asarray(out), w)
+        outs.append([np.asarray(out), *map(np.asarray, vjp(jnp.ones((t, h), jnp.float32)))])
+    for got, want in zip(outs[1], outs[0]):
+        np.testing.assert_array_equal(got, want)
+    out = outs[0][0]
+    np.testing.assert_array_equal(out[0], x[1])  # row 0: tokens 0 and 1 -> token 1
+    np.testing.assert_array_equal(out[1], x[3])  # row 1: tokens 0 and 3 -> token 3
+    assert np.isfinite(out).all()
 
 
 # Configs that change ROWS (token ranges per program) and BLOCK_H (loop over H): all exact.
@@ -71,11 +113,11 @@ def test_every_kernel_config_matches_reference(kernel_backend, cfg):
     rid, kept = te_jax_perm.make_row_id_map(rm, n, backend="xla")
     e_out, e_pp, dest, e_pad, _ = ref.dispatch(x, rm, n, p, 4)
     pad = jnp.asarray(e_pad, jnp.int32)
-    ss, sc = P.segments(kept, pad)
     rows = e_out.shape[0]
+    (owner,) = D.row_owner(rid, pad, backend="xla", num_out_rows=rows, padded=True)
     for b in ("xla", kernel_backend):
-        out, pp = D.permute_probs(x, rid, pad, ss, sc, p, backend=b, config=cfg if b != "xla" else None,
-                                       num_out_rows=rows, padded=True)
+        out, pp = D.permute_probs(x, rid, pad, owner, p, backend=b, config=cfg if b != "xla" else None,
+                                  num_out_rows=rows, padded=True)
         np.testing.assert_array_equal(np.asarray(out), e_out)
         np.testing.assert_array_equal(np.asarray(pp), e_pp)
         (y,) = D.unpermute_weighted(out, rid, pad, p, backend=b, config=cfg if b != "xla" else None,
@@ -127,8 +169,8 @@ def _sm90_ptx(decl, dims, params, dtypes):
 def _row_kernels():
     from benchmarks.copy_baseline import device_copy_primitive
     from te_jax_perm.ops import chunk_sort_decl as cs
-    idx = {"row_id_map": "int32", "pad_offsets": "int32", "seg_start": "int32", "seg_count": "int32"}
-    rows = {"T": 4096, "E": 256, "W": 513, "N": 4096 * 8}
+    idx = {"row_id_map": "int32", "pad_offsets": "int32", "owner": "int32"}
+    rows = {"T": 4096, "E": 256, "W": 513, "N": 4096 * 8, "R": 4096 * 8}
     scatter = {"num_out_rows": 4096 * 8, "padded": True}
     return [
         ("permute", D.permute.decl, rows, scatter, {**idx, "inp": "bfloat16"}),
@@ -187,7 +229,8 @@ def test_numpy_row_id_map_reference_matches_make_row_id_map():
         np.testing.assert_array_equal(e_rid, ref.row_id_map(rm, drop_at))
 
 
-_EXAMPLE_DECLS = [(D.permute, {"num_out_rows": 40, "padded": True}),
+_EXAMPLE_DECLS = [(D.row_owner, {"num_out_rows": 40, "padded": True}),
+                  (D.permute, {"num_out_rows": 40, "padded": True}),
                   (D.permute_probs, {"num_out_rows": 23, "padded": False}),
                   (D.unpermute_bwd_weighted, {"padded": True}),
                   (D.unpermute, {"padded": False}),
@@ -199,15 +242,15 @@ _EXAMPLE_DECLS = [(D.permute, {"num_out_rows": 40, "padded": True}),
 def test_example_inputs_are_valid_operands(kernel_backend, prim, params):
     """Autotuning trial operands: the right shapes, a real map, kernel == reference on them."""
     decl = prim.decl
-    dims = {"T": 9, "H": 40, "E": 5, "W": 11, "N": 40}
+    dims = {"T": 9, "H": 40, "E": 5, "W": 11, "N": 40, "R": params.get("num_out_rows", 40)}
     dtypes = {o.name: np.dtype(np.float32) for o in decl.operands}
     dtypes.update({o.name: np.dtype(np.int32) for o in decl.operands if o.dtypes == ("int32",)})
     ops = decl.example_inputs(dims, params, dtypes, np.random.default_rng(0))
     for op, a in zip(decl.operands, ops):
         assert a.shape == tuple(dims[d] for d in op.dims) and a.dtype == dtypes[op.name], op.name
-    rid = ops[1]
+    rid = ops[[o.name for o in decl.operands].index("row_id_map")]
     assert (rid[:, :5] >= 0).any() and (rid[:, 10] == (rid[:, 5:10] >= 0).sum(axis=1)).all()
-    cfg = Config.make(num_warps=2, BLOCK_H=32, ROWS=2)
+    cfg = Config.make(num_warps=2, BLOCK_H=32, ROWS=2) if "BLOCK_H" in decl.kernel.arg_names else None
     got = prim(*ops, backend=kernel_backend, config=cfg, **params)
     want = prim(*ops, backend="xla", **params)
     for g, w in zip(got, want):
@@ -220,7 +263,6 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as PS
 import te_jax_perm
 from benchmarks.copy_baseline import device_copy
-from te_jax_perm.ops.dispatch import padding_layout, with_padding
 from tests import numpy_reference as ref
 
 mesh = Mesh(np.array(jax.devices()), ("d",))

@@ -3,10 +3,15 @@
 Two bodies, each specialised by constexpr flags and exposed through thin wrappers whose
 signatures follow the framework convention (operands, scalars, preallocs, outputs):
 
+* ``row_owner_kernel``: for every output row, which map entry writes it (entry ``t*E + j``
+  of token ``t``'s column ``j``, stored plus one, so 0 means "no entry"). Where several
+  entries address one row, the highest wins: whatever the map holds, a row has at most one
+  writer, decided on the device, the same on every backend.
 * ``_scatter_body``: token rows -> expert-sorted rows (dispatch forward, combine backward).
-  Programs ``[0, cdiv(T, ROWS))`` of grid axis 0 each own ROWS tokens; the programs after
-  them each own FILL_ROWS output rows and zero those that no token writes (padding, dropped
-  budget), so every output element is written exactly once and no output needs a memset.
+  Programs ``[0, cdiv(T, ROWS))`` of grid axis 0 each own ROWS tokens and write the rows
+  their entries own; the programs after them each own FILL_ROWS output rows and zero those
+  no entry owns (padding, unused budget), so every output element is written exactly once
+  and no output needs a memset.
 * ``_gather_body``: expert-sorted rows -> token rows, summed in fp32 (combine forward,
   dispatch backward). Each program owns ROWS tokens and writes each of their rows once.
 
@@ -53,11 +58,29 @@ def _dest(rid_row, pad_ptr, j, E, N, live, PADDED: tl.constexpr):
 
 
 @triton.jit
-def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_ptr, w_ptr, y_ptr,
+def row_owner_kernel(rid_ptr, pad_ptr, T, E, N, owner_prealloc, owner_ptr, PADDED: tl.constexpr,
+                     BLOCK_T: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm = t < T
+    t64 = t.to(tl.int64)
+    rid_row = rid_ptr + t64 * (2 * E + 1)
+    cnt = tl.minimum(tl.maximum(tl.load(rid_row + 2 * E, mask=tm, other=0), 0), E)
+    for j in range(tl.max(cnt, axis=0)):
+        dest, _e, ok = _dest(rid_row, pad_ptr, j, E, N, tm & (j < cnt), PADDED)
+        tl.atomic_max(owner_ptr + dest, (t64 * E + j + 1).to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _owns(owner_ptr, dest, t64, j, E, ok):
+    """Where entry ``(t, j)`` is its destination row's one writer."""
+    return ok & (tl.load(owner_ptr + dest, mask=ok, other=0) == (t64 * E + j + 1).to(tl.int32))
+
+
+@triton.jit
+def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
                   T, E, N_OUT, out_ptr, pout_ptr, dw_ptr, H: tl.constexpr,
                   HAS_PROBS: tl.constexpr, WEIGHTED: tl.constexpr, PADDED: tl.constexpr,
-                  BLOCK_H: tl.constexpr, ROWS: tl.constexpr, FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-                  FILL_H: tl.constexpr):
+                  BLOCK_H: tl.constexpr, ROWS: tl.constexpr, FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr):
     pid = tl.program_id(0)
     n_tok = tl.cdiv(T, ROWS)
     # This program's columns: one slice, or (weighted: a dot product over the row) all of H.
@@ -81,43 +104,44 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_p
             # Combine backward: one pass per map column, since each destination needs its dot.
             for j in range(kmax):
                 dest, e, ok = _dest(rid_row, pad_ptr, j, E, N_OUT, tm & (j < cnt), PADDED)
-                w = tl.load(w_ptr + t64 * E + e, mask=ok, other=0).to(tl.float32)
+                # Only the row's owner writes it and gets the weight's gradient (a map that
+                # sends two entries to one row gives the other entry's weight none).
+                own = _owns(owner_ptr, dest, t64, j, E, ok)
+                w = tl.load(w_ptr + t64 * E + e, mask=own, other=0).to(tl.float32)
                 acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
                 for h0 in range(h_lo, h_hi, BLOCK_H):
                     off = h0 + tl.arange(0, BLOCK_H)
                     hm = (off < H)[None, :]
-                    g = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0.0)
+                    g = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=own[:, None] & hm, other=0.0)
                     g = g.to(tl.float32)
-                    yv = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0.0)
+                    yv = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=own[:, None] & hm, other=0.0)
                     acc += g * yv.to(tl.float32)
                     tl.store(out_ptr + dest[:, None] * H + off[None, :],
-                             (g * w[:, None]).to(out_ptr.dtype.element_ty), mask=ok[:, None] & hm)
-                tl.store(dw_ptr + t64 * E + e, tl.sum(acc, axis=1).to(dw_ptr.dtype.element_ty), mask=ok)
+                             (g * w[:, None]).to(out_ptr.dtype.element_ty), mask=own[:, None] & hm)
+                tl.store(dw_ptr + t64 * E + e, tl.sum(acc, axis=1).to(dw_ptr.dtype.element_ty), mask=own)
         else:
             if HAS_PROBS and first_slice:
                 for j in range(kmax):
                     dest, e, ok = _dest(rid_row, pad_ptr, j, E, N_OUT, tm & (j < cnt), PADDED)
-                    tl.store(pout_ptr + dest, tl.load(probs_ptr + t64 * E + e, mask=ok), mask=ok)
+                    own = _owns(owner_ptr, dest, t64, j, E, ok)
+                    tl.store(pout_ptr + dest, tl.load(probs_ptr + t64 * E + e, mask=own), mask=own)
             # Read the tokens' slice once and write it to all their experts.
             for h0 in range(h_lo, h_hi, BLOCK_H):
                 off = h0 + tl.arange(0, BLOCK_H)
                 hm = (off < H)[None, :]
                 v = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=tm[:, None] & hm)
                 nxt, _e, nok = _dest(rid_row, pad_ptr, 0, E, N_OUT, live0, PADDED)
+                nown = _owns(owner_ptr, nxt, t64, 0, E, nok)
                 for j in range(kmax):
                     dest = nxt
-                    ok = nok
+                    own = nown
                     nxt, _e, nok = _dest(rid_row, pad_ptr, j + 1, E, N_OUT, tm & (j + 1 < cnt), PADDED)
-                    tl.store(out_ptr + dest[:, None] * H + off[None, :], v, mask=ok[:, None] & hm)
+                    nown = _owns(owner_ptr, nxt, t64, j + 1, E, nok)
+                    tl.store(out_ptr + dest[:, None] * H + off[None, :], v, mask=own[:, None] & hm)
     else:
         rows = (pid - n_tok) * FILL_ROWS + tl.arange(0, FILL_ROWS)
-        e = tl.arange(0, BLOCK_E)
-        em = e < E
-        s = tl.load(seg_start_ptr + e, mask=em, other=0)
-        c = tl.load(seg_count_ptr + e, mask=em, other=0)
-        inside = (rows[:, None] >= s[None, :]) & (rows[:, None] < (s + c)[None, :])
-        used = tl.sum(inside.to(tl.int32), axis=1)
-        zero = (used == 0) & (rows < N_OUT)
+        rm = rows < N_OUT
+        zero = rm & (tl.load(owner_ptr + rows, mask=rm, other=1) == 0)
         if tl.sum(zero.to(tl.int32), axis=0) > 0:
             r64 = rows.to(tl.int64)
             if HAS_PROBS and first_slice:
@@ -130,33 +154,33 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_p
 
 
 @triton.jit
-def permute_kernel(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, T, E, N_OUT,
+def permute_kernel(x_ptr, rid_ptr, pad_ptr, owner_ptr, T, E, N_OUT,
                    out_prealloc, out_ptr, H: tl.constexpr,
                    PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-                   FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, FILL_H: tl.constexpr):
-    _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, x_ptr, x_ptr, x_ptr,
+                   FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr):
+    _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, x_ptr, x_ptr, x_ptr,
                   T, E, N_OUT, out_ptr, out_ptr, out_ptr, H,
-                  False, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, BLOCK_E, FILL_H)
+                  False, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H)
 
 
 @triton.jit
-def permute_probs_kernel(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_ptr, T, E, N_OUT,
+def permute_probs_kernel(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, T, E, N_OUT,
                          out_prealloc, pout_prealloc, out_ptr, pout_ptr, H: tl.constexpr,
                          PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-                         FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, FILL_H: tl.constexpr):
-    _scatter_body(x_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, probs_ptr, x_ptr, x_ptr,
+                         FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr):
+    _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, x_ptr, x_ptr,
                   T, E, N_OUT, out_ptr, pout_ptr, out_ptr, H,
-                  True, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, BLOCK_E, FILL_H)
+                  True, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H)
 
 
 @triton.jit
-def unpermute_bwd_weighted_kernel(g_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, w_ptr, y_ptr, T, E, N_OUT,
-                            out_prealloc, dw_prealloc, out_ptr, dw_ptr, H: tl.constexpr,
-                            PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-                            FILL_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, FILL_H: tl.constexpr):
-    _scatter_body(g_ptr, rid_ptr, pad_ptr, seg_start_ptr, seg_count_ptr, w_ptr, w_ptr, y_ptr,
+def unpermute_bwd_weighted_kernel(g_ptr, rid_ptr, pad_ptr, owner_ptr, w_ptr, y_ptr, T, E, N_OUT,
+                                  out_prealloc, dw_prealloc, out_ptr, dw_ptr, H: tl.constexpr,
+                                  PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+                                  FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr):
+    _scatter_body(g_ptr, rid_ptr, pad_ptr, owner_ptr, w_ptr, w_ptr, y_ptr,
                   T, E, N_OUT, out_ptr, out_ptr, dw_ptr, H,
-                  False, True, PADDED, BLOCK_H, ROWS, FILL_ROWS, BLOCK_E, FILL_H)
+                  False, True, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H)
 
 
 @triton.jit

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops.permute import _permute_bwd, _permute_fwd, _unpermute_bwd, _unpermute_fwd, map_segments, segments
+from te_jax_perm.ops.permute import _permute_bwd, _permute_fwd, _unpermute_bwd, _unpermute_fwd
 from te_jax_perm.ops.row_id_map import make_row_id_map
 from te_jax_perm.ops.token_split import split_over_tokens
 
@@ -80,7 +80,8 @@ def local_budget(num_out_tokens: int, shards: int, rows: int, num_experts: int, 
 
 
 def _dispatch_local(num_out_tokens, align_size, rows, with_probs, backend):
-    """``make_local`` of the dispatch forward: ``(x, rm[, probs]) -> (out[, pp], rid)``."""
+    """``make_local`` of the dispatch forward: ``(x, rm[, probs]) -> (out[, pp], rid, kept)``,
+    ``kept`` the shard's kept rows per expert (summed over the shards by the caller)."""
     def make(shards):
         local_rows = rows // shards
 
@@ -88,14 +89,11 @@ def _dispatch_local(num_out_tokens, align_size, rows, with_probs, backend):
             e = rm.shape[1]
             budget = local_budget(num_out_tokens, shards, local_rows, e, align_size)
             rid, kept = make_row_id_map(rm, budget, backend=backend)
-            no_pad = pad = jnp.zeros((e,), jnp.int32)
+            no_pad = jnp.zeros((e,), jnp.int32)
             if align_size is not None:
-                _, pad = padding_layout(kept, align_size)
-                rid = with_padding(rid, pad)
-            seg_start, seg_count = segments(kept, pad)
-            (out, pp), _ = _permute_fwd(x, probs[0] if probs else None, rid, no_pad, seg_start, seg_count,
-                                        local_rows, False, backend)
-            return (out, pp, rid) if probs else (out, rid)
+                rid = with_padding(rid, padding_layout(kept, align_size)[1])
+            (out, pp), _ = _permute_fwd(x, probs[0] if probs else None, rid, no_pad, local_rows, False, backend)
+            return (out, pp, rid, kept) if probs else (out, rid, kept)
         return run
     return make
 
@@ -115,7 +113,8 @@ def _dispatch_bwd_local(rows, with_probs, backend):
 
 def _dispatch_axes(with_probs):
     probs = (("T", "E"),) if with_probs else ()
-    return (("T", "H"), ("T", "E")) + probs, (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"),)
+    return ((("T", "H"), ("T", "E")) + probs,
+            (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"), ("E",)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -128,13 +127,13 @@ def _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend):
     args = (x, rm) + ((probs,) if with_probs else ())
     arg_axes, out_axes = _dispatch_axes(with_probs)
     outs = split_over_tokens("token_dispatch", _dispatch_local(num_out_tokens, align_size, rows, with_probs, backend),
-                             args, arg_axes, out_axes, backend)
-    out, pp, rid = outs if with_probs else (outs[0], None, outs[1])
-    return (out, pp, rid), rid
+                             args, arg_axes, out_axes, backend, summed=(len(out_axes) - 1,))
+    out, pp, rid, kept = outs if with_probs else (outs[0], None, outs[1], outs[2])
+    return (out, pp, rid, kept), rid
 
 
 def _dispatch_bwd(num_out_tokens, align_size, rows, backend, rid, cts):
-    g_out, g_pp, _ = cts
+    g_out, g_pp, _, _ = cts
     with_probs = g_pp is not None
     args = (g_out,) + ((g_pp,) if with_probs else ()) + (rid,)
     arg_axes = (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"),)
@@ -152,7 +151,7 @@ def _combine_local(weighted, backend):
     def make(shards):
         def run(inp, rid, *w):
             no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
-            return (_unpermute_fwd(inp, w[0] if w else None, rid, no_pad, None, False, backend)[0],)
+            return (_unpermute_fwd(inp, w[0] if w else None, rid, no_pad, False, backend)[0],)
         return run
     return make
 
@@ -162,7 +161,7 @@ def _combine_bwd_local(weighted, backend):
     def make(shards):
         def run(g, rid, inp, *w):
             no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
-            g_inp, g_w = _unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, no_pad, None), g)[:2]
+            g_inp, g_w = _unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, no_pad), g)[:2]
             return (g_inp, g_w) if w else (g_inp,)
         return run
     return make
@@ -244,10 +243,9 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
     if align_size is not None:
         align_size = _checks.check_static_int("align_size", align_size, 1)
     rows = num_out_tokens if align_size is None else padded_rows(num_out_tokens, e, align_size)
-    out, permuted_probs, row_id_map = _dispatch(x, rm, probs, num_out_tokens, align_size, rows,
-                                                resolve_backend(backend))
-    # Counts of the whole output (summed over token shards when sharded), as TE reports them.
-    kept = map_segments(row_id_map, jnp.zeros((e,), jnp.int32), False)[1]
+    # kept: rows per expert of the whole output (summed over token shards when sharded).
+    out, permuted_probs, row_id_map, kept = _dispatch(x, rm, probs, num_out_tokens, align_size, rows,
+                                                      resolve_backend(backend))
     if align_size is None:
         return out, permuted_probs, row_id_map, None, kept
     tokens_per_expert, pad_offsets = padding_layout(kept, align_size)

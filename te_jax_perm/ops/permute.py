@@ -19,40 +19,26 @@ from te_jax_perm.ops import permute_reference as R
 from te_jax_perm.ops._bits import from_bits, to_bits
 
 
-# -- layout helpers ----------------------------------------------------------------------------
-def segments(tokens_per_expert: jax.Array, pad: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Output row range [start, start+count) each expert's kept rows occupy."""
-    kept = tokens_per_expert.astype(jnp.int32)
-    return (jnp.cumsum(kept) - kept + pad).astype(jnp.int32), kept
-
-
-def map_segments(row_id_map: jax.Array, pad: jax.Array, padded: bool) -> tuple[jax.Array, jax.Array]:
-    """:func:`segments` read off a row-id map itself: each expert's first row and row count.
-
-    Works for any map whose expert rows are contiguous (every map the ops build, padded
-    destinations included), so the backward zero-fill can never be told a used row is free.
-    """
-    e = _checks.num_experts_of_map(row_id_map)
-    dest, ex, valid = R.dests(row_id_map, pad, padded)
-    ids = jnp.where(valid, ex, e).ravel()
-    count = jax.ops.segment_sum(valid.ravel().astype(jnp.int32), ids, num_segments=e + 1)[:e]
-    first = jax.ops.segment_min(jnp.where(valid, dest, 0).ravel(), ids, num_segments=e + 1)[:e]
-    return jnp.where(count > 0, first, 0).astype(jnp.int32), count
+def _owners(rid, pad, rows, padded, backend):
+    """Each of ``rows`` output rows' one writing map entry (see ``row_owner``), derived on
+    the device from the map itself: no count from the caller decides what gets written."""
+    return D.row_owner(rid, pad, backend=backend, num_out_rows=rows, padded=padded)[0]
 
 
 # -- differentiable cores ------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _permute(inp, probs, rid, pad, seg_start, seg_count, num_out_rows, padded, backend):
-    return _permute_fwd(inp, probs, rid, pad, seg_start, seg_count, num_out_rows, padded, backend)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _permute(inp, probs, rid, pad, num_out_rows, padded, backend):
+    return _permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend)[0]
 
 
-def _permute_fwd(inp, probs, rid, pad, seg_start, seg_count, num_out_rows, padded, backend):
+def _permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend):
     kw = dict(backend=backend, num_out_rows=num_out_rows, padded=padded)
     x = to_bits(inp)
+    owner = _owners(rid, pad, num_out_rows, padded, backend)
     if probs is None:
-        (out,), pout = D.permute(x, rid, pad, seg_start, seg_count, **kw), None
+        (out,), pout = D.permute(x, rid, pad, owner, **kw), None
     else:
-        out, pout = D.permute_probs(x, rid, pad, seg_start, seg_count, probs, **kw)
+        out, pout = D.permute_probs(x, rid, pad, owner, probs, **kw)
     return (from_bits(out, inp.dtype, (num_out_rows,) + inp.shape[1:]), pout), (rid, pad)
 
 
@@ -63,39 +49,35 @@ def _permute_bwd(num_out_rows, padded, backend, res, cts):
         g_inp, g_probs = D.permute_bwd_probs(g_out, rid, pad, g_pout, backend=backend, padded=padded)
     else:
         (g_inp,), g_probs = D.unpermute(g_out, rid, pad, backend=backend, padded=padded), None
-    return g_inp, g_probs, None, None, None, None
+    return g_inp, g_probs, None, None
 
 
 _permute.defvjp(_permute_fwd, _permute_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _unpermute(inp, merging_probs, rid, pad, tokens_per_expert, padded, backend):
-    return _unpermute_fwd(inp, merging_probs, rid, pad, tokens_per_expert, padded, backend)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _unpermute(inp, merging_probs, rid, pad, padded, backend):
+    return _unpermute_fwd(inp, merging_probs, rid, pad, padded, backend)[0]
 
 
-def _unpermute_fwd(inp, merging_probs, rid, pad, tokens_per_expert, padded, backend):
+def _unpermute_fwd(inp, merging_probs, rid, pad, padded, backend):
     if merging_probs is None:
         (out,) = D.unpermute(inp, rid, pad, backend=backend, padded=padded)
     else:
         (out,) = D.unpermute_weighted(inp, rid, pad, merging_probs, backend=backend, padded=padded)
-    return out, (inp, merging_probs, rid, pad, tokens_per_expert)
+    return out, (inp, merging_probs, rid, pad)
 
 
 def _unpermute_bwd(padded, backend, res, g):
-    inp, merging_probs, rid, pad, tokens_per_expert = res
-    if tokens_per_expert is None:
-        seg_start, seg_count = map_segments(rid, pad, padded)
-    else:
-        seg_start, seg_count = segments(tokens_per_expert, pad)
+    inp, merging_probs, rid, pad = res
     if merging_probs is None:
-        g_inp, _ = _permute_fwd(g.astype(inp.dtype), None, rid, pad, seg_start, seg_count,
-                                inp.shape[0], padded, backend)[0]
+        g_inp, _ = _permute_fwd(g.astype(inp.dtype), None, rid, pad, inp.shape[0], padded, backend)[0]
         g_w = None
     else:
-        g_inp, g_w = D.unpermute_bwd_weighted(g, rid, pad, seg_start, seg_count, merging_probs, inp,
-                                              backend=backend, padded=padded)
-    return g_inp, g_w, None, None, None
+        owner = _owners(rid, pad, inp.shape[0], padded, backend)
+        g_inp, g_w = D.unpermute_bwd_weighted(g, rid, pad, owner, merging_probs, inp, backend=backend,
+                                              padded=padded)
+    return g_inp, g_w, None, None
 
 
 _unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
@@ -126,8 +108,10 @@ def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expe
     Args:
       inp: ``[T, H]`` tokens (bf16, fp16, fp32 or fp8 e4m3; copied bit-exactly).
       row_id_map: int32 ``[T, 2E+1]`` from :func:`make_row_id_map`.
-      tokens_per_expert: int32 ``[E]`` rows *kept* per expert before padding (the second
-        result of :func:`make_row_id_map`); it tells which output rows are padding.
+      tokens_per_expert: int32 ``[E]`` rows per expert (the second result of
+        :func:`make_row_id_map`); accepted as TransformerEngine takes it and shape-checked,
+        but not needed: which output rows tokens fill is derived from ``row_id_map`` on the
+        device, so a count that disagrees with the map cannot leave rows unwritten.
       num_out_rows: static output row count (``num_out_tokens``, plus ``E*(align_size-1)``
         when padded).
       probs: optional ``[T, E]`` bfloat16, float16 or float32; permuted alongside the rows.
@@ -137,11 +121,11 @@ def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expe
     Returns:
       ``(out [num_out_rows, H] inp.dtype, permuted_probs [num_out_rows] probs.dtype or
       None)``. Output rows that no token fills (padding, unused budget) are zero; map
-      entries addressing rows past ``num_out_rows`` are dropped.
+      entries addressing rows past ``num_out_rows`` are dropped; where several entries
+      address one row, the last in token-major order (highest ``t*E + j``) writes it.
     """
     pad, padded, num_out_rows = _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_offsets)
-    seg_start, seg_count = segments(tokens_per_expert, pad)
-    return _permute(inp, probs, row_id_map, pad, seg_start, seg_count, num_out_rows, padded, backend)
+    return _permute(inp, probs, row_id_map, pad, num_out_rows, padded, backend)
 
 
 def permute_reference(inp: jax.Array, row_id_map: jax.Array, tokens_per_expert: jax.Array, num_out_rows: int,
@@ -178,9 +162,8 @@ def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs
       merging_probs: optional ``[T, E]`` weights (bfloat16, float16 or float32; their
         gradient comes back in their dtype); unweighted sum when ``None``.
       pad_offsets: int32 ``[E]`` when ``inp`` is padded; padding rows are ignored.
-      tokens_per_expert: optional int32 ``[E]`` kept rows per expert (unpadded); only the
-        backward pass uses it (to know which gradient rows are padding) and recovers it
-        from ``row_id_map`` when omitted.
+      tokens_per_expert: optional int32 ``[E]``; accepted as TransformerEngine takes it and
+        shape-checked, but not needed (the backward derives its row layout from the map).
       backend: as for :func:`permute_with_mask_map`.
 
     Returns:
@@ -188,7 +171,7 @@ def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs
       ``inp`` does not have contribute nothing (no kernel reads past ``inp``).
     """
     pad, padded = _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expert)
-    return _unpermute(inp, merging_probs, row_id_map, pad, tokens_per_expert, padded, backend)
+    return _unpermute(inp, merging_probs, row_id_map, pad, padded, backend)
 
 
 def unpermute_reference(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,

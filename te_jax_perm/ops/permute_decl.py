@@ -8,7 +8,10 @@ Six kernels over two bodies (see :mod:`te_jax_perm.kernels.permute`): the scatte
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+import json
+import os
+from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -71,26 +74,64 @@ def _map_check(dims, params) -> None:
 
 
 def _gather_default_config(dims, params) -> Config:
-    """Gathers (combine forward, dispatch backward): one token per program, its whole row
-    (H up to 8192) in one tile. Fewer, wider programs beat slicing the row: in an H100
-    sweep of every tile shape, warp count and stage count, whole rows of one token were
-    fastest at every measured shape, with 1 warp up to 4096 columns (128 elements per
-    thread in flight) and 4 warps at 8192 (at H=7168, 1 warp was 26% slower); stages
-    changed nothing measurable (a token's rows are loaded before the loop needs them)."""
+    """Gathers (combine forward, dispatch backward) at a row width the table lacks: one
+    token per program, its whole row (H up to 8192) in one tile. Fewer, wider programs beat
+    slicing the row in an H100 sweep of every tile shape, warp count and stage count, with
+    1 warp up to 4096 columns and 4 warps at 8192; stages changed nothing measurable."""
     block_h = min(next_pow2(max(dims["H"], 16)), 8192)
     return Config.make(num_warps=1 if block_h <= 4096 else 4, num_stages=1, BLOCK_H=block_h, ROWS=1)
 
 
-def _common(default_config=_default_config, **kw: Any) -> dict:
+def _weighted_scatter_default_config(dims, params) -> Config:
+    """Combine backward at a row width the table lacks: one token's whole row per program
+    (its weight gradient is a dot product over the row), 4 warps: within 1% of the best of
+    every tile shape in an H100 sweep at H = 2048 and 2880."""
+    return Config.make(num_warps=4, num_stages=1, BLOCK_H=min(next_pow2(max(dims["H"], 16)), 8192), ROWS=1)
+
+
+# The fastest config of each mover at each row width measured on an H100 (sm_90), written
+# by `python3 -m benchmarks.config_sweep --table ...` from its sweeps; other widths get the
+# rule of the kernel's family.
+DEFAULTS_TABLE = os.path.join(os.path.dirname(__file__), "mover_defaults_sm90.json")
+
+
+@functools.lru_cache(maxsize=None)
+def _table() -> dict:
+    try:
+        with open(DEFAULTS_TABLE) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def _tabled(name: str, rule: Callable) -> Callable:
+    """``name``'s default: the table's config at this exact row width when it is valid
+    here (e.g. not more rows per program than there are tokens), else ``rule``."""
+    def default(dims, params) -> Config:
+        entry = _table().get(name, {}).get(str(dims["H"]))
+        if entry is not None:
+            cfg = Config.from_json(entry)
+            if _block_h_ok(dims, params, cfg) is None and _rows_ok(dims, params, cfg) is None:
+                return cfg
+        return rule(dims, params)
+    return default
+
+
+def _common(default_config=_default_config, params_check=_map_check, **kw: Any) -> dict:
     return dict(configs=_CONFIGS, constraints=(_block_h_ok, _rows_ok), default_config=default_config,
-                key_dims=("T", "H"), key_bucket=_key_bucket, key_params=("padded",), params_check=_map_check, **kw)
+                key_dims=("T", "H"), key_bucket=_key_bucket, key_params=("padded",), params_check=params_check, **kw)
 
 
 # -- valid autotuning operands ----------------------------------------------------------
 # Random ints are not a row-id map; trial operands come from a real map of top-k routing,
 # with padding and drops as the params ask, so every candidate config can be validated.
+def _np_owner(rid: np.ndarray, pad: np.ndarray, padded: bool, rows: int) -> np.ndarray:
+    """The ``row_owner`` output of a map, in NumPy."""
+    return np.asarray(R.row_owner_reference(rid, pad, num_out_rows=rows, padded=padded)[0])
+
+
 def _np_layout(t: int, e: int, rows: int, padded: bool, rng: np.random.Generator):
-    """A row-id map, pad offsets and segments whose rows fit in ``rows`` output rows."""
+    """A row-id map, pad offsets and row owners whose rows fit in ``rows`` output rows."""
     k = min(e, 4)
     top = np.argsort(rng.random((t, e)), axis=1)[:, :k]
     rm = np.zeros((t, e), bool)
@@ -99,7 +140,7 @@ def _np_layout(t: int, e: int, rows: int, padded: bool, rng: np.random.Generator
     rid, kept = row_id_map_reference(rm, rows - e * (align - 1), xp=np)
     padded_counts = -(-kept // align) * align
     pad = ((np.cumsum(padded_counts) - padded_counts) - (np.cumsum(kept) - kept)).astype(np.int32)
-    return rid, pad, (np.cumsum(kept) - kept + pad).astype(np.int32), kept
+    return rid, pad, _np_owner(rid, pad, padded, rows)
 
 
 def _rand(rng, shape, dtype):
@@ -109,23 +150,23 @@ def _rand(rng, shape, dtype):
 def _permute_example(with_probs: bool):
     def make(dims, params, dtypes, rng):
         t, h, e = dims["T"], dims["H"], dims["E"]
-        rid, pad, seg_start, seg_count = _np_layout(t, e, params["num_out_rows"], params["padded"], rng)
-        ops = (_rand(rng, (t, h), dtypes["inp"]), rid, pad, seg_start, seg_count)
+        rid, pad, owner = _np_layout(t, e, params["num_out_rows"], params["padded"], rng)
+        ops = (_rand(rng, (t, h), dtypes["inp"]), rid, pad, owner)
         return ops + ((rng.random((t, e)).astype(dtypes["probs"]),) if with_probs else ())
     return make
 
 
 def _unpermute_bwd_weighted_example(dims, params, dtypes, rng):
     t, h, e, n = dims["T"], dims["H"], dims["E"], dims["N"]
-    rid, pad, seg_start, seg_count = _np_layout(t, e, n, params["padded"], rng)
-    return (_rand(rng, (t, h), dtypes["grad"]), rid, pad, seg_start, seg_count,
+    rid, pad, owner = _np_layout(t, e, n, params["padded"], rng)
+    return (_rand(rng, (t, h), dtypes["grad"]), rid, pad, owner,
             rng.random((t, e)).astype(dtypes["merging_probs"]), _rand(rng, (n, h), dtypes["fwd_inp"]))
 
 
 def _unpermute_example(extra: str | None):
     def make(dims, params, dtypes, rng):
         t, h, e, n = dims["T"], dims["H"], dims["E"], dims["N"]
-        rid, pad, _, _ = _np_layout(t, e, n, params["padded"], rng)
+        rid, pad, _ = _np_layout(t, e, n, params["padded"], rng)
         ops = (_rand(rng, (n, h), dtypes["inp"]), rid, pad)
         if extra == "merging_probs":
             ops += (rng.random((t, e)).astype(dtypes[extra]),)
@@ -140,7 +181,7 @@ def _unpermute_example(extra: str | None):
 _X = Operand("inp", ("T", "H"))
 _RID = Operand("row_id_map", ("T", "W"), ("int32",))
 _PAD = Operand("pad_offsets", ("E",), ("int32",))
-_SEG = (Operand("seg_start", ("E",), ("int32",)), Operand("seg_count", ("E",), ("int32",)))
+_OWNER = Operand("owner", ("R",), ("int32",))
 # Probabilities in bf16, fp16 or fp32: loaded in their dtype, combined in fp32.
 PROB_DTYPES = ("bfloat16", "float16", "float32")
 _TE_PROBS = lambda name: Operand(name, ("T", "E"), PROB_DTYPES)  # noqa: E731
@@ -166,15 +207,53 @@ def _scatter_fill_grid(dims, rows: int, config, split: bool = True) -> tuple[int
 def _scatter_constexprs(dims, params, config):
     # H is compiled in (16-byte vector rows, see kernels/permute.py); it is an exact key dim.
     fill_h = max(16, min(next_pow2(dims["H"]), 8192 // FILL_ROWS))
-    return {"H": dims["H"], "PADDED": params["padded"], "FILL_ROWS": FILL_ROWS, "BLOCK_E": next_pow2(dims["E"]),
-            "FILL_H": fill_h}
+    return {"H": dims["H"], "PADDED": params["padded"], "FILL_ROWS": FILL_ROWS, "FILL_H": fill_h}
+
+
+# Entry ids t*E + j + 1 are int32 (one per map entry, plus one).
+MAX_ENTRIES = 2**31 - 2
+
+
+def _owner_check(dims, params) -> None:
+    _map_check(dims, params)
+    if dims["T"] * dims["E"] > MAX_ENTRIES:
+        raise ValueError(f"row_id_map of {dims['T']} tokens and {dims['E']} experts has T*E = "
+                         f"{dims['T'] * dims['E']} entries; at most {MAX_ENTRIES} are supported")
+
+
+def _scatter_check(dims, params) -> None:
+    """A scatter's owner table has one entry per output row."""
+    _owner_check(dims, params)
+    rows = dims["N"] if "N" in dims else params["num_out_rows"]
+    if dims["R"] != rows:
+        raise ValueError(f"owner has {dims['R']} rows; expected one per output row ({rows})")
+
+
+OWNER_BLOCK_T = 128
+
+row_owner = declare(KernelDecl(
+    name="row_owner", kernel=K.row_owner_kernel,
+    operands=(_RID, _PAD),
+    outputs=(Output("owner", lambda dims, params: (params["num_out_rows"],), lambda dtypes, params: jnp.int32,
+                    init="zeros"),),
+    params=("num_out_rows", "padded"), reference=R.row_owner_reference,
+    grid=lambda dims, params, config: (-(-dims["T"] // OWNER_BLOCK_T),),
+    scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": params["num_out_rows"]},
+    constexprs=lambda dims, params, config: {"PADDED": params["padded"], "BLOCK_T": OWNER_BLOCK_T},
+    configs=tuple(Config.make(num_warps=w) for w in (1, 2, 4)),
+    default_config=lambda dims, params: Config.make(num_warps=4),
+    key_dims=("T", "E"), key_bucket=_key_bucket, key_params=("padded",), params_check=_owner_check,
+    example_inputs=lambda dims, params, dtypes, rng: _np_layout(
+        dims["T"], dims["E"], params["num_out_rows"], params["padded"], rng)[:2],
+    # Not token-local: rows go anywhere; the owner table comes out whole.
+))
 
 
 def _permute_decl(name: str, kernel, with_probs: bool):
     """``permute`` / ``permute_probs``: token rows (and probs) to ``num_out_rows`` expert-sorted rows."""
     outputs = (Output("out", lambda dims, params: (params["num_out_rows"], dims["H"]),
                       lambda dtypes, params: dtypes["inp"]),)
-    operands = (_X, _RID, _PAD, *_SEG)
+    operands = (_X, _RID, _PAD, _OWNER)
     if with_probs:
         operands += (_TE_PROBS("probs"),)
         outputs += (Output("permuted_probs", lambda dims, params: (params["num_out_rows"],),
@@ -189,7 +268,7 @@ def _permute_decl(name: str, kernel, with_probs: bool):
         grid=lambda dims, params, config: _scatter_fill_grid(dims, params["num_out_rows"], config),
         scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N_OUT": params["num_out_rows"]},
         constexprs=_scatter_constexprs, example_inputs=_permute_example(with_probs), partitioning=part,
-        **_common()))
+        **_common(default_config=_tabled(name, _default_config), params_check=_scatter_check)))
 
 
 permute = _permute_decl("permute", K.permute_kernel, False)
@@ -197,8 +276,8 @@ permute_probs = _permute_decl("permute_probs", K.permute_probs_kernel, True)
 
 unpermute_bwd_weighted = declare(KernelDecl(
     name="unpermute_bwd_weighted", kernel=K.unpermute_bwd_weighted_kernel,
-    operands=(Operand("grad", ("T", "H")), _RID, _PAD, *_SEG, _TE_PROBS("merging_probs"),
-              Operand("fwd_inp", ("N", "H"))),
+    operands=(Operand("grad", ("T", "H")), _RID, _PAD, Operand("owner", ("R",), ("int32",)),
+              _TE_PROBS("merging_probs"), Operand("fwd_inp", ("N", "H"))),
     outputs=(Output("grad_inp", lambda dims, params: (dims["N"], dims["H"]), lambda dtypes, params: dtypes["fwd_inp"]),
              _grad_probs("merging_probs")),
     params=("padded",), reference=R.unpermute_bwd_weighted_reference,
@@ -207,7 +286,8 @@ unpermute_bwd_weighted = declare(KernelDecl(
     constexprs=_scatter_constexprs, exact=False, rtol=1e-5, atol=1e-5,
     # Not H-local: grad_probs is a dot product over all of H (replicated).
     example_inputs=_unpermute_bwd_weighted_example,
-    **_common()))
+    **_common(default_config=_tabled("unpermute_bwd_weighted", _weighted_scatter_default_config),
+              params_check=_scatter_check)))
 
 
 def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_rows_reference):
@@ -226,7 +306,7 @@ def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_r
         scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": dims["N"]},
         constexprs=lambda dims, params, config: {"H": dims["H"], "PADDED": params["padded"]},
         exact=False, rtol=1e-2, atol=1e-2, example_inputs=_unpermute_example(extra), partitioning=part,
-        **_common(default_config=_gather_default_config)))
+        **_common(default_config=_tabled(name, _gather_default_config))))
 
 
 unpermute = _unpermute_decl("unpermute", K.unpermute_kernel, (), ())

@@ -5,8 +5,9 @@ These are the CPU default and the pure-XLA baseline on GPU, so they must stay O(
 through the inverse map (output row -> token, expert), built from int32 [T, E] entries, and
 then moves or sums whole rows by gathers and segment sums over the N output rows.
 
-The kernel-level functions take the kernels' operands (``seg_start``/``seg_count`` only
-tell the kernels' zero-fill programs which rows are used; a gather needs no such hint).
+The kernel-level functions take the kernels' operands. A scatter's ``owner`` table (from
+``row_owner``) names each output row's one writer; the references derive the same table
+from the map themselves, so a wrong table cannot make the backends disagree silently.
 """
 from __future__ import annotations
 
@@ -29,18 +30,31 @@ def dests(rid, pad, padded):
     return jnp.where(valid, dest, -1), jnp.clip(ex, 0, e - 1), valid
 
 
-def _inverse_map(rid, pad, padded, n):
-    """Per output row: (token int32 [n], expert int32 [n]); rows no token writes (padding,
-    unused budget) get token T and expert E, which index the zero row/column that callers
-    pad their [T, .] and [T, E] arrays with."""
+def row_owner_reference(rid, pad, *, num_out_rows, padded):
+    """Kernel ``row_owner``: per output row, ``t*E + j + 1`` of the highest map entry
+    (token ``t``, column ``j``) addressing it, 0 where none does."""
     t, e = rid.shape[0], (rid.shape[1] - 1) // 2
-    dest, ex, valid = dests(rid, pad, padded)
-    # Out-of-range rows (dropped entries point at row n) fall into the extra slot, sliced off.
-    safe = jnp.where(valid, dest, n).ravel()
-    tok = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], dest.shape).ravel()
-    row_token = jnp.full((n + 1,), t, jnp.int32).at[safe].set(tok, mode="drop")[:n]
-    row_expert = jnp.full((n + 1,), e, jnp.int32).at[safe].set(ex.ravel().astype(jnp.int32), mode="drop")[:n]
-    return row_token, row_expert
+    dest, _, valid = dests(rid, pad, padded)
+    valid = valid & (dest < num_out_rows)
+    ids = (jnp.arange(t, dtype=jnp.int32)[:, None] * e + jnp.arange(e, dtype=jnp.int32)[None, :] + 1)
+    # Entries without a row go to the extra slot n, sliced off.
+    safe = jnp.where(valid, dest, num_out_rows).ravel()
+    owner = jnp.zeros((num_out_rows + 1,), jnp.int32).at[safe].max(jnp.where(valid, ids, 0).ravel())
+    return (owner[:num_out_rows],)
+
+
+def _inverse_map(rid, pad, padded, n):
+    """Per output row: (token int32 [n], expert int32 [n]) of the entry that owns it (see
+    :func:`row_owner_reference`); rows no entry owns (padding, unused budget) get token T and
+    expert E, which index the zero row/column that callers pad their [T, .] and [T, E]
+    arrays with."""
+    t, e = rid.shape[0], (rid.shape[1] - 1) // 2
+    (owner,) = row_owner_reference(rid, pad, num_out_rows=n, padded=padded)
+    entry = jnp.maximum(owner - 1, 0)
+    tok, col = entry // e, entry % e
+    row_token = jnp.where(owner > 0, tok, t).astype(jnp.int32)
+    row_expert = jnp.where(owner > 0, jnp.clip(rid[jnp.minimum(tok, t - 1), e + col], 0, e - 1), e)
+    return row_token, row_expert.astype(jnp.int32)
 
 
 def _pad_rows(x):
@@ -59,9 +73,9 @@ def _to_token_expert(values, row_token, row_expert, t, e, dtype):
     return jnp.zeros((t + 1, e + 1), dtype).at[row_token, row_expert].set(values.astype(dtype), mode="drop")[:t, :e]
 
 
-def permute_rows_reference(x, rid, pad, seg_start, seg_count, probs=None, *, num_out_rows, padded):
+def permute_rows_reference(x, rid, pad, owner, probs=None, *, num_out_rows, padded):
     """Kernels ``permute`` / ``permute_probs``: token rows to expert-sorted rows."""
-    del seg_start, seg_count
+    del owner
     row_token, row_expert = _inverse_map(rid, pad, padded, num_out_rows)
     # A gather of N rows (zero row for unwritten ones): bit-exact data movement.
     out = _pad_rows(x)[row_token]
@@ -71,9 +85,9 @@ def permute_rows_reference(x, rid, pad, seg_start, seg_count, probs=None, *, num
     return out, pout
 
 
-def unpermute_bwd_weighted_reference(g, rid, pad, seg_start, seg_count, w, y, *, padded):
+def unpermute_bwd_weighted_reference(g, rid, pad, owner, w, y, *, padded):
     """Kernel ``unpermute_bwd_weighted``: the weighted combine's gradients (rows and weights)."""
-    del seg_start, seg_count
+    del owner
     n, t, e = y.shape[0], g.shape[0], w.shape[1]
     row_token, row_expert = _inverse_map(rid, pad, padded, n)
     g_rows = _pad_rows(g.astype(jnp.float32))[row_token]  # [N, H]; zero for unwritten rows

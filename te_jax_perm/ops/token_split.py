@@ -99,12 +99,13 @@ def _rule(arg_axes: Sequence[Axes], out_axes: Sequence[Axes], sizes: dict[str, i
 
 
 def split_over_tokens(name: str, make_local: MakeLocal, args: Sequence[jax.Array], arg_axes: Sequence[Axes],
-                      out_axes: Sequence[Axes], backend: str) -> tuple[jax.Array, ...]:
+                      out_axes: Sequence[Axes], backend: str, summed: Sequence[int] = ()) -> tuple[jax.Array, ...]:
     """``make_local(1)(*args)``, run per token shard under SPMD as the module docstring says.
 
     ``make_local(S)`` returns the function one of ``S`` shards runs on its local operands
     (same arity and output structure for every ``S``); ``arg_axes``/``out_axes`` name each
-    operand's and output's axes.
+    operand's and output's axes. The outputs at positions ``summed`` are per-shard partial
+    sums (without a token axis): the result holds their sum over the shards.
     """
     plain = make_local(1)
     sizes = {n: d for axes, a in zip(arg_axes, args) for n, d in zip(axes, a.shape)}
@@ -128,7 +129,13 @@ def split_over_tokens(name: str, make_local: MakeLocal, args: Sequence[jax.Array
                                  f"divide into the {shards} token shards of mesh axes {tokens}; choose sizes "
                                  f"divisible by {shards}")
         local = make_local(shards)
-        return (mesh, lambda *xs: tuple(local(*xs)), tuple(_shardings(mesh, out_axes, tokens, hidden)),
+
+        def run(*xs):
+            outs = list(local(*xs))
+            for i in summed if tokens is not None else ():
+                outs[i] = jax.lax.psum(outs[i], tokens)
+            return tuple(outs)
+        return (mesh, run, tuple(_shardings(mesh, out_axes, tokens, hidden)),
                 tuple(_shardings(mesh, arg_axes, tokens, hidden)))
 
     partitioned = custom_partitioning(lambda *xs: tuple(plain(*xs)))
