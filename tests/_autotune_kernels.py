@@ -1,5 +1,9 @@
 """Small kernels and declarations for the autotuner tests (Triton sources must live in a file)."""
-import jax.numpy as jnp
+import ctypes
+import dataclasses
+import os
+import time
+
 import triton
 import triton.language as tl
 
@@ -64,3 +68,28 @@ def copy_rows_kernel(x_ptr, T, H, out_alias_ptr, out_ptr, BS: tl.constexpr, BT: 
         m = (r[:, None] < T) & (c[None, :] < H)
         off = r[:, None] * H + c[None, :]
         tl.store(out_ptr + off, tl.load(x_ptr + off, mask=m), mask=m)
+
+
+# -- compiles that crash -----------------------------------------------------------------
+# A compile job names its kernel by module and attribute; a worker loading one of these
+# names dies (or hangs, or raises) the way a compiler crash in that job would.
+FAULTS = ("abort", "segfault", "hang", "raise")
+
+
+def __getattr__(name):
+    kind = name.removeprefix("crash_compile_")
+    if kind == name or kind not in FAULTS:
+        raise AttributeError(name)
+    if kind == "abort":
+        os.abort()
+    if kind == "segfault":
+        ctypes.string_at(0)
+    if kind == "hang":
+        while True:
+            time.sleep(3600)
+    raise RuntimeError("planted compile error")
+
+
+def crashing(job, kind):
+    """``job`` made to fail with ``kind`` in the worker that compiles it."""
+    return dataclasses.replace(job, kernel_module=__name__, kernel_name=f"crash_compile_{kind}")

@@ -87,6 +87,33 @@ def test_no_module_touches_another_modules_privates():
     assert not bad, "\n".join(bad)
 
 
+def _private_imports(rel: str, source: str):
+    """``from m import _name`` in file ``rel`` where ``_name`` is another module's private
+    name (a private module of the importer's own package is that package's business)."""
+    own = pathlib.PurePosixPath(rel).parent.as_posix().replace("/", ".")
+    for node in ast.walk(ast.parse(source, rel)):
+        if not isinstance(node, ast.ImportFrom) or not node.module or node.level:
+            continue
+        for a in node.names:
+            private = a.name.startswith("_") and not a.name.startswith("__")
+            if private and not (node.module == own and (ROOT / own.replace(".", "/") / f"{a.name}.py").exists()):
+                yield f"{rel}:{node.lineno} from {node.module} import {a.name}"
+
+
+def test_no_module_imports_another_modules_private_names():
+    """What one module takes from another is public: a leading underscore means "only here"."""
+    files = [p for d in ("te_jax_perm", "tests", "benchmarks", "examples") for p in sorted((ROOT / d).rglob("*.py"))]
+    bad = [line for p in files for line in _private_imports(p.relative_to(ROOT).as_posix(), p.read_text())]
+    assert not bad, "\n".join(bad)
+
+
+def test_private_import_check_sees_one():
+    src = "from te_jax_perm.ops import _checks\nfrom te_jax_perm.ops.permute import _helper, segments\n"
+    assert list(_private_imports("te_jax_perm/ops/dispatch.py", src)) == [
+        "te_jax_perm/ops/dispatch.py:2 from te_jax_perm.ops.permute import _helper"]
+    assert list(_private_imports("benchmarks/run.py", src))[0].endswith("import _checks")
+
+
 # -- the launch and its argument order -------------------------------------------------------
 def _gather_launch(config=None):
     avals = [jax.ShapeDtypeStruct((7, 33), np.float32), jax.ShapeDtypeStruct((5,), np.int32)]

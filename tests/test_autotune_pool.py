@@ -1,4 +1,4 @@
-"""Crash-isolated compiles: injected aborts/segfaults/hangs fail one config, never the tuner."""
+"""Crash-isolated compiles: planted aborts/segfaults/hangs fail one config, never the tuner."""
 import os
 import time
 
@@ -37,7 +37,8 @@ def _jobs(decl, configs, faults=None):
     from te_jax_perm.core import bind_call, configure
     call = bind_call(decl, [jax.ShapeDtypeStruct((64, 16), np.float32)], {}, "triton")
     faults = faults or {}
-    return [compile_job.make_job(configure(call, c), TARGET, fault=faults.get(c)) for c in configs]
+    jobs = [compile_job.make_job(configure(call, c), TARGET) for c in configs]
+    return [K.crashing(j, faults[c]) if c in faults else j for j, c in zip(jobs, configs)]
 
 
 @pytest.mark.parametrize("kind", ["abort", "segfault", "raise"])
@@ -47,7 +48,7 @@ def test_crashing_config_is_skipped_and_pool_recovers(pool, kind):
     replaced = pool.replaced
     res = pool.compile_many(_jobs(decl, cfgs, {cfgs[1]: kind}))
     assert [r.ok for r in res] == [True, False, True, True]
-    assert ("died" in res[1].error) if kind != "raise" else ("injected compile error" in res[1].error)
+    assert ("died" in res[1].error) if kind != "raise" else ("planted compile error" in res[1].error)
     assert pool.replaced == replaced + (kind != "raise")
     assert all(r.info["binary"] for r in res if r.ok)  # the cubin comes back to the parent
     res2 = pool.compile_many(_jobs(decl, cfgs[:2]))   # the replaced worker keeps serving
@@ -68,12 +69,15 @@ def test_hanging_compile_times_out(tmp_path):
         p.close()
 
 
-def test_tune_survives_injected_abort_and_skips_that_config():
+def test_tune_survives_a_compile_abort_and_skips_that_config(monkeypatch):
+    from te_jax_perm.autotune import tuner
     decl = K.accumulate_decl(name="crashy")
     bad = K.SAFE_CONFIGS[-1]
     pid = os.getpid()
-    with autotune.inject_compile_fault("crashy", bad, "abort"):
-        res = autotune.tune(decl, SHAPE, options=autotune.TuneOptions(compile_target=TARGET))
+    make_job = tuner.make_job
+    monkeypatch.setattr(tuner, "make_job", lambda launch, target: (
+        K.crashing(make_job(launch, target), "abort") if launch.config == bad else make_job(launch, target)))
+    res = autotune.tune(decl, SHAPE, options=autotune.TuneOptions(compile_target=TARGET))
     assert os.getpid() == pid
     failed = {Config.from_json(c): why for c, why in res.entry["failed"]}
     assert set(failed) == {bad} and "exit code" in failed[bad]

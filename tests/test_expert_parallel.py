@@ -135,11 +135,11 @@ def test_auto_falls_back_to_dense_where_ragged_is_unsupported():
 
 @multidevice
 def test_probe_accepts_a_correct_ragged_collective_even_inside_jit(emulated_ragged):
-    from te_jax_perm.parallel.a2a_support import _probe
+    from te_jax_perm.parallel.a2a_support import probe
     devs = tuple(jax.devices()[:4])
-    assert _probe(devs)
+    assert probe(devs)
     seen = []
-    jax.jit(lambda x: seen.append(_probe(devs)) or x)(jnp.ones(2))
+    jax.jit(lambda x: seen.append(probe(devs)) or x)(jnp.ones(2))
     assert seen == [True]
 
 

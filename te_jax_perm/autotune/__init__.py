@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 from te_jax_perm.autotune.cache import cache_dir, format_cache, set_cache_dir
-from te_jax_perm.autotune.faults import inject_compile_fault
 from te_jax_perm.autotune.key import make_key
 from te_jax_perm.autotune.resolver import autotuning, enable, enabled, install, resolve
 from te_jax_perm.autotune.space import candidates
@@ -36,5 +35,5 @@ def print_cache() -> None:
 
 
 __all__ = ["TuneOptions", "TuneResult", "autotuning", "cache_dir", "candidates", "enable", "enabled",
-           "format_cache", "inject_compile_fault", "make_key", "print_cache", "resolve", "set_cache_dir", "stats",
+           "format_cache", "make_key", "print_cache", "resolve", "set_cache_dir", "stats",
            "tune", "tune_ahead", "tune_call"]

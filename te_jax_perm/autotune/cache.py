@@ -22,9 +22,9 @@ from absl import logging
 
 from te_jax_perm.autotune import entry_check
 from te_jax_perm.autotune.key import key_digest
+from te_jax_perm.core import env
 from te_jax_perm.core.declaration import KernelDecl
 
-ENV_VAR = "TE_JAX_PERM_AUTOTUNE_CACHE"
 _dir_override: str | None = None
 # Entries tuned in this process whose file could not be written, by path.
 _memory: dict[str, dict] = {}
@@ -39,8 +39,7 @@ def set_cache_dir(path: str | os.PathLike | None) -> None:
 
 
 def cache_dir() -> Path:
-    d = _dir_override or os.environ.get(ENV_VAR) or os.path.join(Path.home(), ".cache", "te_jax_perm", "autotune")
-    return Path(d)
+    return Path(_dir_override or env.autotune_cache_dir())
 
 
 def entry_path(key: Mapping[str, Any]) -> Path:
@@ -111,7 +110,7 @@ def store(key: Mapping[str, Any], entry: Mapping[str, Any]) -> Path:
             _unwritable.add(str(path.parent))
             logging.warning("autotune: cannot write the tuning cache in %s (%s); results are kept in memory for "
                             "this process only. Set %s or autotune.set_cache_dir() to a writable directory.",
-                            path.parent, e, ENV_VAR)
+                            path.parent, e, env.AUTOTUNE_CACHE)
         return path
     _memory.pop(str(path), None)
     return path

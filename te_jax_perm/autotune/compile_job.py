@@ -24,10 +24,9 @@ class CompileJob:
     target: tuple[str, int, int]
     options: Mapping[str, Any]
     label: str = ""
-    fault: str | None = None  # test hook: "abort", "segfault", "hang" or "raise"
 
 
-def make_job(launch: Launch, target: tuple[str, int, int], fault: str | None = None) -> CompileJob:
+def make_job(launch: Launch, target: tuple[str, int, int]) -> CompileJob:
     """The compile of ``launch``'s kernel with its config, with pointers assumed 16-byte
     aligned (XLA and torch allocations are), as the ``triton`` backend compiles it too."""
     fn = launch.decl.kernel.fn
@@ -35,7 +34,7 @@ def make_job(launch: Launch, target: tuple[str, int, int], fault: str | None = N
     config = launch.config
     return CompileJob(fn.__module__, fn.__name__, sig, constexprs, attrs, tuple(target),
                       {"num_warps": config.num_warps, "num_stages": config.num_stages},
-                      label=f"{launch.decl.name}:{config}", fault=fault)
+                      label=f"{launch.decl.name}:{config}")
 
 
 def load_kernel(job: CompileJob) -> Any:

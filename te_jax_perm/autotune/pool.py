@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from absl import logging
 
 from te_jax_perm.autotune.compile_job import CompileJob
+from te_jax_perm.core import env
 
 DEFAULT_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 300.0
@@ -30,30 +31,6 @@ class CompileResult:
     ok: bool
     info: dict[str, Any]
     error: str = ""
-
-
-def triton_cache_dir() -> str:
-    d = os.environ.get("TRITON_CACHE_DIR")
-    if d:
-        return d
-    try:
-        from triton.runtime.cache import default_cache_dir
-        return default_cache_dir()
-    except Exception:  # noqa: BLE001 - older/newer layouts: fall back to Triton's documented default
-        return os.path.join(os.path.expanduser("~"), ".triton", "cache")
-
-
-def _inject(fault: str | None) -> None:
-    if fault == "abort":
-        os.abort()
-    if fault == "segfault":
-        import ctypes
-        ctypes.string_at(0)
-    if fault == "hang":
-        while True:
-            time.sleep(3600)
-    if fault == "raise":
-        raise RuntimeError("injected compile error")
 
 
 def _worker_main(read_fd: int, write_fd: int) -> None:
@@ -69,7 +46,6 @@ def _worker_main(read_fd: int, write_fd: int) -> None:
         if job is None:
             return
         try:
-            _inject(job.fault)
             conn.send(("ok", compile_job(job)))
         except Exception:  # noqa: BLE001 - a compile error fails this job, not the worker
             conn.send(("error", traceback.format_exc(limit=4)))
@@ -143,7 +119,7 @@ class CompilePool:
                  cache_dir: str | None = None):
         self.size = max(1, workers or min(os.cpu_count() or 1, 8))
         self.timeout_s = timeout_s
-        self.cache_dir = cache_dir or triton_cache_dir()
+        self.cache_dir = cache_dir or env.triton_cache_dir()
         self._workers = [_Worker(self.cache_dir) for _ in range(self.size)]
         self.replaced = 0
 

@@ -12,7 +12,6 @@ from absl import logging
 
 from te_jax_perm.autotune import cache
 from te_jax_perm.autotune.compile_job import make_job
-from te_jax_perm.autotune.faults import fault_for
 from te_jax_perm.autotune.inputs import initial_prealloc, make_inputs
 from te_jax_perm.autotune.key import make_key
 from te_jax_perm.autotune.space import candidates, cap
@@ -176,7 +175,7 @@ def _compile_stage(call, valid, target, options, pool):
     pool = pool or get_pool()
     if options.compile_timeout_s is not None:
         pool.timeout_s = options.compile_timeout_s
-    jobs = {c: make_job(configure(call, c), target, fault=fault_for(decl.name, c)) for c in valid}
+    jobs = {c: make_job(configure(call, c), target) for c in valid}
     results = pool.compile_many(list(jobs.values()))
     stats["compiles"] += len(jobs)
     kept, failed = [], []

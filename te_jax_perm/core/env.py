@@ -12,6 +12,7 @@ from typing import Iterator, Mapping
 BACKEND = "TE_JAX_PERM_BACKEND"
 AUTOTUNE = "TE_JAX_PERM_AUTOTUNE"
 SANITIZE = "TE_JAX_PERM_SANITIZE"
+AUTOTUNE_CACHE = "TE_JAX_PERM_AUTOTUNE_CACHE"
 
 BACKEND_VALUES = ("triton", "interpret", "xla")
 _SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -49,6 +50,18 @@ def autotune() -> bool:
 def sanitize() -> str | None:
     """``TE_JAX_PERM_SANITIZE``: ``"raise"``, ``"collect"`` or ``None`` (off)."""
     return _lookup(SANITIZE, _SANITIZE)  # type: ignore[return-value]
+
+
+def autotune_cache_dir() -> str:
+    """``TE_JAX_PERM_AUTOTUNE_CACHE``: where tuning results persist (any path; default
+    ``~/.cache/te_jax_perm/autotune``)."""
+    return os.environ.get(AUTOTUNE_CACHE) or os.path.join(os.path.expanduser("~"), ".cache", "te_jax_perm", "autotune")
+
+
+def triton_cache_dir() -> str:
+    """Triton's own ``TRITON_CACHE_DIR``, else the directory Triton defaults to: compile
+    workers share it with their parent, which then loads their binaries as cache hits."""
+    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
 
 
 def check_all() -> None:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops.permute import _permute_bwd, _permute_fwd, _unpermute_bwd, _unpermute_fwd
+from te_jax_perm.ops.permute import permute_bwd, permute_fwd, unpermute_bwd, unpermute_fwd
 from te_jax_perm.ops.row_id_map import make_row_id_map
 from te_jax_perm.ops.token_split import split_over_tokens
 
@@ -92,7 +92,7 @@ def _dispatch_local(num_out_tokens, align_size, rows, with_probs, backend):
             no_pad = jnp.zeros((e,), jnp.int32)
             if align_size is not None:
                 rid = with_padding(rid, padding_layout(kept, align_size)[1])
-            (out, pp), _ = _permute_fwd(x, probs[0] if probs else None, rid, no_pad, local_rows, False, backend)
+            (out, pp), _ = permute_fwd(x, probs[0] if probs else None, rid, no_pad, local_rows, False, backend)
             return (out, pp, rid, kept) if probs else (out, rid, kept)
         return run
     return make
@@ -104,7 +104,7 @@ def _dispatch_bwd_local(rows, with_probs, backend):
         def run(g_out, *rest):
             *g_pp, rid = rest
             no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
-            g_x, g_probs = _permute_bwd(rows // shards, False, backend, (rid, no_pad),
+            g_x, g_probs = permute_bwd(rows // shards, False, backend, (rid, no_pad),
                                         (g_out, g_pp[0] if g_pp else None))[:2]
             return (g_x, g_probs) if g_pp else (g_x,)
         return run
@@ -151,7 +151,7 @@ def _combine_local(weighted, backend):
     def make(shards):
         def run(inp, rid, *w):
             no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
-            return (_unpermute_fwd(inp, w[0] if w else None, rid, no_pad, False, backend)[0],)
+            return (unpermute_fwd(inp, w[0] if w else None, rid, no_pad, False, backend)[0],)
         return run
     return make
 
@@ -161,7 +161,7 @@ def _combine_bwd_local(weighted, backend):
     def make(shards):
         def run(g, rid, inp, *w):
             no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
-            g_inp, g_w = _unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, no_pad), g)[:2]
+            g_inp, g_w = unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, no_pad), g)[:2]
             return (g_inp, g_w) if w else (g_inp,)
         return run
     return make

@@ -28,10 +28,10 @@ def _owners(rid, pad, rows, padded, backend):
 # -- differentiable cores ------------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _permute(inp, probs, rid, pad, num_out_rows, padded, backend):
-    return _permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend)[0]
+    return permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend)[0]
 
 
-def _permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend):
+def permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend):
     kw = dict(backend=backend, num_out_rows=num_out_rows, padded=padded)
     x = to_bits(inp)
     owner = _owners(rid, pad, num_out_rows, padded, backend)
@@ -42,7 +42,7 @@ def _permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend):
     return (from_bits(out, inp.dtype, (num_out_rows,) + inp.shape[1:]), pout), (rid, pad)
 
 
-def _permute_bwd(num_out_rows, padded, backend, res, cts):
+def permute_bwd(num_out_rows, padded, backend, res, cts):
     rid, pad = res
     g_out, g_pout = cts
     if g_pout is not None:
@@ -52,15 +52,15 @@ def _permute_bwd(num_out_rows, padded, backend, res, cts):
     return g_inp, g_probs, None, None
 
 
-_permute.defvjp(_permute_fwd, _permute_bwd)
+_permute.defvjp(permute_fwd, permute_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _unpermute(inp, merging_probs, rid, pad, padded, backend):
-    return _unpermute_fwd(inp, merging_probs, rid, pad, padded, backend)[0]
+    return unpermute_fwd(inp, merging_probs, rid, pad, padded, backend)[0]
 
 
-def _unpermute_fwd(inp, merging_probs, rid, pad, padded, backend):
+def unpermute_fwd(inp, merging_probs, rid, pad, padded, backend):
     if merging_probs is None:
         (out,) = D.unpermute(inp, rid, pad, backend=backend, padded=padded)
     else:
@@ -68,10 +68,10 @@ def _unpermute_fwd(inp, merging_probs, rid, pad, padded, backend):
     return out, (inp, merging_probs, rid, pad)
 
 
-def _unpermute_bwd(padded, backend, res, g):
+def unpermute_bwd(padded, backend, res, g):
     inp, merging_probs, rid, pad = res
     if merging_probs is None:
-        g_inp, _ = _permute_fwd(g.astype(inp.dtype), None, rid, pad, inp.shape[0], padded, backend)[0]
+        g_inp, _ = permute_fwd(g.astype(inp.dtype), None, rid, pad, inp.shape[0], padded, backend)[0]
         g_w = None
     else:
         owner = _owners(rid, pad, inp.shape[0], padded, backend)
@@ -80,7 +80,7 @@ def _unpermute_bwd(padded, backend, res, g):
     return g_inp, g_w, None, None
 
 
-_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
+_unpermute.defvjp(unpermute_fwd, unpermute_bwd)
 
 
 # -- public API ------------------------------------------------------------------------------

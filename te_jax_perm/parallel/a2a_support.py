@@ -28,7 +28,7 @@ def ragged_all_to_all_supported(devices: Sequence[jax.Device]) -> bool:
 def _probe_cached(platform: str, kind: str, n: int, devices: tuple) -> bool:
     key = (platform, kind, n)
     if key not in _cache:
-        _cache[key] = _probe(devices)
+        _cache[key] = probe(devices)
         logging.info("ragged_all_to_all on %s (%s) x%d: %s", platform, kind, n,
                      "supported" if _cache[key] else "not supported, using the dense all_to_all")
     return _cache[key]
@@ -37,7 +37,8 @@ def _probe_cached(platform: str, kind: str, n: int, devices: tuple) -> bool:
 _cache: dict[tuple, bool] = {}
 
 
-def _probe(devices: tuple) -> bool:
+def probe(devices: tuple) -> bool:
+    """Runs the check once, uncached: a ragged all-to-all over ``devices`` gives the right rows."""
     n = len(devices)
     mesh = Mesh(np.array(devices), ("probe",))
 
