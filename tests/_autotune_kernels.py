@@ -16,7 +16,7 @@ def accumulate_rows_kernel(x_ptr, T, H, out_alias_ptr, out_ptr, BS: tl.constexpr
     """out[r] += x[r]: program p owns rows [p*BS, (p+1)*BS), walked in tiles of BT rows.
 
     The tile mask checks only ``r < T``, not the program's own range: when BS % BT != 0 a
-    program's last tile spills into its neighbour's rows (the lessons.md race)."""
+    program's last tile spills into its neighbour's rows: a race."""
     p = tl.program_id(0)
     c = tl.arange(0, BH)
     for t0 in range(0, BS, BT):

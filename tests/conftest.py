@@ -18,7 +18,7 @@ BACKENDS_HERE = ("xla", KERNEL_BACKEND)
 def pytest_collection_modifyitems(config, items):
     if ON_GPU:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU with jax-triton (run tests/gpu/run_gpu_tests.sh there)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)

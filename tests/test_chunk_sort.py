@@ -1,6 +1,6 @@
 """Chunk sort: forward/backward against an independent NumPy reference, transforms, aliasing.
 
-Includes the regression test for lessons.md #1 (the backward inverse sort written into a
+Includes a regression test for an undeclared alias (the backward inverse sort written into a
 buffer XLA was free to share with the incoming gradient).
 """
 import functools
@@ -128,7 +128,8 @@ def test_traced_split_sizes_under_jit_and_round_trip(backend):
         back, pb = te_jax_perm.sort_chunks_by_map(out, row_map, pp, is_forward=False, backend=backend)
         return out, back, pb
 
-    # Alternate shapes of the chunk split quickly in one process (lessons.md #3).
+    # Alternate shapes of the chunk split quickly in one process: a compiled kernel reused
+    # with another value baked into it would fault here.
     for sizes, order in [([5, 5, 5, 5], [3, 2, 1, 0]), ([0, 19, 0, 1], [1, 3, 0, 2]), ([20, 0, 0, 0], [0, 1, 2, 3])]:
         out, back, pb = fwd_back(x, p, jnp.array(sizes), jnp.array(order))
         np.testing.assert_array_equal(np.asarray(out), np_sort_chunks(x, sizes, order))
@@ -225,7 +226,7 @@ def test_map_kernel_configs(cfg):
 
 @pytest.mark.parametrize("decl", [cs.chunk_sort_map.decl, cs.sort_chunks.decl, cs.sort_chunks_probs.decl], ids=lambda d: d.name)
 def test_default_config_valid_for_real_shapes(decl):
-    """Default configs satisfy the declared constraints across shapes.md (incl. H=2880, 7168)."""
+    """Default configs satisfy the declared constraints across the benchmark shapes (incl. H=2880, 7168)."""
     for n in (1, 7, 4096, 16384):
         for h in (1, 37, 2880, 4096, 7168):
             for c in (1, 3, 8, 256, 1024, cs.MAX_CHUNKS):
@@ -261,7 +262,7 @@ def test_alias_audit_forward_and_backward(kernel_backend):
 
 
 def test_lesson1_backward_with_donated_gradient(kernel_backend):
-    """Regression for lessons.md #1.
+    """Regression for an output XLA could place in the incoming gradient's memory.
 
     The backward inverse sort reads row ``map[i]`` of the incoming gradient and writes row
     ``i``: if its output shared the gradient's memory, programs would overwrite rows others

@@ -1,4 +1,4 @@
-"""The framework promise, tested on the worked example kernels (issue: framework core)."""
+"""The framework promise, tested on the worked example kernels."""
 import os
 import subprocess
 import sys

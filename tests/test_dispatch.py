@@ -1,4 +1,4 @@
-"""token_dispatch / token_combine against the independent NumPy reference (issue 3)."""
+"""token_dispatch / token_combine against the independent NumPy reference."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,7 +1,6 @@
 """No value of any input makes an op's kernel access memory outside its buffers.
 
-Regression tests for inputs that used to reach a kernel out of bounds or return a silent
-wrong answer: chunk sizes whose int32 sum overflows, a combine given fewer rows than its
+Inputs that could reach a kernel out of bounds or return a silent wrong answer: chunk sizes whose int32 sum overflows, a combine given fewer rows than its
 map addresses, corrupt row-id maps, a padded dispatch combined without its pad offsets, zero
 experts, dtypes Triton cannot hold, and bit patterns that value moves would change. Each
 runs on ``xla`` and the kernel backend; on ``interpret`` under the hazard sanitizer, which

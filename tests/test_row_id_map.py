@@ -1,4 +1,4 @@
-"""make_row_id_map against the independent NumPy reference (issue 3: dispatch/combine)."""
+"""make_row_id_map against the independent NumPy reference."""
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -57,12 +57,3 @@ def moe_step(backend: str, k: int) -> Callable:
                                                                     backend=backend)
         return te_jax_perm.token_combine(out, row_id_map, probs, backend=backend)
     return step
-
-
-def chunk_sort_step(backend: str, ep: int, local_experts: int, seed: int = 0) -> Callable:
-    import jax.numpy as jnp
-    import te_jax_perm
-
-    def step(x, split_sizes, sorted_idx):
-        return te_jax_perm.sort_chunks_by_index(x, split_sizes, sorted_idx, backend=backend)
-    return step

@@ -22,7 +22,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from te_jax_perm.core.launch import Launch
 
 OPERAND, SCALAR, PREALLOC, OUTPUT = "operand", "scalar", "prealloc", "output"
-POINTER_ROLES = (OPERAND, PREALLOC, OUTPUT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,9 +50,6 @@ __all__ = ["Partitioning", "VmappedPrimitive", "lower_partitioned", "partitioned
 BATCH_AXIS = "__vmap__"
 
 
-REPLICATED = None  # a decl without ``partitioning``: every axis replicated
-
-
 # -- rules ----------------------------------------------------------------------------------
 def _axis_names(kp: "KernelPrimitive", out_ranks: Sequence[int], in_batched: Sequence[bool] | None):
     """(operand axis names, output axis names, local names) for a (possibly vmapped) call."""

@@ -24,11 +24,6 @@ def check_shape(name: str, x: Any, shape: tuple[int, ...], expected: str | None 
         raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {expected or tuple(shape)}")
 
 
-def check_float32(name: str, x: Any) -> None:
-    if _dt(x) != np.float32:
-        raise TypeError(f"{name} has dtype {_dt(x).name}; expected float32")
-
-
 def check_probs_dtype(name: str, x: Any) -> None:
     if _dt(x).name not in ("bfloat16", "float16", "float32"):
         raise TypeError(f"{name} has dtype {_dt(x).name}; expected bfloat16, float16 or float32")

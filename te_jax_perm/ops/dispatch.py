@@ -79,36 +79,34 @@ def local_budget(num_out_tokens: int, shards: int, rows: int, num_experts: int, 
     return max(0, min(budget, fits))
 
 
-def _dispatch_local(num_out_tokens, align_size, rows, with_probs, backend):
-    """``make_local`` of the dispatch forward: ``(x, rm[, probs]) -> (out[, pp], rid, kept)``,
-    ``kept`` the shard's kept rows per expert (summed over the shards by the caller)."""
-    def make(shards):
-        local_rows = rows // shards
+def _dispatch_local(tokens, num_out_tokens, align_size, rows, backend):
+    """The dispatch forward of one token shard: ``(x, rm[, probs]) -> (out[, pp], rid, kept)``,
+    ``kept`` the shard's kept rows per expert (summed over the shards by the caller).
 
-        def run(x, rm, *probs):
-            e = rm.shape[1]
-            budget = local_budget(num_out_tokens, shards, local_rows, e, align_size)
-            rid, kept = make_row_id_map(rm, budget, backend=backend)
-            no_pad = jnp.zeros((e,), jnp.int32)
-            if align_size is not None:
-                rid = with_padding(rid, padding_layout(kept, align_size)[1])
-            (out, pp), _ = permute_fwd(x, probs[0] if probs else None, rid, no_pad, local_rows, False, backend)
-            return (out, pp, rid, kept) if probs else (out, rid, kept)
-        return run
-    return make
+    ``tokens`` and ``rows`` are the global sizes; the shard's local ``x`` says how many
+    shards there are."""
+    def run(x, rm, *probs):
+        shards = tokens // x.shape[0] if x.shape[0] else 1
+        e, local_rows = rm.shape[1], rows // shards
+        budget = local_budget(num_out_tokens, shards, local_rows, e, align_size)
+        rid, kept = make_row_id_map(rm, budget, backend=backend)
+        no_pad = jnp.zeros((e,), jnp.int32)
+        if align_size is not None:
+            rid = with_padding(rid, padding_layout(kept, align_size)[1])
+        (out, pp), _ = permute_fwd(x, probs[0] if probs else None, rid, no_pad, local_rows, False, backend)
+        return (out, pp, rid, kept) if probs else (out, rid, kept)
+    return run
 
 
-def _dispatch_bwd_local(rows, with_probs, backend):
+def _dispatch_bwd_local(backend):
     """``(g_out[, g_pp], rid) -> (g_x[, g_probs])``: the gather of the dispatch backward."""
-    def make(shards):
-        def run(g_out, *rest):
-            *g_pp, rid = rest
-            no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
-            g_x, g_probs = permute_bwd(rows // shards, False, backend, (rid, no_pad),
-                                        (g_out, g_pp[0] if g_pp else None))[:2]
-            return (g_x, g_probs) if g_pp else (g_x,)
-        return run
-    return make
+    def run(g_out, *rest):
+        *g_pp, rid = rest
+        no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
+        g_x, g_probs = permute_bwd(g_out.shape[0], False, backend, (rid, no_pad),
+                                   (g_out, g_pp[0] if g_pp else None))[:2]
+        return (g_x, g_probs) if g_pp else (g_x,)
+    return run
 
 
 def _dispatch_axes(with_probs):
@@ -126,7 +124,7 @@ def _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend):
     with_probs = probs is not None
     args = (x, rm) + ((probs,) if with_probs else ())
     arg_axes, out_axes = _dispatch_axes(with_probs)
-    outs = split_over_tokens("token_dispatch", _dispatch_local(num_out_tokens, align_size, rows, with_probs, backend),
+    outs = split_over_tokens("token_dispatch", _dispatch_local(x.shape[0], num_out_tokens, align_size, rows, backend),
                              args, arg_axes, out_axes, backend, summed=(len(out_axes) - 1,))
     out, pp, rid, kept = outs if with_probs else (outs[0], None, outs[1], outs[2])
     return (out, pp, rid, kept), rid
@@ -138,7 +136,7 @@ def _dispatch_bwd(num_out_tokens, align_size, rows, backend, rid, cts):
     args = (g_out,) + ((g_pp,) if with_probs else ()) + (rid,)
     arg_axes = (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"),)
     out_axes = (("T", "H"),) + ((("T", "E"),) if with_probs else ())
-    grads = split_over_tokens("token_dispatch (backward)", _dispatch_bwd_local(rows, with_probs, backend),
+    grads = split_over_tokens("token_dispatch (backward)", _dispatch_bwd_local(backend),
                               args, arg_axes, out_axes, backend)
     return grads[0], None, (grads[1] if with_probs else None)
 
@@ -146,25 +144,21 @@ def _dispatch_bwd(num_out_tokens, align_size, rows, backend, rid, cts):
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
-def _combine_local(weighted, backend):
+def _combine_local(backend):
     """``(inp, rid[, w]) -> (out,)``: each token's rows summed (weighted)."""
-    def make(shards):
-        def run(inp, rid, *w):
-            no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
-            return (unpermute_fwd(inp, w[0] if w else None, rid, no_pad, False, backend)[0],)
-        return run
-    return make
+    def run(inp, rid, *w):
+        no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
+        return (unpermute_fwd(inp, w[0] if w else None, rid, no_pad, False, backend)[0],)
+    return run
 
 
-def _combine_bwd_local(weighted, backend):
+def _combine_bwd_local(backend):
     """``(g, rid, inp[, w]) -> (g_inp[, g_w])``: the scatter of the combine backward."""
-    def make(shards):
-        def run(g, rid, inp, *w):
-            no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
-            g_inp, g_w = unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, no_pad), g)[:2]
-            return (g_inp, g_w) if w else (g_inp,)
-        return run
-    return make
+    def run(g, rid, inp, *w):
+        no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
+        g_inp, g_w = unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, no_pad), g)[:2]
+        return (g_inp, g_w) if w else (g_inp,)
+    return run
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -176,7 +170,7 @@ def _combine_fwd(inp, w, rid, backend):
     weighted = w is not None
     args = (inp, rid) + ((w,) if weighted else ())
     arg_axes = (("R", "H"), ("T", "W")) + ((("T", "E"),) if weighted else ())
-    (out,) = split_over_tokens("token_combine", _combine_local(weighted, backend), args, arg_axes, (("T", "H"),),
+    (out,) = split_over_tokens("token_combine", _combine_local(backend), args, arg_axes, (("T", "H"),),
                                backend)
     return out, (inp, w, rid)
 
@@ -187,7 +181,7 @@ def _combine_bwd(backend, res, g):
     args = (g, rid, inp) + ((w,) if weighted else ())
     arg_axes = (("T", "H"), ("T", "W"), ("R", "H")) + ((("T", "E"),) if weighted else ())
     out_axes = (("R", "H"),) + ((("T", "E"),) if weighted else ())
-    grads = split_over_tokens("token_combine (backward)", _combine_bwd_local(weighted, backend), args, arg_axes,
+    grads = split_over_tokens("token_combine (backward)", _combine_bwd_local(backend), args, arg_axes,
                               out_axes, backend)
     return grads[0], (grads[1] if weighted else None), None
 

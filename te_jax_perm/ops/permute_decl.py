@@ -177,7 +177,8 @@ def _unpermute_example(extra: str | None):
 
 
 # -- declarations ----------------------------------------------------------------------
-# Token dtypes are checked by the public functions (core's "float" kind misses bfloat16).
+# No dtype kind on the tokens: the row movers get them as unsigned-integer bit patterns
+# (ops/_bits.py) and the summing kernels as floats; the public functions check token dtypes.
 _X = Operand("inp", ("T", "H"))
 _RID = Operand("row_id_map", ("T", "W"), ("int32",))
 _PAD = Operand("pad_offsets", ("E",), ("int32",))

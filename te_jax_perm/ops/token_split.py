@@ -15,9 +15,9 @@ the number of token shards.
 
 Mechanics: :func:`jax.experimental.custom_partitioning` with a Shardy rule in which ``T``
 and ``R`` share one factor (of size ``gcd(T, R)``), so propagation shards ``R`` exactly
-like ``T``; the per-shard function is built for the shard count it is given. With one
-device, or inside a fully manual ``shard_map``, the call is the plain function. Under
-``vmap`` the batch is mapped over the plain function (its kernels keep the batch axis
+like ``T``; the per-shard function reads its shard's size off its operands. With one
+device, or inside a fully manual ``shard_map``, the call is the per-shard function on the whole operands. Under
+``vmap`` the batch is mapped over that function (its kernels keep the batch axis
 local). The ``interpret`` backend runs kernels in host callbacks, which cannot live in a
 partitioned module (a JAX limitation), so with it a multi-device program computes the
 unsharded (global) result instead.
@@ -37,7 +37,6 @@ SPLIT = ("T", "R")
 LOCAL = "H"
 
 Axes = Sequence[str]
-MakeLocal = Callable[[int], Callable]
 
 
 def _spec(sharding, ndim: int) -> list:
@@ -98,21 +97,20 @@ def _rule(arg_axes: Sequence[Axes], out_axes: Sequence[Axes], sizes: dict[str, i
     return SdyShardingRule(ops, outs, need_replication_factors=replicate, **factor_sizes)
 
 
-def split_over_tokens(name: str, make_local: MakeLocal, args: Sequence[jax.Array], arg_axes: Sequence[Axes],
+def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg_axes: Sequence[Axes],
                       out_axes: Sequence[Axes], backend: str, summed: Sequence[int] = ()) -> tuple[jax.Array, ...]:
-    """``make_local(1)(*args)``, run per token shard under SPMD as the module docstring says.
+    """``local(*args)``, run per token shard under SPMD as the module docstring says.
 
-    ``make_local(S)`` returns the function one of ``S`` shards runs on its local operands
-    (same arity and output structure for every ``S``); ``arg_axes``/``out_axes`` name each
+    ``local`` is what every shard runs on its own operands (and, unsharded, on the whole
+    ones): it reads the shard's size off them; ``arg_axes``/``out_axes`` name each
     operand's and output's axes. The outputs at positions ``summed`` are per-shard partial
     sums (without a token axis): the result holds their sum over the shards.
     """
-    plain = make_local(1)
     sizes = {n: d for axes, a in zip(arg_axes, args) for n, d in zip(axes, a.shape)}
-    outs = jax.eval_shape(plain, *args)
+    outs = jax.eval_shape(local, *args)
     sizes.update({n: d for axes, o in zip(out_axes, outs) for n, d in zip(axes, o.shape)})
     if backend == "interpret" or any(sizes.get(n, 1) == 0 for n in SPLIT):
-        return tuple(plain(*args))
+        return tuple(local(*args))
 
     def infer(mesh, arg_shapes, result_shape):
         tokens = _mesh_axes(arg_shapes, arg_axes, SPLIT)
@@ -128,7 +126,6 @@ def split_over_tokens(name: str, make_local: MakeLocal, args: Sequence[jax.Array
                 raise ValueError(f"{name}: its {'tokens' if n == 'T' else 'output rows'} ({sizes[n]}) do not "
                                  f"divide into the {shards} token shards of mesh axes {tokens}; choose sizes "
                                  f"divisible by {shards}")
-        local = make_local(shards)
 
         def run(*xs):
             outs = list(local(*xs))
@@ -138,7 +135,7 @@ def split_over_tokens(name: str, make_local: MakeLocal, args: Sequence[jax.Array
         return (mesh, run, tuple(_shardings(mesh, out_axes, tokens, hidden)),
                 tuple(_shardings(mesh, arg_axes, tokens, hidden)))
 
-    partitioned = custom_partitioning(lambda *xs: tuple(plain(*xs)))
+    partitioned = custom_partitioning(lambda *xs: tuple(local(*xs)))
     partitioned.def_partition(partition, infer_sharding_from_operands=infer,
                               propagate_user_sharding=lambda mesh, user_shape: tuple(u.sharding for u in user_shape),
                               sharding_rule=_rule(arg_axes, out_axes, sizes))
@@ -147,8 +144,8 @@ def split_over_tokens(name: str, make_local: MakeLocal, args: Sequence[jax.Array
 
     @batched.def_vmap
     def _vmap(axis_size, in_batched, *xs):
-        # Each batch element is an independent call of the plain function.
-        out = jax.vmap(plain, in_axes=tuple(0 if b else None for b in in_batched))(*xs)
+        # Each batch element is an independent unsharded call.
+        out = jax.vmap(local, in_axes=tuple(0 if b else None for b in in_batched))(*xs)
         return tuple(out), tuple(True for _ in out)
 
     return tuple(batched(*args))

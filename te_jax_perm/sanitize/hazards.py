@@ -6,7 +6,7 @@ from typing import Iterable
 
 Pid = tuple[int, int, int]
 
-# Hazard kinds, in the order the issue lists them.
+# Hazard kinds, as reports name them.
 OOB = "out_of_bounds"
 WRITE_WRITE = "write_write"
 READ_WRITE = "read_write"
