@@ -65,6 +65,18 @@ def test_key_holds_exactly_the_declared_values(monkeypatch):
     assert _key(decl) != base
 
 
+def test_a_declaration_without_key_dims_keys_every_dim():
+    """Declared as the docs first teach it (no ``key_dims``), a result tuned at one shape
+    is never reused at another."""
+    from tests.example_kernels import gather_rows
+    decl = gather_rows.decl
+    assert decl.key_dims == ("N", "H", "R")
+    at = lambda n, h, r: keymod.make_key(decl, {"N": n, "H": h, "R": r}, {}, [np.float32, np.int32], "interpret")
+    assert at(16, 64, 8) == at(16, 64, 8)
+    assert len({str(at(16, 64, 8)), str(at(4, 1000, 8)), str(at(16, 64, 9)), str(at(17, 64, 8))}) == 4
+    assert K.accumulate_decl().key_dims == ("T", "H")      # an explicit key is kept
+
+
 def test_key_changes_with_kernel_source():
     from te_jax_perm.core.declaration import KernelDecl  # noqa: F401
     import dataclasses

@@ -130,7 +130,9 @@ class KernelDecl:
       default_config: ``(dims, params) -> Config`` used when nothing is tuned.
       constraints: each returns ``None`` when a config is valid for the shapes, or a
         reason string when it must be pruned.
-      key_dims: dims whose value changes the best config (bucketed by ``key_bucket``).
+      key_dims: dims whose value changes the best config (bucketed by ``key_bucket``);
+        by default every dim of the operands, so a result tuned at one shape is never
+        reused at another. Name fewer only for dims the best config does not depend on.
       key_params: static params that change the compiled code or grid shape.
       exact: outputs must match the reference bit-exactly (pure data movement).
       params_check: optional ``(dims, params) -> None`` raising ``ValueError``: checks of
@@ -156,7 +158,7 @@ class KernelDecl:
     constexprs: Callable[[Dims, Params, Config], Mapping[str, Any]] = lambda dims, params, config: {}
     configs: tuple[Config, ...] = ()
     constraints: tuple[Constraint, ...] = ()
-    key_dims: tuple[str, ...] = ()
+    key_dims: tuple[str, ...] | None = None
     key_params: tuple[str, ...] = ()
     key_bucket: Callable[[str, int], int] = lambda dim_name, size: size
     exact: bool = True
@@ -166,6 +168,11 @@ class KernelDecl:
     validate: Callable[..., None] | None = None
     partitioning: Partitioning | None = None  # None: every axis replicated
     example_inputs: Callable[..., Sequence[Any]] | None = None
+
+    def __post_init__(self):
+        if self.key_dims is None:
+            every = tuple(dict.fromkeys(d for op in self.operands for d in op.dims))
+            object.__setattr__(self, "key_dims", every)
 
     def output_names(self) -> tuple[str, ...]:
         return tuple(o.name for o in self.outputs)
