@@ -51,3 +51,35 @@ def test_block_extraction_honours_the_gpu_mark():
     text = "x\n```python\na = 1\n```\n\n" + GPU_MARK + "\n```python\nb = 2\n```\n```sh\nc\n```\n"
     assert python_blocks(text) == [(3, "a = 1\n", False), (8, "b = 2\n", True)]
 
+
+
+def _call_tree_names(text: str) -> list[tuple[str, str]]:
+    """``(name, file)`` for each function a line of architecture.md's call tree names
+    together with the one file it lives in: each ``name(``, and the rules ``a, b`` of a
+    ``custom_vjp (a, b)``."""
+    tree = text[text.index("## How a call reaches the kernel"):]
+    tree = tree[tree.index("```\n") + 4:]
+    tree = tree[:tree.index("```")]
+    found = []
+    for line in tree.splitlines():
+        paths = re.findall(r"te_jax_perm/[\w/]+\.py", line)
+        if len(paths) != 1:
+            continue
+        code = line[:line.index(paths[0])] + line[line.index(paths[0]) + len(paths[0]):]
+        names = re.findall(r"([A-Za-z_]\w*)\(", code)
+        names += [n for pair in re.findall(r"custom_vjp \((\w+), (\w+)\)", code) for n in pair]
+        found += [(n, paths[0]) for n in names]
+    return found
+
+
+def test_architecture_call_tree_names_functions_that_exist():
+    names = _call_tree_names((ROOT / "docs" / "architecture.md").read_text())
+    assert len(names) >= 15, names
+    missing = [f"{n} in {path}" for n, path in names
+               if not re.search(rf"^\s*(def {n}\(|class {n}\b|{n} = )", (ROOT / path).read_text(), re.M)]
+    assert not missing, missing
+
+
+def test_call_tree_check_sees_a_stale_name():
+    text = "## How a call reaches the kernel\n```\nfoo(x)   te_jax_perm/core/launch.py\n```\n"
+    assert _call_tree_names(text) == [("foo", "te_jax_perm/core/launch.py")]
