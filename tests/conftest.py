@@ -5,6 +5,7 @@ import os
 os.environ.pop("TE_JAX_PERM_BACKEND", None)
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
@@ -52,3 +53,32 @@ def tmp_cache(tmp_path):
     autotune.stats.clear()
     yield tmp_path / "cache"
     autotune.set_cache_dir(None)
+
+
+# -- routing: the one generator every test draws routing maps from -------------------------
+def top_k_routing(logits: np.ndarray, k: int) -> np.ndarray:
+    """bool ``[..., T, E]``: each token routed to the ``k`` experts of highest logit."""
+    top = np.argsort(-logits, axis=-1)[..., :k]
+    m = np.zeros(logits.shape, bool)
+    np.put_along_axis(m, top, True, axis=-1)
+    return m
+
+
+def routing(rng: np.random.Generator, t: int, e: int, k: int, mode: str = "topk") -> np.ndarray:
+    """bool [T, E] with k distinct experts per token.
+
+    mode: "topk" random; "skew" one hot expert takes ~half the tokens; "empty" only the
+    first half of the experts are ever used; "all_one" every token goes to expert 0.
+    """
+    k = min(k, e)
+    m = np.zeros((t, e), bool)
+    pool = np.arange(e) if mode != "empty" else np.arange(max(k, e // 2))
+    for i in range(t):
+        if mode == "all_one":
+            chosen = [0] + list(rng.choice(np.arange(1, e), k - 1, replace=False)) if k > 1 else [0]
+        elif mode == "skew" and rng.random() < 0.5 and e > 1:
+            chosen = [0] + list(rng.choice(np.arange(1, e), k - 1, replace=False))
+        else:
+            chosen = rng.choice(pool, k, replace=False)
+        m[i, chosen] = True
+    return m

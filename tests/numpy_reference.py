@@ -4,26 +4,6 @@ from __future__ import annotations
 import numpy as np
 
 
-def routing(rng: np.random.Generator, t: int, e: int, k: int, mode: str = "topk") -> np.ndarray:
-    """bool [T, E] with k distinct experts per token.
-
-    mode: "topk" random; "skew" one hot expert takes ~half the tokens; "empty" only the
-    first half of the experts are ever used; "all_one" every token goes to expert 0.
-    """
-    k = min(k, e)
-    m = np.zeros((t, e), bool)
-    pool = np.arange(e) if mode != "empty" else np.arange(max(k, e // 2))
-    for i in range(t):
-        if mode == "all_one":
-            chosen = [0] + list(rng.choice(np.arange(1, e), k - 1, replace=False)) if k > 1 else [0]
-        elif mode == "skew" and rng.random() < 0.5 and e > 1:
-            chosen = [0] + list(rng.choice(np.arange(1, e), k - 1, replace=False))
-        else:
-            chosen = rng.choice(pool, k, replace=False)
-        m[i, chosen] = True
-    return m
-
-
 def dispatch_layout(rm: np.ndarray, num_out_tokens: int, align: int | None):
     """dest[t, e] output row (-1 if not routed or dropped), kept counts, pad_offsets, rows."""
     t, e = rm.shape

@@ -8,13 +8,14 @@ from jax.test_util import check_grads
 
 import te_jax_perm
 from tests import numpy_reference as ref
+from tests.conftest import routing, top_k_routing
 
 FIXTURE_OK = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def _case(seed, t, h, e, k, mode, budget, with_probs):
     rng = np.random.default_rng(seed)
-    rm = ref.routing(rng, t, e, k, mode)
+    rm = routing(rng, t, e, k, mode)
     n = max(0, int(round(rm.sum() * budget)))
     x = rng.standard_normal((t, h)).astype(np.float32)
     probs = rng.random((t, e)).astype(np.float32) if with_probs else None
@@ -130,7 +131,7 @@ def test_token_dtypes_copied_bit_exactly(backend, dtype):
 
 def test_batched_input_shape(backend):
     rng = np.random.default_rng(0)
-    rm = ref.routing(rng, 10, 4, 2, "topk").reshape(2, 5, 4)
+    rm = routing(rng, 10, 4, 2, "topk").reshape(2, 5, 4)
     x = rng.standard_normal((2, 5, 64)).astype(np.float32)
     p = rng.random((2, 5, 4)).astype(np.float32)
     out, pp, rid, pad, _ = te_jax_perm.token_dispatch(x, rm, 20, probs=p, backend=backend)
@@ -143,7 +144,7 @@ def test_batched_input_shape(backend):
 
 def test_vmap_equals_python_loop(backend):
     rng = np.random.default_rng(2)
-    rms = np.stack([ref.routing(rng, 8, 4, 2, m) for m in ("topk", "skew", "all_one")])
+    rms = np.stack([routing(rng, 8, 4, 2, m) for m in ("topk", "skew", "all_one")])
     xs = rng.standard_normal((3, 8, 64)).astype(np.float32)
     ps = rng.random((3, 8, 4)).astype(np.float32)
 
@@ -209,10 +210,7 @@ def test_errors_name_argument_and_shapes():
 @pytest.mark.parametrize("t,h,e,k", [(4096, 7168, 256, 8), (8192, 2880, 128, 4)])
 def test_real_size_matches_xla(kernel_backend, t, h, e, k):
     rng = np.random.default_rng(0)
-    logits = rng.standard_normal((t, e))
-    top = np.argsort(-logits, axis=1)[:, :k]
-    rm = np.zeros((t, e), bool)
-    np.put_along_axis(rm, top, True, axis=1)
+    rm = top_k_routing(rng.standard_normal((t, e)), k)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
     p = jnp.asarray(rng.random((t, e)), jnp.float32)
     res = [jax.jit(lambda x, p: te_jax_perm.token_dispatch(x, rm, t * k, probs=p, align_size=16, backend=b))(x, p)

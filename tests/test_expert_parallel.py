@@ -23,6 +23,7 @@ from jax.sharding import Mesh  # noqa: E402
 from te_jax_perm.parallel import EPConfig, ep_moe_layer, reference_moe_layer  # noqa: E402
 from te_jax_perm.parallel import exchange  # noqa: E402
 from te_jax_perm.parallel.a2a_support import ragged_all_to_all_supported, resolve_a2a  # noqa: E402
+from tests.conftest import top_k_routing
 
 EP, T, H, F = 8, 12, 16, 8
 
@@ -34,9 +35,7 @@ def _problem(n_dev, t, e, k, routing, seed):
         logits[:, 0] += 100.0
     if routing == "empty":       # expert e-1 receives no token
         logits[:, e - 1] -= 100.0
-    top = np.argsort(-logits, 1)[:, :k]
-    rm = np.zeros((n_dev * t, e), bool)
-    np.put_along_axis(rm, top, True, 1)
+    rm = top_k_routing(logits, k)
     probs = jnp.asarray(jax.nn.softmax(jnp.asarray(logits), -1), jnp.float32)
     x = jnp.asarray(rng.standard_normal((n_dev * t, H)), jnp.float32)
     w1 = jnp.asarray(rng.standard_normal((e, H, F)) * 0.2, jnp.float32)

@@ -8,8 +8,8 @@ import pytest
 import te_jax_perm
 from te_jax_perm.ops.grouped_gemm import (default_impl, grouped_matmul, grouped_matmul_reference,
                                             tokamax_available)
+from tests.conftest import ON_GPU, top_k_routing
 
-ON_GPU = jax.default_backend() == "gpu"
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
 
@@ -122,9 +122,7 @@ def test_padded_groups_from_token_dispatch(align):
     t, h, n, e, k = 21, 16, 8, 5, 2
     logits = rng.standard_normal((t, e))
     logits[:, 3] -= 100.0                      # expert 3 gets no token: an empty (padded: 0) group
-    top = np.argsort(-logits, 1)[:, :k]
-    rm = np.zeros((t, e), bool)
-    np.put_along_axis(rm, top, True, 1)
+    rm = top_k_routing(logits, k)
     probs = np.where(rm, rng.random((t, e)), 0.0).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((e, h, n)), jnp.float32)

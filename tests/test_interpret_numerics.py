@@ -15,6 +15,7 @@ import triton.language as tl
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.core.interpret_numerics import FORMATS, decode, encode, round_float
+from tests.conftest import routing
 
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 F8E5 = np.dtype(ml_dtypes.float8_e5m2)
@@ -169,10 +170,7 @@ def test_decode_encode_every_bit_pattern(name, dtype):
 # -- the ops themselves --------------------------------------------------------------------
 def _routing(t, e, k, seed):
     rng = np.random.default_rng(seed)
-    rm = np.zeros((t, e), bool)
-    for i in range(t):
-        rm[i, rng.choice(e, k, replace=False)] = True
-    return rm, rng
+    return routing(rng, t, e, k), rng
 
 
 def _combine_model(y: np.ndarray, rid: np.ndarray, w: np.ndarray) -> np.ndarray:

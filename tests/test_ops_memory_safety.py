@@ -16,6 +16,7 @@ import pytest
 import te_jax_perm
 from te_jax_perm.sanitize import OOB, sanitize
 from tests import numpy_reference as ref
+from tests.conftest import routing
 
 
 @contextlib.contextmanager
@@ -69,7 +70,7 @@ def test_chunk_sort_overflowing_traced_sizes_truncate_at_the_input_end(backend, 
 # -- 2. combine given fewer rows than its map addresses; corrupt maps ----------------------
 def _dispatched(t=8, e=4, k=2, h=16, seed=0):
     rng = np.random.default_rng(seed)
-    rm = ref.routing(rng, t, e, k, "topk")
+    rm = routing(rng, t, e, k, "topk")
     x = rng.standard_normal((t, h)).astype(np.float32)
     w = rng.random((t, e)).astype(np.float32)
     out, _, rid, _, _ = te_jax_perm.token_dispatch(x, rm, int(rm.sum()), backend="xla")
@@ -138,7 +139,7 @@ def test_chunk_sort_by_a_corrupt_map_stays_inside_the_buffers(backend):
 def test_padded_dispatch_combined_without_pad_offsets_returns_the_right_tokens(backend):
     rng = np.random.default_rng(7)
     t, e, h, align = 8, 4, 16, 4
-    rm = ref.routing(rng, t, e, 2, "skew")
+    rm = routing(rng, t, e, 2, "skew")
     x = rng.standard_normal((t, h)).astype(np.float32)
     w = rng.random((t, e)).astype(np.float32)
     n = int(rm.sum())

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import te_jax_perm
 from tests import numpy_reference as ref
+from tests.conftest import routing
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -15,7 +16,7 @@ from tests import numpy_reference as ref
        block=st.sampled_from([None, 1, 4, 16]), int_map=st.booleans(), single=st.sampled_from([None, True, False]),
        seed=st.integers(0, 2**16))
 def test_row_id_map_matches_reference(backend, t, e, k, mode, budget, block, int_map, single, seed):
-    rm = ref.routing(np.random.default_rng(seed), t, e, k, mode)
+    rm = routing(np.random.default_rng(seed), t, e, k, mode)
     routed = int(rm.sum())
     n = None if budget is None else int(routed * budget)
     m = rm.astype(np.int32) if int_map else rm
@@ -32,7 +33,7 @@ def test_row_id_map_matches_reference(backend, t, e, k, mode, budget, block, int
 def test_row_id_map_large_xla_and_kernel_agree(kernel_backend, single):
     # Many blocks (more than one reduction chunk of the counts at E=37 -> 64: CH=128 rows of
     # blocks with block_tokens=1), E not a power of two, a bool map.
-    rm = ref.routing(np.random.default_rng(1), 300, 37, 5, "skew")
+    rm = routing(np.random.default_rng(1), 300, 37, 5, "skew")
     out = [te_jax_perm.make_row_id_map(rm, 1000, block_tokens=1 if b != "xla" else 8, single_pass=single, backend=b)
            for b in ("xla", kernel_backend)]
     np.testing.assert_array_equal(np.asarray(out[0][0]), np.asarray(out[1][0]))
@@ -57,7 +58,7 @@ def test_row_id_map_is_only_its_kernels(t, e, launches, kernel_backend):
 
 @pytest.mark.gpu
 def test_row_id_map_real_size(kernel_backend):
-    rm = ref.routing(np.random.default_rng(2), 4096, 256, 8, "topk")
+    rm = routing(np.random.default_rng(2), 4096, 256, 8, "topk")
     rid, _ = jax.jit(lambda m: te_jax_perm.make_row_id_map(m, backend=kernel_backend))(rm)
     rid_x, _ = jax.jit(lambda m: te_jax_perm.make_row_id_map(m, backend="xla"))(rm)
     np.testing.assert_array_equal(np.asarray(rid), np.asarray(rid_x))

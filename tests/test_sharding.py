@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.multidevice import MULTI, collectives, multidevice, partitioner, run_module_on_8_devices  # noqa: E402,F401
+from tests.conftest import top_k_routing
 
 
 
@@ -62,13 +63,6 @@ def test_undeclared_axis_is_replicated(partitioner):
     assert "all-gather" in collectives(f, _put(src, "d"), _put(idx, "d"))
 
 
-def _routing(g, t, e, k, rng):
-    top = np.argsort(-rng.standard_normal((g, t, e)), -1)[..., :k]
-    m = np.zeros((g, t, e), bool)
-    np.put_along_axis(m, top, True, -1)
-    return m
-
-
 def _group_dispatch_combine(x, routing_map, probs, backend):
     """Per routing group: dispatch by expert, scale rows, combine back."""
     from te_jax_perm.ops.permute import permute_with_mask_map, unpermute_with_mask_map
@@ -85,7 +79,7 @@ def test_vmapped_dispatch_combine_is_shard_local(partitioner):
     g, t, e, h = 8, 12, 4, 16
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((g, t, h)), jnp.float32)
-    rm = _routing(g, t, e, 2, rng)
+    rm = top_k_routing(rng.standard_normal((g, t, e)), 2)
     probs = jnp.asarray(rng.random((g, t, e)), jnp.float32)
     f = jax.vmap(lambda *a: _group_dispatch_combine(*a, backend="xla"))
     want = jax.jit(f)(x, rm, probs)

@@ -21,6 +21,7 @@ import pytest
 
 import te_jax_perm
 from tests import numpy_reference as ref
+from tests.conftest import routing
 from tests.multidevice import MULTI, collectives, multidevice, partitioner, run_module_on_8_devices  # noqa: F401
 
 # (num_tokens, num_experts, hidden_size, topk): TE's L0 cases, scaled down for the interpreter.
@@ -45,7 +46,7 @@ def close(actual, desired, dtype):
 
 
 def _routing(t, e, k, seed=42):
-    return ref.routing(np.random.default_rng(seed), t, e, k, "topk").astype(np.int32)
+    return routing(np.random.default_rng(seed), t, e, k, "topk").astype(np.int32)
 
 
 def _inputs(t, e, h, dtype, seed=0):

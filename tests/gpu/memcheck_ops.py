@@ -14,6 +14,7 @@ import numpy as np
 
 import te_jax_perm
 from tests import numpy_reference as ref
+from tests.conftest import routing
 from tests.conftest import KERNEL_BACKEND
 
 CASES = [  # T, H, E, k, align, drop
@@ -23,7 +24,7 @@ CASES = [  # T, H, E, k, align, drop
 
 
 def check_case(t, h, e, k, align, drop, rng) -> None:
-    rm = ref.routing(rng, t, e, k)
+    rm = routing(rng, t, e, k)
     x = rng.standard_normal((t, h)).astype(np.float32)
     probs = (rng.random((t, e)) * rm).astype(np.float32)
     n = max(int(rm.sum()) - drop, 0)
