@@ -1,5 +1,5 @@
 """The tuning cache as an adversary writes it: every entry is checked against the
-declaration before use, bad ones are reported once, ignored and re-tuned; --print-cache
+declaration before use, bad ones are reported once, ignored and re-tuned; --print_cache
 survives any file; an unwritable cache keeps results in memory."""
 import json
 import logging
@@ -161,7 +161,7 @@ def test_print_cache_survives_any_file_and_names_the_bad_ones(tmp_cache):
     cache.store(key, {"best": good, "ranking": [[good, 1e-6]], "tuned_dims": dims})
     bad_key = dict(key, dims={**key["dims"], "N": 8192})
     cache.store(bad_key, {"best": None, "ranking": [[_cfg(BLOCK=3, BOGUS=1), 1e-6]], "tuned_dims": {**dims, "N": 8192}})
-    out = subprocess.run([sys.executable, "-m", "te_jax_perm.autotune", "--print-cache", "--cache-dir", str(tmp_cache)],
+    out = subprocess.run([sys.executable, "-m", "te_jax_perm.autotune", "--print_cache", f"--cache_dir={tmp_cache}"],
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -182,3 +182,15 @@ def test_format_cache_checks_configs_against_the_declaration(tmp_cache):
     assert "BAD" not in cache.format_cache()                  # well formed...
     text = cache.format_cache({SHIPPED: decl})          # ...but not a config the kernel declares
     assert "BAD" in text and f"not one of {SHIPPED}'s declared configs" in text, text
+
+
+def test_cli_help_exits_0_and_an_empty_cache_says_so(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = lambda *args: subprocess.run([sys.executable, "-m", "te_jax_perm.autotune", *args], capture_output=True,
+                                       text=True, timeout=300, env=env)
+    helped = run("--helpshort")
+    assert helped.returncode == 0 and "--print_cache" in helped.stdout, helped.stderr[-2000:]
+    empty = run("--print_cache", f"--cache_dir={tmp_path / 'none'}")
+    assert empty.returncode == 0, empty.stderr[-2000:]
+    assert "empty: nothing is tuned here yet" in empty.stdout, empty.stdout
+    assert run("--no_such_flag").returncode == 1

@@ -170,8 +170,16 @@ def test_default_impl_and_missing_tokamax():
         assert default_impl() == "xla"
     if not tokamax_available():
         lhs, rhs, gs, _ = _problem(8, 4, 3, [2, 2], "float32", tail=0.0)
-        with pytest.raises(ImportError, match=r"te_jax_perm\[gemm\]"):
+        with pytest.raises(ImportError, match=r"needs tokamax: "):
             grouped_matmul(lhs, rhs, gs, impl="tokamax")
+
+
+def test_tokamax_hint_says_what_is_true_on_each_python():
+    from te_jax_perm.ops.grouped_gemm import tokamax_install_hint
+    old = tokamax_install_hint((3, 11))
+    assert "Python 3.12 or newer" in old and "Python 3.11" in old and "installs nothing" in old
+    assert "impl='triton'" in old and "pip install" not in old
+    assert tokamax_install_hint((3, 12)) == tokamax_install_hint((3, 13)) == "pip install 'te_jax_perm[gemm]'"
 
 
 @pytest.mark.gpu

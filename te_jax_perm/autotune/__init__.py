@@ -7,7 +7,7 @@ never re-tunes for a value outside the declared key (results persist per key on 
 
 Use ``TE_JAX_PERM_AUTOTUNE=1`` / :func:`enable` / :func:`autotuning` to tune on a cache
 miss while tracing, :func:`tune` or :func:`tune_ahead` to tune explicitly, and
-:func:`print_cache` (or ``python -m te_jax_perm.autotune --print-cache``) to inspect.
+:func:`print_cache` (or ``python -m te_jax_perm.autotune --print_cache``) to inspect.
 Cached results are used whenever present: importing ``te_jax_perm`` installs the resolver.
 """
 from __future__ import annotations

@@ -1,41 +1,48 @@
 """``python -m te_jax_perm.autotune``: print the cache, or tune the ops ahead of time.
 
-    python -m te_jax_perm.autotune --print-cache
-    python -m te_jax_perm.autotune --tune-shapes [--backend triton] [--small] [--dtype bfloat16]
-        [--budget-s 240] [--shapes deepseek-v3:8192,qwen3] [--max-candidates 24]
+    python -m te_jax_perm.autotune --print_cache
+    python -m te_jax_perm.autotune --tune_shapes [--backend=triton] [--small] [--dtype=bfloat16]
+        [--budget_s=240] [--shapes=deepseek-v3:8192,qwen3] [--max_candidates=24]
+
+``--helpshort`` explains every flag.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from typing import Any, Callable
 
 import numpy as np
+from absl import flags
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m te_jax_perm.autotune")
-    ap.add_argument("--print-cache", action="store_true")
-    ap.add_argument("--tune-shapes", action="store_true", help="tune every kernel of dispatch+combine at real MoE sizes")
-    ap.add_argument("--backend", default=None, help="triton (GPU default) or interpret")
-    ap.add_argument("--small", action="store_true", help="the small CPU shape only")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--cache-dir", default=None)
-    ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget for --tune-shapes")
-    ap.add_argument("--shapes", default=None, help="comma-separated model:T filters, e.g. deepseek-v3:8192,qwen3")
-    ap.add_argument("--max-candidates", type=int, default=24, help="configs tried per kernel (default kept)")
-    a = ap.parse_args(argv)
+def _define_flags() -> None:
+    flags.DEFINE_bool("print_cache", False, "print every cached tuning result (the default when not tuning)")
+    flags.DEFINE_bool("tune_shapes", False, "tune every kernel that dispatch+combine launch at real MoE sizes")
+    flags.DEFINE_enum("backend", None, ["triton", "interpret"], "where to tune: triton (the GPU default) or "
+                      "interpret (the Triton interpreter, the CPU default)")
+    flags.DEFINE_bool("small", False, "tune at the one small CPU shape only")
+    flags.DEFINE_string("dtype", "bfloat16", "token dtype to tune for: bfloat16, float16 or float32")
+    flags.DEFINE_string("cache_dir", None, "tuning cache directory (default: $TE_JAX_PERM_AUTOTUNE_CACHE, else "
+                        "~/.cache/te_jax_perm/autotune)")
+    flags.DEFINE_float("budget_s", None, "wall-clock budget in seconds for --tune_shapes; no tuning starts after it")
+    flags.DEFINE_string("shapes", None, "comma-separated model:T filters for --tune_shapes, e.g. "
+                        "deepseek-v3:8192,qwen3")
+    flags.DEFINE_integer("max_candidates", 24, "configs tried per kernel (the default config is always kept)")
+
+
+def main(argv: list[str]) -> int:
+    del argv
     from absl import logging
     logging.set_verbosity(logging.INFO)
     from te_jax_perm import autotune
-    if a.cache_dir:
-        autotune.set_cache_dir(a.cache_dir)
-    if a.tune_shapes:
-        opts = autotune.TuneOptions(max_candidates=a.max_candidates or None)
-        tune_shapes(a.backend, a.small, a.dtype, a.budget_s, a.shapes, opts,
+    f = flags.FLAGS
+    if f.cache_dir:
+        autotune.set_cache_dir(f.cache_dir)
+    if f.tune_shapes:
+        opts = autotune.TuneOptions(max_candidates=f.max_candidates or None)
+        tune_shapes(f.backend, f.small, f.dtype, f.budget_s, f.shapes, opts,
                     on_row=lambda row: print(json.dumps(row), flush=True))
-    if a.print_cache or not a.tune_shapes:
+    if f.print_cache or not f.tune_shapes:
         from te_jax_perm.autotune.cache import format_cache
         print(format_cache(shipped_decls()))
     return 0
@@ -43,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def shipped_decls() -> dict[str, Any]:
     """Kernel name -> declaration of every kernel primitive the library's ops define, so
-    that --print-cache checks each entry's configs against its kernel's declaration."""
+    that --print_cache checks each entry's configs against its kernel's declaration."""
     import importlib
     import pkgutil
 
@@ -146,4 +153,6 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from te_jax_perm import cli
+    _define_flags()
+    cli.run(main)

@@ -179,6 +179,8 @@ def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
         lines.append(f"    best={e.get('best')} time_s={e.get('best_time_s')} "
                      f"timed={_count(e, 'ranking')} rejected={_count(e, 'rejected')} "
                      f"failed={_count(e, 'failed')} pruned={_count(e, 'pruned')}  [{where}{p.name}]")
+    if len(lines) == 1:
+        lines.append("  empty: nothing is tuned here yet (python -m te_jax_perm.autotune --tune_shapes tunes the ops)")
     if bad:
         lines.append(f"{bad} bad entr{'y' if bad == 1 else 'ies'}: ignored when tuning is off, re-tuned when on")
     return "\n".join(lines)

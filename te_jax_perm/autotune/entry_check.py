@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 from te_jax_perm.core.declaration import Config, KernelDecl
 
 _CONFIG_FIELDS = {"constants", "num_warps", "num_stages"}
-# Fields the tuner writes as lists of records (counted by --print-cache).
+# Fields the tuner writes as lists of records (counted by --print_cache).
 LIST_FIELDS = ("ranking", "rejected", "failed", "pruned", "skipped", "not_run")
 
 

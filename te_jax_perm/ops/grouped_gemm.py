@@ -12,8 +12,8 @@ Three implementations, one result:
   group's rows. Runs on the ``triton`` backend on GPUs (``interpret`` on CPU for tests).
 * ``"tokamax"``: tokamax's ``ragged_dot`` (Pallas Mosaic GPU kernels for Hopper/Blackwell,
   Pallas Triton elsewhere on GPU). A real grouped GEMM: each row tile multiplies only its
-  own group's weights. Optional dependency (``pip install 'te_jax_perm[gemm]'``), imported
-  on first use.
+  own group's weights. Optional dependency (``pip install 'te_jax_perm[gemm]'``, Python
+  3.12 or newer), imported on first use.
 * ``"xla"``: ``jax.lax.ragged_dot_general``. Exact and portable; but XLA:GPU lowers it by
   materialising every group (a masked ``[M, G, K]`` copy and one dot with a ``G*K``
   contraction), so on a GPU it costs G times the FLOPs and memory -- fine on a CPU and for
@@ -29,6 +29,7 @@ Rows past ``sum(group_sizes)`` give zeros in the output and in ``dlhs`` and add 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable
 
 import jax
@@ -136,9 +137,22 @@ def _tokamax():
         with env.triton_cache_dir_kept():  # tokamax imports jax-triton, which blanks it
             import tokamax
     except ImportError as e:
-        raise ImportError("grouped_matmul(impl='tokamax') needs tokamax: pip install 'te_jax_perm[gemm]' "
-                          f"({e})") from e
+        raise ImportError(f"grouped_matmul(impl='tokamax') needs tokamax: {tokamax_install_hint()} ({e})") from e
     return tokamax
+
+
+# tokamax 0.0.17 needs jax >= 0.11.1, released for Python 3.12 and newer only (the `gemm`
+# extra in pyproject.toml carries the same marker).
+TOKAMAX_PYTHON = (3, 12)
+
+
+def tokamax_install_hint(python: tuple[int, ...] = tuple(sys.version_info[:2])) -> str:
+    """How to get tokamax on this Python, or why it cannot be had."""
+    if tuple(python[:2]) < TOKAMAX_PYTHON:
+        return (f"it needs Python {'.'.join(map(str, TOKAMAX_PYTHON))} or newer, and this is Python "
+                f"{'.'.join(map(str, python[:2]))} (where the 'gemm' extra installs nothing); use impl='triton' "
+                "or impl='xla' here")
+    return "pip install 'te_jax_perm[gemm]'"
 
 
 def _ragged(impl: str) -> Callable[..., jax.Array]:
