@@ -7,13 +7,17 @@ Per shape, fwd+bwd step time (jitted ``value_and_grad`` of a loss through router
 SwiGLU experts and combine) of
 
 * ``ours``: ``token_dispatch`` -> grouped GEMM experts -> ``token_combine`` (the layer of
-  ``examples/moe_permute.py``);
+  ``examples/moe_permute.py``, imported from it);
 * ``pure_jax``: the permutation as MaxText writes it: ``argsort`` of the flattened expert
   choices, a gather of the replicated tokens, the same grouped GEMM, the inverse gather and
   a weighted sum over the k copies; the gathers' VJP is the gather by the inverse
   permutation (no scatter-add);
 * ``gemm_limit``: a dense SwiGLU FFN over ``T*k`` rows with the same GEMM FLOPs, so
   ``step_over_gemm_limit`` = ours / gemm_limit says how close the layer is to its matmuls.
+
+Before timing, the loss and every gradient of ``ours`` are checked against ``pure_jax`` (the
+same function, permuted another way) at the full size. With ``--profile`` (GPU), a profile of
+``ours`` gives the share of the step's kernel time spent in te_jax_perm's kernels.
 
 After the layers, a grouped-GEMM table: our Triton grouped GEMM vs tokamax's (where
 installed) vs one dense dot of the same FLOPs, forward and fwd+bwd (``jax.lax.ragged_dot``,
@@ -27,10 +31,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
+import importlib
 import json
-import os
 import pathlib
+import pkgutil
 import platform
 import statistics
 import sys
@@ -42,10 +46,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import trace_stats
 from benchmarks.shapes import by_substrings
-from te_jax_perm.ops.grouped_gemm import grouped_matmul, tokamax_available
+from examples import moe_permute as example
+from te_jax_perm.core import resolve_backend
+from te_jax_perm.ops.grouped_gemm import default_impl, grouped_matmul, tokamax_available
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 TARGET_STEP_OVER_GEMM = 1.5          # at DeepSeek-V3 and Qwen3 (H100)
 TARGET_MODELS = ("DeepSeek-V3", "Qwen3")
 
@@ -80,15 +86,64 @@ GPU_GEMMS = ((16384, 4096, 4096, 8), (32768, 4096, 2048, 32), (65536, 7168, 2048
 CPU_GEMMS = ((96, 32, 24, 4), (64, 16, 16, 8))
 
 
-def load_example():
-    """examples/moe_permute.py as a module: the layer, its GEMM limit and FLOP count live there."""
-    name = "te_jax_perm_example_moe_permute"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "moe_permute.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+# -- the layer's limits -----------------------------------------------------------------
+def layer_gemm_flops(cfg: example.MoEConfig) -> float:
+    """GEMM FLOPs of one training step: forward 2*M*H*2F + 2*M*F*H, backward twice that (M = T*k)."""
+    m = cfg.tokens * cfg.topk
+    return 3 * (2 * m * cfg.hidden * 2 * cfg.ffn + 2 * m * cfg.ffn * cfg.hidden)
+
+
+def dense_ffn_step(cfg: example.MoEConfig) -> tuple[Callable, tuple]:
+    """The GEMM limit: one dense SwiGLU FFN over T*k rows with one expert's weights, fwd+bwd:
+    the same GEMM FLOPs as the layer with no routing, permutation or grouping."""
+    kx, k1, k2 = jax.random.split(jax.random.PRNGKey(cfg.seed + 1), 3)
+    dt = jnp.dtype(cfg.dtype)
+    rows = jax.random.normal(kx, (cfg.tokens * cfg.topk, cfg.hidden), dt)
+    w_in = (jax.random.normal(k1, (cfg.hidden, 2 * cfg.ffn), dt) / np.sqrt(cfg.hidden)).astype(dt)
+    w_out = (jax.random.normal(k2, (cfg.ffn, cfg.hidden), dt) / np.sqrt(cfg.ffn)).astype(dt)
+
+    def loss(rows, w_in, w_out):
+        y = example.swiglu(rows @ w_in).astype(dt) @ w_out
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (rows, w_in, w_out)
+
+
+def time_steps(fn: Callable, args: tuple, steps: int) -> list[float]:
+    """Wall milliseconds per call, blocked until ready, after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(max(1, steps)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def our_kernel_names() -> list[str]:
+    """The names of te_jax_perm's Triton kernels (GPU kernel events carry these names)."""
+    import te_jax_perm.kernels as kernels_pkg
+    names = []
+    for info in pkgutil.iter_modules(kernels_pkg.__path__):
+        mod = importlib.import_module(f"te_jax_perm.kernels.{info.name}")
+        names += [obj.fn.__name__ for obj in vars(mod).values()
+                  if callable(getattr(obj, "fn", None)) and getattr(obj.fn, "__module__", "") == mod.__name__]
+    return sorted(names)
+
+
+def kernel_share(step: Callable, args: tuple, steps: int = 3) -> dict[str, Any]:
+    """GPU kernel time per step from a profile, and the part of it in te_jax_perm's kernels."""
+    jax.block_until_ready(step(*args))
+    stats = trace_stats.profile(lambda: jax.block_until_ready(step(*args)), steps)
+    ours = our_kernel_names()
+    ours_ns = sum(ns for k, ns in stats.kernel_ns.items() if trace_stats.matches(k, ours))
+    total = sum(stats.kernel_ns.values())
+    if total == 0:
+        raise RuntimeError("the profile holds no GPU kernel events")
+    top = sorted(stats.kernel_ns.items(), key=lambda kv: -kv[1])[:8]
+    return {"kernel_ms_per_step": total / steps / 1e6, "ours_ms_per_step": ours_ns / steps / 1e6,
+            "ours_share_of_kernel_time": ours_ns / total,
+            "top_kernels_ms_per_step": {k: v / steps / 1e6 for k, v in top}}
 
 
 # -- the MaxText-style permutation ----------------------------------------------------------
@@ -109,8 +164,8 @@ def _sort_rows_bwd(order, g):
 sort_rows.defvjp(_sort_rows_fwd, _sort_rows_bwd)
 
 
-def pure_jax_layer(ex, params: dict[str, jax.Array], x: jax.Array, cfg) -> jax.Array:
-    """The same layer as ``ex.moe_layer``, permuted by argsort and gathers (MaxText's way)."""
+def pure_jax_layer(params: dict[str, jax.Array], x: jax.Array, cfg: example.MoEConfig) -> jax.Array:
+    """The same layer as ``example.moe_layer``, permuted by argsort and gathers (MaxText's way)."""
     t, h = x.shape
     logits = x.astype(jnp.float32) @ params["router"]
     top_logits, top_idx = jax.lax.top_k(logits, cfg.topk)
@@ -119,7 +174,7 @@ def pure_jax_layer(ex, params: dict[str, jax.Array], x: jax.Array, cfg) -> jax.A
     order = jnp.argsort(flat)
     rows = sort_rows(jnp.repeat(x, cfg.topk, axis=0), order)            # [T*k, H] grouped by expert
     group_sizes = jnp.bincount(flat, length=cfg.experts).astype(jnp.int32)
-    y = ex.expert_ffn(params, rows, group_sizes, cfg.gemm_impl)
+    y = example.expert_ffn(params, rows, group_sizes, cfg.gemm)
     back = sort_rows(y, jnp.argsort(order)).reshape(t, cfg.topk, h)
     return jnp.einsum("tkh,tk->th", back.astype(jnp.float32), weights).astype(x.dtype)
 
@@ -136,8 +191,8 @@ class Log:
                 f.write(msg + "\n")
 
 
-def _median_ms(ex, fn: Callable, args: tuple, steps: int) -> float:
-    return statistics.median(ex.time_steps(fn, args, steps))
+def _median_ms(fn: Callable, args: tuple, steps: int) -> float:
+    return statistics.median(time_steps(fn, args, steps))
 
 
 def _group_sizes(m: int, g: int, seed: int) -> np.ndarray:
@@ -145,7 +200,7 @@ def _group_sizes(m: int, g: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).multinomial(m, np.full(g, 1.0 / g)).astype(np.int32)
 
 
-def gemm_row(ex, m: int, k: int, n: int, g: int, dtype: str, impls: tuple[str, ...], steps: int) -> dict:
+def gemm_row(m: int, k: int, n: int, g: int, dtype: str, impls: tuple[str, ...], steps: int) -> dict:
     """Forward and fwd+bwd times of each grouped-GEMM implementation and of one dense dot."""
     key = jax.random.PRNGKey(0)
     lhs = jax.random.normal(key, (m, k), dtype)
@@ -164,7 +219,7 @@ def gemm_row(ex, m: int, k: int, n: int, g: int, dtype: str, impls: tuple[str, .
         b = dense_rhs if name == "dense" else rhs
         for what, fn in (("fwd", jax.jit(mm)), ("fwd_bwd", fwd_bwd(mm))):
             try:
-                ms = _median_ms(ex, fn, (lhs, b), steps)
+                ms = _median_ms(fn, (lhs, b), steps)
                 row[f"{name}_{what}_ms"] = ms
                 row[f"{name}_{what}_tflops"] = flops * (1 if what == "fwd" else 3) / ms / 1e9
             except Exception as e:  # noqa: BLE001 - e.g. out of memory for the densified ragged_dot
@@ -172,36 +227,46 @@ def gemm_row(ex, m: int, k: int, n: int, g: int, dtype: str, impls: tuple[str, .
     return row
 
 
-def layer_row(ex, shape: LayerShape, dtype: str, backend: str | None, gemm: str, steps: int) -> dict:
-    cfg = ex.MoEConfig(tokens=shape.T, hidden=shape.H, ffn=shape.F, experts=shape.E, topk=shape.k, dtype=dtype,
-                       backend=backend, gemm=gemm, steps=steps, profile=False, preset=shape.model)
-    cfg = dataclasses.replace(cfg, backend=ex.resolve_backend(cfg.backend), gemm=cfg.gemm_impl)
+def _max_rel_diff(a: Any, b: Any) -> float:
+    """Largest difference over every leaf, relative to the largest value of ``b``."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    diff = max(float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))) for x, y in zip(la, lb))
+    return diff / max(max(float(jnp.max(jnp.abs(y.astype(jnp.float32)))) for y in lb), 1e-6)
+
+
+def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, steps: int,
+              profile: bool = False) -> dict:
+    gemm = default_impl(dtype, dtype) if gemm == "auto" else gemm
+    cfg = example.MoEConfig(tokens=shape.T, hidden=shape.H, ffn=shape.F, experts=shape.E, topk=shape.k, dtype=dtype,
+                            backend=resolve_backend(backend), gemm=gemm)
     kp, kx = jax.random.split(jax.random.PRNGKey(0))
-    params = jax.jit(ex.init_params, static_argnums=0)(cfg, kp)
+    params = jax.jit(example.init_params, static_argnums=0)(cfg, kp)   # jitted: no float32 temporaries
     x = jax.random.normal(kx, (cfg.tokens, cfg.hidden), jnp.float32).astype(dtype)
 
     def step_of(layer):
         loss = lambda p, x: jnp.mean(jnp.square(layer(p, x).astype(jnp.float32)))
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
-    ours = lambda p, x: ex.moe_layer(p, x, cfg)[0]
-    pure = lambda p, x: pure_jax_layer(ex, p, x, cfg)
+    steps_by_name = {"ours": step_of(lambda p, x: example.moe_layer(p, x, cfg)),
+                     "pure_jax": step_of(lambda p, x: pure_jax_layer(p, x, cfg))}
     row: dict[str, Any] = {"shape": shape.name, **dataclasses.asdict(shape), "dtype": dtype,
-                           "backend": cfg.backend, "gemm": cfg.gemm,
-                           "gemm_tflop_per_step": ex.layer_gemm_flops(cfg) / 1e12}
-    # Same function, two permutations: the forward outputs must agree before times mean anything.
-    out_a, out_b = jax.jit(ours)(params, x), jax.jit(pure)(params, x)
-    ref = float(jnp.max(jnp.abs(out_b.astype(jnp.float32))))
-    row["ours_vs_pure_jax_max_rel_diff"] = float(jnp.max(jnp.abs(out_a.astype(jnp.float32) - out_b))) / max(ref, 1e-6)
-    del out_a, out_b
-    for name, layer in (("ours", ours), ("pure_jax", pure)):
+                           "backend": cfg.backend, "gemm": cfg.gemm, "gemm_tflop_per_step": layer_gemm_flops(cfg) / 1e12}
+    # Same function, two permutations: the loss and every gradient must agree before times mean anything.
+    row["ours_vs_pure_jax_max_rel_diff"] = _max_rel_diff(steps_by_name["ours"](params, x),
+                                                         steps_by_name["pure_jax"](params, x))
+    for name, step in steps_by_name.items():
         try:
-            row[f"{name}_ms"] = _median_ms(ex, step_of(layer), (params, x), steps)
+            row[f"{name}_ms"] = _median_ms(step, (params, x), steps)
         except Exception as e:  # noqa: BLE001
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if profile:
+        try:
+            row["profile"] = kernel_share(steps_by_name["ours"], (params, x))
+        except Exception as e:  # noqa: BLE001 - the row says why instead of failing the run
+            row["profile"] = {"error": f"{type(e).__name__}: {e}"}
     del params, x
-    dense_step, dense_args = ex.dense_ffn_step(cfg)
-    row["gemm_limit_ms"] = _median_ms(ex, dense_step, dense_args, steps)
+    dense_step, dense_args = dense_ffn_step(cfg)
+    row["gemm_limit_ms"] = _median_ms(dense_step, dense_args, steps)
     if "ours_ms" in row:
         row["step_over_gemm_limit"] = row["ours_ms"] / row["gemm_limit_ms"]
     if "ours_ms" in row and "pure_jax_ms" in row:
@@ -286,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemm", choices=("auto", "triton", "tokamax", "xla"), default="auto",
                     help="grouped GEMM inside the layers (auto: triton on a GPU, else xla)")
     ap.add_argument("--no-gemm-table", action="store_true", help="skip the grouped-GEMM table")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile each layer's step: the share of GPU kernel time in te_jax_perm's kernels (GPU)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     on_gpu = jax.default_backend() == "gpu" and args.mode != "cpu"
@@ -295,7 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "layer.log").unlink(missing_ok=True)
     log = Log(out / "layer.log")
-    ex = load_example()
     steps = args.steps or (10 if on_gpu else 2)
     dtype = "bfloat16" if on_gpu else "float32"
     backend = "triton" if on_gpu else None
@@ -317,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t0 = time.perf_counter()
         try:
-            row = layer_row(ex, shape, dtype, backend, args.gemm, steps)
+            row = layer_row(shape, dtype, backend, args.gemm, steps, profile=args.profile and on_gpu)
         except Exception as e:  # noqa: BLE001 - one shape failing must not lose the others
             row = {"shape": shape.name, **dataclasses.asdict(shape), "error": f"{type(e).__name__}: {e}"[:400]}
             traceback.print_exc()
@@ -328,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
                 f" ms, GEMM limit {row['gemm_limit_ms']:.2f} ms ({row['gemm_tflop_per_step']:.1f} TFLOP); "
                 f"step/GEMM limit {row.get('step_over_gemm_limit', float('nan')):.2f}; outputs agree to "
                 f"{row['ours_vs_pure_jax_max_rel_diff']:.1e} ({time.perf_counter() - t0:.0f} s)")
+            prof = row.get("profile")
+            if prof:
+                log(f"PROFILE {shape.name}: " + (f"unavailable: {prof['error']}" if "error" in prof else
+                    f"{prof['kernel_ms_per_step']:.2f} ms of GPU kernels per step, te_jax_perm's "
+                    f"{prof['ours_ms_per_step']:.2f} ms ({100 * prof['ours_share_of_kernel_time']:.1f}%)"))
         else:
             log(f"LAYER {shape.name}: FAILED {row['error'][:300]}")
 
@@ -339,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
             if budget_left() < 0:
                 result["skipped"].append(f"gemm {m}x{k}x{n} G={g}: budget")
                 continue
-            row = gemm_row(ex, m, k, n, g, dtype, impls, steps)
+            row = gemm_row(m, k, n, g, dtype, impls, steps)
             result["gemm_table"].append(row)
             parts = [f"{name} {row[f'{name}_fwd_ms']:.3f} ms ({row[f'{name}_fwd_tflops']:.0f} TFLOP/s)"
                      if f"{name}_fwd_ms" in row else f"{name} {row.get(f'{name}_fwd_error', '?')[:80]}"

@@ -32,7 +32,7 @@ class TraceStats:
         return sum(self.kernel_ns.values()) / self.steps / 1e3
 
     def count_per_step(self, names: Sequence[str]) -> float:
-        return sum(c for k, c in self.kernel_count.items() if _matches(k, names)) / self.steps
+        return sum(c for k, c in self.kernel_count.items() if matches(k, names)) / self.steps
 
     def to_json(self) -> dict[str, Any]:
         return {"steps": self.steps, "kernel_us_per_step": self.kernel_us_per_step,
@@ -43,7 +43,7 @@ class TraceStats:
                 "kernels": {k: {"count": self.kernel_count[k], "us": v / 1e3} for k, v in sorted(self.kernel_ns.items())}}
 
 
-def _matches(kernel: str, names: Sequence[str]) -> bool:
+def matches(kernel: str, names: Sequence[str]) -> bool:
     return any(kernel == n or kernel.startswith(n + "_") or kernel.startswith(n + "(") for n in names)
 
 

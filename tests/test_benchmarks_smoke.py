@@ -115,3 +115,20 @@ def test_stress_comparison_catches_one_flipped_bit_and_large_errors():
     assert "shape/dtype" in stress._same("combine", got[:2], want, "float32")
     zero = np.zeros(3, np.float32)
     assert stress._same("sort", -zero, zero, "float32") is not None
+
+
+def test_gpu_driver_names_its_steps_and_rejects_others(tmp_path):
+    """The one GPU driver (python3 -m tests.gpu.run): --helpshort exits 0, an unknown step
+    is an error naming the steps there are, and nothing runs."""
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    run = lambda *a: subprocess.run([sys.executable, "-m", "tests.gpu.run", *a], cwd=root, env=env,
+                                    capture_output=True, text=True, timeout=300)
+    helped = run("--helpshort")
+    assert helped.returncode == 0 and "--steps" in helped.stdout, helped.stderr[-2000:]
+    bad = run(f"--out={tmp_path}", "--steps=pytest,bogus")
+    assert bad.returncode != 0 and "unknown ['bogus']" in bad.stderr and "'memcheck'" in bad.stderr, bad.stderr
+    assert not (tmp_path / "summary.txt").exists()

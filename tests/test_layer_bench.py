@@ -45,3 +45,11 @@ def test_verdicts_judge_only_the_target_models():
     assert lines[1].startswith("TARGET PASS d: ours")
     assert lines[2].startswith("TARGET FAIL m: ours")    # slower than pure JAX fails at any shape
     assert len(lines) == 3                               # no GEMM-limit verdict for Mixtral
+
+
+def test_profile_counts_our_kernels_by_name():
+    names = layer_bench.our_kernel_names()
+    assert {"permute_kernel", "unpermute_kernel", "sort_chunks_kernel"} <= set(names)
+    assert "accumulate_rows_kernel" not in names          # only the library's kernels
+    from benchmarks import trace_stats
+    assert trace_stats.matches("permute_kernel_0d1d2d", names) and not trace_stats.matches("gemm_kernel", names)

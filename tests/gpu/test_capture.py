@@ -7,8 +7,8 @@ on: what capture removes is the host launch of each kernel, ours included (with 
 custom call the two runs time the same). XLA converts to command buffers after HLO
 optimisation, at the thunk level, so the optimized HLO text does not show them; XLA also
 runs a command buffer's thunks one by one while a profiler is attached, so the profiled
-launches only confirm which kernels ran. Run it alone (timing): tests/gpu/run_gpu_tests.sh
-runs it as its own step.
+launches only confirm which kernels ran. It times, so it runs alone:
+``python3 -m tests.gpu.run --steps=capture``.
 """
 import json
 import os
