@@ -231,7 +231,6 @@ def exchange_ms(sz: Sizes, mesh, rm_host, mode: str, steps: int) -> float:
 # -- one configuration ----------------------------------------------------------------------------
 def run_config(sz: Sizes, devices, modes: list[str], backend: str, steps: int, check: bool) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
     from te_jax_perm.parallel import EPConfig, ep_moe_layer

@@ -3,8 +3,7 @@
 The jitted dispatch -> combine forward+backward step runs in two fresh processes: one
 with XLA's default flags (command buffers on), one with ``--xla_gpu_enable_command_buffer=``
 (off). The outputs must be bit-identical, and the step must run markedly faster with them
-on: what capture removes is the host launch of each kernel, ours included (with the legacy
-custom call the two runs time the same). XLA converts to command buffers after HLO
+on: what capture removes is the host launch of each kernel, ours included. XLA converts to command buffers after HLO
 optimisation, at the thunk level, so the optimized HLO text does not show them; XLA also
 runs a command buffer's thunks one by one while a profiler is attached, so the profiled
 launches only confirm which kernels ran. It times, so it runs alone:
@@ -28,7 +27,6 @@ def _run(tmp_path, name, command_buffers_on):
     if not command_buffers_on:
         flags += " --xla_gpu_enable_command_buffer="
     env = dict(os.environ, XLA_FLAGS=flags.strip(), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("TE_JAX_PERM_TRITON_CALL", None)  # the default call mode
     npz, js = tmp_path / f"{name}.npz", tmp_path / f"{name}.json"
     proc = subprocess.run([sys.executable, "-m", "tests.gpu.capture_step", "--npz", str(npz), "--json", str(js)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
