@@ -31,6 +31,9 @@ class FakeKernelCallLib:
         targets = {triton_backend.FFI_TARGET: {}} if ffi_registered else {}
         self._cuda_triton = types.SimpleNamespace(registrations=lambda: targets)
 
+    def get_compute_capability(self, device):
+        return 90                                   # an H100
+
     def TritonKernel(self, *args):
         self.kernels.append(args)
         return {"name": args[0], "num_warps": args[1], "num_ctas": args[2], "shared": args[3],
@@ -66,7 +69,10 @@ def _custom_calls(lowered):
 def _lower_for_cuda(fn, *args, lib=None):
     lib = lib or FakeKernelCallLib()
     jax.clear_caches()  # the kernel-call library is read when lowering; JAX caches lowerings
-    with triton_backend.kernel_call_library(lib, 90):
+    # Lowered with ``lib`` standing in for jaxlib's CUDA bindings: the exact custom calls a
+    # GPU run would execute, without a GPU.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_backend, "_device_kernel_call_lib", lambda: lib)
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)), lib
 
 

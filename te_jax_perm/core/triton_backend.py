@@ -9,11 +9,9 @@ alias plan, so XLA never hands an output the memory of another input.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import zlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.ffi
@@ -81,31 +79,12 @@ def _device_kernel_call_lib() -> Any:
     return _load_kernel_call_lib()
 
 
-_override: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar("te_jax_perm_kernel_call_lib",
-                                                                                   default=None)
-
-
-@contextlib.contextmanager
-def kernel_call_library(lib: Any, compute_capability: int) -> Iterator[None]:
-    """Lowers with ``lib`` standing in for jaxlib's Triton kernel-call bindings, compiling
-    for ``compute_capability``: lets a machine without a GPU lower (and check) the exact
-    custom calls a GPU run would execute."""
-    token = _override.set((lib, int(compute_capability)))
-    try:
-        yield
-    finally:
-        _override.reset(token)
-
-
 def compute_capability() -> int:
     """The compute capability the ``triton`` backend compiles for (e.g. 90 on an H100)."""
     return _lib_and_capability()[1]
 
 
 def _lib_and_capability() -> tuple[Any, int]:
-    override = _override.get()
-    if override is not None:
-        return override
     lib = _device_kernel_call_lib()
     return lib, int(lib.get_compute_capability(0))
 
