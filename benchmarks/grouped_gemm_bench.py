@@ -12,11 +12,12 @@ import json
 import os
 import time
 
-from absl import app, flags, logging
+from absl import flags, logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax_perm import cli
 from te_jax_perm.core import Config
 from te_jax_perm.ops import grouped_gemm_triton as gg
 
@@ -117,4 +118,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

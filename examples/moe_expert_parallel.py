@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from absl import app, flags
+from absl import flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("cpu_devices", 8, "virtual CPU devices to run on when there is no GPU")
@@ -379,4 +379,5 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    app.run(lambda argv: sys.exit(main(argv)))
+    from te_jax_perm import cli
+    cli.run(main)
