@@ -1,6 +1,7 @@
 """The layout rules, checked on the source: core imports nothing above it, one module orders
-kernel arguments, one reads the output-init rule, plug-ins register through core.hooks, and
-the library's environment variables reject values they do not know."""
+kernel arguments, one reads the output-init rule, plug-ins register through core.hooks, no
+module imports another's private names, only core/env.py reads the environment, and the
+library's environment variables reject values they do not know."""
 import ast
 import dataclasses
 import os
@@ -112,6 +113,30 @@ def test_private_import_check_sees_one():
     assert list(_private_imports("te_jax_perm/ops/dispatch.py", src)) == [
         "te_jax_perm/ops/dispatch.py:2 from te_jax_perm.ops.permute import _helper"]
     assert list(_private_imports("benchmarks/run.py", src))[0].endswith("import _checks")
+
+
+def _environment_reads(tree):
+    """Lines that read one environment variable: ``os.environ.get(..)``, ``os.environ[..]``,
+    ``.. in os.environ``, ``os.getenv(..)`` (passing the whole environment on is no read)."""
+    def is_environ(node):
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                node.func.attr == "getenv" or (node.func.attr == "get" and is_environ(node.func.value))):
+            yield node.lineno
+        elif isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
+            yield node.lineno
+        elif isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators):
+            yield node.lineno
+
+
+def test_environment_variables_are_read_in_core_env_only():
+    bad = [f"{rel}:{line}" for rel, tree in _modules() if rel != "te_jax_perm/core/env.py"
+           for line in _environment_reads(tree)]
+    assert not bad, "\n".join(bad)
+    seen = ast.parse("import os\na = os.environ.get('X')\nb = os.environ['Y']\nc = 'Z' in os.environ\n"
+                     "d = os.getenv('W')\ne = dict(os.environ, Q='1')\n")
+    assert list(_environment_reads(seen)) == [2, 3, 4, 5]
 
 
 # -- the launch and its argument order -------------------------------------------------------
