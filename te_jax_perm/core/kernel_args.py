@@ -116,9 +116,3 @@ def signature(launch: "Launch") -> dict[str, str]:
     sig = {a.name: ("*" + triton_type(a.value.dtype)) if a.is_pointer else scalar_type(a.value) for a in args}
     sig.update({name: "constexpr" for name in launch.constexprs})
     return {name: sig[name] for name in parameter_names(launch.decl)}  # the kernel's order
-
-
-def pointer_positions(launch: "Launch") -> tuple[int, ...]:
-    """Indices of the pointer parameters (XLA and torch buffers are 16-byte aligned)."""
-    args = kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)
-    return tuple(i for i, a in enumerate(args) if a.is_pointer)

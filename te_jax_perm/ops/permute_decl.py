@@ -31,13 +31,18 @@ def _key_bucket(name: str, v: int) -> int:
     return next_pow2(v) if name == "T" else v
 
 
+def _whole_row(dims) -> int:
+    """The tile width holding a whole row (a power of two, at most 8192 columns)."""
+    return min(next_pow2(max(dims["H"], 16)), 8192)
+
+
 def _default_config(dims, params) -> Config:
     """Whole rows per program (up to 8192 elements: 16 KB of bf16, so H=7168 is one step),
     ~8192 elements per program so each thread keeps four 16-byte vectors in flight, and
     enough warps for that: 8 warps at H in {2880, 4096, 7168} (bf16: 2 rows of 4096 lanes,
     or 1 row of 8192 lanes; masked lanes past H move no bytes). Dtype-agnostic: fp32 rows
     double the bytes per thread, still well within registers (checked in the PTX test)."""
-    block_h = min(next_pow2(max(dims["H"], 16)), 8192)
+    block_h = _whole_row(dims)
     rows = min(max(1, 8192 // block_h), 4, pow2_at_most(dims["T"]))
     return Config.make(num_warps=max(1, min(8, rows * block_h // 1024)), BLOCK_H=block_h, ROWS=rows)
 
@@ -78,7 +83,7 @@ def _gather_default_config(dims, params) -> Config:
     token per program, its whole row (H up to 8192) in one tile. Fewer, wider programs beat
     slicing the row in an H100 sweep of every tile shape, warp count and stage count, with
     1 warp up to 4096 columns and 4 warps at 8192; stages changed nothing measurable."""
-    block_h = min(next_pow2(max(dims["H"], 16)), 8192)
+    block_h = _whole_row(dims)
     return Config.make(num_warps=1 if block_h <= 4096 else 4, num_stages=1, BLOCK_H=block_h, ROWS=1)
 
 
@@ -86,7 +91,7 @@ def _weighted_scatter_default_config(dims, params) -> Config:
     """Combine backward at a row width the table lacks: one token's whole row per program
     (its weight gradient is a dot product over the row), 4 warps: within 1% of the best of
     every tile shape in an H100 sweep at H = 2048 and 2880."""
-    return Config.make(num_warps=4, num_stages=1, BLOCK_H=min(next_pow2(max(dims["H"], 16)), 8192), ROWS=1)
+    return Config.make(num_warps=4, num_stages=1, BLOCK_H=_whole_row(dims), ROWS=1)
 
 
 # The fastest config of each mover at each row width measured on an H100 (sm_90), written
@@ -125,11 +130,6 @@ def _common(default_config=_default_config, params_check=_map_check, **kw: Any) 
 # -- valid autotuning operands ----------------------------------------------------------
 # Random ints are not a row-id map; trial operands come from a real map of top-k routing,
 # with padding and drops as the params ask, so every candidate config can be validated.
-def _np_owner(rid: np.ndarray, pad: np.ndarray, padded: bool, rows: int) -> np.ndarray:
-    """The ``row_owner`` output of a map, in NumPy."""
-    return np.asarray(R.row_owner_reference(rid, pad, num_out_rows=rows, padded=padded)[0])
-
-
 def _np_layout(t: int, e: int, rows: int, padded: bool, rng: np.random.Generator):
     """A row-id map, pad offsets and row owners whose rows fit in ``rows`` output rows."""
     k = min(e, 4)
@@ -140,7 +140,8 @@ def _np_layout(t: int, e: int, rows: int, padded: bool, rng: np.random.Generator
     rid, kept = row_id_map_reference(rm, rows - e * (align - 1), xp=np)
     padded_counts = -(-kept // align) * align
     pad = ((np.cumsum(padded_counts) - padded_counts) - (np.cumsum(kept) - kept)).astype(np.int32)
-    return rid, pad, _np_owner(rid, pad, padded, rows)
+    owner = np.asarray(R.row_owner_reference(rid, pad, num_out_rows=rows, padded=padded)[0])
+    return rid, pad, owner
 
 
 def _rand(rng, shape, dtype):
@@ -277,8 +278,8 @@ permute_probs = _permute_decl("permute_probs", K.permute_probs_kernel, True)
 
 unpermute_bwd_weighted = declare(KernelDecl(
     name="unpermute_bwd_weighted", kernel=K.unpermute_bwd_weighted_kernel,
-    operands=(Operand("grad", ("T", "H")), _RID, _PAD, Operand("owner", ("R",), ("int32",)),
-              _TE_PROBS("merging_probs"), Operand("fwd_inp", ("N", "H"))),
+    operands=(Operand("grad", ("T", "H")), _RID, _PAD, _OWNER, _TE_PROBS("merging_probs"),
+              Operand("fwd_inp", ("N", "H"))),
     outputs=(Output("grad_inp", lambda dims, params: (dims["N"], dims["H"]), lambda dtypes, params: dtypes["fwd_inp"]),
              _grad_probs("merging_probs")),
     params=("padded",), reference=R.unpermute_bwd_weighted_reference,
