@@ -135,7 +135,7 @@ def test_unwritable_cache_keeps_results_in_memory_and_warns_once(tmp_path, caplo
     assert "cache_unwritable" in autotune.format_cache() and "in memory" in autotune.format_cache()
 
 
-SHIPPED, PARAMS = "sort_chunks", {"is_forward": True}   # any kernel the library ships
+SHIPPED, PARAMS = "sort_chunks", {}   # any kernel the library ships
 
 
 def _shipped_copy_key():
