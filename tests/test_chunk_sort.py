@@ -151,6 +151,16 @@ def test_traced_oversized_splits_are_truncated(backend):
     assert sorted(np.asarray(row_map).tolist()) == list(range(n))
 
 
+def test_zero_rows_give_zero_size_results(backend):
+    x, p = _inputs(0, 4)
+    out, pp, row_map = jax.jit(lambda x, p: sort3(x, jnp.array([0, 0]), jnp.array([1, 0]), p, backend=backend))(x, p)
+    assert out.shape == (0, 4) and pp.shape == (0,) and row_map.shape == (0,)
+    gx = jax.jit(jax.grad(lambda x: sort3(x, jnp.array([0]), jnp.array([0]), backend=backend)[0].sum()))(x)
+    assert gx.shape == (0, 4)
+    back, _ = te_jax_perm.sort_chunks_by_map(x, row_map, is_forward=False, backend=backend)
+    assert back.shape == (0, 4)
+
+
 def test_vmap(backend):
     b, n, h = 3, 9, 5
     xs = jnp.asarray(np.random.default_rng(6).standard_normal((b, n, h)), jnp.float32)
