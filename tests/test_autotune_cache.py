@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +108,33 @@ def test_bad_file_is_ignored_and_retuned(bad, caplog):
     with autotune.autotuning(True):
         assert autotune.resolve(decl, [x], {}, "interpret") is not None
     assert autotune.stats["tunes"] == 1 and cache.load(key) is not None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "endless", "oversized"])
+def test_entry_that_is_no_regular_file_of_bounded_size_is_skipped_not_read(kind, caplog):
+    """A FIFO would block the read until a writer came, /dev/zero never ends: either used to
+    hang every lowering (the cache is read even with tuning off)."""
+    decl, _, key = _setup(f"cache_special_{kind}")
+    path = cache.entry_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "endless":
+        os.symlink("/dev/zero", path)
+    else:
+        path.write_bytes(b'{"pad": "' + b" " * cache.MAX_ENTRY_BYTES + b'"}')
+    caplog.set_level(logging.WARNING)
+    results = []
+
+    def resolve_twice():
+        with autotune.autotuning(False):
+            results.extend(autotune.resolve(decl, [jnp.ones(SHAPE, jnp.float32)], {}, "interpret") for _ in range(2))
+    worker = threading.Thread(target=resolve_twice, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert results == [None, None], "the cache read hung" if worker.is_alive() else results
+    assert len(_absl_warnings(caplog, "ignoring the cached result")) == 1, caplog.text
+    assert "BAD" in autotune.format_cache() or kind != "oversized"
 
 
 def test_valid_entry_with_default_outside_declared_configs_is_used():
