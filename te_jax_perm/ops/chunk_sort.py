@@ -32,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops import _checks
@@ -102,6 +103,19 @@ def _chunks(split_sizes, sorted_indices):
     return split_sizes, sorted_indices
 
 
+def _one_to_one_problem(row_id_map: np.ndarray) -> str | None:
+    n = row_id_map.shape[0]
+    bad = row_id_map[(row_id_map < -1) | (row_id_map >= n)]
+    if bad.size:
+        return (f"row_id_map has entries {sorted(set(bad.tolist()))[:8]} outside [-1, N={n}); expected a chunk-sort "
+                "map from make_chunk_sort_map")
+    values, counts = np.unique(row_id_map[row_id_map >= 0], return_counts=True)
+    if (counts > 1).any():
+        return (f"row_id_map names output rows {values[counts > 1].tolist()[:8]} more than once; expected each "
+                "output row at most once, as in a map from make_chunk_sort_map")
+    return None
+
+
 def make_chunk_sort_map(split_sizes: jax.Array, sorted_indices: jax.Array, num_tokens: int,
                         backend: str | None = None) -> jax.Array:
     """Row map of a chunk sort, built on device.
@@ -133,9 +147,10 @@ def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array |
 
     Args:
       inp: [N, H], any dtype.
-      row_id_map: int32 [N] from :func:`make_chunk_sort_map` for the same N. Any values
-        are accepted: an entry outside ``[0, N)``, and each entry naming the same output
-        row as an earlier entry, counts as ``-1`` (that input row goes nowhere).
+      row_id_map: int32 [N] from :func:`make_chunk_sort_map` for the same N: entries in
+        ``[-1, N)``, no output row named twice (checked when concrete, and under
+        ``TE_JAX_PERM_CHECKS=1``). Otherwise, an entry outside ``[0, N)``, and each entry
+        naming the same output row as an earlier entry, counts as ``-1``.
       probs: optional float [N], moved with the rows.
       is_forward: ``True`` sorts (row ``i`` goes to ``row_id_map[i]``); ``False`` undoes it
         (output row ``i`` is input row ``row_id_map[i]``).
@@ -149,6 +164,7 @@ def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array |
     row_id_map = jnp.asarray(row_id_map)
     _checks.check_shape("row_id_map", row_id_map, (inp.shape[0],), f"({inp.shape[0]},) int32")
     _checks.check_int32("row_id_map", row_id_map)
+    _checks.check_values(_one_to_one_problem, row_id_map)
     dst, src = _one_to_one(row_id_map)
     backend = resolve_backend(backend)
     return _move(inp, src, dst, probs, backend) if is_forward else _move(inp, dst, src, probs, backend)
