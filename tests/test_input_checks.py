@@ -122,3 +122,43 @@ def test_without_the_checked_mode_traced_values_get_the_defined_result(monkeypat
     monkeypatch.delenv("TE_JAX_PERM_CHECKS", raising=False)
     out = jax.jit(lambda s, o: te_jax_perm.sort_chunks_by_index(X + 1, s, o)[0])(jnp.array([3, 7]), jnp.array([0, 0]))
     np.testing.assert_array_equal(np.asarray(out)[:, 0], [1] * 3 + [0] * 7)
+
+
+# -- errors that help --------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_sizes_past_int32_rows_raise_our_message(backend):
+    x, rm = np.ones((4, 8), np.float32), np.eye(4, dtype=bool)
+    with pytest.raises(ValueError, match=r"num_out_tokens must be <= 2147483647 \(int32 row indices\), got 2147483648"):
+        te_jax_perm.token_dispatch(x, rm, 2**31, backend=backend)
+    with pytest.raises(ValueError, match=r"num_out_tokens must be <= 2147483647"):
+        te_jax_perm.make_row_id_map(rm, 2**31, backend=backend)
+    with pytest.raises(ValueError, match=r"align_size = 536870912 with num_out_tokens = 4 and E = 4 makes a padded "
+                                         r"output of 2147483648 rows; expected at most 2\*\*31 - 1 rows"):
+        te_jax_perm.token_dispatch(x, rm, 4, align_size=2**29, backend=backend)
+
+
+def test_backend_by_position_says_it_is_keyword_only():
+    x, rm = np.ones((4, 8), np.float32), np.eye(4, dtype=bool)
+    with pytest.raises(TypeError, match=r"token_dispatch takes at most 5 positional arguments, got 6: backend is "
+                                        r"keyword-only; pass backend='xla'"):
+        te_jax_perm.token_dispatch(x, rm, 4, None, None, "xla")
+    with pytest.raises(TypeError, match="sort_chunks_by_index takes at most 3 .* pass backend='interpret'"):
+        te_jax_perm.sort_chunks_by_index(X, [10], [0], "interpret")
+
+
+def test_backend_names_are_case_insensitive_as_in_the_environment():
+    out, _ = te_jax_perm.sort_chunks_by_index(X + 1, [10], [0], backend="XLA")
+    np.testing.assert_array_equal(np.asarray(out), np.ones((10, 4)))
+    with te_jax_perm.use_backend("Interpret") as name:
+        assert name == "interpret" and te_jax_perm.core.resolve_backend() == "interpret"
+    with pytest.raises(TypeError, match="backend must be a string, got int 1"):
+        te_jax_perm.sort_chunks_by_index(X, [10], [0], backend=1)
+
+
+@pytest.mark.parametrize("word,on", [("1", True), ("yes", True), ("On", True), ("TRUE", True),
+                                     ("0", False), ("no", False), ("off", False), ("False", False)])
+def test_on_off_switches_take_the_same_words(monkeypatch, word, on):
+    from te_jax_perm.core import env
+    for var in (env.AUTOTUNE, env.SANITIZE, env.CHECKS):
+        monkeypatch.setenv(var, word)
+    assert env.autotune() is on and env.checks() is on and env.sanitize() == ("collect" if on else None)

@@ -7,7 +7,8 @@ once, traced ones when the program runs under ``TE_JAX_PERM_CHECKS=1``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+import inspect
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,22 @@ INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 def _shown(values: np.ndarray, limit: int = 16) -> str:
     flat = values.ravel().tolist()
     return f"{flat[:limit]}{'...' if len(flat) > limit else ''}"
+
+
+def keyword_only_backend(fn: Callable) -> Callable:
+    """``fn`` (whose ``backend`` is keyword-only) saying so when it is passed by position:
+    Python's own error counts arguments and names none."""
+    params = inspect.signature(fn).parameters.values()
+    most = sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        if len(args) > most:
+            raise TypeError(f"{fn.__name__} takes at most {most} positional arguments, got {len(args)}: backend "
+                            f"is keyword-only; pass backend={args[most]!r}" if isinstance(args[most], str) else
+                            f"{fn.__name__} takes at most {most} positional arguments, got {len(args)}")
+        return fn(*args, **kwargs)
+    return checked
 
 
 def array_like(x: Any) -> Any:

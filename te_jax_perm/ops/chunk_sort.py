@@ -170,6 +170,7 @@ def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array |
     return _move(inp, src, dst, probs, backend) if is_forward else _move(inp, dst, src, probs, backend)
 
 
+@_checks.keyword_only_backend
 def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array, *,
                          backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Reorders contiguous chunks of rows: output chunk ``j`` = input chunk ``sorted_indices[j]``.
@@ -193,6 +194,7 @@ def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices:
     return out, row_map
 
 
+@_checks.keyword_only_backend
 def sort_chunks_by_index_with_probs(inp: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array,
                                     probs: jax.Array, *, backend: str | None = None
                                     ) -> tuple[jax.Array, jax.Array, jax.Array]:

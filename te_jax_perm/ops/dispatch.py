@@ -196,6 +196,7 @@ def _combine_bwd(backend, res, g):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
+@_checks.keyword_only_backend
 def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
                    probs: jax.Array | None = None, align_size: int | None = None, *,
                    backend: str | None = None):
@@ -212,7 +213,7 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
         float16 or float32.
       align_size: optional static int; pads each expert's rows with zero rows up to a
         multiple of it. The output then has ``((num_out_tokens + E*(align_size-1)) //
-        align_size) * align_size`` rows.
+        align_size) * align_size`` rows, which must stay below ``2**31`` (int32 row indices).
       backend: ``"triton"``, ``"interpret"``, ``"xla"`` or ``None`` (default).
 
     Returns:
@@ -243,6 +244,10 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
     if align_size is not None:
         align_size = _checks.check_static_int("align_size", align_size, 1)
     rows = num_out_tokens if align_size is None else padded_rows(num_out_tokens, e, align_size)
+    if rows > _checks.INT32_MAX:
+        raise ValueError(f"align_size = {align_size} with num_out_tokens = {num_out_tokens} and E = {e} makes a padded "
+                         f"output of {rows} rows; expected at most 2**31 - 1 rows (row indices are int32): choose a "
+                         "smaller align_size")
     out, permuted_probs, row_id_map = _dispatch(x, rm, probs, num_out_tokens, align_size, rows,
                                                 resolve_backend(backend))
     # Counts of the whole output (summed over token shards when sharded), as TE reports them.
@@ -253,6 +258,7 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
     return out, permuted_probs, row_id_map, pad_offsets, tokens_per_expert
 
 
+@_checks.keyword_only_backend
 def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,
                   pad_offsets: jax.Array | None = None, *, backend: str | None = None) -> jax.Array:
     """Combines expert rows back into tokens.
