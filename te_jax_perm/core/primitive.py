@@ -66,7 +66,11 @@ class KernelPrimitive:
         return list(bind_call(self.decl, avals, params, backend).out_avals)
 
     def _impl(self, *args, **kw):
-        return self._jitted_bind(tuple(sorted(kw.items())))(*args)
+        run = self._jitted_bind(tuple(sorted(kw.items())))
+        if kw["backend"] != "interpret":
+            return run(*args)
+        from te_jax_perm.core.interpret_backend import run_eagerly
+        return run_eagerly(run, args)
 
     @functools.lru_cache(maxsize=256)
     def _jitted_bind(self, kw_items):
@@ -90,7 +94,9 @@ class KernelPrimitive:
         if backend == "interpret":
             if platform != "cpu":
                 raise backends.BackendUnavailableError(
-                    f"{self.decl.name}: backend 'interpret' lowers for the CPU platform only, not {platform!r}")
+                    f"{self.decl.name}: backend 'interpret' lowers for the CPU platform only, not {platform!r}; "
+                    "call the op outside jit (eager calls run on the CPU), or jit it under "
+                    "jax.default_device(jax.devices('cpu')[0]) (te_jax_perm.sanitize.sanitize() scopes do this)")
             from te_jax_perm.core.interpret_backend import interpret_call
             return interpret_call
         if backend == "triton":
