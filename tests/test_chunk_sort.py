@@ -244,7 +244,7 @@ def test_non_injective_map_keeps_the_first_row_per_destination(backend):
         np.testing.assert_array_equal(np.asarray(gx), want_grad)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.data())
 def test_map_kernel_property(data):
     """The Triton map kernel (interpreted on CPU, compiled on GPU) agrees with the xla
