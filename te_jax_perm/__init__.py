@@ -21,6 +21,9 @@ _LAZY = {
     "unpermute_with_mask_map": "te_jax_perm.ops.permute",
     "make_chunk_sort_map": "te_jax_perm.ops.chunk_sort",
     "sort_chunks_by_map": "te_jax_perm.ops.chunk_sort",
+    # routing formats: top-k indices <-> routing maps
+    "topk_to_routing_map": "te_jax_perm.ops.routing",
+    "routing_map_to_topk": "te_jax_perm.ops.routing",
     # expert GEMMs over the dispatched rows
     "grouped_matmul": "te_jax_perm.ops.grouped_gemm",
     # sanitizer and autotuner entry points

@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 
 import jax.numpy as jnp
 import numpy as np
@@ -109,6 +110,33 @@ def test_bad_file_is_ignored_and_retuned(bad, caplog):
     assert autotune.stats["tunes"] == 1 and cache.load(key) is not None
 
 
+@pytest.mark.parametrize("kind", ["fifo", "endless", "oversized"])
+def test_entry_that_is_no_regular_file_of_bounded_size_is_skipped_not_read(kind, caplog):
+    """A FIFO would block the read until a writer came, /dev/zero never ends: either used to
+    hang every lowering (the cache is read even with tuning off)."""
+    decl, _, key = _setup(f"cache_special_{kind}")
+    path = cache.entry_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "endless":
+        os.symlink("/dev/zero", path)
+    else:
+        path.write_bytes(b'{"pad": "' + b" " * cache.MAX_ENTRY_BYTES + b'"}')
+    caplog.set_level(logging.WARNING)
+    results = []
+
+    def resolve_twice():
+        with autotune.autotuning(False):
+            results.extend(autotune.resolve(decl, [jnp.ones(SHAPE, jnp.float32)], {}, "interpret") for _ in range(2))
+    worker = threading.Thread(target=resolve_twice, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert results == [None, None], "the cache read hung" if worker.is_alive() else results
+    assert len(_absl_warnings(caplog, "ignoring the cached result")) == 1, caplog.text
+    assert "BAD" in autotune.format_cache() or kind != "oversized"
+
+
 def test_valid_entry_with_default_outside_declared_configs_is_used():
     # The tuner adds the default config to the space: a winner equal to it is legitimate
     # even when the declared list does not hold it.
@@ -135,7 +163,7 @@ def test_unwritable_cache_keeps_results_in_memory_and_warns_once(tmp_path, caplo
     assert "cache_unwritable" in autotune.format_cache() and "in memory" in autotune.format_cache()
 
 
-SHIPPED, PARAMS = "sort_chunks", {"is_forward": True}   # any kernel the library ships
+SHIPPED, PARAMS = "sort_chunks", {}   # any kernel the library ships
 
 
 def _shipped_copy_key():

@@ -114,6 +114,23 @@ def test_edge_cases(backend, t, e, k, mode, align):
     np.testing.assert_allclose(np.asarray(back), x * rm.sum(1, keepdims=True), rtol=1e-6)
 
 
+@pytest.mark.parametrize("align", [None, 4])
+def test_zero_tokens_give_zero_size_results(backend, align):
+    """T=0: empty outputs (padded ones all zero rows), gradients of shape [0, H]."""
+    x, rm, w = np.zeros((0, 8), np.float32), np.zeros((0, 3), bool), np.zeros((0, 3), np.float32)
+    out, pp, rid, pad, tpe, back = _run(backend, rm, 0, x, w, align, w)
+    rows = 0 if align is None else 8
+    assert out.shape == (rows, 8) and pp.shape == (rows,) and rid.shape == (0, 7) and back.shape == (0, 8)
+    np.testing.assert_array_equal(np.asarray(out), np.zeros((rows, 8)))
+    np.testing.assert_array_equal(np.asarray(tpe), np.zeros(3))
+
+    def loss(x, w):
+        out, _, rid, pad, _ = te_jax_perm.token_dispatch(x, rm, 0, probs=w, align_size=align, backend=backend)
+        return te_jax_perm.token_combine(out, rid, w, pad, backend=backend).sum()
+    gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    assert gx.shape == (0, 8) and gw.shape == (0, 3)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
 def test_token_dtypes_copied_bit_exactly(backend, dtype):
     rm, n, x, _ = _case(5, 19, 72, 6, 2, "topk", 0.8, False)

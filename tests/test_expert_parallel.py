@@ -81,7 +81,8 @@ def test_forward_and_gradients_match_single_device(e, k, routing):
 
 @multidevice
 @pytest.mark.parametrize("num_out_tokens,capacity,routing",
-                         [(T * 2, None, "skewed"), (T * 2, 3, "uniform"), (7, 2, "skewed"), (T * 2, 1, "empty")])
+                         [(T * 2, None, "skewed"), (T * 2, 3, "uniform"), (7, 2, "skewed"), (T * 2, 1, "empty"),
+                          (T * 2, 0, "uniform")])   # capacity 0: nothing crosses, zero-row sorts
 def test_dropped_rows_follow_the_reference_rule(num_out_tokens, capacity, routing):
     _check(8, 2, routing, num_out_tokens, capacity, seed=3)
 

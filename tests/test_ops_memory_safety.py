@@ -77,14 +77,19 @@ def _dispatched(t=8, e=4, k=2, h=16, seed=0):
     return rm, np.asarray(out), np.asarray(rid), w
 
 
+def _traced_combine(inp, row_id_map, merging_probs, backend):
+    return jax.jit(lambda a, r, w: te_jax_perm.token_combine(a, r, w, backend=backend))(inp, row_id_map, merging_probs)
+
+
 def test_combine_of_a_short_input_reads_nothing_past_it(backend):
-    """A map built for 16 rows, 13 given: rows the input lacks contribute nothing."""
+    """A traced map built for 16 rows, 13 given: rows the input lacks contribute nothing
+    (a concrete map raises, see test_input_checks.py)."""
     rm, out, rid, w = _dispatched()
     short = out[:13]
     dest = ref.dispatch_layout(rm, int(rm.sum()), None)[0]
     dest = np.where(dest < 13, dest, -1)
     with clean(backend):
-        y, pull = jax.vjp(lambda a, b: te_jax_perm.token_combine(a, rid, b, backend=backend), short, w)
+        y, pull = jax.vjp(lambda a, b: _traced_combine(a, rid, b, backend), short, w)
         g = np.ones(y.shape, np.float32)
         gy, gw = pull(g)
         jax.block_until_ready((y, gy, gw))
@@ -95,8 +100,8 @@ def test_combine_of_a_short_input_reads_nothing_past_it(backend):
 
 
 def test_corrupt_row_id_maps_stay_inside_the_buffers(backend):
-    """Destinations past the buffer or negative, expert ids outside [0, E), routed counts
-    above E or negative: every such entry is absent, on every backend alike. (The backward
+    """Traced maps with destinations past the buffer or negative, expert ids outside [0, E),
+    routed counts above E or negative: every such entry is absent, on every backend alike. (The backward
     scatter of a map with holes may race on the rows it leaves unwritten - an undefined
     value, never an access outside a buffer.)"""
     rm, out, rid, w = _dispatched()
@@ -112,7 +117,7 @@ def test_corrupt_row_id_maps_stay_inside_the_buffers(backend):
     for b in ("xla", backend):
         with clean(b):
             y, pull = jax.block_until_ready(
-                jax.vjp(lambda a, c: te_jax_perm.token_combine(a, bad, c, backend=b), out, w))
+                jax.vjp(lambda a, c: _traced_combine(a, bad, c, b), out, w))
         with clean(b, kinds=(OOB,)):
             gy, gw = jax.block_until_ready(pull(np.ones(y.shape, np.float32)))
         results[b] = (y, gw)
@@ -128,11 +133,11 @@ def test_chunk_sort_by_a_corrupt_map_stays_inside_the_buffers(backend):
     x = jnp.arange(24, dtype=jnp.float32).reshape(8, 3)
     bad = jnp.asarray([7, 10**6, -9, 0, 2**31 - 1, 1, 2, 3], jnp.int32)
     for forward in (True, False):
+        f = lambda b: jax.jit(lambda x, m: te_jax_perm.sort_chunks_by_map(x, m, is_forward=forward, backend=b))
         with clean(backend):
-            got = jax.block_until_ready(te_jax_perm.sort_chunks_by_map(x, bad, is_forward=forward, backend=backend))
-        want = te_jax_perm.sort_chunks_by_map(x, bad, is_forward=forward, backend="xla")
-        if not forward:  # the gather is deterministic; the scatter of a non-permutation may race
-            np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+            got = jax.block_until_ready(f(backend)(x, bad))
+        want = f("xla")(x, bad)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
 
 
 # -- 3. a padded dispatch combined without its pad offsets ---------------------------------

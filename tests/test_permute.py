@@ -183,8 +183,8 @@ def _row_kernels():
          {**idx, "inp": "bfloat16", "merging_probs": "float32"}),
         ("permute_bwd_probs", D.permute_bwd_probs.decl, rows, {"padded": True},
          {**idx, "inp": "bfloat16", "grad_permuted_probs": "float32"}),
-        ("sort_chunks_probs", cs.sort_chunks_probs.decl, {"N": 8192}, {"is_forward": False},
-         {"inp": "bfloat16", "row_id_map": "int32", "probs": "float32"}),
+        ("sort_chunks_probs", cs.sort_chunks_probs.decl, {"N": 8192}, {},
+         {"inp": "bfloat16", "src_map": "int32", "probs": "float32"}),
         # An odd element count: only the ragged last program may mask.
         ("device_copy", device_copy_primitive.decl, {"N": 8192 * 7 + 3}, {}, {"src": "bfloat16"}),
     ]

@@ -263,13 +263,42 @@ def test_environment_variable_enables_the_sanitizer(mode):
         "    jax.block_until_ready(pk.gather_off_by_one(jnp.ones((3, 5)), jnp.array([2], jnp.int32),"
         " backend='interpret'))\n"
         "except Exception as e:\n"
-        "    print('RAISED', 'out-of-bounds load by program (0, 0, 0)' in str(e))\n"
+        "    print('RAISED', type(e).__name__, 'out-of-bounds load by program (0, 0, 0)' in str(e))\n"
         "r = s.env_report()\n"
         "print('OOB', len(r.of_kind(s.OOB)))\n")
     env = {**os.environ, "TE_JAX_PERM_SANITIZE": mode, "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     if mode == "raise":
-        assert "RAISED True" in out.stdout, out.stdout + out.stderr
+        assert "RAISED HazardError True" in out.stdout, out.stdout + out.stderr
     else:
         assert "RAISED" not in out.stdout and "OOB 2" in out.stdout, out.stdout + out.stderr
+
+
+# -- on a machine whose default device is a GPU ---------------------------------------------
+def test_sanitizer_scope_places_computations_on_the_cpu():
+    with jax.default_device(None), sanitize():
+        assert jax.config.jax_default_device == jax.devices("cpu")[0]
+
+
+def test_eager_interpret_call_is_lowered_on_the_cpu_when_the_default_backend_is_not(monkeypatch):
+    """Simulates a GPU machine: with JAX's default backend not the CPU, an eager interpret
+    call is lowered (and run) under the CPU device, not wherever the default device is."""
+    from te_jax_perm.core import hooks
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    seen = []
+    src = jnp.arange(7 * 3, dtype=jnp.float32).reshape(7, 3)   # a shape no other test lowers
+    with jax.default_device(None), hooks.observe_calls(lambda call: seen.append(jax.config.jax_default_device)):
+        (out,) = pk.gather_ok(src, jnp.array([6, 0], jnp.int32), backend=INTERP)
+    assert seen and seen[-1] == jax.devices("cpu")[0]
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(src)[[6, 0]])
+
+
+def test_alias_audit_of_the_xla_backend_says_there_was_nothing_to_audit():
+    f = lambda x: te_jax_perm.sort_chunks_by_index(x, jnp.array([2, 2]), jnp.array([1, 0]), backend="xla")[0]
+    report = te_jax_perm.audit_aliases(f, jnp.ones((4, 3)))
+    assert not report.audited and not report.ok
+    assert str(report).startswith("nothing to audit: no te_jax_perm custom call"), str(report)
+    g = lambda x: te_jax_perm.sort_chunks_by_index(x, jnp.array([2, 2]), jnp.array([1, 0]), backend=INTERP)[0]
+    report = te_jax_perm.audit_aliases(g, jnp.ones((4, 3)))
+    assert report.audited and report.ok, str(report)

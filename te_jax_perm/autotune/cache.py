@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -46,14 +47,37 @@ def entry_path(key: Mapping[str, Any]) -> Path:
     return cache_dir() / f"{key['kernel']}-{key_digest(key)}.json"
 
 
+# Entries are a few kilobytes; anything far larger is not one of ours.
+MAX_ENTRY_BYTES = 1 << 20
+
+
 def _read(path: Path) -> tuple[Any, str | None]:
-    """``(parsed JSON, None)``, or ``(None, why it cannot be parsed)``."""
+    """``(parsed JSON, None)``, or ``(None, why it cannot be parsed)``. Only a regular file
+    of at most :data:`MAX_ENTRY_BYTES` is read: opening a FIFO blocks until a writer comes
+    and a device such as ``/dev/zero`` never ends, and either would hang every lowering."""
     try:
-        return json.loads(path.read_bytes().decode("utf-8")), None
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise
+    except OSError as e:
+        return None, f"unreadable ({type(e).__name__}: {e})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, "not a regular file"
+        if st.st_size > MAX_ENTRY_BYTES:
+            return None, f"{st.st_size} bytes, more than the {MAX_ENTRY_BYTES} an entry may have"
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            data = f.read(MAX_ENTRY_BYTES + 1)
+        if len(data) > MAX_ENTRY_BYTES:
+            return None, f"more than the {MAX_ENTRY_BYTES} bytes an entry may have"
+        return json.loads(data.decode("utf-8")), None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         return None, f"unreadable ({type(e).__name__}: {e})"
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _lookup(key: Mapping[str, Any]) -> tuple[Path, Any, str | None]:

@@ -26,15 +26,19 @@ class BackendUnavailableError(RuntimeError):
 
 
 def _check_name(name: str) -> str:
-    if name not in BACKENDS:
+    """``name`` as a backend name; case does not matter, as in ``TE_JAX_PERM_BACKEND``."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string, got {type(name).__name__} {name!r}; expected one of {BACKENDS}")
+    if name.lower() not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
-    return name
+    return name.lower()
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[str]:
     """Context manager selecting the default backend for ops traced inside it."""
-    token = _current.set(_check_name(name))
+    name = _check_name(name)
+    token = _current.set(name)
     try:
         yield name
     finally:

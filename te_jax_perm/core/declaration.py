@@ -137,8 +137,10 @@ class KernelDecl:
       exact: outputs must match the reference bit-exactly (pure data movement).
       params_check: optional ``(dims, params) -> None`` raising ``ValueError``: checks of
         the static facts, run once per call when it is bound (``core/launch.py``).
-      validate: optional ``(operands, dims, params) -> None`` for checks needing
-        concrete values, run by the public call only when every operand is concrete.
+      validate: optional ``(operands, dims, params) -> None`` raising ``ValueError``:
+        checks of the operands' values (NumPy arrays), run by the public call when every
+        operand is concrete, and on traced ones when the program runs under
+        ``TE_JAX_PERM_CHECKS=1`` (``core/checks.py``).
       partitioning: optional :class:`Partitioning`: output axis names and the axes along
         which the kernel is shard-local under jit/SPMD; ``None`` replicates.
       example_inputs: optional ``(dims, params, dtypes, rng) -> tuple of np.ndarray``

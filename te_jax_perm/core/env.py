@@ -13,12 +13,12 @@ BACKEND = "TE_JAX_PERM_BACKEND"
 AUTOTUNE = "TE_JAX_PERM_AUTOTUNE"
 SANITIZE = "TE_JAX_PERM_SANITIZE"
 AUTOTUNE_CACHE = "TE_JAX_PERM_AUTOTUNE_CACHE"
+CHECKS = "TE_JAX_PERM_CHECKS"
 
 BACKEND_VALUES = ("triton", "interpret", "xla")
 _SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-# None: no sanitizer session; otherwise the session's mode.
-_SANITIZE = {"raise": "raise", "collect": "collect", "1": "collect", "true": "collect", "on": "collect",
-             "0": None, "false": None, "off": None}
+# None: no sanitizer session; otherwise the session's mode ("on" words collect).
+_SANITIZE = {"raise": "raise", "collect": "collect", **{k: "collect" if v else None for k, v in _SWITCH.items()}}
 
 
 class EnvironmentValueError(ValueError):
@@ -64,11 +64,18 @@ def triton_cache_dir() -> str:
     return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
 
 
+def checks() -> bool:
+    """``TE_JAX_PERM_CHECKS``: also check traced values against the ops' contracts when the
+    program runs (read when an op is traced)."""
+    return bool(_lookup(CHECKS, _SWITCH))
+
+
 def check_all() -> None:
     """Raises on the first variable holding a value it does not accept."""
     backend()
     autotune()
     sanitize()
+    checks()
 
 
 @contextlib.contextmanager

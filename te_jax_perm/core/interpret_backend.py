@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -122,6 +122,38 @@ def run_launch(launch: Launch, operands: Sequence[np.ndarray], preallocs: Sequen
                        buffers=infos)
 
 
+# The error the last failed launch raised: XLA hands it on as its own runtime error (text
+# only), so an eager call re-raises this object instead (a sanitizer's HazardError, say).
+_raised: list[BaseException] = []
+_raised_lock = threading.Lock()
+
+
+def _take_raised() -> BaseException | None:
+    with _raised_lock:
+        return _raised.pop() if _raised else None
+
+
+def run_eagerly(fn: Callable[..., Any], args: Sequence[jax.Array]) -> Any:
+    """``fn(*args)`` for an eager call on the ``interpret`` backend, finished.
+
+    The interpreter dereferences host pointers, so where JAX's default backend is not the
+    CPU (a GPU machine) the call is placed on the first CPU device, its operands moved
+    there. An error a launch raised reaches the caller as itself, not as XLA's report of it.
+    """
+    _take_raised()
+    try:
+        if jax.default_backend() == "cpu":
+            return jax.block_until_ready(fn(*args))
+        cpu = jax.devices("cpu")[0]
+        with jax.default_device(cpu):
+            return jax.block_until_ready(fn(*jax.device_put(tuple(args), cpu)))
+    except jax.errors.JaxRuntimeError:
+        raised = _take_raised()
+        if raised is None:
+            raise
+        raise raised from None
+
+
 def interpret_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Array]:
     """Traceable function emitting one aliased buffer_callback custom call."""
     from jax.experimental.buffer_callback import buffer_callback
@@ -132,8 +164,13 @@ def interpret_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Ar
     def callback(ctx, outs, *ins):
         del ctx
         in_arrays = [np.asarray(b) for b in ins]
-        run_launch(launch, in_arrays[:plan.num_operands], in_arrays[plan.num_operands:],
-                   [np.asarray(b) for b in outs])
+        try:
+            run_launch(launch, in_arrays[:plan.num_operands], in_arrays[plan.num_operands:],
+                       [np.asarray(b) for b in outs])
+        except Exception as e:
+            with _raised_lock:
+                _raised[:] = [e]
+            raise
 
     result_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in launch.out_avals]
     with jax.named_scope(f"te_jax_perm.{launch.decl.name}"):

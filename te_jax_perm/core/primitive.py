@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from te_jax_perm.core import backends, sharding
+from te_jax_perm.core import backends, checks, sharding
 from te_jax_perm.core.config_select import select_config
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import bind_call, configure
@@ -56,8 +56,8 @@ class KernelPrimitive:
         operands = tuple(jnp.asarray(o) for o in operands)
         chosen = backends.resolve_backend(backend)
         call = bind_call(decl, [o.aval for o in operands], params, chosen)
-        if decl.validate is not None and not any(isinstance(o, jax.core.Tracer) for o in operands):
-            decl.validate(operands, call.dims, params)
+        if decl.validate is not None:
+            checks.check_values(functools.partial(_validation_problem, decl, call.dims, params), *operands)
         return tuple(self.prim.bind(*operands, backend=chosen, config=config, **params))
 
     # -- primitive rules --------------------------------------------------------------
@@ -66,7 +66,11 @@ class KernelPrimitive:
         return list(bind_call(self.decl, avals, params, backend).out_avals)
 
     def _impl(self, *args, **kw):
-        return self._jitted_bind(tuple(sorted(kw.items())))(*args)
+        run = self._jitted_bind(tuple(sorted(kw.items())))
+        if kw["backend"] != "interpret":
+            return run(*args)
+        from te_jax_perm.core.interpret_backend import run_eagerly
+        return run_eagerly(run, args)
 
     @functools.lru_cache(maxsize=256)
     def _jitted_bind(self, kw_items):
@@ -90,7 +94,9 @@ class KernelPrimitive:
         if backend == "interpret":
             if platform != "cpu":
                 raise backends.BackendUnavailableError(
-                    f"{self.decl.name}: backend 'interpret' lowers for the CPU platform only, not {platform!r}")
+                    f"{self.decl.name}: backend 'interpret' lowers for the CPU platform only, not {platform!r}; "
+                    "call the op outside jit (eager calls run on the CPU), or jit it under "
+                    "jax.default_device(jax.devices('cpu')[0]) (te_jax_perm.sanitize.sanitize() scopes do this)")
             from te_jax_perm.core.interpret_backend import interpret_call
             return interpret_call
         if backend == "triton":
@@ -110,6 +116,14 @@ class KernelPrimitive:
         broadcast, so a vmapped call moves no more bytes than the loop it replaces.
         """
         return self.vmapped.bind(args, dims, **kw)
+
+
+def _validation_problem(decl: KernelDecl, dims, params, *operands) -> str | None:
+    try:
+        decl.validate(operands, dims, params)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def declare(decl: KernelDecl) -> KernelPrimitive:

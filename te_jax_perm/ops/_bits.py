@@ -10,6 +10,8 @@ Rows are ``[N, H]``; types wider than 4 bytes travel as ``[N, H*k]`` uint32 word
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +31,8 @@ def to_bits(x: jax.Array) -> jax.Array:
         y = jax.lax.bitcast_convert_type(x, _UINT[dt.itemsize])
     else:  # 8-byte elements: pairs of 32-bit words
         y = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return y.reshape(x.shape[0], -1)
+    # The row width is spelled out: with no rows, -1 could stand for any width.
+    return y.reshape(y.shape[0], math.prod(y.shape[1:]))
 
 
 def from_bits(y: jax.Array, dtype, shape: tuple[int, ...]) -> jax.Array:

@@ -1,13 +1,48 @@
-"""Trace-time argument checks shared by the permutation ops.
+"""Argument checks shared by the permutation ops.
 
 Every message names the argument, the shape (or dtype/value) seen and what was expected.
+Values are checked through :func:`te_jax_perm.core.checks.check_values`: concrete ones at
+once, traced ones when the program runs under ``TE_JAX_PERM_CHECKS=1``.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+import inspect
+from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from te_jax_perm.core.checks import CheckError, check_values, concrete  # noqa: F401  (CheckError re-exported)
+
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+
+
+def _shown(values: np.ndarray, limit: int = 16) -> str:
+    flat = values.ravel().tolist()
+    return f"{flat[:limit]}{'...' if len(flat) > limit else ''}"
+
+
+def keyword_only_backend(fn: Callable) -> Callable:
+    """``fn`` (whose ``backend`` is keyword-only) saying so when it is passed by position:
+    Python's own error counts arguments and names none."""
+    params = inspect.signature(fn).parameters.values()
+    most = sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        if len(args) > most:
+            raise TypeError(f"{fn.__name__} takes at most {most} positional arguments, got {len(args)}: backend "
+                            f"is keyword-only; pass backend={args[most]!r}" if isinstance(args[most], str) else
+                            f"{fn.__name__} takes at most {most} positional arguments, got {len(args)}")
+        return fn(*args, **kwargs)
+    return checked
+
+
+def array_like(x: Any) -> Any:
+    """``x`` itself when it is an array (jax or NumPy), else ``np.asarray(x)``: no cast yet."""
+    return x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
 
 
 def _dt(x: Any) -> np.dtype:
@@ -47,33 +82,99 @@ def check_routing_dtype(name: str, x: Any) -> None:
         raise TypeError(f"{name} has dtype {dt.name}; expected bool or an integer dtype holding 0/1")
 
 
+def routing_map_array(name: str, x: Any) -> jax.Array:
+    """``x`` as a routing map array: bool, or integers that are all 0 or 1 (checked before
+    any cast, at once when concrete)."""
+    x = array_like(x)
+    check_routing_dtype(name, x)
+    if _dt(x) != np.bool_:
+        check_values(functools.partial(_not_zero_one, name), x)
+    return jnp.asarray(x)
+
+
+def _not_zero_one(name: str, m: np.ndarray) -> str | None:
+    bad = m[(m != 0) & (m != 1)]
+    if not bad.size:
+        return None
+    return (f"{name} holds values other than 0 and 1 (e.g. {_shown(np.unique(bad), 8)}); expected a routing "
+            f"map [T, E] of 0/1 or bool. Top-k expert indices [T, k] are not a routing map: convert them with "
+            f"te_jax_perm.topk_to_routing_map(indices, num_experts)")
+
+
 def check_float(name: str, x: Any) -> None:
     dt = _dt(x)
     if not jnp.issubdtype(dt, jnp.floating):
         raise TypeError(f"{name} has dtype {dt.name}; expected a floating dtype")
 
 
-def index_vector(name: str, x: Any) -> Any:
-    """``x`` as an int32 vector ``[C]`` (chunk sizes, chunk orders), checked."""
-    x = jnp.asarray(x)
-    check_rank(name, x, (1,), "rank 1 [C]")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
+def check_index_values(name: str, x: Any) -> None:
+    """``x`` has an integer dtype and, when concrete, values that fit int32 (the ops cast
+    to int32: a concrete 2**32 + 3 must fail here, not run as 3)."""
+    if not jnp.issubdtype(_dt(x), jnp.integer):
         raise TypeError(f"{name} has dtype {_dt(x).name}; expected an integer dtype")
-    return x.astype(jnp.int32)
+    values = concrete(x)
+    if values is not None and values.size and (values.min() < INT32_MIN or values.max() > INT32_MAX):
+        raise ValueError(f"{name} = {_shown(values)} has entries outside int32 [-2**31, 2**31); expected "
+                         "values that fit int32")
 
 
-def check_static_int(name: str, v: Any, minimum: int) -> int:
+def index_vector(name: str, x: Any) -> Any:
+    """``x`` as an int32 vector ``[C]`` (chunk sizes, chunk orders), checked before the cast."""
+    x = array_like(x)
+    check_rank(name, x, (1,), "rank 1 [C]")
+    check_index_values(name, x)
+    return jnp.asarray(x).astype(jnp.int32)
+
+
+def check_static_int(name: str, v: Any, minimum: int, maximum: int = INT32_MAX) -> int:
+    """``v`` as a Python int in ``[minimum, maximum]``; the default bound is int32's, as
+    every row index and count the kernels use is int32."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"{name} must be a static Python int, got {type(v).__name__} {v!r}")
     if v < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    if v > maximum:
+        raise ValueError(f"{name} must be <= {maximum}{' (int32 row indices)' if maximum == INT32_MAX else ''}, "
+                         f"got {v}")
     return int(v)
 
 
 def num_experts_of_map(row_id_map: Any) -> int:
     """E from a row-id map of shape [T, 2E+1], with a clear error otherwise."""
+    if not hasattr(row_id_map, "ndim"):
+        raise TypeError(f"row_id_map is a {type(row_id_map).__name__}; expected an int32 array [T, 2*E+1] "
+                        "as returned by token_dispatch or make_row_id_map")
     if row_id_map.ndim != 2 or row_id_map.shape[1] % 2 != 1:
         raise ValueError(f"row_id_map has shape {tuple(row_id_map.shape)}; expected [T, 2*E+1] "
                          "as returned by make_row_id_map")
     check_int32("row_id_map", row_id_map)
     return (row_id_map.shape[1] - 1) // 2
+
+
+def row_id_map_problem(rows: int, rid: np.ndarray, pad_offsets: np.ndarray | None = None) -> str | None:
+    """Why the row-id map ``rid`` [T, 2E+1] cannot address an input of ``rows`` rows (as
+    ``token_combine`` reads it, with ``pad_offsets`` when given), or ``None``."""
+    e = (rid.shape[1] - 1) // 2
+    counts = rid[:, 2 * e]
+    if ((counts < 0) | (counts > e)).any():
+        return f"row_id_map has routed counts {_shown(np.unique(counts[(counts < 0) | (counts > e)]), 8)} " \
+               f"(last column); expected counts in [0, E={e}]"
+    used = np.arange(e)[None, :] < counts[:, None]
+    experts, dest = rid[:, e:2 * e][used], rid[:, :e][used]
+    if ((experts < 0) | (experts >= e)).any():
+        return f"row_id_map has expert ids {_shown(np.unique(experts[(experts < 0) | (experts >= e)]), 8)}; " \
+               f"expected ids in [0, E={e})"
+    bad = dest[(dest < -1) | (dest >= rows)]
+    if bad.size:
+        return (f"row_id_map addresses rows {_shown(np.unique(bad), 8)}, but inp has {rows} rows; expected "
+                f"destinations in [-1, {rows}): is it the map of the dispatch whose output inp is?")
+    if pad_offsets is not None:
+        kept = dest >= 0
+        shifted = pad_offsets[experts[kept]] != 0
+        packed = np.array_equal(np.sort(dest[kept]), np.arange(int(kept.sum())))
+        if shifted.any() and packed:
+            return ("row_id_map holds unpadded destinations (its rows are packed from 0), but pad_offsets = "
+                    f"{_shown(pad_offsets)} pads experts that have rows; expected the row_id_map of the padded "
+                    "token_dispatch that returned these pad_offsets (it addresses the padded rows), or no "
+                    "pad_offsets with an unpadded map")
+    return None

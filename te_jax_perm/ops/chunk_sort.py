@@ -6,17 +6,25 @@ After an expert-parallel all-to-all, rows arrive grouped by (source rank, local 
 Semantics, for ``inp`` of shape ``[N, H]`` split into chunks of ``split_sizes[c]`` rows:
 
 * output chunk ``j`` is input chunk ``sorted_indices[j]``, chunks packed from row 0;
-* rows beyond ``total = sum(split_sizes)`` are zero in the output (and receive zero
-  gradient); their ``row_id_map`` entry is ``-1``;
-* ``split_sizes`` may be traced. When it is concrete it must be non-negative with
-  ``total <= N`` and ``sorted_indices`` must be a permutation of ``range(C)`` (checked, at
-  trace time). When traced, negative sizes count as 0 and chunks are truncated where the
-  input ends (rows past ``N`` do not exist); a traced ``sorted_indices`` that is not a
-  permutation gives undefined results.
+* rows beyond the placed chunks are zero in the output; an input row that no output row
+  takes has ``row_id_map`` entry ``-1`` and receives zero gradient;
+* ``split_sizes`` and ``sorted_indices`` may be traced. When concrete, the sizes must be
+  non-negative with ``sum <= N`` and ``sorted_indices`` a permutation of ``range(C)``
+  (checked at trace time). Traced values are never trusted: negative sizes count as 0 and
+  chunks are truncated where the input ends; an index outside ``[0, C)``, or one that
+  repeats an earlier index, places nothing (an empty output chunk), so a chunk no valid
+  index names is dropped like the rows past ``sum(split_sizes)``. Dropping, rather than
+  guessing where a chunk was meant to go, makes a bad order show up as zero rows and zero
+  gradients, the same way every other dropped row of this library does, and keeps each
+  output row the copy of at most one input row.
 
-Both directions move rows through one declared kernel (:mod:`te_jax_perm.ops.chunk_sort_decl`)
-whose output is a preallocated, alias-declared buffer; the backward pass (the inverse sort)
-is that same kernel, so it can never be handed the incoming gradient's memory as its output.
+Rows move by one declared gather kernel (:mod:`te_jax_perm.ops.chunk_sort_decl`) whose
+output is a preallocated, alias-declared buffer: output row ``j`` reads input row
+``src_map[j]`` or is zero, so every output element is written exactly once, by the program
+owning its row, for any map. The map kernel builds both directions (``row_id_map`` and its
+inverse ``src_map``) from the chunk table, with no extra pass over the rows; the backward
+pass is the same gather by the other map, so it can never be handed the incoming
+gradient's memory as its output.
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops import _checks
@@ -31,33 +40,46 @@ from te_jax_perm.ops import chunk_sort_decl as D
 from te_jax_perm.ops._bits import from_bits, to_bits
 
 
-def _apply(inp, row_id_map, probs, is_forward: bool, backend: str):
+def _gather(inp, src_map, probs, backend: str):
     x = to_bits(inp)
     if probs is None:
-        (out,) = D.sort_chunks(x, row_id_map, backend=backend, is_forward=is_forward)
+        (out,) = D.sort_chunks(x, src_map, backend=backend)
         return from_bits(out, inp.dtype, inp.shape), None
-    out, pout = D.sort_chunks_probs(x, row_id_map, probs, backend=backend, is_forward=is_forward)
+    out, pout = D.sort_chunks_probs(x, src_map, probs, backend=backend)
     return from_bits(out, inp.dtype, inp.shape), pout
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _sort_by_map(inp, row_id_map, probs, is_forward: bool, backend: str):
-    return _apply(inp, row_id_map, probs, is_forward, backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _move(inp, src_map, dst_map, probs, backend: str):
+    """Output row ``j`` = ``inp[src_map[j]]``; ``dst_map`` is ``src_map``'s inverse."""
+    return _gather(inp, src_map, probs, backend)
 
 
-def _sort_by_map_fwd(inp, row_id_map, probs, is_forward, backend):
-    return _apply(inp, row_id_map, probs, is_forward, backend), row_id_map
+def _move_fwd(inp, src_map, dst_map, probs, backend):
+    return _gather(inp, src_map, probs, backend), dst_map
 
 
-def _sort_by_map_bwd(is_forward, backend, row_id_map, cotangents):
-    # The inverse sort, through the same aliased kernel: a fresh preallocated output,
-    # never the incoming gradient buffer.
+def _move_bwd(backend, dst_map, cotangents):
+    # Gradient rows go back through the inverse map: the same aliased gather, a fresh
+    # preallocated output, never the incoming gradient buffer.
     g_out, g_probs = cotangents
-    g_inp, g_p = _apply(g_out, row_id_map, g_probs, not is_forward, backend)
-    return g_inp, None, g_p
+    g_inp, g_p = _gather(g_out, dst_map, g_probs, backend)
+    return g_inp, None, None, g_p
 
 
-_sort_by_map.defvjp(_sort_by_map_fwd, _sort_by_map_bwd)
+_move.defvjp(_move_fwd, _move_bwd)
+
+
+def _one_to_one(row_id_map):
+    """``(dst, src)``: ``row_id_map`` with entries outside ``[0, N)`` and all but the first
+    row naming each output row set to ``-1``, and its inverse."""
+    n = row_id_map.shape[0]
+    rows = jnp.arange(n, dtype=jnp.int32)
+    ok = (row_id_map >= 0) & (row_id_map < n)
+    target = jnp.where(ok, row_id_map, n)
+    first = jnp.full((n + 1,), n, jnp.int32).at[target].min(rows)[:n]
+    dst = jnp.where(ok & (first[jnp.clip(target, 0, max(n - 1, 0))] == rows), row_id_map, -1)
+    return dst, jnp.where(first < n, first, -1)
 
 
 # --------------------------------------------------------------------------------------
@@ -81,6 +103,19 @@ def _chunks(split_sizes, sorted_indices):
     return split_sizes, sorted_indices
 
 
+def _one_to_one_problem(row_id_map: np.ndarray) -> str | None:
+    n = row_id_map.shape[0]
+    bad = row_id_map[(row_id_map < -1) | (row_id_map >= n)]
+    if bad.size:
+        return (f"row_id_map has entries {sorted(set(bad.tolist()))[:8]} outside [-1, N={n}); expected a chunk-sort "
+                "map from make_chunk_sort_map")
+    values, counts = np.unique(row_id_map[row_id_map >= 0], return_counts=True)
+    if (counts > 1).any():
+        return (f"row_id_map names output rows {values[counts > 1].tolist()[:8]} more than once; expected each "
+                "output row at most once, as in a map from make_chunk_sort_map")
+    return None
+
+
 def make_chunk_sort_map(split_sizes: jax.Array, sorted_indices: jax.Array, num_tokens: int,
                         backend: str | None = None) -> jax.Array:
     """Row map of a chunk sort, built on device.
@@ -92,11 +127,17 @@ def make_chunk_sort_map(split_sizes: jax.Array, sorted_indices: jax.Array, num_t
       backend: ``"triton"``, ``"interpret"`` or ``"xla"``; ``None`` picks the default.
 
     Returns:
-      int32 [N]: the output row of each input row, ``-1`` for rows beyond ``sum(split_sizes)``.
+      int32 [N]: the output row of each input row, ``-1`` for rows no output row takes
+      (beyond ``sum(split_sizes)``, or in a chunk a traced ``sorted_indices`` does not
+      name; see the module docstring).
     """
+    return _maps(split_sizes, sorted_indices, num_tokens, backend)[0]
+
+
+def _maps(split_sizes, sorted_indices, num_tokens, backend):
     split_sizes, sorted_indices = _chunks(split_sizes, sorted_indices)
-    (row_map,) = D.chunk_sort_map(split_sizes, sorted_indices, backend=backend, num_tokens=int(num_tokens))
-    return row_map
+    num_tokens = _checks.check_static_int("num_tokens", num_tokens, 0)
+    return D.chunk_sort_map(split_sizes, sorted_indices, backend=backend, num_tokens=num_tokens)
 
 
 def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array | None = None,
@@ -106,22 +147,30 @@ def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array |
 
     Args:
       inp: [N, H], any dtype.
-      row_id_map: int32 [N] from :func:`make_chunk_sort_map` for the same N.
+      row_id_map: int32 [N] from :func:`make_chunk_sort_map` for the same N: entries in
+        ``[-1, N)``, no output row named twice (checked when concrete, and under
+        ``TE_JAX_PERM_CHECKS=1``). Otherwise, an entry outside ``[0, N)``, and each entry
+        naming the same output row as an earlier entry, counts as ``-1``.
       probs: optional float [N], moved with the rows.
-      is_forward: ``True`` sorts (row ``i`` goes to ``row_id_map[i]``); ``False`` undoes it.
+      is_forward: ``True`` sorts (row ``i`` goes to ``row_id_map[i]``); ``False`` undoes it
+        (output row ``i`` is input row ``row_id_map[i]``).
       backend: ``"triton"``, ``"interpret"`` or ``"xla"``; ``None`` picks the default.
 
     Returns:
-      ``(output [N, H], permuted_probs [N] or None)``; unmapped rows are zero.
+      ``(output [N, H], permuted_probs [N] or None)``; rows nothing moves to are zero.
       Differentiable in ``inp`` and ``probs``.
     """
     inp, probs = _rows_and_probs(inp, probs)
     row_id_map = jnp.asarray(row_id_map)
     _checks.check_shape("row_id_map", row_id_map, (inp.shape[0],), f"({inp.shape[0]},) int32")
     _checks.check_int32("row_id_map", row_id_map)
-    return _sort_by_map(inp, row_id_map, probs, bool(is_forward), resolve_backend(backend))
+    _checks.check_values(_one_to_one_problem, row_id_map)
+    dst, src = _one_to_one(row_id_map)
+    backend = resolve_backend(backend)
+    return _move(inp, src, dst, probs, backend) if is_forward else _move(inp, dst, src, probs, backend)
 
 
+@_checks.keyword_only_backend
 def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array, *,
                          backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Reorders contiguous chunks of rows: output chunk ``j`` = input chunk ``sorted_indices[j]``.
@@ -130,7 +179,8 @@ def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices:
       inp: ``[N, H]`` or ``[B, S, H]`` (flattened to ``N = B*S`` rows), any dtype; rows
         grouped in chunks of ``split_sizes`` rows from row 0.
       split_sizes: int [C], may be traced (no host sync); ``sum <= N``.
-      sorted_indices: int [C], a permutation of ``range(C)``.
+      sorted_indices: int [C], a permutation of ``range(C)`` (traced values that are not:
+        see the module docstring).
       backend: ``"triton"``, ``"interpret"`` or ``"xla"``; ``None`` picks the default.
 
     Returns:
@@ -144,6 +194,7 @@ def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices:
     return out, row_map
 
 
+@_checks.keyword_only_backend
 def sort_chunks_by_index_with_probs(inp: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array,
                                     probs: jax.Array, *, backend: str | None = None
                                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -160,8 +211,8 @@ def _sort_chunks(inp, split_sizes, sorted_indices, probs, backend):
     inp = _flatten_rows(inp)
     inp, probs = _rows_and_probs(inp, probs)
     chosen = resolve_backend(backend)
-    row_map = make_chunk_sort_map(split_sizes, sorted_indices, inp.shape[0], backend=chosen)
-    out, permuted_probs = _sort_by_map(inp, row_map, probs, True, chosen)
+    row_map, src_map = _maps(split_sizes, sorted_indices, inp.shape[0], chosen)
+    out, permuted_probs = _move(inp, src_map, row_map, probs, chosen)
     return out, permuted_probs, row_map
 
 
@@ -177,6 +228,6 @@ def sort_chunks_reference(inp: jax.Array, split_sizes: jax.Array, sorted_indices
     in plain JAX, with their return arity."""
     inp, probs = _rows_and_probs(_flatten_rows(inp), probs)
     split_sizes, sorted_indices = _chunks(split_sizes, sorted_indices)
-    (row_map,) = D.chunk_sort_map_reference(split_sizes, sorted_indices, num_tokens=inp.shape[0])
-    outs = D.sort_chunks_by_map_reference(inp, row_map, probs, is_forward=True)
+    row_map, src_map = D.chunk_sort_map_reference(split_sizes, sorted_indices, num_tokens=inp.shape[0])
+    outs = D.gather_rows_reference(inp, src_map, probs)
     return (outs[0], row_map) if probs is None else (outs[0], outs[1], row_map)

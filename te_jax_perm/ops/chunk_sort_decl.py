@@ -1,7 +1,8 @@
-"""Kernel declarations of chunk sorting: the row map build and the row movement by map.
+"""Kernel declarations of chunk sorting: the row maps build and the row gather by a map.
 
-Row-map convention: int32 ``[N]``, the output row of each input row or ``-1`` (layout and
-guarantees in :mod:`te_jax_perm.kernels.chunk_sort`). The public API and VJP rules are in
+Map convention: int32 ``[N]`` each, ``row_id_map`` the output row of each input row and
+``src_map`` the input row of each output row, ``-1`` where there is none (see
+:mod:`te_jax_perm.kernels.chunk_sort`). The public API and VJP rules are in
 :mod:`te_jax_perm.ops.chunk_sort`.
 """
 from __future__ import annotations
@@ -23,11 +24,12 @@ MAX_CHUNKS = 2048
 
 
 # --------------------------------------------------------------------------------------
-# Row map: int32 [N], output row of each input row or -1.
+# Row maps: int32 [N] each, the output row of each input row and the input row of each
+# output row, -1 where there is none.
 # --------------------------------------------------------------------------------------
 def chunk_sort_map_reference(split_sizes, sorted_indices, *, num_tokens: int, xp: ModuleType = jnp):
-    """The row map of a chunk sort, in plain ``xp`` (``jax.numpy`` or ``numpy``): a 1-tuple."""
-    n = num_tokens
+    """``(row_id_map, src_map)`` of a chunk sort, in plain ``xp`` (``jax.numpy`` or ``numpy``)."""
+    n, c = num_tokens, split_sizes.shape[0]
     # Sizes clipped to [0, N], then summed saturating at N: int32 cannot overflow, and chunks
     # are truncated where the input ends.
     sizes = xp.clip(split_sizes.astype(xp.int32), 0, n)
@@ -37,17 +39,30 @@ def chunk_sort_map_reference(split_sizes, sorted_indices, *, num_tokens: int, xp
         incl = jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, n - a), sizes)
     excl = xp.concatenate([xp.zeros((1,), xp.int32), incl[:-1]])
     eff = incl - excl
-    out_sizes = eff[sorted_indices]
-    out_excl = xp.cumsum(out_sizes) - out_sizes
-    dst_start = xp.zeros_like(sizes)
-    if xp is np:
-        dst_start[sorted_indices] = out_excl
-    else:
-        dst_start = dst_start.at[sorted_indices].set(out_excl)
+    # Each chunk is placed at the first position naming it; other positions are empty.
+    pos = xp.arange(c, dtype=xp.int32)
+    named = (sorted_indices >= 0) & (sorted_indices < c)
+    chunk_at = xp.where(named, sorted_indices, 0).astype(xp.int32)
+    first_pos = _scatter_min(xp, xp.full((c,), c, xp.int32), chunk_at, xp.where(named, pos, c))
+    first = named & (first_pos[chunk_at] == pos)
+    out_sizes = xp.where(first, eff[chunk_at], 0).astype(xp.int32)
+    out_incl = xp.cumsum(out_sizes).astype(xp.int32)
+    out_excl = out_incl - out_sizes
+    placed = first_pos < c
+    start = out_excl[xp.minimum(first_pos, c - 1)]
     rows = xp.arange(n, dtype=xp.int32)
-    chunk = xp.clip(xp.searchsorted(incl, rows, side="right"), 0, sizes.shape[0] - 1)
-    dst = rows - excl[chunk] + dst_start[chunk]
-    return (xp.where(rows < incl[-1], dst, -1).astype(xp.int32),)
+    chunk = xp.clip(xp.searchsorted(incl, rows, side="right"), 0, c - 1)
+    dst = xp.where((rows < incl[-1]) & placed[chunk], rows - excl[chunk] + start[chunk], -1)
+    at = xp.clip(xp.searchsorted(out_incl, rows, side="right"), 0, c - 1)
+    src = xp.where(rows < out_incl[-1], rows - out_excl[at] + excl[chunk_at[at]], -1)
+    return dst.astype(xp.int32), src.astype(xp.int32)
+
+
+def _scatter_min(xp: ModuleType, base, index, values):
+    if xp is np:
+        np.minimum.at(base, index, values)
+        return base
+    return base.at[index].min(values)
 
 
 def _map_params_check(dims, params) -> None:
@@ -108,7 +123,8 @@ chunk_sort_map = declare(KernelDecl(
     kernel=chunk_sort_map_kernel,
     example_inputs=_map_example,
     operands=(Operand("split_sizes", ("C",), ("int",)), Operand("sorted_indices", ("C",), ("int",))),
-    outputs=(Output("row_id_map", lambda dims, params: (params["num_tokens"],), lambda dtypes, params: np.int32),),
+    outputs=tuple(Output(name, lambda dims, params: (params["num_tokens"],), lambda dtypes, params: np.int32)
+                  for name in ("row_id_map", "src_map")),
     params=("num_tokens",),
     reference=chunk_sort_map_reference,
     grid=lambda dims, params, config: (-(-params["num_tokens"] // config.kw["BLOCK_N"]),),
@@ -127,22 +143,13 @@ chunk_sort_map = declare(KernelDecl(
 
 
 # --------------------------------------------------------------------------------------
-# Row movement by map, forward (scatter) or inverse (gather), with optional probs.
+# Row movement: a gather by a source map, with optional probs.
 # --------------------------------------------------------------------------------------
-def sort_chunks_by_map_reference(inp, row_id_map, probs=None, *, is_forward: bool):
-    """Rows (and probs) moved by a chunk-sort map (``is_forward``) or its inverse, in plain JAX."""
-    n = inp.shape[0]
-    mapped = (row_id_map >= 0) & (row_id_map < n)  # as the kernel: entries outside [0, N) are unmapped
-    if is_forward:
-        # Unmapped rows are exactly [total, N): send them to themselves as zeros.
-        dst = jnp.where(mapped, row_id_map, jnp.arange(n, dtype=row_id_map.dtype))
-        keep = mapped[:, None]
-        out = jnp.zeros_like(inp).at[dst].set(jnp.where(keep, inp, jnp.zeros((), inp.dtype)))
-        outs = (out,)
-        if probs is not None:
-            outs += (jnp.zeros_like(probs).at[dst].set(jnp.where(mapped, probs, jnp.zeros((), probs.dtype))),)
-        return outs
-    src = jnp.where(mapped, row_id_map, 0)
+def gather_rows_reference(inp, src_map, probs=None):
+    """Output row ``i`` = ``inp[src_map[i]]`` (and the same for probs), zero where
+    ``src_map[i]`` is outside ``[0, N)``, in plain JAX."""
+    mapped = (src_map >= 0) & (src_map < inp.shape[0])
+    src = jnp.where(mapped, src_map, 0)
     outs = (jnp.where(mapped[:, None], inp[src], jnp.zeros((), inp.dtype)),)
     if probs is not None:
         outs += (jnp.where(mapped, probs[src], jnp.zeros((), probs.dtype)),)
@@ -170,8 +177,8 @@ def _move_example(with_probs: bool):
     def make(dims, params, dtypes, rng) -> tuple[np.ndarray, ...]:
         n, h = dims["N"], dims["H"]
         sizes, order = _random_chunks(max(1, min(16, n)), n, rng)
-        (row_map,) = chunk_sort_map_reference(sizes, order, num_tokens=n, xp=np)
-        ops = (rng.standard_normal((n, h)).astype(dtypes["inp"]), row_map)
+        _, src_map = chunk_sort_map_reference(sizes, order, num_tokens=n, xp=np)
+        ops = (rng.standard_normal((n, h)).astype(dtypes["inp"]), src_map)
         if with_probs:
             ops += (rng.random(n).astype(dtypes["probs"]),)
         return ops
@@ -179,7 +186,7 @@ def _move_example(with_probs: bool):
 
 
 def _move_decl(with_probs: bool):
-    operands = (Operand("inp", ("N", "H")), Operand("row_id_map", ("N",), ("int32",)))
+    operands = (Operand("inp", ("N", "H")), Operand("src_map", ("N",), ("int32",)))
     outputs = (Output("output", lambda dims, params: (dims["N"], dims["H"]), lambda dtypes, params: dtypes["inp"]),)
     if with_probs:
         operands += (Operand("probs", ("N",), ("float",)),)
@@ -191,18 +198,16 @@ def _move_decl(with_probs: bool):
         kernel=sort_chunks_probs_kernel if with_probs else sort_chunks_kernel,
         operands=operands,
         outputs=outputs,
-        params=("is_forward",),
-        reference=sort_chunks_by_map_reference,
+        reference=gather_rows_reference,
         grid=lambda dims, params, config: (-(-dims["N"] // config.kw["ROWS"]),),
         scalars=lambda dims, params: {"N": dims["N"]},
         # H is compiled in (vectorised rows; see the kernel); it is a key dim, so each H
         # has its own cache entry and tuning.
-        constexprs=lambda dims, params, config: {"FORWARD": bool(params["is_forward"]), "H": dims["H"]},
+        constexprs=lambda dims, params, config: {"H": dims["H"]},
         configs=_MOVE_CONFIGS,
         constraints=(_move_fits,),
         default_config=_move_default,
         key_dims=("N", "H"),
-        key_params=("is_forward",),
         key_bucket=lambda name, v: next_pow2(v) if name == "N" else int(v),  # H is compiled in
         # Rows move whole to other rows (not N-local); each H-slice moves independently.
         partitioning=Partitioning(outputs=(("N", "H"), ("N",))[:len(outputs)], local=("H",)),

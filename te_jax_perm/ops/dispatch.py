@@ -189,6 +189,7 @@ def _combine_bwd(backend, res, g):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
+@_checks.keyword_only_backend
 def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
                    probs: jax.Array | None = None, align_size: int | None = None, *,
                    backend: str | None = None):
@@ -205,7 +206,7 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
         float16 or float32.
       align_size: optional static int; pads each expert's rows with zero rows up to a
         multiple of it. The output then has ``((num_out_tokens + E*(align_size-1)) //
-        align_size) * align_size`` rows.
+        align_size) * align_size`` rows, which must stay below ``2**31`` (int32 row indices).
       backend: ``"triton"``, ``"interpret"``, ``"xla"`` or ``None`` (default).
 
     Returns:
@@ -217,11 +218,10 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
       ``align_size`` is given).
     """
     inp = jnp.asarray(inp)
-    routing_map = jnp.asarray(routing_map)
+    routing_map = _checks.routing_map_array("routing_map", routing_map)
     x = _flatten("inp", inp, "H")
     _checks.check_token_dtype("inp", inp)
     rm = _flatten("routing_map", routing_map, "E")
-    _checks.check_routing_dtype("routing_map", routing_map)
     if rm.shape[0] != x.shape[0]:
         raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected {x.shape[0]} tokens "
                          f"like inp {tuple(inp.shape)} (i.e. {tuple(inp.shape[:-1]) + ('E',)})")
@@ -237,6 +237,10 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
     if align_size is not None:
         align_size = _checks.check_static_int("align_size", align_size, 1)
     rows = num_out_tokens if align_size is None else padded_rows(num_out_tokens, e, align_size)
+    if rows > _checks.INT32_MAX:
+        raise ValueError(f"align_size = {align_size} with num_out_tokens = {num_out_tokens} and E = {e} makes a padded "
+                         f"output of {rows} rows; expected at most 2**31 - 1 rows (row indices are int32): choose a "
+                         "smaller align_size")
     # kept: rows per expert of the whole output (summed over token shards when sharded).
     out, permuted_probs, row_id_map, kept = _dispatch(x, rm, probs, num_out_tokens, align_size, rows,
                                                       resolve_backend(backend))
@@ -246,6 +250,7 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
     return out, permuted_probs, row_id_map, pad_offsets, tokens_per_expert
 
 
+@_checks.keyword_only_backend
 def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,
                   pad_offsets: jax.Array | None = None, *, backend: str | None = None) -> jax.Array:
     """Combines expert rows back into tokens.
@@ -256,14 +261,16 @@ def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Arra
       merging_probs: optional ``[T, E]`` (or ``[B, S, E]``) weights, bfloat16, float16 or
         float32; their gradient comes back in their dtype.
       pad_offsets: the ``pad_offsets`` from :func:`token_dispatch` when it padded; checked
-        (int ``[E]``) but not needed: the map already addresses the padded rows.
+        (int ``[E]``; with a concrete map, that the map is the padded one) but not needed: the
+        map already addresses the padded rows.
       backend: as for :func:`token_dispatch`.
 
     Returns:
       ``[T, H]`` in ``inp.dtype``: each token's expert rows summed (fp32 accumulation),
-      weighted by ``merging_probs`` when given. Dropped rows contribute nothing, and so do
-      map entries addressing rows ``inp`` does not have (which rows a map addresses is
-      data, so a short ``inp`` cannot be detected at trace time; no kernel reads past it).
+      weighted by ``merging_probs`` when given. Dropped rows contribute nothing. A concrete
+      map addressing rows ``inp`` does not have raises; a traced one is checked only under
+      ``TE_JAX_PERM_CHECKS=1`` and otherwise such entries contribute nothing (no kernel
+      reads past ``inp``).
     """
     inp = jnp.asarray(inp)
     _checks.check_rank("inp", inp, (2,), "[R, H]")
@@ -275,5 +282,9 @@ def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Arra
         _checks.check_shape("merging_probs", merging_probs, (t, e), f"[T={t}, E={e}] (from row_id_map)")
         _checks.check_probs_dtype("merging_probs", merging_probs)
     if pad_offsets is not None:
+        pad_offsets = _checks.array_like(pad_offsets)
         _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}] (from row_id_map)")
+        _checks.check_index_values("pad_offsets", pad_offsets)
+    _checks.check_values(functools.partial(_checks.row_id_map_problem, inp.shape[0]), row_id_map,
+                         *(() if pad_offsets is None else (pad_offsets,)))
     return _combine(inp, merging_probs, row_id_map, resolve_backend(backend))

@@ -92,6 +92,7 @@ def _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_o
     _checks.check_shape("row_id_map", row_id_map, (inp.shape[0], 2 * e + 1),
                         f"[T={inp.shape[0]}, 2E+1] (T from inp {tuple(inp.shape)})")
     _checks.check_shape("tokens_per_expert", tokens_per_expert, (e,), f"[E={e}]")
+    _checks.check_index_values("tokens_per_expert", tokens_per_expert)
     num_out_rows = _checks.check_static_int("num_out_rows", num_out_rows, 0)
     if probs is not None:
         _checks.check_shape("probs", probs, (inp.shape[0], e), f"[T={inp.shape[0]}, E={e}]")
@@ -148,6 +149,7 @@ def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expe
         _checks.check_probs_dtype("merging_probs", merging_probs)
     if tokens_per_expert is not None:
         _checks.check_shape("tokens_per_expert", tokens_per_expert, (e,), f"[E={e}]")
+        _checks.check_index_values("tokens_per_expert", tokens_per_expert)
     return pad_or_zeros(pad_offsets, e), pad_offsets is not None
 
 
@@ -185,4 +187,5 @@ def pad_or_zeros(pad_offsets, e):
     if pad_offsets is None:
         return jnp.zeros((e,), jnp.int32)
     _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}]")
+    _checks.check_index_values("pad_offsets", pad_offsets)
     return jnp.asarray(pad_offsets).astype(jnp.int32)

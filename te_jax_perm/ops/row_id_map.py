@@ -46,9 +46,8 @@ def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *
       :mod:`te_jax_perm.kernels.row_id_map`), ``tokens_per_expert`` int32 ``[E]``: rows kept
       per expert after dropping.
     """
-    routing_map = jnp.asarray(routing_map)
+    routing_map = _checks.routing_map_array("routing_map", routing_map)
     _checks.check_rank("routing_map", routing_map, (2,), "[T, E]")
-    _checks.check_routing_dtype("routing_map", routing_map)
     drop_at = _drop_at(num_out_tokens)
     t, e = routing_map.shape
     plan = map_plan(t, e)

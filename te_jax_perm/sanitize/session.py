@@ -91,11 +91,19 @@ def sanitize(raise_on_first: bool = False) -> Iterator[Report]:
 
     JAX dispatches asynchronously: block on results (``jax.block_until_ready``) inside the
     scope, or use :func:`check`, so that launches run before the scope closes.
+
+    The scope places computations on the first CPU device (``jax.default_device``): the
+    interpreter runs kernels on host buffers, also on a machine whose default device is a
+    GPU. Arrays already committed to a GPU must be moved (:func:`check` moves its
+    arguments).
     """
+    import jax
+
     session = Session(raise_on_first)
     _open(session)
     try:
-        yield session.report
+        with jax.default_device(jax.devices("cpu")[0]):
+            yield session.report
     except HazardError:
         raise
     except Exception as e:  # noqa: BLE001 - a hazard raised inside XLA's callback arrives wrapped
@@ -107,9 +115,13 @@ def sanitize(raise_on_first: bool = False) -> Iterator[Report]:
 
 
 def check(fn: Callable[..., Any], *args: Any, raise_on_first: bool = False, **kwargs: Any) -> Report:
-    """Runs ``fn(*args, **kwargs)`` to completion under the sanitizer; returns the report."""
+    """Runs ``fn(*args, **kwargs)`` to completion under the sanitizer, its array arguments
+    moved to the CPU (see :func:`sanitize`); returns the report."""
     import jax
 
+    cpu = jax.devices("cpu")[0]
+    on_cpu = lambda v: jax.device_put(v, cpu) if isinstance(v, jax.Array) else v  # noqa: E731
+    args, kwargs = jax.tree.map(on_cpu, (args, kwargs))
     with sanitize(raise_on_first) as report:
         jax.block_until_ready(fn(*args, **kwargs))
     return report

@@ -1,0 +1,55 @@
+"""Routing formats: top-k expert indices ``[T, k]`` and routing maps ``[T, E]``.
+
+Routers usually produce top-k indices (``jax.lax.top_k``); the ops take a routing map, as
+TransformerEngine's do. These convert between the two.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from te_jax_perm.ops import _checks
+
+
+def topk_to_routing_map(indices: jax.Array, num_experts: int) -> jax.Array:
+    """The routing map of top-k expert indices.
+
+    Args:
+      indices: int ``[T, k]`` (or ``[B, S, k]``): the experts each token is routed to.
+        Concrete indices must lie in ``[0, num_experts)``; traced ones outside it route
+        nowhere. A repeated index routes the token to that expert once.
+      num_experts: static E.
+
+    Returns:
+      bool ``[T, E]`` (or ``[B, S, E]``): ``True`` where a token is routed to an expert.
+    """
+    e = _checks.check_static_int("num_experts", num_experts, 0)
+    indices = _checks.array_like(indices)
+    if indices.ndim < 1:
+        raise ValueError(f"indices has shape {tuple(indices.shape)}; expected [T, k]")
+    _checks.check_index_values("indices", indices)
+    _checks.check_values(lambda i: None if ((i >= 0) & (i < e)).all() else
+                         f"indices hold {sorted(set(i[(i < 0) | (i >= e)].tolist()))[:8]}; expected expert ids "
+                         f"in [0, num_experts={e})", indices)
+    indices = jnp.asarray(indices)
+    return (indices[..., None] == jnp.arange(e, dtype=indices.dtype)).any(axis=-2)
+
+
+def routing_map_to_topk(routing_map: jax.Array, k: int) -> jax.Array:
+    """Top-k expert indices of a routing map: each token's routed experts, ascending.
+
+    Args:
+      routing_map: ``[T, E]`` (or ``[B, S, E]``) bool or 0/1 integers.
+      k: static number of indices per token.
+
+    Returns:
+      int32 ``[T, k]`` (or ``[B, S, k]``): the ``k`` lowest-numbered routed experts of each
+      token; ``-1`` fills the tail of a token routed to fewer than ``k``.
+    """
+    routing_map = _checks.routing_map_array("routing_map", routing_map)
+    e = routing_map.shape[-1] if routing_map.ndim else 0
+    k = _checks.check_static_int("k", k, 0, e)
+    ids = jnp.arange(e, dtype=jnp.int32)
+    # top_k of (E - id) over routed experts picks the lowest ids first; unrouted score 0.
+    score, top = jax.lax.top_k(jnp.where(routing_map != 0, e - ids, 0), k)
+    return jnp.where(score > 0, top, -1).astype(jnp.int32)

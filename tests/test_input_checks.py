@@ -1,0 +1,164 @@
+"""Mistakes caught where they can be: concrete arguments checked before any cast, values of
+concrete maps and offsets checked, traced ones under TE_JAX_PERM_CHECKS=1, and routing
+formats converted by helpers instead of silently misread."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_jax_perm
+from te_jax_perm.core.checks import CheckError
+
+X = jnp.zeros((10, 4), jnp.float32)
+
+
+@pytest.fixture
+def x64():
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize("arg", ["split_sizes", "sorted_indices"])
+@pytest.mark.parametrize("wide", [np.asarray, jnp.asarray, list])
+def test_int64_chunk_arguments_are_checked_before_the_int32_cast(x64, arg, wide):
+    big = wide(np.array([2**32 + 3, 7], np.int64))
+    sizes, order = (big, [1, 0]) if arg == "split_sizes" else ([3, 7], big)
+    with pytest.raises(ValueError, match=rf"{arg} = \[4294967299, 7\] has entries outside int32"):
+        te_jax_perm.sort_chunks_by_index(X, sizes, order)
+
+
+def test_int64_sizes_are_checked_without_x64_too():
+    with pytest.raises(ValueError, match=r"split_sizes = \[4294967299, 7\] has entries outside int32"):
+        te_jax_perm.sort_chunks_by_index(X, np.array([2**32 + 3, 7]), np.array([1, 0]))
+
+
+def test_offsets_counts_and_static_sizes_must_be_integers():
+    rm = np.eye(4, dtype=bool)[[0, 1, 2, 3, 0, 1]]
+    out, _, rid, pad, tpe = te_jax_perm.token_dispatch(np.ones((6, 8), np.float32), rm, 6, align_size=2)
+    with pytest.raises(TypeError, match="pad_offsets has dtype float32; expected an integer dtype"):
+        te_jax_perm.token_combine(out, rid, None, pad.astype(jnp.float32))
+    rid0, kept = te_jax_perm.make_row_id_map(rm)
+    with pytest.raises(TypeError, match="tokens_per_expert has dtype float32; expected an integer dtype"):
+        te_jax_perm.permute_with_mask_map(jnp.ones((6, 8)), rid0, kept.astype(jnp.float32), 6)
+    with pytest.raises(TypeError, match="tokens_per_expert has dtype float32; expected an integer dtype"):
+        te_jax_perm.unpermute_with_mask_map(jnp.ones((6, 8)), rid0, tokens_per_expert=kept.astype(jnp.float32))
+    with pytest.raises(TypeError, match="num_tokens must be a static Python int, got float 3.7"):
+        te_jax_perm.make_chunk_sort_map(jnp.array([1, 2]), jnp.array([1, 0]), 3.7)
+
+
+def test_topk_indices_passed_as_a_routing_map_are_rejected_with_the_conversion():
+    topk = np.array([[0, 3], [2, 1], [3, 0]], np.int32)   # [T, k] expert ids, E = 4
+    for call in (lambda m: te_jax_perm.token_dispatch(np.ones((3, 8), np.float32), m, 6),
+                 lambda m: te_jax_perm.make_row_id_map(m)):
+        with pytest.raises(ValueError, match=r"routing_map holds values other than 0 and 1 \(e.g. \[2, 3\]\).*"
+                                             r"topk_to_routing_map\(indices, num_experts\)"):
+            call(topk)
+    rm = te_jax_perm.topk_to_routing_map(topk, 4)
+    assert rm.dtype == jnp.bool_ and rm.shape == (3, 4)
+    np.testing.assert_array_equal(np.asarray(rm), [[1, 0, 0, 1], [0, 1, 1, 0], [1, 0, 0, 1]])
+    np.testing.assert_array_equal(np.asarray(te_jax_perm.routing_map_to_topk(rm, 3)),
+                                  [[0, 3, -1], [1, 2, -1], [0, 3, -1]])
+    with pytest.raises(ValueError, match=r"indices hold \[4\]; expected expert ids in \[0, num_experts=4\)"):
+        te_jax_perm.topk_to_routing_map(topk + 1, 4)
+    out = te_jax_perm.token_dispatch(np.ones((3, 8), np.float32), rm.astype(jnp.int8), 6)[0]   # 0/1 ints are fine
+    assert out.shape == (6, 8)
+
+
+def test_unpadded_map_with_pad_offsets_raises():
+    rng = np.random.default_rng(0)
+    rm = np.zeros((6, 4), bool)
+    rm[np.arange(6), rng.integers(0, 4, 6)] = True
+    x = rng.standard_normal((6, 8)).astype(np.float32)
+    out, _, rid, pad, _ = te_jax_perm.token_dispatch(x, rm, 6, align_size=4)
+    assert np.asarray(pad).any()
+    np.testing.assert_allclose(np.asarray(te_jax_perm.token_combine(out, rid, None, pad)), x)   # the padded map
+    out0, _, rid0, _, _ = te_jax_perm.token_dispatch(x, rm, 6)
+    with pytest.raises(CheckError, match=r"row_id_map holds unpadded destinations.*pad_offsets = \["):
+        te_jax_perm.token_combine(out, rid0, None, pad)
+
+
+def test_concrete_maps_that_do_not_fit_their_input_raise():
+    rm = np.eye(4, dtype=bool)[[0, 1, 2, 3]]
+    out, _, rid, _, _ = te_jax_perm.token_dispatch(np.ones((4, 8), np.float32), rm, 4)
+    with pytest.raises(CheckError, match=r"row_id_map addresses rows \[3\], but inp has 3 rows"):
+        te_jax_perm.token_combine(out[:3], rid)
+    with pytest.raises(TypeError, match="row_id_map is a list; expected an int32 array"):
+        te_jax_perm.token_combine(out, np.asarray(rid).tolist())
+    with pytest.raises(CheckError, match=r"row_id_map names output rows \[2\] more than once"):
+        te_jax_perm.sort_chunks_by_map(X, jnp.array([2, 2, 0, 1, 3, 4, 5, 6, 7, 8], jnp.int32))
+    with pytest.raises(CheckError, match=r"row_id_map has entries \[10\] outside \[-1, N=10\)"):
+        te_jax_perm.sort_chunks_by_map(X, jnp.array([10, 1, 0, 2, 3, 4, 5, 6, 7, 8], jnp.int32))
+
+
+# -- the checked mode ----------------------------------------------------------------------
+@pytest.fixture
+def checked(monkeypatch):
+    monkeypatch.setenv("TE_JAX_PERM_CHECKS", "1")
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_checked_mode_rejects_traced_values_when_the_program_runs(checked, backend):
+    sort = jax.jit(lambda s, o: te_jax_perm.sort_chunks_by_index(X, s, o, backend=backend)[0])
+    jax.block_until_ready(sort(jnp.array([3, 7]), jnp.array([1, 0])))                      # fine
+    with pytest.raises(Exception, match=r"sorted_indices' = \[0, 0\] is not a permutation of range\(2\)"):
+        jax.block_until_ready(sort(jnp.array([3, 7]), jnp.array([0, 0])))
+    with pytest.raises(Exception, match=r"split_sizes' has negative entries"):
+        jax.block_until_ready(sort(jnp.array([-3, 7]), jnp.array([1, 0])))
+    dispatch = jax.jit(lambda m: te_jax_perm.token_dispatch(jnp.ones((3, 8)), m, 6, backend=backend)[0])
+    with pytest.raises(Exception, match="routing_map holds values other than 0 and 1"):
+        jax.block_until_ready(dispatch(jnp.array([[0, 3], [2, 1], [3, 0]], jnp.int32)))
+    rm = np.eye(4, dtype=bool)[[0, 1, 2, 3]]
+    out, _, rid, _, _ = te_jax_perm.token_dispatch(np.ones((4, 8), np.float32), rm, 4, backend=backend)
+    combine = jax.jit(lambda a, r: te_jax_perm.token_combine(a, r, backend=backend))
+    with pytest.raises(Exception, match=r"row_id_map addresses rows \[3\], but inp has 3 rows"):
+        jax.block_until_ready(combine(out[:3], rid))
+    by_map = jax.jit(lambda m: te_jax_perm.sort_chunks_by_map(X, m, backend=backend)[0])
+    with pytest.raises(Exception, match=r"row_id_map names output rows \[2\] more than once"):
+        jax.block_until_ready(by_map(jnp.array([2, 2, 0, 1, 3, 4, 5, 6, 7, 8], jnp.int32)))
+
+
+def test_without_the_checked_mode_traced_values_get_the_defined_result(monkeypatch):
+    monkeypatch.delenv("TE_JAX_PERM_CHECKS", raising=False)
+    out = jax.jit(lambda s, o: te_jax_perm.sort_chunks_by_index(X + 1, s, o)[0])(jnp.array([3, 7]), jnp.array([0, 0]))
+    np.testing.assert_array_equal(np.asarray(out)[:, 0], [1] * 3 + [0] * 7)
+
+
+# -- errors that help --------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_sizes_past_int32_rows_raise_our_message(backend):
+    x, rm = np.ones((4, 8), np.float32), np.eye(4, dtype=bool)
+    with pytest.raises(ValueError, match=r"num_out_tokens must be <= 2147483647 \(int32 row indices\), got 2147483648"):
+        te_jax_perm.token_dispatch(x, rm, 2**31, backend=backend)
+    with pytest.raises(ValueError, match=r"num_out_tokens must be <= 2147483647"):
+        te_jax_perm.make_row_id_map(rm, 2**31, backend=backend)
+    with pytest.raises(ValueError, match=r"align_size = 536870912 with num_out_tokens = 4 and E = 4 makes a padded "
+                                         r"output of 2147483648 rows; expected at most 2\*\*31 - 1 rows"):
+        te_jax_perm.token_dispatch(x, rm, 4, align_size=2**29, backend=backend)
+
+
+def test_backend_by_position_says_it_is_keyword_only():
+    x, rm = np.ones((4, 8), np.float32), np.eye(4, dtype=bool)
+    with pytest.raises(TypeError, match=r"token_dispatch takes at most 5 positional arguments, got 6: backend is "
+                                        r"keyword-only; pass backend='xla'"):
+        te_jax_perm.token_dispatch(x, rm, 4, None, None, "xla")
+    with pytest.raises(TypeError, match="sort_chunks_by_index takes at most 3 .* pass backend='interpret'"):
+        te_jax_perm.sort_chunks_by_index(X, [10], [0], "interpret")
+
+
+def test_backend_names_are_case_insensitive_as_in_the_environment():
+    out, _ = te_jax_perm.sort_chunks_by_index(X + 1, [10], [0], backend="XLA")
+    np.testing.assert_array_equal(np.asarray(out), np.ones((10, 4)))
+    with te_jax_perm.use_backend("Interpret") as name:
+        assert name == "interpret" and te_jax_perm.core.resolve_backend() == "interpret"
+    with pytest.raises(TypeError, match="backend must be a string, got int 1"):
+        te_jax_perm.sort_chunks_by_index(X, [10], [0], backend=1)
+
+
+@pytest.mark.parametrize("word,on", [("1", True), ("yes", True), ("On", True), ("TRUE", True),
+                                     ("0", False), ("no", False), ("off", False), ("False", False)])
+def test_on_off_switches_take_the_same_words(monkeypatch, word, on):
+    from te_jax_perm.core import env
+    for var in (env.AUTOTUNE, env.SANITIZE, env.CHECKS):
+        monkeypatch.setenv(var, word)
+    assert env.autotune() is on and env.checks() is on and env.sanitize() == ("collect" if on else None)
