@@ -192,18 +192,22 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "") ->
 
 
 def default_table(sweeps: list[str]) -> dict:
-    """The fastest config of each mover kernel at each row width H measured in ``sweeps``
-    (sweep JSON files), keyed ``kernel -> H -> config``: the table the defaults read."""
+    """The fastest config of each mover kernel at each row width H and token count T
+    measured in ``sweeps`` (sweep JSON files), keyed ``kernel -> H -> T -> config``: the
+    table the defaults read."""
     best: dict = {}
     for path in sweeps:
         with open(path) as f:
             for r in json.load(f)["rows"]:
                 if r.get("us") is None or "error" in r:
                     continue
-                cur = best.setdefault(r["kernel"], {}).get(str(r["H"]))
+                at = best.setdefault(r["kernel"], {}).setdefault(str(r["H"]), {})
+                cur = at.get(str(r["T"]))
                 if cur is None or r["us"] < cur[1]:
-                    best[r["kernel"]][str(r["H"])] = (r["config"], r["us"])
-    return {k: {h: c for h, (c, _) in sorted(v.items(), key=lambda kv: int(kv[0]))} for k, v in sorted(best.items())}
+                    at[str(r["T"])] = (r["config"], r["us"])
+    return {k: {h: {t: c for t, (c, _) in sorted(by_t.items(), key=lambda kv: int(kv[0]))}
+                for h, by_t in sorted(v.items(), key=lambda kv: int(kv[0]))}
+            for k, v in sorted(best.items())}
 
 
 def _restaged(cfg) -> list:

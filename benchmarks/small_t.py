@@ -77,7 +77,9 @@ def measure(backend: str, T: int, H: int, E: int, k: int, chain: int = 50, reps:
             "wall_over_kernel": wall_us / stats.kernel_us_per_step if stats.kernel_us_per_step else None,
             "kernels_per_step": sum(stats.kernel_count.values()) / stats.steps,
             "graph_launches_per_step": stats.graph_launches / stats.steps,
-            "kernel_launches_per_step": stats.kernel_launches / stats.steps, "compile_s": compile_s}
+            "kernel_launches_per_step": stats.kernel_launches / stats.steps, "compile_s": compile_s,
+            # Per kernel name: us per step (where a step's time goes).
+            "kernels": {name: ns / stats.steps / 1e3 for name, ns in sorted(stats.kernel_ns.items())}}
 
 
 def target_lines(rows: list[dict]) -> list[str]:

@@ -192,7 +192,7 @@ def test_alias_audit_every_kernel_forward_and_backward(kernel_backend):
     audit = te_jax_perm.audit_aliases(jax.grad(loss, argnums=(0, 1, 2)), x, probs, w)
     names = {c.kernel for c in audit.ours}
     assert audit.ok, str(audit)
-    assert {"row_id_map_fused", "permute_probs",
+    assert {"dispatch_map_fused", "permute_probs",
             "unpermute", "unpermute_weighted", "permute_bwd_probs", "unpermute_bwd_weighted",
             "permute"} <= names, names
     for c in audit.ours:

@@ -393,3 +393,26 @@ def test_xla_references_need_no_token_expert_row_tensor(case):
     outs = jax.eval_shape(f, *args)
     largest = max(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves((args, outs)))
     assert mem.temp_size_in_bytes < 4 * largest, (mem.temp_size_in_bytes, largest)
+
+
+def test_default_configs_read_the_table_at_the_nearest_token_count_and_slice_small_t(monkeypatch):
+    from te_jax_perm.core import Config
+    from te_jax_perm.ops import permute_decl as D
+    a = Config.make(num_warps=1, BLOCK_H=512, ROWS=1)
+    b = Config.make(num_warps=4, num_stages=2, BLOCK_H=4096, ROWS=2)
+    monkeypatch.setattr(D, "_table", lambda: {"unpermute_weighted": {"4096": {"64": a.to_json(), "8192": b.to_json()}}})
+    pick = lambda t, h=4096: D.unpermute_weighted.decl.default_config({"T": t, "H": h, "N": t, "E": 8, "W": 17},
+                                                                        {"padded": False})
+    assert pick(16) == a and pick(512) == a and pick(1024) == b and pick(100000) == b
+    # ROWS=2 is not valid for one token: the rule's whole row, cut into slices at small T.
+    monkeypatch.setattr(D, "_table", lambda: {"unpermute_weighted": {"4096": {"8192": b.to_json()}}})
+    one = pick(1)
+    assert one.kw["ROWS"] == 1 and one.kw["BLOCK_H"] == 256
+    # A width the table lacks: whole rows at large T, slices with ~MIN_PROGRAMS programs at small T.
+    assert pick(8192, 5120).kw["BLOCK_H"] == 8192
+    small = pick(64, 5120)
+    assert small.kw["BLOCK_H"] == 256 and 64 * -(-5120 // 256) >= D.MIN_PROGRAMS
+    # The weighted scatter keeps whole rows (its weight gradient is a dot over the row).
+    ws = D.unpermute_bwd_weighted.decl.default_config({"T": 16, "H": 5120, "N": 64, "E": 8, "W": 17, "R": 64},
+                                                     {"padded": False})
+    assert ws.kw["BLOCK_H"] == 8192

@@ -88,3 +88,42 @@ def test_map_plan_is_the_measured_one_and_keeps_block_counts():
         plan = D.map_plan(t, e)
         assert plan.block_tokens & (plan.block_tokens - 1) == 0 and 1 <= plan.block_tokens <= D.MAX_BLOCK_TOKENS
         assert plan.num_warps in (1, 2, 4, 8)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(t=st.sampled_from([1, 7, 33]), e=st.integers(1, 9), k=st.integers(1, 3),
+       mode=st.sampled_from(["topk", "skew", "empty"]), budget=st.sampled_from([0.0, 0.5, 1.0, 1.5]),
+       align=st.sampled_from([1, 2, 4, 16]), block=st.sampled_from([1, 4, 64]), single=st.booleans(),
+       extra_rows=st.sampled_from([-3, 0, 5]), seed=st.integers(0, 2**16))
+def test_dispatch_map_is_the_padded_map_and_its_row_owners(kernel_backend, t, e, k, mode, budget, align, block,
+                                                          single, extra_rows, seed):
+    # The dispatch's map build against the three steps it replaces: the plain map, its
+    # destinations shifted by the padding, and row_owner of the result; also with fewer
+    # output rows than the padded layout needs (owner entries past the buffer are dropped).
+    from te_jax_perm.ops import permute_decl, row_id_map_decl as M
+    rm = routing(np.random.default_rng(seed), t, e, k, mode)
+    n = int(rm.sum() * budget)
+    rows = max(0, n + e * (align - 1) + extra_rows)
+    kw = dict(backend=kernel_backend, block_t=block, drop_at=n, align=align, num_out_rows=rows)
+    if single:
+        rid, kept, owner = M.dispatch_map_fused(rm, **kw)
+    else:
+        (counts,) = M.row_id_map_block_counts(rm, backend=kernel_backend, block_t=block)
+        rid, kept, owner = M.dispatch_map_fill(rm, counts, **kw)
+    plain, want_kept = te_jax_perm.make_row_id_map(rm, n, backend="xla")
+    dest, ex = np.asarray(plain)[:, :e], np.asarray(plain)[:, e:2 * e]
+    pad = np.asarray(M.pad_offsets_of(np.asarray(want_kept), align, np))
+    want = np.asarray(plain).copy()
+    want[:, :e] = np.where(dest >= 0, dest + pad[np.clip(ex, 0, e - 1)], dest)
+    np.testing.assert_array_equal(np.asarray(rid), want)
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(want_kept))
+    (want_owner,) = permute_decl.row_owner(want, np.zeros(e, np.int32), backend="xla", num_out_rows=rows,
+                                           padded=False)
+    np.testing.assert_array_equal(np.asarray(owner), np.asarray(want_owner))
+
+
+def test_dispatch_map_rejects_rows_past_int32():
+    from te_jax_perm.ops import row_id_map_decl as M
+    rm = np.ones((4, 8), bool)
+    with pytest.raises(ValueError, match="align_size = 2147483647"):
+        M.dispatch_map_fused(rm, backend="xla", block_t=4, drop_at=32, align=2**31 - 1, num_out_rows=32)

@@ -46,10 +46,10 @@ def _dest(rid_row, pad_ptr, j, E, N, live, PADDED: tl.constexpr):
     only where ``j`` is below the token's routed count clamped to ``[0, E]``, so only the
     row's own columns are read; expert ids outside ``[0, E)`` and destinations outside
     ``[0, N)`` (the rows of the expert-sorted buffer) mark the entry absent."""
+    # Both halves of the entry load at once (neither waits for the other's value).
     dest = tl.load(rid_row + j, mask=live, other=-1)
-    ok = live & (dest >= 0)
-    e = tl.load(rid_row + E + j, mask=ok, other=0)
-    ok = ok & (e >= 0) & (e < E)
+    e = tl.load(rid_row + E + j, mask=live, other=-1)
+    ok = live & (dest >= 0) & (e >= 0) & (e < E)
     dest = dest.to(tl.int64)
     if PADDED:
         dest += tl.load(pad_ptr + e, mask=ok, other=0)
@@ -102,11 +102,17 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
         live0 = tm & (0 < cnt)
         if WEIGHTED:
             # Combine backward: one pass per map column, since each destination needs its dot.
+            # Only the row's owner writes it and gets the weight's gradient (a map that sends
+            # two entries to one row gives the other entry's weight none). The next column's
+            # entry and owner load while this column's rows move.
+            nxt, ne, nok = _dest(rid_row, pad_ptr, 0, E, N_OUT, live0, PADDED)
+            nown = _owns(owner_ptr, nxt, t64, 0, E, nok)
             for j in range(kmax):
-                dest, e, ok = _dest(rid_row, pad_ptr, j, E, N_OUT, tm & (j < cnt), PADDED)
-                # Only the row's owner writes it and gets the weight's gradient (a map that
-                # sends two entries to one row gives the other entry's weight none).
-                own = _owns(owner_ptr, dest, t64, j, E, ok)
+                dest = nxt
+                e = ne
+                own = nown
+                nxt, ne, nok = _dest(rid_row, pad_ptr, j + 1, E, N_OUT, tm & (j + 1 < cnt), PADDED)
+                nown = _owns(owner_ptr, nxt, t64, j + 1, E, nok)
                 w = tl.load(w_ptr + t64 * E + e, mask=own, other=0).to(tl.float32)
                 acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
                 for h0 in range(h_lo, h_hi, BLOCK_H):

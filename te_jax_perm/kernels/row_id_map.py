@@ -39,20 +39,25 @@ def row_id_map_block_counts_kernel(rm_ptr, T, counts_prealloc, counts_ptr, E: tl
 
 
 @triton.jit
-def _start_rows(pre, tot, b, N, kept_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Each expert's first destination row for block ``b``; program 0 also writes ``kept``."""
+def _start_rows(pre, tot, b, N, ALIGN, kept_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Each expert's first destination row for block ``b`` and each expert's padding rows
+    before it (zeros when ``ALIGN == 1``); program 0 also writes ``kept``."""
     e = tl.arange(0, BLOCK_E)
     start = tl.cumsum(tot, axis=0) - tot
     # N - start cannot overflow: N <= 2^31-1 and start >= 0.
     kept = tl.minimum(tl.maximum(N - start, 0), tot)
     if b == 0:
         tl.store(kept_ptr + e, kept, mask=e < E)
-    return start + pre
+    # Padding: each expert's kept rows rounded up to a multiple of ALIGN; the rows before
+    # expert e grow by the padding of all earlier experts.
+    padded = (kept + ALIGN - 1) // ALIGN * ALIGN
+    pad = (tl.cumsum(padded, axis=0) - padded) - (tl.cumsum(kept, axis=0) - kept)
+    return start + pre, pad
 
 
 @triton.jit
-def _fill_block(rm_ptr, run, b, T, N, map_ptr, E: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_E: tl.constexpr, SUB: tl.constexpr):
+def _fill_block(rm_ptr, run, pad, b, T, N, R, map_ptr, owner_ptr, E: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_E: tl.constexpr, SUB: tl.constexpr, OWNED: tl.constexpr):
     # The block's BLOCK_T tokens go in [SUB, BLOCK_E] sub-tiles (a [64, 256] tile with its
     # cumsums spills heavily), carrying each expert's running row between them; the next
     # sub-tile's routing rows are loaded before this one's stores.
@@ -76,18 +81,25 @@ def _fill_block(rm_ptr, run, b, T, N, map_ptr, E: tl.constexpr, BLOCK_T: tl.cons
         rank_r = tl.cumsum(m, axis=1) - m
         cnt = tl.sum(m, axis=1)
         col = tl.where(m > 0, rank_r, cnt[:, None] + e[None, :] - rank_r)
-        vd = tl.where((m > 0) & (dest < N), dest, -1)
+        kept = (m > 0) & (dest < N)
+        vd = tl.where(kept, dest + pad[None, :], -1)
         ve = tl.where(m > 0, e[None, :] + tl.zeros_like(m), -1)
         base = t.to(tl.int64)[:, None] * (2 * E + 1)
         tl.store(map_ptr + base + col, vd, mask=mask)
         tl.store(map_ptr + base + E + col, ve, mask=mask)
         tl.store(map_ptr + t.to(tl.int64) * (2 * E + 1) + 2 * E, cnt, mask=tm)
+        if OWNED:
+            # The map is built here, so each kept row has exactly one entry: its owner (the
+            # entry id t*E + column + 1, as row_owner_kernel would find) is a plain store.
+            # Rows stay below R, whatever N and ALIGN say.
+            own = mask & kept & (vd < R)
+            tl.store(owner_ptr + vd.to(tl.int64), (t[:, None] * E + col + 1), mask=own)
 
 
 @triton.jit
-def row_id_map_fill_kernel(rm_ptr, counts_ptr, T, N, map_prealloc, kept_prealloc, map_ptr, kept_ptr,
-                    E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr,
-                    CH: tl.constexpr):
+def _fill_body(rm_ptr, counts_ptr, T, N, ALIGN, R, map_ptr, kept_ptr, owner_ptr, E: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr, CH: tl.constexpr,
+               OWNED: tl.constexpr):
     # Pass 2: this block's prefix and the totals, reduced from the [NB, E] counts in
     # [CH, BLOCK_E] chunks (L2 hits: every program reads the same small matrix).
     b = tl.program_id(0)
@@ -102,13 +114,14 @@ def row_id_map_fill_kernel(rm_ptr, counts_ptr, T, N, map_prealloc, kept_prealloc
                     mask=(r < nb)[:, None] & em[None, :], other=0)
         tot += tl.sum(c, axis=0)
         pre += tl.sum(tl.where((r < b)[:, None], c, 0), axis=0)
-    run = _start_rows(pre, tot, b, N, kept_ptr, E, BLOCK_E)
-    _fill_block(rm_ptr, run, b, T, N, map_ptr, E, BLOCK_T, BLOCK_E, SUB)
+    run, pad = _start_rows(pre, tot, b, N, ALIGN, kept_ptr, E, BLOCK_E)
+    _fill_block(rm_ptr, run, pad, b, T, N, R, map_ptr, owner_ptr, E, BLOCK_T, BLOCK_E, SUB, OWNED)
 
 
 @triton.jit
-def row_id_map_fused_kernel(rm_ptr, T, N, map_prealloc, kept_prealloc, map_ptr, kept_ptr, E: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr, CH: tl.constexpr):
+def _fused_body(rm_ptr, T, N, ALIGN, R, map_ptr, kept_ptr, owner_ptr, E: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr, CH: tl.constexpr,
+                OWNED: tl.constexpr):
     # One launch: the prefix and totals reduced straight from the routing map's [CH, BLOCK_E]
     # row chunks (every program reads the whole map: only worth it while T*E is small).
     b = tl.program_id(0)
@@ -123,5 +136,33 @@ def row_id_map_fused_kernel(rm_ptr, T, N, map_prealloc, kept_prealloc, map_ptr, 
         c = (m != 0).to(tl.int32)
         tot += tl.sum(c, axis=0)
         pre += tl.sum(tl.where((r < lim)[:, None], c, 0), axis=0)
-    run = _start_rows(pre, tot, b, N, kept_ptr, E, BLOCK_E)
-    _fill_block(rm_ptr, run, b, T, N, map_ptr, E, BLOCK_T, BLOCK_E, SUB)
+    run, pad = _start_rows(pre, tot, b, N, ALIGN, kept_ptr, E, BLOCK_E)
+    _fill_block(rm_ptr, run, pad, b, T, N, R, map_ptr, owner_ptr, E, BLOCK_T, BLOCK_E, SUB, OWNED)
+
+
+@triton.jit
+def row_id_map_fill_kernel(rm_ptr, counts_ptr, T, N, map_prealloc, kept_prealloc, map_ptr, kept_ptr,
+                           E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr,
+                           CH: tl.constexpr):
+    _fill_body(rm_ptr, counts_ptr, T, N, 1, 0, map_ptr, kept_ptr, kept_ptr, E, BLOCK_T, BLOCK_E, SUB, CH, False)
+
+
+@triton.jit
+def row_id_map_fused_kernel(rm_ptr, T, N, map_prealloc, kept_prealloc, map_ptr, kept_ptr, E: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, SUB: tl.constexpr, CH: tl.constexpr):
+    _fused_body(rm_ptr, T, N, 1, 0, map_ptr, kept_ptr, kept_ptr, E, BLOCK_T, BLOCK_E, SUB, CH, False)
+
+
+@triton.jit
+def dispatch_map_fill_kernel(rm_ptr, counts_ptr, T, N, ALIGN, R, map_prealloc, kept_prealloc, owner_prealloc,
+                             map_ptr, kept_ptr, owner_ptr, E: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_E: tl.constexpr, SUB: tl.constexpr, CH: tl.constexpr):
+    _fill_body(rm_ptr, counts_ptr, T, N, ALIGN, R, map_ptr, kept_ptr, owner_ptr, E, BLOCK_T, BLOCK_E, SUB, CH,
+               True)
+
+
+@triton.jit
+def dispatch_map_fused_kernel(rm_ptr, T, N, ALIGN, R, map_prealloc, kept_prealloc, owner_prealloc,
+                              map_ptr, kept_ptr, owner_ptr, E: tl.constexpr, BLOCK_T: tl.constexpr,
+                              BLOCK_E: tl.constexpr, SUB: tl.constexpr, CH: tl.constexpr):
+    _fused_body(rm_ptr, T, N, ALIGN, R, map_ptr, kept_ptr, owner_ptr, E, BLOCK_T, BLOCK_E, SUB, CH, True)

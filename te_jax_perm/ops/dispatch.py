@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops import _checks
 from te_jax_perm.ops.permute import permute_bwd, permute_fwd, unpermute_bwd, unpermute_fwd
-from te_jax_perm.ops.row_id_map import make_row_id_map
+from te_jax_perm.ops.row_id_map import dispatch_map
+from te_jax_perm.ops.row_id_map_decl import pad_offsets_of
 from te_jax_perm.ops.token_split import split_over_tokens
 
 
@@ -46,8 +47,7 @@ def padding_layout(tokens_per_expert: jax.Array, align_size: int) -> tuple[jax.A
     ``pad_offsets[e]`` is the number of padding rows inserted before expert ``e``'s rows.
     """
     kept = tokens_per_expert.astype(jnp.int32)
-    padded = ((kept + align_size - 1) // align_size) * align_size
-    return padded, (jnp.cumsum(padded) - padded) - (jnp.cumsum(kept) - kept)
+    return (kept + align_size - 1) // align_size * align_size, pad_offsets_of(kept, align_size)
 
 
 def padded_rows(num_out_tokens: int, num_experts: int, align_size: int) -> int:
@@ -56,14 +56,6 @@ def padded_rows(num_out_tokens: int, num_experts: int, align_size: int) -> int:
     Padded counts are multiples of ``align_size`` summing to at most
     ``num_out_tokens + E*(align_size-1)``, so the rounding never cuts a used row."""
     return ((num_out_tokens + num_experts * (align_size - 1)) // align_size) * align_size
-
-
-def with_padding(row_id_map: jax.Array, pad_offsets: jax.Array) -> jax.Array:
-    """``row_id_map`` whose destinations include each expert's ``pad_offsets`` (kept -1s)."""
-    e = (row_id_map.shape[1] - 1) // 2
-    dest, ex = row_id_map[:, :e], row_id_map[:, e:2 * e]
-    shifted = jnp.where(dest >= 0, dest + pad_offsets[jnp.clip(ex, 0, e - 1)], dest)
-    return jnp.concatenate([shifted.astype(jnp.int32), row_id_map[:, e:]], axis=1)
 
 
 def local_budget(num_out_tokens: int, shards: int, rows: int, num_experts: int, align_size: int | None) -> int:
@@ -89,11 +81,9 @@ def _dispatch_local(tokens, num_out_tokens, align_size, rows, backend):
         shards = tokens // x.shape[0] if x.shape[0] else 1
         e, local_rows = rm.shape[1], rows // shards
         budget = local_budget(num_out_tokens, shards, local_rows, e, align_size)
-        rid, kept = make_row_id_map(rm, budget, backend=backend)
+        rid, kept, owner = dispatch_map(rm, budget, align_size or 1, local_rows, backend)
         no_pad = jnp.zeros((e,), jnp.int32)
-        if align_size is not None:
-            rid = with_padding(rid, padding_layout(kept, align_size)[1])
-        (out, pp), _ = permute_fwd(x, probs[0] if probs else None, rid, no_pad, local_rows, False, backend)
+        (out, pp), _ = permute_fwd(x, probs[0] if probs else None, rid, no_pad, local_rows, False, backend, owner)
         return (out, pp, rid, kept) if probs else (out, rid, kept)
     return run
 

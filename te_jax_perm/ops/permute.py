@@ -31,10 +31,13 @@ def _permute(inp, probs, rid, pad, num_out_rows, padded, backend):
     return permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend)[0]
 
 
-def permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend):
+def permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend, owner=None):
+    """``owner``: the map's row owners when its builder already has them (the dispatch's
+    map), else derived here."""
     kw = dict(backend=backend, num_out_rows=num_out_rows, padded=padded)
     x = to_bits(inp)
-    owner = _owners(rid, pad, num_out_rows, padded, backend)
+    if owner is None:
+        owner = _owners(rid, pad, num_out_rows, padded, backend)
     if probs is None:
         (out,), pout = D.permute(x, rid, pad, owner, **kw), None
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from typing import Any, Callable
 
@@ -78,13 +79,38 @@ def _map_check(dims, params) -> None:
                          f"E={dims['E']} experts (from pad_offsets)")
 
 
+# Programs a mover wants at least: below this (small T, whole rows) an H100 leaves most of
+# its 132 multiprocessors' load slots idle, and slicing rows into columns wins (H100 sweeps
+# at T = 64 and 256: 1.1-1.7x).
+MIN_PROGRAMS = 1024
+
+
+def _small_t_slices(dims, cfg: Config) -> Config:
+    """``cfg`` with rows cut into column slices when whole rows give under MIN_PROGRAMS
+    programs, down to 256 columns, with a warp per 512 columns."""
+    bh, rows = cfg.kw["BLOCK_H"], cfg.kw["ROWS"]
+    programs = -(-dims["T"] // rows) * -(-dims["H"] // bh)
+    if programs >= MIN_PROGRAMS or bh <= 256:
+        return cfg
+    want = max(256, pow2_at_most(max(1, dims["H"] * dims["T"] // MIN_PROGRAMS)))
+    return Config.make(num_warps=max(1, min(4, want // 512)), num_stages=cfg.num_stages, BLOCK_H=want, ROWS=1)
+
+
 def _gather_default_config(dims, params) -> Config:
     """Gathers (combine forward, dispatch backward) at a row width the table lacks: one
     token per program, its whole row (H up to 8192) in one tile. Fewer, wider programs beat
     slicing the row in an H100 sweep of every tile shape, warp count and stage count, with
-    1 warp up to 4096 columns and 4 warps at 8192; stages changed nothing measurable."""
+    1 warp up to 4096 columns and 4 warps at 8192; stages changed nothing measurable. At
+    small T, column slices (:func:`_small_t_slices`)."""
     block_h = _whole_row(dims)
-    return Config.make(num_warps=1 if block_h <= 4096 else 4, num_stages=1, BLOCK_H=block_h, ROWS=1)
+    return _small_t_slices(dims, Config.make(num_warps=1 if block_h <= 4096 else 4, num_stages=1,
+                                             BLOCK_H=block_h, ROWS=1))
+
+
+def _scatter_default_config(dims, params) -> Config:
+    """Scatters (dispatch forward) at a row width the table lacks: :func:`_default_config`,
+    sliced at small T."""
+    return _small_t_slices(dims, _default_config(dims, params))
 
 
 def _weighted_scatter_default_config(dims, params) -> Config:
@@ -94,9 +120,9 @@ def _weighted_scatter_default_config(dims, params) -> Config:
     return Config.make(num_warps=4, num_stages=1, BLOCK_H=_whole_row(dims), ROWS=1)
 
 
-# The fastest config of each mover at each row width measured on an H100 (sm_90), written
-# by `python3 -m benchmarks.config_sweep --table ...` from its sweeps; other widths get the
-# rule of the kernel's family.
+# The fastest config of each mover at each row width and token count measured on an H100
+# (sm_90), written by `python3 -m benchmarks.config_sweep --table ...` from its sweeps
+# (kernel -> H -> T -> config); other widths get the rule of the kernel's family.
 DEFAULTS_TABLE = os.path.join(os.path.dirname(__file__), "mover_defaults_sm90.json")
 
 
@@ -110,11 +136,14 @@ def _table() -> dict:
 
 
 def _tabled(name: str, rule: Callable) -> Callable:
-    """``name``'s default: the table's config at this exact row width when it is valid
-    here (e.g. not more rows per program than there are tokens), else ``rule``."""
+    """``name``'s default: the table's config at this exact row width, measured at the
+    token count nearest this one (in log2), when it is valid here (e.g. not more rows per
+    program than there are tokens), else ``rule``."""
     def default(dims, params) -> Config:
-        entry = _table().get(name, {}).get(str(dims["H"]))
-        if entry is not None:
+        by_t = _table().get(name, {}).get(str(dims["H"]))
+        if by_t:
+            lt = math.log2(max(dims["T"], 1))
+            entry = by_t[min(by_t, key=lambda t: (abs(math.log2(int(t)) - lt), -int(t)))]
             cfg = Config.from_json(entry)
             if _block_h_ok(dims, params, cfg) is None and _rows_ok(dims, params, cfg) is None:
                 return cfg
@@ -270,7 +299,7 @@ def _permute_decl(name: str, kernel, with_probs: bool):
         grid=lambda dims, params, config: _scatter_fill_grid(dims, params["num_out_rows"], config),
         scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N_OUT": params["num_out_rows"]},
         constexprs=_scatter_constexprs, example_inputs=_permute_example(with_probs), partitioning=part,
-        **_common(default_config=_tabled(name, _default_config), params_check=_scatter_check)))
+        **_common(default_config=_tabled(name, _scatter_default_config), params_check=_scatter_check)))
 
 
 permute = _permute_decl("permute", K.permute_kernel, False)

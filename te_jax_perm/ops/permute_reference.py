@@ -49,6 +49,8 @@ def _inverse_map(rid, pad, padded, n):
     expert E, which index the zero row/column that callers pad their [T, .] and [T, E]
     arrays with."""
     t, e = rid.shape[0], (rid.shape[1] - 1) // 2
+    if t == 0:  # no tokens: no row has an owner (and there is no map row to look up)
+        return jnp.zeros((n,), jnp.int32), jnp.full((n,), e, jnp.int32)
     (owner,) = row_owner_reference(rid, pad, num_out_rows=n, padded=padded)
     entry = jnp.maximum(owner - 1, 0)
     tok, col = entry // e, entry % e

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops.row_id_map_decl import (block_sums, map_from_counts, map_plan, num_blocks, routed,
-                                             row_id_map_block_counts, row_id_map_fill, row_id_map_fused)
+from te_jax_perm.ops.row_id_map_decl import (block_sums, dispatch_map_fill, dispatch_map_fused, map_from_counts,
+                                             map_plan, num_blocks, routed, row_id_map_block_counts, row_id_map_fill,
+                                             row_id_map_fused)
 from te_jax_perm.ops.tiling import not_pow2
 
 NO_DROP = 2**31 - 1  # drop threshold meaning "keep every routed row"
@@ -60,6 +61,23 @@ def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *
         return tuple(row_id_map_fused(routing_map, backend=backend, block_t=bt, drop_at=drop_at))
     (counts,) = row_id_map_block_counts(routing_map, backend=backend, block_t=bt)
     return tuple(row_id_map_fill(routing_map, counts, backend=backend, block_t=bt, drop_at=drop_at))
+
+
+def dispatch_map(routing_map: jax.Array, num_out_tokens: int, align_size: int, num_out_rows: int,
+                 backend: str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The map :func:`make_row_id_map` builds, for a dispatch into ``num_out_rows`` rows:
+    ``(row_id_map, kept, owner)`` with destinations padded to multiples of ``align_size``
+    per expert (1: no padding) and ``owner`` int32 ``[num_out_rows]``, each row's one
+    writing entry ``t*E + j + 1`` (0: a padding or unused row), as ``row_owner`` computes
+    it. Built with the map, so the scatter after it needs no owner pass."""
+    t, e = routing_map.shape
+    plan = map_plan(t, e)
+    kw = dict(backend=backend, block_t=plan.block_tokens, drop_at=num_out_tokens, align=align_size,
+              num_out_rows=num_out_rows)
+    if plan.single_pass:
+        return tuple(dispatch_map_fused(routing_map, **kw))
+    (counts,) = row_id_map_block_counts(routing_map, backend=backend, block_t=plan.block_tokens)
+    return tuple(dispatch_map_fill(routing_map, counts, **kw))
 
 
 def row_id_map_reference(routing_map, num_out_tokens: int | None = None, xp: ModuleType = jnp):

@@ -1,4 +1,5 @@
-"""Kernel declarations of the row-id map build: per-block counts, fill, and the fused one-pass.
+"""Kernel declarations of the row-id map build: per-block counts, fill, and the fused one-pass;
+and the dispatch's variants of the last two, which also pad and name each row's writer.
 
 The pure-JAX reference (the ``xla`` backend) is :func:`te_jax_perm.ops.row_id_map.row_id_map_reference`'s
 building block :func:`map_from_counts`, written once for NumPy and JAX alike so that the
@@ -15,6 +16,7 @@ import numpy as np
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels import row_id_map as K
+from te_jax_perm.ops.permute_reference import row_owner_reference
 from te_jax_perm.ops.tiling import next_pow2, pow2_at_most
 
 # How the map is built, by token and expert count: one launch or two, tokens per block,
@@ -123,6 +125,25 @@ def map_from_counts(rm, counts, block_t: int, drop_at: int, xp: ModuleType = jnp
     return rid, kept
 
 
+def pad_offsets_of(kept, align: int, xp: ModuleType = jnp):
+    """Padding rows before each expert when its ``kept`` rows are rounded up to multiples
+    of ``align`` (zeros for ``align == 1``)."""
+    padded = (kept + align - 1) // align * align
+    return ((xp.cumsum(padded) - padded) - (xp.cumsum(kept) - kept)).astype(xp.int32)
+
+
+def _owned(rid, kept, *, align, num_out_rows):
+    """The dispatch map's extras, in JAX: destinations shifted by the padding, and each of
+    ``num_out_rows`` rows' writing entry ``t*E + j + 1`` (0 for none), as the kernels write
+    them."""
+    e = kept.shape[0]
+    dest = rid[:, :e]
+    shifted = jnp.where(dest >= 0, dest + pad_offsets_of(kept, align)[jnp.clip(rid[:, e:2 * e], 0, e - 1)], dest)
+    rid = jnp.concatenate([shifted.astype(jnp.int32), rid[:, e:]], axis=1)
+    (owner,) = row_owner_reference(rid, jnp.zeros((e,), jnp.int32), num_out_rows=num_out_rows, padded=False)
+    return rid, kept, owner
+
+
 def _counts_reference(rm, *, block_t):
     return (block_sums(routed(rm), block_t),)
 
@@ -133,6 +154,15 @@ def _fill_reference(rm, counts, *, block_t, drop_at):
 
 def _fused_reference(rm, *, block_t, drop_at):
     return map_from_counts(rm, block_sums(routed(rm), block_t), block_t, drop_at)
+
+
+def _dispatch_fill_reference(rm, counts, *, block_t, drop_at, align, num_out_rows):
+    return _owned(*map_from_counts(rm, counts, block_t, drop_at), align=align, num_out_rows=num_out_rows)
+
+
+def _dispatch_fused_reference(rm, *, block_t, drop_at, align, num_out_rows):
+    return _dispatch_fill_reference(rm, block_sums(routed(rm), block_t), block_t=block_t, drop_at=drop_at,
+                                    align=align, num_out_rows=num_out_rows)
 
 
 # -- autotuning trial operands ---------------------------------------------------------------
@@ -151,6 +181,22 @@ def _fill_params_check(dims, params) -> None:
     if dims["NB"] != nb:
         raise ValueError(f"counts has {dims['NB']} rows; expected cdiv(T={dims['T']}, block_t={params['block_t']}) "
                          f"= {nb}")
+
+
+# Entry ids t*E + j + 1 and padded rows are int32.
+_INT32_MAX = 2**31 - 1
+
+
+def _dispatch_params_check(dims, params) -> None:
+    if "NB" in dims:
+        _fill_params_check(dims, params)
+    if dims["T"] * dims["E"] > _INT32_MAX - 1:
+        raise ValueError(f"routing_map of {dims['T']} tokens and {dims['E']} experts has T*E = "
+                         f"{dims['T'] * dims['E']} entries; at most {_INT32_MAX - 1} are supported")
+    align, rows = params["align"], params["drop_at"] + dims["E"] * (params["align"] - 1) + params["align"]
+    if align < 1 or rows > _INT32_MAX:
+        raise ValueError(f"align_size = {align} with a budget of {params['drop_at']} rows and E = {dims['E']}: "
+                         f"expected align_size >= 1 and padded rows below 2**31 - 1")
 
 
 def _plan_warps(dims) -> Config:
@@ -204,3 +250,28 @@ row_id_map_fused = declare(KernelDecl(
     example_inputs=lambda dims, params, dtypes, rng: (_example_routing(dims, dtypes, rng),),
     **_MAP_WRITER,
 ))
+
+# The dispatch's map: the same build, destinations padded (``align`` > 1) and each of the
+# ``num_out_rows`` output rows' writing entry stored in ``owner`` (the row_owner table of
+# the map, which the scatter needs), so no owner pass runs after it.
+_DISPATCH_MAP = dict(
+    _MAP_WRITER,
+    outputs=_MAP_WRITER["outputs"] + (Output("owner", lambda dims, params: (params["num_out_rows"],),
+                                             lambda dtypes, params: jnp.int32, init="zeros"),),
+    params=("block_t", "drop_at", "align", "num_out_rows"),
+    scalars=lambda dims, params: {"T": dims["T"], "N": params["drop_at"], "ALIGN": params["align"],
+                                  "R": params["num_out_rows"]},
+    default_config=lambda dims, params: _plan_warps(dims),
+    params_check=_dispatch_params_check)
+
+dispatch_map_fill = declare(KernelDecl(
+    name="dispatch_map_fill", kernel=K.dispatch_map_fill_kernel,
+    operands=(_ROUTING, Operand("counts", ("NB", "E"), ("int32",))),
+    reference=_dispatch_fill_reference, example_inputs=_fill_examples, **_DISPATCH_MAP))
+
+dispatch_map_fused = declare(KernelDecl(
+    name="dispatch_map_fused", kernel=K.dispatch_map_fused_kernel,
+    operands=(_ROUTING,),
+    reference=_dispatch_fused_reference,
+    example_inputs=lambda dims, params, dtypes, rng: (_example_routing(dims, dtypes, rng),),
+    **_DISPATCH_MAP))
