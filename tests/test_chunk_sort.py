@@ -257,9 +257,9 @@ def test_map_kernel_property(data):
     order = data.draw(st.one_of(st.permutations(list(range(c))),
                                 st.lists(st.integers(-2, c + 1), min_size=c, max_size=c)))
     traced = sum(sizes) > n or sorted(order) != list(range(c))  # only traced values may be invalid
-    make = lambda b, cfg=None: (lambda s, o: cs.chunk_sort_map(s, o, backend=b, config=cfg, num_tokens=n))
+    make = lambda b, cfg=None: (lambda s, o: cs.chunk_maps(s, o, backend=b, config=cfg, num_tokens=n))
     args = (jnp.array(sizes, jnp.int32), jnp.array(order, jnp.int32))
-    kernel = make(KERNEL_BACKEND, Config.make(BLOCK_N=16, BLOCK_C=4))
+    kernel = make(KERNEL_BACKEND, Config.make(BLOCK_N=16))
     got = [np.asarray(m) for m in (jax.jit(kernel) if traced else kernel)(*args)]
     ref = [np.asarray(m) for m in jax.jit(make("xla"))(*args)]
     np.testing.assert_array_equal(got[0], ref[0])
@@ -295,27 +295,33 @@ def test_map_kernel_many_chunks():
     np.testing.assert_array_equal(got, expect)
 
 
-@pytest.mark.parametrize("cfg", [Config.make(BLOCK_N=16, BLOCK_C=4), Config.make(BLOCK_N=64, BLOCK_C=16)])
+@pytest.mark.parametrize("cfg", [Config.make(BLOCK_N=16), Config.make(BLOCK_N=64, num_warps=2)])
 def test_map_kernel_configs(cfg):
     sizes, order = [5, 0, 7, 3, 9, 1], [5, 3, 1, 0, 4, 2]
     args = (jnp.array(sizes, jnp.int32), jnp.array(order, jnp.int32))
-    got = cs.chunk_sort_map(*args, backend=KERNEL_BACKEND, config=cfg, num_tokens=30)
-    ref = cs.chunk_sort_map(*args, backend="xla", num_tokens=30)
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(ref[0]))
+    got = cs.chunk_maps(*args, backend=KERNEL_BACKEND, config=cfg, num_tokens=30)
+    ref = cs.chunk_maps(*args, backend="xla", num_tokens=30)
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+    # The plan kernel writes the plan the reference describes, scratch rows included.
+    plan = cs.chunk_sort_plan(*args, backend=KERNEL_BACKEND, num_tokens=30)[0]
+    np.testing.assert_array_equal(np.asarray(plan), np.asarray(cs.chunk_sort_plan(*args, backend="xla",
+                                                                                  num_tokens=30)[0]))
 
 
-@pytest.mark.parametrize("decl", [cs.chunk_sort_map.decl, cs.sort_chunks.decl, cs.sort_chunks_probs.decl], ids=lambda d: d.name)
+@pytest.mark.parametrize("decl", [cs.chunk_sort_plan.decl, cs.chunk_sort_map.decl, cs.sort_chunks.decl, cs.sort_chunks_probs.decl], ids=lambda d: d.name)
 def test_default_config_valid_for_real_shapes(decl):
     """Default configs satisfy the declared constraints across the benchmark shapes (incl. H=2880, 7168)."""
     for n in (1, 7, 4096, 16384):
         for h in (1, 37, 2880, 4096, 7168):
             for c in (1, 3, 8, 256, 1024, cs.MAX_CHUNKS):
-                dims = {"C": c} if decl is cs.chunk_sort_map.decl else {"N": n, "H": h}
-                params = {"num_tokens": n} if decl is cs.chunk_sort_map.decl else {}
+                maps = decl in (cs.chunk_sort_plan.decl, cs.chunk_sort_map.decl)
+                dims = ({"C": c, "P": 9} if maps else {"N": n, "H": h})
+                params = {"num_tokens": n} if maps else {}
                 cfg = decl.default_config(dims, params)
                 assert decl.violated(dims, params, cfg) is None, (dims, cfg)
     assert all(isinstance(c, Config) for c in decl.configs) and decl.configs
-    assert set(decl.key_dims) <= ({"C"} if decl is cs.chunk_sort_map.decl else {"N", "H"})
+    assert set(decl.key_dims) <= ({"C"} if decl in (cs.chunk_sort_plan.decl, cs.chunk_sort_map.decl) else {"N", "H"})
 
 
 # -- aliasing ---------------------------------------------------------------------------
@@ -332,6 +338,7 @@ def test_alias_audit_forward_and_backward(kernel_backend):
     fwd = lambda x, p: sort3(x, ss, si, p, backend=kernel_backend)[:2]
     audit = te_jax_perm.audit_aliases(fwd, x, p)
     assert audit.ok, str(audit)
+    _ours(audit, "chunk_sort_plan")
     _ours(audit, "chunk_sort_map")
     _ours(audit, "sort_chunks_probs")
     loss = lambda x, p: jnp.sum(fwd(x, p)[0] ** 2) + jnp.sum(fwd(x, p)[1])

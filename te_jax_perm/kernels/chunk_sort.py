@@ -10,51 +10,87 @@ import triton
 import triton.language as tl
 
 
+# Rows of the chunk-sort plan ([PLAN_ROWS, C] int32): per chunk c, its rows' end in the
+# input (incl), the shift of its rows to the output and whether it is placed; per position
+# p of the sorted order, the end of its rows in the output (out_incl) and the shift back
+# to the input; then scratch the plan kernel fills and reads back (first position naming
+# each chunk, as C - p; each chunk's size and start; each position's output start).
+(INCL, DST_SHIFT, PLACED, OUT_INCL, SRC_SHIFT, FIRST, EFF, EXCL,
+ OUT_EXCL) = (tl.constexpr(i) for i in range(9))
+PLAN_ROWS = 9
+
+
 @triton.jit
-def chunk_sort_map_kernel(split_ptr, sorted_ptr, C, N, map_prealloc_ptr, src_prealloc_ptr, map_ptr, src_ptr,
-                          C_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Each program maps BLOCK_N rows both ways; chunk bookkeeping is recomputed per
-    program (C is small). A chunk is placed at the first position of the sorted order that
-    names it; later positions naming it, and positions naming no chunk, are empty."""
-    pid = tl.program_id(0)
+def chunk_sort_plan_kernel(split_ptr, sorted_ptr, C, N, plan_prealloc_ptr, plan_ptr, C_POW2: tl.constexpr):
+    """One program: the whole plan in O(C) vector steps, gathering through its own scratch
+    rows (a barrier between writing and reading them). A chunk is placed at the first
+    position of the sorted order that names it; later positions naming it, and positions
+    naming no chunk, are empty."""
     c = tl.arange(0, C_POW2)
+    cm = c < C
     # Sizes summed in int64: C sizes of up to 2**31-1 cannot overflow it, so chunks are
     # truncated where the input ends (destinations never leave [0, N)) whatever the sizes.
-    sizes = tl.maximum(tl.load(split_ptr + c, mask=c < C, other=0).to(tl.int64), 0)
+    sizes = tl.maximum(tl.load(split_ptr + c, mask=cm, other=0).to(tl.int64), 0)
     cum = tl.cumsum(sizes, axis=0)
     incl = tl.minimum(cum, N).to(tl.int32)
     excl = tl.minimum(cum - sizes, N).to(tl.int32)
-    eff = incl - excl
-    # Output start + 1 of every placed chunk (0: not placed yet): walk the sorted order in
-    # tiles, carrying the running sum. One lookup per position gives both its size and
-    # whether an earlier tile placed its chunk already (-1).
-    start1 = tl.zeros([C_POW2], dtype=tl.int32)
-    carry = tl.sum(tl.zeros([BLOCK_C], dtype=tl.int32), axis=0)
-    b = tl.arange(0, BLOCK_C)
-    for j0 in range(0, C, BLOCK_C):
-        j = j0 + b
-        sj = tl.load(sorted_ptr + j, mask=j < C, other=-1).to(tl.int32)
-        hit = sj[:, None] == c[None, :]
-        size_j = tl.sum(tl.where(hit, tl.where(start1 > 0, -1, eff)[None, :], 0), axis=1)
-        repeat = tl.sum(((b[None, :] < b[:, None]) & (sj[None, :] == sj[:, None])).to(tl.int32), axis=1) > 0
-        first = (size_j >= 0) & (sj >= 0) & (sj < C) & ~repeat
-        size_j = tl.where(first, size_j, 0)
-        excl_j = carry + tl.cumsum(size_j, axis=0) - size_j
-        start1 += tl.sum(tl.where(hit & first[:, None], excl_j[:, None] + 1, 0), axis=0)
-        carry += tl.sum(size_j, axis=0)
-    placed = start1 > 0
-    start = start1 - 1
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Input row -> output row: the placed chunk holding the row.
-    inside = (excl[None, :] <= rows[:, None]) & (rows[:, None] < incl[None, :]) & placed[None, :]
-    dst = tl.where(tl.sum(inside.to(tl.int32), axis=1) > 0,
-                   rows + tl.sum(tl.where(inside, (start - excl)[None, :], 0), axis=1), -1)
-    tl.store(map_ptr + rows, dst, mask=rows < N)
-    # Output row -> input row: the placed chunk whose output range holds the row.
-    inside = (start[None, :] <= rows[:, None]) & (rows[:, None] < (start + eff)[None, :]) & placed[None, :]
-    src = tl.where(tl.sum(inside.to(tl.int32), axis=1) > 0,
-                   rows + tl.sum(tl.where(inside, (excl - start)[None, :], 0), axis=1), -1)
-    tl.store(src_ptr + rows, src, mask=rows < N)
+    tl.store(plan_ptr + EFF * C + c, incl - excl, mask=cm)
+    tl.store(plan_ptr + EXCL * C + c, excl, mask=cm)
+    s = tl.load(sorted_ptr + c, mask=cm, other=-1)
+    named = cm & (s >= 0) & (s < C)
+    at = tl.where(named, s, 0).to(tl.int32)
+    # The earliest position naming each chunk wins (max of C - p; the row starts at zero).
+    tl.atomic_max(plan_ptr + FIRST * C + at, C - c, mask=named)
+    tl.debug_barrier()
+    first = named & (C - tl.load(plan_ptr + FIRST * C + at, mask=named, other=0) == c)
+    size_at = tl.where(first, tl.load(plan_ptr + EFF * C + at, mask=first, other=0), 0)
+    out_incl = tl.cumsum(size_at, axis=0)
+    out_excl = out_incl - size_at
+    tl.store(plan_ptr + OUT_EXCL * C + c, out_excl, mask=cm)
+    tl.store(plan_ptr + OUT_INCL * C + c, out_incl, mask=cm)
+    src_shift = tl.where(first, tl.load(plan_ptr + EXCL * C + at, mask=first, other=0) - out_excl, 0)
+    tl.store(plan_ptr + SRC_SHIFT * C + c, src_shift, mask=cm)
+    tl.debug_barrier()
+    code = tl.load(plan_ptr + FIRST * C + c, mask=cm, other=0)
+    placed = cm & (code > 0)
+    start = tl.load(plan_ptr + OUT_EXCL * C + tl.where(placed, C - code, 0), mask=placed, other=0)
+    tl.store(plan_ptr + INCL * C + c, incl, mask=cm)
+    tl.store(plan_ptr + DST_SHIFT * C + c, tl.where(placed, start - excl, 0), mask=cm)
+    tl.store(plan_ptr + PLACED * C + c, placed.to(tl.int32), mask=cm)
+
+
+@triton.jit
+def _count_at_most(row_ptr, C, x, STEPS: tl.constexpr):
+    """How many of the C non-decreasing values at ``row_ptr`` are <= each ``x``: a binary
+    search of STEPS >= log2(C + 1) rounds; every load is inside [0, C)."""
+    lo = tl.zeros_like(x)
+    hi = tl.zeros_like(x) + C
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(row_ptr + mid, mask=active, other=0)
+        le = active & (v <= x)
+        lo = tl.where(le, mid + 1, lo)
+        hi = tl.where(active & ~le, mid, hi)
+    return lo
+
+
+@triton.jit
+def chunk_sort_map_kernel(plan_ptr, C, N, map_prealloc_ptr, src_prealloc_ptr, map_ptr, src_ptr,
+                          STEPS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each program maps BLOCK_N rows both ways from the plan: input row -> its chunk ->
+    output row, and output row -> its position of the sorted order -> input row."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = rows < N
+    chunk = tl.minimum(_count_at_most(plan_ptr + INCL * C, C, rows, STEPS), C - 1)
+    total = tl.load(plan_ptr + INCL * C + C - 1)
+    mapped = rm & (rows < total) & (tl.load(plan_ptr + PLACED * C + chunk, mask=rm, other=0) > 0)
+    dst = tl.where(mapped, rows + tl.load(plan_ptr + DST_SHIFT * C + chunk, mask=mapped, other=0), -1)
+    tl.store(map_ptr + rows, dst, mask=rm)
+    pos = tl.minimum(_count_at_most(plan_ptr + OUT_INCL * C, C, rows, STEPS), C - 1)
+    filled = rm & (rows < tl.load(plan_ptr + OUT_INCL * C + C - 1))
+    src = tl.where(filled, rows + tl.load(plan_ptr + SRC_SHIFT * C + pos, mask=filled, other=0), -1)
+    tl.store(src_ptr + rows, src, mask=rm)
 
 
 @triton.jit

@@ -137,7 +137,7 @@ def make_chunk_sort_map(split_sizes: jax.Array, sorted_indices: jax.Array, num_t
 def _maps(split_sizes, sorted_indices, num_tokens, backend):
     split_sizes, sorted_indices = _chunks(split_sizes, sorted_indices)
     num_tokens = _checks.check_static_int("num_tokens", num_tokens, 0)
-    return D.chunk_sort_map(split_sizes, sorted_indices, backend=backend, num_tokens=num_tokens)
+    return D.chunk_maps(split_sizes, sorted_indices, backend=backend, num_tokens=num_tokens)
 
 
 def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array | None = None,
@@ -228,6 +228,6 @@ def sort_chunks_reference(inp: jax.Array, split_sizes: jax.Array, sorted_indices
     in plain JAX, with their return arity."""
     inp, probs = _rows_and_probs(_flatten_rows(inp), probs)
     split_sizes, sorted_indices = _chunks(split_sizes, sorted_indices)
-    row_map, src_map = D.chunk_sort_map_reference(split_sizes, sorted_indices, num_tokens=inp.shape[0])
+    row_map, src_map = D.chunk_maps_reference(split_sizes, sorted_indices, num_tokens=inp.shape[0])
     outs = D.gather_rows_reference(inp, src_map, probs)
     return (outs[0], row_map) if probs is None else (outs[0], outs[1], row_map)

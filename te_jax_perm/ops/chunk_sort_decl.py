@@ -1,4 +1,5 @@
-"""Kernel declarations of chunk sorting: the row maps build and the row gather by a map.
+"""Kernel declarations of chunk sorting: the plan, the row maps built from it, and the row
+gather by a map.
 
 Map convention: int32 ``[N]`` each, ``row_id_map`` the output row of each input row and
 ``src_map`` the input row of each output row, ``-1`` where there is none (see
@@ -15,7 +16,7 @@ import numpy as np
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.core.sharding import Partitioning
-from te_jax_perm.kernels.chunk_sort import chunk_sort_map_kernel, sort_chunks_kernel, sort_chunks_probs_kernel
+from te_jax_perm.kernels import chunk_sort as K
 from te_jax_perm.ops.tiling import next_pow2, pow2_bucket, tile_too_large
 
 # Chunk tables are padded to at least 16 lanes: no size-1 aranges, friendlier layouts.
@@ -27,12 +28,13 @@ MAX_CHUNKS = 2048
 # Row maps: int32 [N] each, the output row of each input row and the input row of each
 # output row, -1 where there is none.
 # --------------------------------------------------------------------------------------
-def chunk_sort_map_reference(split_sizes, sorted_indices, *, num_tokens: int, xp: ModuleType = jnp):
-    """``(row_id_map, src_map)`` of a chunk sort, in plain ``xp`` (``jax.numpy`` or ``numpy``)."""
+def chunk_sort_plan_reference(split_sizes, sorted_indices, *, num_tokens: int, xp: ModuleType = jnp):
+    """The plan ``[PLAN_ROWS, C]`` int32 (rows in :mod:`te_jax_perm.kernels.chunk_sort`),
+    scratch rows included, exactly as the plan kernel writes it, in plain ``xp``."""
     n, c = num_tokens, split_sizes.shape[0]
     # Sizes clipped to [0, N], then summed saturating at N: int32 cannot overflow, and chunks
     # are truncated where the input ends.
-    sizes = xp.clip(split_sizes.astype(xp.int32), 0, n)
+    sizes = xp.clip(split_sizes, 0, n).astype(xp.int32)
     if xp is np:
         incl = np.minimum(np.cumsum(sizes.astype(np.int64)), n).astype(np.int32)
     else:
@@ -42,27 +44,43 @@ def chunk_sort_map_reference(split_sizes, sorted_indices, *, num_tokens: int, xp
     # Each chunk is placed at the first position naming it; other positions are empty.
     pos = xp.arange(c, dtype=xp.int32)
     named = (sorted_indices >= 0) & (sorted_indices < c)
-    chunk_at = xp.where(named, sorted_indices, 0).astype(xp.int32)
-    first_pos = _scatter_min(xp, xp.full((c,), c, xp.int32), chunk_at, xp.where(named, pos, c))
-    first = named & (first_pos[chunk_at] == pos)
-    out_sizes = xp.where(first, eff[chunk_at], 0).astype(xp.int32)
-    out_incl = xp.cumsum(out_sizes).astype(xp.int32)
-    out_excl = out_incl - out_sizes
-    placed = first_pos < c
-    start = out_excl[xp.minimum(first_pos, c - 1)]
-    rows = xp.arange(n, dtype=xp.int32)
-    chunk = xp.clip(xp.searchsorted(incl, rows, side="right"), 0, c - 1)
-    dst = xp.where((rows < incl[-1]) & placed[chunk], rows - excl[chunk] + start[chunk], -1)
-    at = xp.clip(xp.searchsorted(out_incl, rows, side="right"), 0, c - 1)
-    src = xp.where(rows < out_incl[-1], rows - out_excl[at] + excl[chunk_at[at]], -1)
+    at = xp.where(named, sorted_indices, 0).astype(xp.int32)
+    code = _scatter_max(xp, xp.zeros((c,), xp.int32), at, xp.where(named, c - pos, 0).astype(xp.int32))
+    first = named & (c - code[at] == pos)
+    size_at = xp.where(first, eff[at], 0).astype(xp.int32)
+    out_incl = xp.cumsum(size_at).astype(xp.int32)
+    out_excl = out_incl - size_at
+    placed = code > 0
+    start = out_excl[xp.where(placed, c - code, 0)]
+    rows = (incl, xp.where(placed, start - excl, 0), placed.astype(xp.int32), out_incl,
+            xp.where(first, excl[at] - out_excl, 0), code, eff, excl, out_excl)
+    return (xp.stack([r.astype(xp.int32) for r in rows]),)
+
+
+def chunk_sort_map_reference(plan, *, num_tokens: int, xp: ModuleType = jnp):
+    """``(row_id_map, src_map)`` of a chunk sort from its plan, in plain ``xp``."""
+    c = plan.shape[1]
+    rows = xp.arange(num_tokens, dtype=xp.int32)
+    incl, out_incl = plan[int(K.INCL.value)], plan[int(K.OUT_INCL.value)]
+    chunk = xp.minimum(xp.searchsorted(incl, rows, side="right"), c - 1)
+    mapped = (rows < incl[-1]) & (plan[int(K.PLACED.value)][chunk] > 0)
+    dst = xp.where(mapped, rows + plan[int(K.DST_SHIFT.value)][chunk], -1)
+    pos = xp.minimum(xp.searchsorted(out_incl, rows, side="right"), c - 1)
+    src = xp.where(rows < out_incl[-1], rows + plan[int(K.SRC_SHIFT.value)][pos], -1)
     return dst.astype(xp.int32), src.astype(xp.int32)
 
 
-def _scatter_min(xp: ModuleType, base, index, values):
+def chunk_maps_reference(split_sizes, sorted_indices, *, num_tokens: int, xp: ModuleType = jnp):
+    """``(row_id_map, src_map)`` of a chunk sort, in plain ``xp``: plan, then maps."""
+    (plan,) = chunk_sort_plan_reference(split_sizes, sorted_indices, num_tokens=num_tokens, xp=xp)
+    return chunk_sort_map_reference(plan, num_tokens=num_tokens, xp=xp)
+
+
+def _scatter_max(xp: ModuleType, base, index, values):
     if xp is np:
-        np.minimum.at(base, index, values)
+        np.maximum.at(base, index, values)
         return base
-    return base.at[index].min(values)
+    return base.at[index].max(values)
 
 
 def _map_params_check(dims, params) -> None:
@@ -106,40 +124,71 @@ def chunk_lanes(c: int) -> int:
     return max(MIN_LANES, next_pow2(c))
 
 
-def _map_fits(dims, params, config: Config) -> str | None:
-    lanes = chunk_lanes(dims["C"])
-    kw = config.kw
-    return (tile_too_large(kw["BLOCK_N"], lanes, 32768, "BLOCK_N*next_pow2(C)")
-            or tile_too_large(kw["BLOCK_C"], lanes, 32768, "BLOCK_C*next_pow2(C)"))
+def _search_steps(c: int) -> int:
+    """Binary-search rounds over C sorted values: ceil(log2(C + 1))."""
+    return max(1, int(c).bit_length())
 
 
-def _map_default(dims, params) -> Config:
-    lanes = chunk_lanes(dims["C"])
-    return Config.make(num_warps=4, BLOCK_N=max(16, min(256, 8192 // lanes)), BLOCK_C=max(4, min(16, 8192 // lanes)))
-
-
-chunk_sort_map = declare(KernelDecl(
-    name="chunk_sort_map",
-    kernel=chunk_sort_map_kernel,
+chunk_sort_plan = declare(KernelDecl(
+    name="chunk_sort_plan",
+    kernel=K.chunk_sort_plan_kernel,
     example_inputs=_map_example,
     operands=(Operand("split_sizes", ("C",), ("int",)), Operand("sorted_indices", ("C",), ("int",))),
-    outputs=tuple(Output(name, lambda dims, params: (params["num_tokens"],), lambda dtypes, params: np.int32)
-                  for name in ("row_id_map", "src_map")),
+    # Zeros: the first-position scratch row is reduced into with atomic max.
+    outputs=(Output("plan", lambda dims, params: (K.PLAN_ROWS, dims["C"]), lambda dtypes, params: np.int32,
+                    init="zeros"),),
     params=("num_tokens",),
-    reference=chunk_sort_map_reference,
-    grid=lambda dims, params, config: (-(-params["num_tokens"] // config.kw["BLOCK_N"]),),
+    reference=chunk_sort_plan_reference,
+    grid=lambda dims, params, config: (1,),
     scalars=lambda dims, params: {"C": dims["C"], "N": params["num_tokens"]},
     constexprs=lambda dims, params, config: {"C_POW2": chunk_lanes(dims["C"])},
-    configs=tuple(Config.make(num_warps=w, BLOCK_N=bn, BLOCK_C=bc)
-                  for bn in (16, 32, 64, 128, 256) for bc in (4, 16) for w in (2, 4, 8)),
-    constraints=(_map_fits,),
-    default_config=_map_default,
+    configs=tuple(Config.make(num_warps=w) for w in (1, 2, 4, 8)),
+    # One program over C lanes: a warp per 512 of them.
+    default_config=lambda dims, params: Config.make(num_warps=max(1, min(8, chunk_lanes(dims["C"]) // 512))),
     key_dims=("C",),
     key_params=("num_tokens",),
     key_bucket=pow2_bucket,
     params_check=_map_params_check,
     validate=_map_validate,
 ))
+
+
+def _map_plan_check(dims, params) -> None:
+    if dims["P"] != K.PLAN_ROWS:
+        raise ValueError(f"chunk_sort_map: argument 'plan' has {dims['P']} rows; expected {K.PLAN_ROWS}")
+    _map_params_check(dims, params)
+
+
+chunk_sort_map = declare(KernelDecl(
+    name="chunk_sort_map",
+    kernel=K.chunk_sort_map_kernel,
+    example_inputs=lambda dims, params, dtypes, rng: chunk_sort_plan_reference(
+        *_map_example({"C": dims["C"]}, params, {"split_sizes": np.int32, "sorted_indices": np.int32}, rng),
+        num_tokens=params["num_tokens"], xp=np),
+    operands=(Operand("plan", ("P", "C"), ("int32",)),),
+    outputs=tuple(Output(name, lambda dims, params: (params["num_tokens"],), lambda dtypes, params: np.int32)
+                  for name in ("row_id_map", "src_map")),
+    params=("num_tokens",),
+    reference=chunk_sort_map_reference,
+    grid=lambda dims, params, config: (-(-params["num_tokens"] // config.kw["BLOCK_N"]),),
+    scalars=lambda dims, params: {"C": dims["C"], "N": params["num_tokens"]},
+    constexprs=lambda dims, params, config: {"STEPS": _search_steps(dims["C"])},
+    configs=tuple(Config.make(num_warps=w, BLOCK_N=bn) for bn in (128, 256, 512, 1024, 2048) for w in (1, 2, 4, 8)),
+    # Rows are independent binary searches over the (L2-resident) plan: ~4 rows per thread.
+    default_config=lambda dims, params: Config.make(num_warps=4, BLOCK_N=512),
+    key_dims=("C",),
+    key_params=("num_tokens",),
+    key_bucket=pow2_bucket,
+    params_check=_map_plan_check,
+))
+
+
+def chunk_maps(split_sizes, sorted_indices, *, num_tokens: int, backend: str | None = None,
+               config: Config | None = None):
+    """``(row_id_map, src_map)`` int32 ``[num_tokens]`` each: the plan, then the maps
+    (``config`` for the maps kernel)."""
+    (plan,) = chunk_sort_plan(split_sizes, sorted_indices, backend=backend, num_tokens=num_tokens)
+    return chunk_sort_map(plan, backend=backend, config=config, num_tokens=num_tokens)
 
 
 # --------------------------------------------------------------------------------------
@@ -177,7 +226,7 @@ def _move_example(with_probs: bool):
     def make(dims, params, dtypes, rng) -> tuple[np.ndarray, ...]:
         n, h = dims["N"], dims["H"]
         sizes, order = _random_chunks(max(1, min(16, n)), n, rng)
-        _, src_map = chunk_sort_map_reference(sizes, order, num_tokens=n, xp=np)
+        _, src_map = chunk_maps_reference(sizes, order, num_tokens=n, xp=np)
         ops = (rng.standard_normal((n, h)).astype(dtypes["inp"]), src_map)
         if with_probs:
             ops += (rng.random(n).astype(dtypes["probs"]),)
@@ -195,7 +244,7 @@ def _move_decl(with_probs: bool):
     return declare(KernelDecl(
         example_inputs=_move_example(with_probs),
         name="sort_chunks_probs" if with_probs else "sort_chunks",
-        kernel=sort_chunks_probs_kernel if with_probs else sort_chunks_kernel,
+        kernel=K.sort_chunks_probs_kernel if with_probs else K.sort_chunks_kernel,
         operands=operands,
         outputs=outputs,
         reference=gather_rows_reference,
