@@ -106,12 +106,12 @@ def run_copy(shape, dtype=jnp.bfloat16):
     return device_copy(jnp.arange(int(np.prod(shape)), dtype=dtype).reshape(shape), backend=BE)
 
 
-def run_row_id_map_two_pass(T, E, k, routing, *, drop=0, seed=0):
-    """The two-launch map build (counts, then fill) that small MoE shapes do not take."""
+def run_row_id_map(T, E, k, routing, *, drop=0, single_pass=False, seed=0):
+    """The public map build, in one launch or two (counts, then fill)."""
     from te_jax_perm import make_row_id_map
 
     rm = jnp.asarray(ROUTINGS[routing](np.random.default_rng(seed), T, E, k))
-    return make_row_id_map(rm, max(int(rm.sum()) - drop, 0), block_tokens=4, single_pass=False, backend=BE)
+    return make_row_id_map(rm, max(int(rm.sum()) - drop, 0), block_tokens=4, single_pass=single_pass, backend=BE)
 
 
 def run_grouped_gemm(M, K, N, sizes, seed=0):
@@ -138,7 +138,10 @@ SCENARIOS = {
     "chunks_T1": lambda: run_chunk_sort(1, 3, [1], [0], probs=False),
     "chunks_full": lambda: run_chunk_sort(24, 96, [8, 8, 8], [2, 0, 1]),
     "copy_odd": lambda: run_copy((7, 13)),
-    "row_id_map_two_pass": lambda: run_row_id_map_two_pass(19, 6, 2, "skewed", drop=5),
+    "row_id_map_two_pass": lambda: run_row_id_map(19, 6, 2, "skewed", drop=5),
+    "row_id_map_one_pass": lambda: run_row_id_map(19, 6, 2, "topk", drop=3, single_pass=True),
+    # T*E large enough for the dispatch's two-launch map (counts, then the padded, owned fill).
+    "moe_two_pass_map": lambda: run_moe(64, 8, 128, 2, "topk", align=4),
     "grouped_gemm_ragged": lambda: run_grouped_gemm(40, 24, 40, [10, 0, 25]),
 }
 
@@ -146,9 +149,16 @@ SCENARIOS = {
 CONFIG_SWEEP = ("moe_padding", "chunks_full", "chunks_empty_and_unmapped", "copy_odd", "grouped_gemm_ragged")
 
 
+class _Launched(set):
+    """Kernels launched under the sanitizer in this process, and the scenarios that ran."""
+    scenarios: set
+
+
 @pytest.fixture(scope="module")
 def launched():
-    return set()
+    seen = _Launched()
+    seen.scenarios = set()
+    return seen
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
@@ -158,6 +168,7 @@ def test_shipped_kernels_are_clean(name, launched):
     assert report.launches, f"{name}: no kernel launch was observed"
     assert not report, report.text()
     launched.update(s.kernel for s in report.launches)
+    launched.scenarios.add(name)
 
 
 class _EveryConfig:
@@ -247,7 +258,11 @@ def test_hostile_inputs_access_nothing_out_of_bounds(name):
 
 
 def test_every_shipped_kernel_ran_under_the_sanitizer(launched):
-    if len(launched) == 0:
-        pytest.skip("runs after the sweeps in the same session")
+    # Scenarios another test process ran (parallel runs split this module) run here again.
+    for name in sorted(set(SCENARIOS) - launched.scenarios):
+        with sanitize() as report:
+            jax.block_until_ready(SCENARIOS[name]())
+        assert not report, report.text()
+        launched.update(s.kernel for s in report.launches)
     missing = set(shipped_kernels()) - launched
     assert not missing, f"shipped kernels never launched by the sanitizer sweep: {sorted(missing)}"
