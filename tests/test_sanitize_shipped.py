@@ -151,14 +151,15 @@ CONFIG_SWEEP = ("moe_padding", "chunks_full", "chunks_empty_and_unmapped", "copy
 
 class _Launched(set):
     """Kernels launched under the sanitizer in this process, and the scenarios that ran."""
-    scenarios: set
+
+    def __init__(self):
+        super().__init__()
+        self.scenarios: set[str] = set()
 
 
 @pytest.fixture(scope="module")
 def launched():
-    seen = _Launched()
-    seen.scenarios = set()
-    return seen
+    return _Launched()
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

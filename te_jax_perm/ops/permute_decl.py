@@ -241,15 +241,9 @@ def _scatter_constexprs(dims, params, config):
     return {"H": dims["H"], "PADDED": params["padded"], "FILL_ROWS": FILL_ROWS, "FILL_H": fill_h}
 
 
-# Entry ids t*E + j + 1 are int32 (one per map entry, plus one).
-MAX_ENTRIES = 2**31 - 2
-
-
 def _owner_check(dims, params) -> None:
     _map_check(dims, params)
-    if dims["T"] * dims["E"] > MAX_ENTRIES:
-        raise ValueError(f"row_id_map of {dims['T']} tokens and {dims['E']} experts has T*E = "
-                         f"{dims['T'] * dims['E']} entries; at most {MAX_ENTRIES} are supported")
+    R.check_entry_ids("row_id_map", dims["T"], dims["E"])
 
 
 def _scatter_check(dims, params) -> None:

@@ -30,6 +30,17 @@ def dests(rid, pad, padded):
     return jnp.where(valid, dest, -1), jnp.clip(ex, 0, e - 1), valid
 
 
+# Entry ids t*E + j + 1 are int32 (one per map entry, plus one).
+MAX_ENTRIES = 2**31 - 2
+
+
+def check_entry_ids(what: str, tokens: int, experts: int) -> None:
+    """Raises unless every map entry of ``tokens`` x ``experts`` has an int32 entry id."""
+    if tokens * experts > MAX_ENTRIES:
+        raise ValueError(f"{what} of {tokens} tokens and {experts} experts has T*E = {tokens * experts} entries; "
+                         f"at most {MAX_ENTRIES} are supported")
+
+
 def row_owner_reference(rid, pad, *, num_out_rows, padded):
     """Kernel ``row_owner``: per output row, ``t*E + j + 1`` of the highest map entry
     (token ``t``, column ``j``) addressing it, 0 where none does."""

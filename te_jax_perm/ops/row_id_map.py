@@ -57,10 +57,15 @@ def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *
         raise ValueError(f"block_tokens must be a positive power of two, got {bt}")
     if single_pass is None:
         single_pass = plan.single_pass or num_blocks(t, bt) <= 1
+    return _build(routing_map, single_pass, bt, row_id_map_fused, row_id_map_fill, backend, drop_at=drop_at)
+
+
+def _build(routing_map, single_pass: bool, block_t: int, fused, fill, backend, **params) -> tuple:
+    """A map writer's outputs: ``fused`` in one launch, or per-block counts then ``fill``."""
     if single_pass:
-        return tuple(row_id_map_fused(routing_map, backend=backend, block_t=bt, drop_at=drop_at))
-    (counts,) = row_id_map_block_counts(routing_map, backend=backend, block_t=bt)
-    return tuple(row_id_map_fill(routing_map, counts, backend=backend, block_t=bt, drop_at=drop_at))
+        return tuple(fused(routing_map, backend=backend, block_t=block_t, **params))
+    (counts,) = row_id_map_block_counts(routing_map, backend=backend, block_t=block_t)
+    return tuple(fill(routing_map, counts, backend=backend, block_t=block_t, **params))
 
 
 def dispatch_map(routing_map: jax.Array, num_out_tokens: int, align_size: int, num_out_rows: int,
@@ -70,14 +75,9 @@ def dispatch_map(routing_map: jax.Array, num_out_tokens: int, align_size: int, n
     per expert (1: no padding) and ``owner`` int32 ``[num_out_rows]``, each row's one
     writing entry ``t*E + j + 1`` (0: a padding or unused row), as ``row_owner`` computes
     it. Built with the map, so the scatter after it needs no owner pass."""
-    t, e = routing_map.shape
-    plan = map_plan(t, e)
-    kw = dict(backend=backend, block_t=plan.block_tokens, drop_at=num_out_tokens, align=align_size,
-              num_out_rows=num_out_rows)
-    if plan.single_pass:
-        return tuple(dispatch_map_fused(routing_map, **kw))
-    (counts,) = row_id_map_block_counts(routing_map, backend=backend, block_t=plan.block_tokens)
-    return tuple(dispatch_map_fill(routing_map, counts, **kw))
+    plan = map_plan(*routing_map.shape)
+    return _build(routing_map, plan.single_pass, plan.block_tokens, dispatch_map_fused, dispatch_map_fill, backend,
+                  drop_at=num_out_tokens, align=align_size, num_out_rows=num_out_rows)
 
 
 def row_id_map_reference(routing_map, num_out_tokens: int | None = None, xp: ModuleType = jnp):

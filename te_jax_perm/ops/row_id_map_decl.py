@@ -16,7 +16,8 @@ import numpy as np
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels import row_id_map as K
-from te_jax_perm.ops.permute_reference import row_owner_reference
+from te_jax_perm.ops._checks import INT32_MAX
+from te_jax_perm.ops.permute_reference import check_entry_ids, row_owner_reference
 from te_jax_perm.ops.tiling import next_pow2, pow2_at_most
 
 # How the map is built, by token and expert count: one launch or two, tokens per block,
@@ -183,18 +184,13 @@ def _fill_params_check(dims, params) -> None:
                          f"= {nb}")
 
 
-# Entry ids t*E + j + 1 and padded rows are int32.
-_INT32_MAX = 2**31 - 1
-
-
 def _dispatch_params_check(dims, params) -> None:
     if "NB" in dims:
         _fill_params_check(dims, params)
-    if dims["T"] * dims["E"] > _INT32_MAX - 1:
-        raise ValueError(f"routing_map of {dims['T']} tokens and {dims['E']} experts has T*E = "
-                         f"{dims['T'] * dims['E']} entries; at most {_INT32_MAX - 1} are supported")
+    check_entry_ids("routing_map", dims["T"], dims["E"])
+    # Padded rows are int32 too.
     align, rows = params["align"], params["drop_at"] + dims["E"] * (params["align"] - 1) + params["align"]
-    if align < 1 or rows > _INT32_MAX:
+    if align < 1 or rows > INT32_MAX:
         raise ValueError(f"align_size = {align} with a budget of {params['drop_at']} rows and E = {dims['E']}: "
                          f"expected align_size >= 1 and padded rows below 2**31 - 1")
 
