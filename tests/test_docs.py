@@ -42,6 +42,8 @@ def test_code_blocks_run(doc, tmp_path, monkeypatch, on_cpu):
     if not script.strip():
         pytest.skip(f"{doc.name} has no block that runs here")
     monkeypatch.setenv("TE_JAX_PERM_AUTOTUNE_CACHE", str(tmp_path / "tuning"))
+    # The blocks run on the CPU device, also on a GPU machine: with the CPU's default backend.
+    monkeypatch.setenv("TE_JAX_PERM_BACKEND", "xla")
     path = tmp_path / (doc.stem.replace("-", "_") + "_blocks.py")
     path.write_text(script)
     runpy.run_path(str(path), run_name="__docs__")

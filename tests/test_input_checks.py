@@ -99,23 +99,25 @@ def checked(monkeypatch):
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
 def test_checked_mode_rejects_traced_values_when_the_program_runs(checked, backend):
-    sort = jax.jit(lambda s, o: te_jax_perm.sort_chunks_by_index(X, s, o, backend=backend)[0])
-    jax.block_until_ready(sort(jnp.array([3, 7]), jnp.array([1, 0])))                      # fine
-    with pytest.raises(Exception, match=r"sorted_indices' = \[0, 0\] is not a permutation of range\(2\)"):
-        jax.block_until_ready(sort(jnp.array([3, 7]), jnp.array([0, 0])))
-    with pytest.raises(Exception, match=r"split_sizes' has negative entries"):
-        jax.block_until_ready(sort(jnp.array([-3, 7]), jnp.array([1, 0])))
-    dispatch = jax.jit(lambda m: te_jax_perm.token_dispatch(jnp.ones((3, 8)), m, 6, backend=backend)[0])
-    with pytest.raises(Exception, match="routing_map holds values other than 0 and 1"):
-        jax.block_until_ready(dispatch(jnp.array([[0, 3], [2, 1], [3, 0]], jnp.int32)))
-    rm = np.eye(4, dtype=bool)[[0, 1, 2, 3]]
-    out, _, rid, _, _ = te_jax_perm.token_dispatch(np.ones((4, 8), np.float32), rm, 4, backend=backend)
-    combine = jax.jit(lambda a, r: te_jax_perm.token_combine(a, r, backend=backend))
-    with pytest.raises(Exception, match=r"row_id_map addresses rows \[3\], but inp has 3 rows"):
-        jax.block_until_ready(combine(out[:3], rid))
-    by_map = jax.jit(lambda m: te_jax_perm.sort_chunks_by_map(X, m, backend=backend)[0])
-    with pytest.raises(Exception, match=r"row_id_map names output rows \[2\] more than once"):
-        jax.block_until_ready(by_map(jnp.array([2, 2, 0, 1, 3, 4, 5, 6, 7, 8], jnp.int32)))
+    # A jitted interpret call lowers for the CPU only: on a GPU machine, place it there.
+    with jax.default_device(jax.devices("cpu")[0]):
+        sort = jax.jit(lambda s, o: te_jax_perm.sort_chunks_by_index(X, s, o, backend=backend)[0])
+        jax.block_until_ready(sort(jnp.array([3, 7]), jnp.array([1, 0])))                      # fine
+        with pytest.raises(Exception, match=r"sorted_indices' = \[0, 0\] is not a permutation of range\(2\)"):
+            jax.block_until_ready(sort(jnp.array([3, 7]), jnp.array([0, 0])))
+        with pytest.raises(Exception, match=r"split_sizes' has negative entries"):
+            jax.block_until_ready(sort(jnp.array([-3, 7]), jnp.array([1, 0])))
+        dispatch = jax.jit(lambda m: te_jax_perm.token_dispatch(jnp.ones((3, 8)), m, 6, backend=backend)[0])
+        with pytest.raises(Exception, match="routing_map holds values other than 0 and 1"):
+            jax.block_until_ready(dispatch(jnp.array([[0, 3], [2, 1], [3, 0]], jnp.int32)))
+        rm = np.eye(4, dtype=bool)[[0, 1, 2, 3]]
+        out, _, rid, _, _ = te_jax_perm.token_dispatch(np.ones((4, 8), np.float32), rm, 4, backend=backend)
+        combine = jax.jit(lambda a, r: te_jax_perm.token_combine(a, r, backend=backend))
+        with pytest.raises(Exception, match=r"row_id_map addresses rows \[3\], but inp has 3 rows"):
+            jax.block_until_ready(combine(out[:3], rid))
+        by_map = jax.jit(lambda m: te_jax_perm.sort_chunks_by_map(X, m, backend=backend)[0])
+        with pytest.raises(Exception, match=r"row_id_map names output rows \[2\] more than once"):
+            jax.block_until_ready(by_map(jnp.array([2, 2, 0, 1, 3, 4, 5, 6, 7, 8], jnp.int32)))
 
 
 def test_without_the_checked_mode_traced_values_get_the_defined_result(monkeypatch):

@@ -65,9 +65,15 @@ def map_plan(num_tokens: int, num_experts: int) -> MapPlan:
     return MapPlan(single or num_blocks(num_tokens, bt) <= 1, bt, warps)
 
 
+def expert_lanes(num_experts: int) -> int:
+    """Lanes of the kernels' expert axis: a power of two, at least 16 (Triton 3.6 fails to
+    compile a scan over one lane; lanes past E are masked)."""
+    return max(16, next_pow2(num_experts))
+
+
 def _sub_tokens(block_t: int, num_experts: int) -> int:
     """Tokens per sub-tile of the count/fill loops: ~2K routing entries in registers."""
-    return max(1, min(block_t, 2048 // next_pow2(num_experts)))
+    return max(1, min(block_t, 2048 // expert_lanes(num_experts)))
 
 
 def num_blocks(t: int, block_t: int) -> int:
@@ -77,13 +83,13 @@ def num_blocks(t: int, block_t: int) -> int:
 def _tile_constexprs(dims, params, config) -> dict:
     # E is compiled in (an exact key dim): routing rows become vector loads.
     e = dims["E"]
-    return {"E": e, "BLOCK_T": params["block_t"], "BLOCK_E": next_pow2(e), "SUB": _sub_tokens(params["block_t"], e)}
+    return {"E": e, "BLOCK_T": params["block_t"], "BLOCK_E": expert_lanes(e), "SUB": _sub_tokens(params["block_t"], e)}
 
 
 def _fill_constexprs(dims, params, config) -> dict:
     # CH: rows of the reduced matrix per chunk, ~8K int32 counts or ~16K routing bytes;
     # from E and block_t only, so the binary does not depend on T.
-    be = next_pow2(dims["E"])
+    be = expert_lanes(dims["E"])
     ch = max(1, 8192 // be) if "NB" in dims else max(1, min(16384 // be, 32 * params["block_t"]))
     return {**_tile_constexprs(dims, params, config), "CH": ch}
 
