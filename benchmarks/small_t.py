@@ -37,14 +37,22 @@ def problem(T: int, H: int, E: int, k: int, seed: int = 0) -> tuple[np.ndarray, 
 def make_step(backend: str, k: int) -> Callable:
     """``step(x, rmap, probs) -> (x', probs')``: dispatch, a per-row scale (stand-in for the
     experts), combine, and the gradient of a scalar loss with respect to ``x`` and
-    ``probs``; ``x'``/``probs'`` take one small SGD step so that steps chain."""
+    ``probs``; ``x'``/``probs'`` take one small SGD step so that steps chain.
+
+    The stand-in sits between optimization barriers, as the experts' GEMMs would: no
+    backend may fold it into the permutation (XLA would fuse a bare scale into its own
+    gather and scatter, which it cannot do with a real expert layer)."""
     import jax
     import jax.numpy as jnp
     import te_jax_perm
 
+    def experts(rows):
+        rows = jax.lax.optimization_barrier(rows)
+        return jax.lax.optimization_barrier(rows * jnp.asarray(1.5, rows.dtype))
+
     def loss(x, rmap, probs):
         out, _, row_id_map, _, _ = te_jax_perm.token_dispatch(x, rmap, x.shape[0] * k, probs=None, backend=backend)
-        y = te_jax_perm.token_combine(out * jnp.asarray(1.5, out.dtype), row_id_map, probs, backend=backend)
+        y = te_jax_perm.token_combine(experts(out), row_id_map, probs, backend=backend)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     def step(x, rmap, probs):

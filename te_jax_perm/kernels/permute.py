@@ -59,15 +59,19 @@ def _dest(rid_row, pad_ptr, j, E, N, live, PADDED: tl.constexpr):
 
 @triton.jit
 def row_owner_kernel(rid_ptr, pad_ptr, T, E, N, owner_prealloc, owner_ptr, PADDED: tl.constexpr,
-                     BLOCK_T: tl.constexpr):
+                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A [BLOCK_T, BLOCK_K] tile of map entries per step: every entry's loads and atomic are
+    # independent, so they are all in flight at once (one step covers top-k up to BLOCK_K).
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
     rid_row = rid_ptr + t64 * (2 * E + 1)
     cnt = tl.minimum(tl.maximum(tl.load(rid_row + 2 * E, mask=tm, other=0), 0), E)
-    for j in range(tl.max(cnt, axis=0)):
-        dest, _e, ok = _dest(rid_row, pad_ptr, j, E, N, tm & (j < cnt), PADDED)
-        tl.atomic_max(owner_ptr + dest, (t64 * E + j + 1).to(tl.int32), mask=ok)
+    for j0 in range(0, tl.max(cnt, axis=0), BLOCK_K):
+        j = j0 + tl.arange(0, BLOCK_K)[None, :]
+        live = tm[:, None] & (j < cnt[:, None])
+        dest, _e, ok = _dest(rid_row[:, None], pad_ptr, j, E, N, live, PADDED)
+        tl.atomic_max(owner_ptr + dest, (t64[:, None] * E + j + 1).to(tl.int32), mask=ok)
 
 
 @triton.jit
@@ -80,7 +84,8 @@ def _owns(owner_ptr, dest, t64, j, E, ok):
 def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
                   T, E, N_OUT, out_ptr, pout_ptr, dw_ptr, H: tl.constexpr,
                   HAS_PROBS: tl.constexpr, WEIGHTED: tl.constexpr, PADDED: tl.constexpr,
-                  BLOCK_H: tl.constexpr, ROWS: tl.constexpr, FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr):
+                  BLOCK_H: tl.constexpr, ROWS: tl.constexpr, FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr,
+                  E_LANES: tl.constexpr):
     pid = tl.program_id(0)
     n_tok = tl.cdiv(T, ROWS)
     # This program's columns: one slice, or (weighted: a dot product over the row) all of H.
@@ -105,6 +110,10 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
             # Only the row's owner writes it and gets the weight's gradient (a map that sends
             # two entries to one row gives the other entry's weight none). The next column's
             # entry and owner load while this column's rows move.
+            # The weight gradients gather in a [ROWS, E] tile, stored whole at the end: each
+            # element of grad_probs is written once (zero where the token has no owned entry).
+            lanes = tl.arange(0, E_LANES)[None, :]
+            dw = tl.zeros([ROWS, E_LANES], dtype=tl.float32)
             nxt, ne, nok = _dest(rid_row, pad_ptr, 0, E, N_OUT, live0, PADDED)
             nown = _owns(owner_ptr, nxt, t64, 0, E, nok)
             for j in range(kmax):
@@ -124,7 +133,9 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
                     acc += g * yv.to(tl.float32)
                     tl.store(out_ptr + dest[:, None] * H + off[None, :],
                              (g * w[:, None]).to(out_ptr.dtype.element_ty), mask=own[:, None] & hm)
-                tl.store(dw_ptr + t64 * E + e, tl.sum(acc, axis=1).to(dw_ptr.dtype.element_ty), mask=own)
+                dw = tl.where(own[:, None] & (e[:, None] == lanes), tl.sum(acc, axis=1)[:, None], dw)
+            tl.store(dw_ptr + t64[:, None] * E + lanes, dw.to(dw_ptr.dtype.element_ty),
+                     mask=tm[:, None] & (lanes < E))
         else:
             if HAS_PROBS and first_slice:
                 for j in range(kmax):
@@ -163,36 +174,36 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
 def permute_kernel(x_ptr, rid_ptr, pad_ptr, owner_ptr, T, E, N_OUT,
                    out_prealloc, out_ptr, H: tl.constexpr,
                    PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-                   FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr):
+                   FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr, E_LANES: tl.constexpr):
     _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, x_ptr, x_ptr, x_ptr,
                   T, E, N_OUT, out_ptr, out_ptr, out_ptr, H,
-                  False, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H)
+                  False, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H, E_LANES)
 
 
 @triton.jit
 def permute_probs_kernel(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, T, E, N_OUT,
                          out_prealloc, pout_prealloc, out_ptr, pout_ptr, H: tl.constexpr,
                          PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-                         FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr):
+                         FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr, E_LANES: tl.constexpr):
     _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, x_ptr, x_ptr,
                   T, E, N_OUT, out_ptr, pout_ptr, out_ptr, H,
-                  True, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H)
+                  True, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H, E_LANES)
 
 
 @triton.jit
 def unpermute_bwd_weighted_kernel(g_ptr, rid_ptr, pad_ptr, owner_ptr, w_ptr, y_ptr, T, E, N_OUT,
                                   out_prealloc, dw_prealloc, out_ptr, dw_ptr, H: tl.constexpr,
                                   PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-                                  FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr):
+                                  FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr, E_LANES: tl.constexpr):
     _scatter_body(g_ptr, rid_ptr, pad_ptr, owner_ptr, w_ptr, w_ptr, y_ptr,
                   T, E, N_OUT, out_ptr, out_ptr, dw_ptr, H,
-                  False, True, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H)
+                  False, True, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H, E_LANES)
 
 
 @triton.jit
 def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, N, out_ptr, dprobs_ptr, H: tl.constexpr,
                  WEIGHTED: tl.constexpr, HAS_PGRAD: tl.constexpr, PADDED: tl.constexpr,
-                 BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
+                 BLOCK_H: tl.constexpr, ROWS: tl.constexpr, E_LANES: tl.constexpr):
     pid = tl.program_id(0)
     t = pid * ROWS + tl.arange(0, ROWS)
     tm = t < T
@@ -204,6 +215,11 @@ def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, N, out_ptr, dpro
     off = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = (off < H)[None, :]
     acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+    # Probability gradients (slice-0 programs): loaded alongside the rows, gathered in a
+    # [ROWS, E] tile and stored whole at the end, so each element is written once.
+    first = tl.program_id(1) == 0
+    lanes = tl.arange(0, E_LANES)[None, :]
+    dp = tl.zeros([ROWS, E_LANES], dtype=tl.float32)
     nxt, ne, nok = _dest(rid_row, pad_ptr, 0, E, N, live0, PADDED)
     for j in range(kmax):
         dest = nxt
@@ -214,31 +230,35 @@ def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, N, out_ptr, dpro
         v = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=ok[:, None] & hm, other=0.0).to(tl.float32)
         if WEIGHTED:
             v = v * tl.load(w_ptr + t64 * E + e, mask=ok, other=0).to(tl.float32)[:, None]
+        if HAS_PGRAD:
+            p = tl.load(gpp_ptr + dest, mask=ok & (tl.zeros_like(t) == tl.program_id(1)), other=0).to(tl.float32)
+            dp = tl.where(ok[:, None] & (e[:, None] == lanes), p[:, None], dp)
         acc += v
     tl.store(out_ptr + t64[:, None] * H + off[None, :], acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & hm)
-    if HAS_PGRAD and tl.program_id(1) == 0:
-        for j in range(kmax):
-            dest, e, ok = _dest(rid_row, pad_ptr, j, E, N, tm & (j < cnt), PADDED)
-            tl.store(dprobs_ptr + t64 * E + e, tl.load(gpp_ptr + dest, mask=ok), mask=ok)
+    if HAS_PGRAD and first:
+        tl.store(dprobs_ptr + t64[:, None] * E + lanes, dp.to(dprobs_ptr.dtype.element_ty),
+                 mask=tm[:, None] & (lanes < E))
 
 
 @triton.jit
 def unpermute_kernel(y_ptr, rid_ptr, pad_ptr, T, E, N, out_prealloc, out_ptr, H: tl.constexpr,
-                     PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
+                     PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, E_LANES: tl.constexpr):
     _gather_body(y_ptr, rid_ptr, pad_ptr, y_ptr, y_ptr, T, E, N, out_ptr, out_ptr, H,
-                 False, False, PADDED, BLOCK_H, ROWS)
+                 False, False, PADDED, BLOCK_H, ROWS, E_LANES)
 
 
 @triton.jit
 def unpermute_weighted_kernel(y_ptr, rid_ptr, pad_ptr, w_ptr, T, E, N, out_prealloc, out_ptr, H: tl.constexpr,
-                              PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
+                              PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+                              E_LANES: tl.constexpr):
     _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, w_ptr, T, E, N, out_ptr, out_ptr, H,
-                 True, False, PADDED, BLOCK_H, ROWS)
+                 True, False, PADDED, BLOCK_H, ROWS, E_LANES)
 
 
 @triton.jit
 def permute_bwd_probs_kernel(y_ptr, rid_ptr, pad_ptr, gpp_ptr, T, E, N, out_prealloc, dprobs_prealloc,
                            out_ptr, dprobs_ptr, H: tl.constexpr,
-                           PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr):
+                           PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+                           E_LANES: tl.constexpr):
     _gather_body(y_ptr, rid_ptr, pad_ptr, gpp_ptr, gpp_ptr, T, E, N, out_ptr, dprobs_ptr, H,
-                 False, True, PADDED, BLOCK_H, ROWS)
+                 False, True, PADDED, BLOCK_H, ROWS, E_LANES)

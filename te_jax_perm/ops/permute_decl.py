@@ -22,7 +22,7 @@ from te_jax_perm.core.sharding import Partitioning
 from te_jax_perm.kernels import permute as K
 from te_jax_perm.ops import permute_reference as R
 from te_jax_perm.ops.row_id_map import row_id_map_reference
-from te_jax_perm.ops.tiling import MAX_TILE, next_pow2, not_pow2, pow2_at_most, tile_too_large
+from te_jax_perm.ops.tiling import MAX_TILE, expert_lanes, next_pow2, not_pow2, pow2_at_most, tile_too_large
 
 FILL_ROWS = 16  # output rows per zero-fill program (only rows no token writes are touched)
 
@@ -219,9 +219,15 @@ _TE_PROBS = lambda name: Operand(name, ("T", "E"), PROB_DTYPES)  # noqa: E731
 
 
 def _grad_probs(like: str) -> Output:
-    """Gradient of [T, E] probabilities, in the dtype of operand ``like`` (the probs' dtype)."""
-    return Output("grad_probs", lambda dims, params: (dims["T"], dims["E"]), lambda dtypes, params: dtypes[like],
-                  init="zeros")
+    """Gradient of [T, E] probabilities, in the dtype of operand ``like`` (the probs' dtype).
+    The kernel stores each token's whole row of E (zeros where it has no entry)."""
+    return Output("grad_probs", lambda dims, params: (dims["T"], dims["E"]), lambda dtypes, params: dtypes[like])
+
+
+def _grad_lanes(dims, prob_grads: bool) -> int:
+    """E_LANES: lanes of a kernel's [ROWS, E] probability-gradient tile; 1 where it has none,
+    so kernels without one compile the same binary for every E."""
+    return expert_lanes(dims["E"]) if prob_grads else 1
 
 
 def _slices(dims, config) -> int:
@@ -235,10 +241,13 @@ def _scatter_fill_grid(dims, rows: int, config, split: bool = True) -> tuple[int
     return (-(-dims["T"] // config.kw["ROWS"]) + -(-rows // FILL_ROWS), _slices(dims, config) if split else 1)
 
 
-def _scatter_constexprs(dims, params, config):
-    # H is compiled in (16-byte vector rows, see kernels/permute.py); it is an exact key dim.
-    fill_h = max(16, min(next_pow2(dims["H"]), 8192 // FILL_ROWS))
-    return {"H": dims["H"], "PADDED": params["padded"], "FILL_ROWS": FILL_ROWS, "FILL_H": fill_h}
+def _scatter_constexprs(prob_grads: bool):
+    def constexprs(dims, params, config):
+        # H is compiled in (16-byte vector rows, see kernels/permute.py); it is an exact key dim.
+        fill_h = max(16, min(next_pow2(dims["H"]), 8192 // FILL_ROWS))
+        return {"H": dims["H"], "PADDED": params["padded"], "FILL_ROWS": FILL_ROWS, "FILL_H": fill_h,
+                "E_LANES": _grad_lanes(dims, prob_grads)}
+    return constexprs
 
 
 def _owner_check(dims, params) -> None:
@@ -254,7 +263,9 @@ def _scatter_check(dims, params) -> None:
         raise ValueError(f"owner has {dims['R']} rows; expected one per output row ({rows})")
 
 
-OWNER_BLOCK_T = 128
+# Tokens x map columns per row_owner step: [32, 8] covers top-8 routing in one step, and
+# 32 tokens per program gives hundreds of programs at T of a few thousand.
+OWNER_BLOCK_T, OWNER_BLOCK_K = 32, 8
 
 row_owner = declare(KernelDecl(
     name="row_owner", kernel=K.row_owner_kernel,
@@ -264,9 +275,10 @@ row_owner = declare(KernelDecl(
     params=("num_out_rows", "padded"), reference=R.row_owner_reference,
     grid=lambda dims, params, config: (-(-dims["T"] // OWNER_BLOCK_T),),
     scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": params["num_out_rows"]},
-    constexprs=lambda dims, params, config: {"PADDED": params["padded"], "BLOCK_T": OWNER_BLOCK_T},
+    constexprs=lambda dims, params, config: {"PADDED": params["padded"], "BLOCK_T": OWNER_BLOCK_T,
+                                             "BLOCK_K": OWNER_BLOCK_K},
     configs=tuple(Config.make(num_warps=w) for w in (1, 2, 4)),
-    default_config=lambda dims, params: Config.make(num_warps=4),
+    default_config=lambda dims, params: Config.make(num_warps=2),
     key_dims=("T", "E"), key_bucket=_key_bucket, key_params=("padded",), params_check=_owner_check,
     example_inputs=lambda dims, params, dtypes, rng: _np_layout(
         dims["T"], dims["E"], params["num_out_rows"], params["padded"], rng)[:2],
@@ -292,7 +304,7 @@ def _permute_decl(name: str, kernel, with_probs: bool):
         params=("num_out_rows", "padded"), reference=R.permute_rows_reference,
         grid=lambda dims, params, config: _scatter_fill_grid(dims, params["num_out_rows"], config),
         scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N_OUT": params["num_out_rows"]},
-        constexprs=_scatter_constexprs, example_inputs=_permute_example(with_probs), partitioning=part,
+        constexprs=_scatter_constexprs(False), example_inputs=_permute_example(with_probs), partitioning=part,
         **_common(default_config=_tabled(name, _scatter_default_config), params_check=_scatter_check)))
 
 
@@ -308,7 +320,7 @@ unpermute_bwd_weighted = declare(KernelDecl(
     params=("padded",), reference=R.unpermute_bwd_weighted_reference,
     grid=lambda dims, params, config: _scatter_fill_grid(dims, dims["N"], config, split=False),
     scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N_OUT": dims["N"]},
-    constexprs=_scatter_constexprs, exact=False, rtol=1e-5, atol=1e-5,
+    constexprs=_scatter_constexprs(True), exact=False, rtol=1e-5, atol=1e-5,
     # Not H-local: grad_probs is a dot product over all of H (replicated).
     example_inputs=_unpermute_bwd_weighted_example,
     **_common(default_config=_tabled("unpermute_bwd_weighted", _weighted_scatter_default_config),
@@ -329,7 +341,8 @@ def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_r
         grid=lambda dims, params, config: (-(-dims["T"] // config.kw["ROWS"]), _slices(dims, config)),
         # N: rows of inp, the bound every row read is checked against.
         scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": dims["N"]},
-        constexprs=lambda dims, params, config: {"H": dims["H"], "PADDED": params["padded"]},
+        constexprs=lambda dims, params, config: {"H": dims["H"], "PADDED": params["padded"],
+                                                 "E_LANES": _grad_lanes(dims, bool(extra_outs))},
         exact=False, rtol=1e-2, atol=1e-2, example_inputs=_unpermute_example(extra), partitioning=part,
         **_common(default_config=_tabled(name, _gather_default_config))))
 

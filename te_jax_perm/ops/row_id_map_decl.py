@@ -18,7 +18,7 @@ from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels import row_id_map as K
 from te_jax_perm.ops._checks import INT32_MAX
 from te_jax_perm.ops.permute_reference import check_entry_ids, row_owner_reference
-from te_jax_perm.ops.tiling import next_pow2, pow2_at_most
+from te_jax_perm.ops.tiling import expert_lanes, pow2_at_most
 
 # How the map is built, by token and expert count: one launch or two, tokens per block,
 # warps. Each entry is the fastest of every variant measured on an H100 at that (T, E)
@@ -63,12 +63,6 @@ def map_plan(num_tokens: int, num_experts: int) -> MapPlan:
     blocks = -(-t0 // bt0)
     bt = min(MAX_BLOCK_TOKENS, pow2_at_most(max(1, num_tokens // blocks)))
     return MapPlan(single or num_blocks(num_tokens, bt) <= 1, bt, warps)
-
-
-def expert_lanes(num_experts: int) -> int:
-    """Lanes of the kernels' expert axis: a power of two, at least 16 (Triton 3.6 fails to
-    compile a scan over one lane; lanes past E are masked)."""
-    return max(16, next_pow2(num_experts))
 
 
 def _sub_tokens(block_t: int, num_experts: int) -> int:
