@@ -75,6 +75,17 @@ def row_owner_kernel(rid_ptr, pad_ptr, T, E, N, owner_prealloc, owner_ptr, PADDE
 
 
 @triton.jit
+def _zero_token_rows(ptr, t64, tm, E, E_LANES: tl.constexpr):
+    """Zeros the [T, E] rows of this program's tokens, then a barrier: entries stored after it
+    (by any thread of the program) land on top of the zeros, so every element is written
+    and the entries win. Call it where the whole program takes the same branch."""
+    lanes = tl.arange(0, E_LANES)[None, :]
+    tl.store(ptr + t64[:, None] * E + lanes, tl.zeros([t64.shape[0], E_LANES], dtype=ptr.dtype.element_ty),
+             mask=tm[:, None] & (lanes < E))
+    tl.debug_barrier()
+
+
+@triton.jit
 def _owns(owner_ptr, dest, t64, j, E, ok):
     """Where entry ``(t, j)`` is its destination row's one writer."""
     return ok & (tl.load(owner_ptr + dest, mask=ok, other=0) == (t64 * E + j + 1).to(tl.int32))
@@ -110,10 +121,8 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
             # Only the row's owner writes it and gets the weight's gradient (a map that sends
             # two entries to one row gives the other entry's weight none). The next column's
             # entry and owner load while this column's rows move.
-            # The weight gradients gather in a [ROWS, E] tile, stored whole at the end: each
-            # element of grad_probs is written once (zero where the token has no owned entry).
-            lanes = tl.arange(0, E_LANES)[None, :]
-            dw = tl.zeros([ROWS, E_LANES], dtype=tl.float32)
+            # Weight gradients: zero where the token has no owned entry.
+            _zero_token_rows(dw_ptr, t64, tm, E, E_LANES)
             nxt, ne, nok = _dest(rid_row, pad_ptr, 0, E, N_OUT, live0, PADDED)
             nown = _owns(owner_ptr, nxt, t64, 0, E, nok)
             for j in range(kmax):
@@ -133,9 +142,7 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
                     acc += g * yv.to(tl.float32)
                     tl.store(out_ptr + dest[:, None] * H + off[None, :],
                              (g * w[:, None]).to(out_ptr.dtype.element_ty), mask=own[:, None] & hm)
-                dw = tl.where(own[:, None] & (e[:, None] == lanes), tl.sum(acc, axis=1)[:, None], dw)
-            tl.store(dw_ptr + t64[:, None] * E + lanes, dw.to(dw_ptr.dtype.element_ty),
-                     mask=tm[:, None] & (lanes < E))
+                tl.store(dw_ptr + t64 * E + e, tl.sum(acc, axis=1).to(dw_ptr.dtype.element_ty), mask=own)
         else:
             if HAS_PROBS and first_slice:
                 for j in range(kmax):
@@ -215,11 +222,10 @@ def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, N, out_ptr, dpro
     off = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = (off < H)[None, :]
     acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
-    # Probability gradients (slice-0 programs): loaded alongside the rows, gathered in a
-    # [ROWS, E] tile and stored whole at the end, so each element is written once.
-    first = tl.program_id(1) == 0
-    lanes = tl.arange(0, E_LANES)[None, :]
-    dp = tl.zeros([ROWS, E_LANES], dtype=tl.float32)
+    # Probability gradients (slice-0 programs): the tokens' rows zeroed, then each entry's
+    # value moved alongside its row, so its latency hides behind the row load.
+    if HAS_PGRAD and tl.program_id(1) == 0:
+        _zero_token_rows(dprobs_ptr, t64, tm, E, E_LANES)
     nxt, ne, nok = _dest(rid_row, pad_ptr, 0, E, N, live0, PADDED)
     for j in range(kmax):
         dest = nxt
@@ -231,13 +237,10 @@ def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, N, out_ptr, dpro
         if WEIGHTED:
             v = v * tl.load(w_ptr + t64 * E + e, mask=ok, other=0).to(tl.float32)[:, None]
         if HAS_PGRAD:
-            p = tl.load(gpp_ptr + dest, mask=ok & (tl.zeros_like(t) == tl.program_id(1)), other=0).to(tl.float32)
-            dp = tl.where(ok[:, None] & (e[:, None] == lanes), p[:, None], dp)
+            pm = ok & (tl.zeros_like(t) == tl.program_id(1))
+            tl.store(dprobs_ptr + t64 * E + e, tl.load(gpp_ptr + dest, mask=pm), mask=pm)
         acc += v
     tl.store(out_ptr + t64[:, None] * H + off[None, :], acc.to(out_ptr.dtype.element_ty), mask=tm[:, None] & hm)
-    if HAS_PGRAD and first:
-        tl.store(dprobs_ptr + t64[:, None] * E + lanes, dp.to(dprobs_ptr.dtype.element_ty),
-                 mask=tm[:, None] & (lanes < E))
 
 
 @triton.jit
