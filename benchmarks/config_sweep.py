@@ -194,17 +194,20 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "") ->
 def default_table(sweeps: list[str]) -> dict:
     """The fastest config of each mover kernel at each row width H and token count T
     measured in ``sweeps`` (sweep JSON files), keyed ``kernel -> H -> T -> config``: the
-    table the defaults read."""
+    table the defaults read. A (kernel, H, T) group measured in a later file replaces the
+    earlier files' (a re-sweep after a kernel changed supersedes the old timings)."""
     best: dict = {}
     for path in sweeps:
+        found: dict = {}
         with open(path) as f:
             for r in json.load(f)["rows"]:
                 if r.get("us") is None or "error" in r:
                     continue
-                at = best.setdefault(r["kernel"], {}).setdefault(str(r["H"]), {})
-                cur = at.get(str(r["T"]))
-                if cur is None or r["us"] < cur[1]:
-                    at[str(r["T"])] = (r["config"], r["us"])
+                key = (r["kernel"], str(r["H"]), str(r["T"]))
+                if key not in found or r["us"] < found[key][1]:
+                    found[key] = (r["config"], r["us"])
+        for (kernel, h, t), entry in found.items():
+            best.setdefault(kernel, {}).setdefault(h, {})[t] = entry
     return {k: {h: {t: c for t, (c, _) in sorted(by_t.items(), key=lambda kv: int(kv[0]))}
                 for h, by_t in sorted(v.items(), key=lambda kv: int(kv[0]))}
             for k, v in sorted(best.items())}

@@ -132,3 +132,18 @@ def test_gpu_driver_names_its_steps_and_rejects_others(tmp_path):
     bad = run(f"--out={tmp_path}", "--steps=pytest,bogus")
     assert bad.returncode != 0 and "unknown ['bogus']" in bad.stderr and "'memcheck'" in bad.stderr, bad.stderr
     assert not (tmp_path / "summary.txt").exists()
+
+
+def test_default_table_takes_the_fastest_config_and_a_later_sweep_supersedes(tmp_path):
+    from benchmarks.config_sweep import default_table
+
+    def sweep(name, rows):
+        path = tmp_path / name
+        path.write_text(json.dumps({"rows": [{"kernel": "k", "H": 4096, "T": t, "config": c, "us": us}
+                                             for t, c, us in rows]}))
+        return str(path)
+    old = sweep("old.json", [(8192, "a", 10.0), (8192, "b", 9.0), (64, "c", 1.0)])
+    new = sweep("new.json", [(8192, "d", 11.0), (8192, "e", 12.0)])
+    assert default_table([old]) == {"k": {"4096": {"64": "c", "8192": "b"}}}
+    # The re-measured group takes the new file's best, even though the old timings were lower.
+    assert default_table([old, new]) == {"k": {"4096": {"64": "c", "8192": "d"}}}

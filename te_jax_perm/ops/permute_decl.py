@@ -107,6 +107,15 @@ def _gather_default_config(dims, params) -> Config:
                                              BLOCK_H=block_h, ROWS=1))
 
 
+def _pgrad_gather_default_config(dims, params) -> Config:
+    """The dispatch backward's gather (rows summed, each entry's probability gradient moved
+    alongside) at a row width the table lacks: one token's whole row per program, 4 warps,
+    within 1% of the best of every tile shape, warp and stage count in an H100 sweep at
+    H = 2048, 2880, 3584, 4096 and 7168 (at 6144, 8 warps win by 5%: tabled). At small T,
+    column slices (:func:`_small_t_slices`)."""
+    return _small_t_slices(dims, Config.make(num_warps=4, num_stages=1, BLOCK_H=_whole_row(dims), ROWS=1))
+
+
 def _scatter_default_config(dims, params) -> Config:
     """Scatters (dispatch forward) at a row width the table lacks: :func:`_default_config`,
     sliced at small T."""
@@ -115,9 +124,11 @@ def _scatter_default_config(dims, params) -> Config:
 
 def _weighted_scatter_default_config(dims, params) -> Config:
     """Combine backward at a row width the table lacks: one token's whole row per program
-    (its weight gradient is a dot product over the row), 4 warps: within 1% of the best of
-    every tile shape in an H100 sweep at H = 2048 and 2880."""
-    return Config.make(num_warps=4, num_stages=1, BLOCK_H=_whole_row(dims), ROWS=1)
+    (its weight gradient is a dot product over the row), a warp per 1024 columns of the
+    tile, at least 4: the best of every tile shape, warp and stage count (within 0.1%) in
+    an H100 sweep at H = 2048, 2880 (4 warps) and 6144 (8 warps; 4 are 5% slower)."""
+    block_h = _whole_row(dims)
+    return Config.make(num_warps=max(4, min(8, block_h // 1024)), num_stages=1, BLOCK_H=block_h, ROWS=1)
 
 
 # The fastest config of each mover at each row width and token count measured on an H100
@@ -327,7 +338,8 @@ unpermute_bwd_weighted = declare(KernelDecl(
               params_check=_scatter_check)))
 
 
-def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_rows_reference):
+def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_rows_reference,
+                    rule=_gather_default_config):
     """A gather: each token's rows summed (fp32) into ``out [T, H]``."""
     extra = extra_ops[0].name if extra_ops else None
     # Sums over a token's rows, slice by slice of H: H-local (grad_probs has no H axis).
@@ -344,11 +356,11 @@ def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_r
         constexprs=lambda dims, params, config: {"H": dims["H"], "PADDED": params["padded"],
                                                  "E_LANES": _grad_lanes(dims, bool(extra_outs))},
         exact=False, rtol=1e-2, atol=1e-2, example_inputs=_unpermute_example(extra), partitioning=part,
-        **_common(default_config=_tabled(name, _gather_default_config))))
+        **_common(default_config=_tabled(name, rule))))
 
 
 unpermute = _unpermute_decl("unpermute", K.unpermute_kernel, (), ())
 unpermute_weighted = _unpermute_decl("unpermute_weighted", K.unpermute_weighted_kernel, (_TE_PROBS("merging_probs"),), ())
 permute_bwd_probs = _unpermute_decl(
     "permute_bwd_probs", K.permute_bwd_probs_kernel, (Operand("grad_permuted_probs", ("N",), PROB_DTYPES),),
-    (_grad_probs("grad_permuted_probs"),), reference=R.permute_bwd_probs_reference)
+    (_grad_probs("grad_permuted_probs"),), reference=R.permute_bwd_probs_reference, rule=_pgrad_gather_default_config)
