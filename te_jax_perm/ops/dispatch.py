@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops.permute import no_pad, permute_bwd, permute_fwd, unpermute_bwd, unpermute_fwd
+from te_jax_perm.ops.permute import permute_bwd, permute_fwd, unpermute_bwd, unpermute_fwd
 from te_jax_perm.ops.row_id_map import dispatch_map
 from te_jax_perm.ops.row_id_map_decl import pad_offsets_of
 from te_jax_perm.ops.token_split import split_over_tokens
@@ -77,13 +77,13 @@ def _dispatch_local(tokens, num_out_tokens, align_size, rows, backend):
 
     ``tokens`` and ``rows`` are the global sizes; the shard's local ``x`` says how many
     shards there are."""
-    def run(x, rm, *probs_pad):
-        *probs, pad = probs_pad
+    def run(x, rm, *probs):
         shards = tokens // x.shape[0] if x.shape[0] else 1
         e, local_rows = rm.shape[1], rows // shards
         budget = local_budget(num_out_tokens, shards, local_rows, e, align_size)
         rid, kept, owner = dispatch_map(rm, budget, align_size or 1, local_rows, backend)
-        (out, pp), _ = permute_fwd(x, probs[0] if probs else None, rid, pad, local_rows, False, backend, owner)
+        no_pad = jnp.zeros((e,), jnp.int32)
+        (out, pp), _ = permute_fwd(x, probs[0] if probs else None, rid, no_pad, local_rows, False, backend, owner)
         return (out, pp, rid, kept) if probs else (out, rid, kept)
     return run
 
@@ -91,8 +91,9 @@ def _dispatch_local(tokens, num_out_tokens, align_size, rows, backend):
 def _dispatch_bwd_local(backend):
     """``(g_out[, g_pp], rid) -> (g_x[, g_probs])``: the gather of the dispatch backward."""
     def run(g_out, *rest):
-        *g_pp, rid, pad = rest
-        g_x, g_probs = permute_bwd(g_out.shape[0], False, backend, (rid, pad),
+        *g_pp, rid = rest
+        no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
+        g_x, g_probs = permute_bwd(g_out.shape[0], False, backend, (rid, no_pad),
                                    (g_out, g_pp[0] if g_pp else None))[:2]
         return (g_x, g_probs) if g_pp else (g_x,)
     return run
@@ -100,7 +101,7 @@ def _dispatch_bwd_local(backend):
 
 def _dispatch_axes(with_probs):
     probs = (("T", "E"),) if with_probs else ()
-    return ((("T", "H"), ("T", "E")) + probs + (("E",),),
+    return ((("T", "H"), ("T", "E")) + probs,
             (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"), ("E",)))
 
 
@@ -111,7 +112,7 @@ def _dispatch(x, rm, probs, num_out_tokens, align_size, rows, backend):
 
 def _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend):
     with_probs = probs is not None
-    args = (x, rm) + ((probs,) if with_probs else ()) + (no_pad(rm.shape[-1]),)
+    args = (x, rm) + ((probs,) if with_probs else ())
     arg_axes, out_axes = _dispatch_axes(with_probs)
     outs = split_over_tokens("token_dispatch", _dispatch_local(x.shape[0], num_out_tokens, align_size, rows, backend),
                              args, arg_axes, out_axes, backend, summed=(len(out_axes) - 1,))
@@ -122,8 +123,8 @@ def _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend):
 def _dispatch_bwd(num_out_tokens, align_size, rows, backend, rid, cts):
     g_out, g_pp, _, _ = cts
     with_probs = g_pp is not None
-    args = (g_out,) + ((g_pp,) if with_probs else ()) + (rid, no_pad((rid.shape[1] - 1) // 2))
-    arg_axes = (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"), ("E",))
+    args = (g_out,) + ((g_pp,) if with_probs else ()) + (rid,)
+    arg_axes = (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"),)
     out_axes = (("T", "H"),) + ((("T", "E"),) if with_probs else ())
     grads = split_over_tokens("token_dispatch (backward)", _dispatch_bwd_local(backend),
                               args, arg_axes, out_axes, backend)
@@ -135,17 +136,17 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 def _combine_local(backend):
     """``(inp, rid[, w]) -> (out,)``: each token's rows summed (weighted)."""
-    def run(inp, rid, *w_pad):
-        *w, pad = w_pad
-        return (unpermute_fwd(inp, w[0] if w else None, rid, pad, False, backend)[0],)
+    def run(inp, rid, *w):
+        no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
+        return (unpermute_fwd(inp, w[0] if w else None, rid, no_pad, False, backend)[0],)
     return run
 
 
 def _combine_bwd_local(backend):
     """``(g, rid, inp[, w]) -> (g_inp[, g_w])``: the scatter of the combine backward."""
-    def run(g, rid, inp, *w_pad):
-        *w, pad = w_pad
-        g_inp, g_w = unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, pad), g)[:2]
+    def run(g, rid, inp, *w):
+        no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
+        g_inp, g_w = unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, no_pad), g)[:2]
         return (g_inp, g_w) if w else (g_inp,)
     return run
 
@@ -157,8 +158,8 @@ def _combine(inp, w, rid, backend):
 
 def _combine_fwd(inp, w, rid, backend):
     weighted = w is not None
-    args = (inp, rid) + ((w,) if weighted else ()) + (no_pad((rid.shape[1] - 1) // 2),)
-    arg_axes = (("R", "H"), ("T", "W")) + ((("T", "E"),) if weighted else ()) + (("E",),)
+    args = (inp, rid) + ((w,) if weighted else ())
+    arg_axes = (("R", "H"), ("T", "W")) + ((("T", "E"),) if weighted else ())
     (out,) = split_over_tokens("token_combine", _combine_local(backend), args, arg_axes, (("T", "H"),),
                                backend)
     return out, (inp, w, rid)
@@ -167,8 +168,8 @@ def _combine_fwd(inp, w, rid, backend):
 def _combine_bwd(backend, res, g):
     inp, w, rid = res
     weighted = w is not None
-    args = (g, rid, inp) + ((w,) if weighted else ()) + (no_pad((rid.shape[1] - 1) // 2),)
-    arg_axes = (("T", "H"), ("T", "W"), ("R", "H")) + ((("T", "E"),) if weighted else ()) + (("E",),)
+    args = (g, rid, inp) + ((w,) if weighted else ())
+    arg_axes = (("T", "H"), ("T", "W"), ("R", "H")) + ((("T", "E"),) if weighted else ())
     out_axes = (("R", "H"),) + ((("T", "E"),) if weighted else ())
     grads = split_over_tokens("token_combine (backward)", _combine_bwd_local(backend), args, arg_axes,
                               out_axes, backend)

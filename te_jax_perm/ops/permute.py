@@ -12,7 +12,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from te_jax_perm.ops import _checks
 from te_jax_perm.ops import permute_decl as D
@@ -187,16 +186,9 @@ def unpermute_reference(inp: jax.Array, row_id_map: jax.Array, merging_probs: ja
     return R.unpermute_rows_reference(inp, row_id_map, pad, merging_probs, padded=padded)[0]
 
 
-def no_pad(e: int) -> np.ndarray:
-    """The ``pad_offsets`` operand of an unpadded layout as a constant of the program (zeros
-    computed on the device cost a kernel launch per call). A function traced by
-    ``custom_partitioning`` cannot capture constants: pass it such a constant as an argument."""
-    return np.zeros((e,), np.int32)
-
-
 def pad_or_zeros(pad_offsets, e):
     if pad_offsets is None:
-        return jnp.asarray(no_pad(e))
+        return jnp.zeros((e,), jnp.int32)
     _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}]")
     _checks.check_index_values("pad_offsets", pad_offsets)
     return jnp.asarray(pad_offsets).astype(jnp.int32)
