@@ -123,12 +123,6 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
             # entry and owner load while this column's rows move.
             # Weight gradients: zero where the token has no owned entry.
             _zero_token_rows(dw_ptr, t64, tm, E, E_LANES)
-            if H <= BLOCK_H:
-                # The row fits one tile: the tokens' gradient rows load once, not once per entry.
-                off1 = tl.arange(0, BLOCK_H)
-                hm1 = (off1 < H)[None, :]
-                g1 = tl.load(x_ptr + t64[:, None] * H + off1[None, :], mask=tm[:, None] & hm1, other=0.0)
-                g1 = g1.to(tl.float32)
             nxt, ne, nok = _dest(rid_row, pad_ptr, 0, E, N_OUT, live0, PADDED)
             nown = _owns(owner_ptr, nxt, t64, 0, E, nok)
             for j in range(kmax):
@@ -138,24 +132,17 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
                 nxt, ne, nok = _dest(rid_row, pad_ptr, j + 1, E, N_OUT, tm & (j + 1 < cnt), PADDED)
                 nown = _owns(owner_ptr, nxt, t64, j + 1, E, nok)
                 w = tl.load(w_ptr + t64 * E + e, mask=own, other=0).to(tl.float32)
-                if H <= BLOCK_H:
-                    yv = tl.load(y_ptr + dest[:, None] * H + off1[None, :], mask=own[:, None] & hm1, other=0.0)
-                    dot = tl.sum(g1 * yv.to(tl.float32), axis=1)
-                    tl.store(out_ptr + dest[:, None] * H + off1[None, :],
-                             (g1 * w[:, None]).to(out_ptr.dtype.element_ty), mask=own[:, None] & hm1)
-                else:
-                    acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
-                    for h0 in range(h_lo, h_hi, BLOCK_H):
-                        off = h0 + tl.arange(0, BLOCK_H)
-                        hm = (off < H)[None, :]
-                        g = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=own[:, None] & hm, other=0.0)
-                        g = g.to(tl.float32)
-                        yv = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=own[:, None] & hm, other=0.0)
-                        acc += g * yv.to(tl.float32)
-                        tl.store(out_ptr + dest[:, None] * H + off[None, :],
-                                 (g * w[:, None]).to(out_ptr.dtype.element_ty), mask=own[:, None] & hm)
-                    dot = tl.sum(acc, axis=1)
-                tl.store(dw_ptr + t64 * E + e, dot.to(dw_ptr.dtype.element_ty), mask=own)
+                acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
+                for h0 in range(h_lo, h_hi, BLOCK_H):
+                    off = h0 + tl.arange(0, BLOCK_H)
+                    hm = (off < H)[None, :]
+                    g = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=own[:, None] & hm, other=0.0)
+                    g = g.to(tl.float32)
+                    yv = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=own[:, None] & hm, other=0.0)
+                    acc += g * yv.to(tl.float32)
+                    tl.store(out_ptr + dest[:, None] * H + off[None, :],
+                             (g * w[:, None]).to(out_ptr.dtype.element_ty), mask=own[:, None] & hm)
+                tl.store(dw_ptr + t64 * E + e, tl.sum(acc, axis=1).to(dw_ptr.dtype.element_ty), mask=own)
         else:
             if HAS_PROBS and first_slice:
                 for j in range(kmax):
