@@ -126,15 +126,17 @@ def test_without_restore_trials_would_accumulate():
     assert results[0].rejected is None and all(r.rejected for r in results[1:])
 
 
-def test_racy_config_faster_but_rejected():
+def test_racy_config_rejected_by_output_validation():
     # A buggy declaration without the tiling constraint: only output validation can save us.
+    # (Whether the racy config also times fastest is left out: wall-time order on a shared
+    # CPU is noise, and the rejection must hold whatever the timings are.)
     decl = K.accumulate_decl(name="racy", configs=K.SAFE_CONFIGS + (K.RACY_CONFIG,), constraints=(),
                              default_config=lambda d, p: Config.make(BS=16, BT=4))
     res = autotune.tune(decl, SHAPE, options=autotune.TuneOptions(reps=3, warmup=1))
     rejected = {Config.from_json(c): (why, t) for c, why, t in res.entry["rejected"]}
     assert set(rejected) == {K.RACY_CONFIG}
     assert "outside rtol" in rejected[K.RACY_CONFIG][0]
-    assert rejected[K.RACY_CONFIG][1] < min(t for _, t in res.entry["ranking"])  # it was the fastest
+    assert rejected[K.RACY_CONFIG][1] > 0  # it was run and timed, then refused
     assert res.best != K.RACY_CONFIG and res.best in K.SAFE_CONFIGS
 
 
