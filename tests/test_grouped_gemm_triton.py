@@ -4,7 +4,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from te_jax_perm.core import Config
 from te_jax_perm.ops import grouped_gemm_triton as gg
 
 
@@ -103,3 +102,15 @@ def test_shape_errors_name_the_argument():
 def test_clamped_group_sizes():
     got = gg.clamped_group_sizes(jnp.asarray([-3, 7, 2, 100], jnp.int32), 17)
     np.testing.assert_array_equal(np.asarray(got), [0, 7, 2, 8])
+
+
+@pytest.mark.parametrize("elem_bytes", [2, 4])
+@pytest.mark.parametrize("m,c,d", [(60, 64, 512), (4096, 4096, 3072), (65536, 2048, 7168), (16, 7168, 128)])
+def test_default_configs_meet_their_own_constraints(elem_bytes, m, c, d):
+    # fp32 operands double a tile's shared-memory bytes: the default must still fit.
+    params = {"elem_bytes": elem_bytes}
+    for decl, dims in ((gg._grouped_gemm.decl, {"M": m, "C": c, "D": d, "G": 8}),
+                       (gg._grouped_gemm_rhs_t.decl, {"M": m, "C": d, "D": c, "G": 8}),
+                       (gg._grouped_gemm_wgrad.decl, {"M": m, "K": c, "N": d, "G": 8})):
+        cfg = decl.default_config(dims, params)
+        assert [why for check in decl.constraints if (why := check(dims, params, cfg))] == [], (decl.name, cfg)

@@ -78,17 +78,24 @@ def _wgrad_fits(dims, params, config: Config) -> str | None:
     return None
 
 
+def _stages(tile_elems: int, most: int, params) -> int:
+    """Pipeline stages for a tile of ``tile_elems`` per stage: ``most``, or fewer where that
+    many would not fit in shared memory (fp32 operands take twice the bytes of 16-bit ones)."""
+    return max([s for s in range(1, most + 1) if _smem_fits(tile_elems, s, params["elem_bytes"])] or [1])
+
+
 def _mm_default(dims, params) -> Config:
     # 128x256 tiles with 8 warps keep Hopper's tensor cores fed when N allows; small
     # problems take 64-row tiles so that short groups waste less.
     wide = dims["D"] >= 256
-    small = dims["M"] <= 2048
-    return Config.make(num_warps=8, num_stages=3 if wide else 4, BM=64 if small else 128,
-                       BN=256 if wide else 128, BK=64, GROUP_M=8)
+    bm, bn, bk = 64 if dims["M"] <= 2048 else 128, 256 if wide else 128, 64
+    return Config.make(num_warps=8, num_stages=_stages(bm * bk + bk * bn, 3 if wide else 4, params),
+                       BM=bm, BN=bn, BK=bk, GROUP_M=8)
 
 
 def _wgrad_default(dims, params) -> Config:
-    return Config.make(num_warps=8, num_stages=3, BK=128, BN=128 if dims["N"] < 256 else 256, BR=64)
+    bk, bn, br = 128, 128 if dims["N"] < 256 else 256, 64
+    return Config.make(num_warps=8, num_stages=_stages(br * (bk + bn), 3, params), BK=bk, BN=bn, BR=br)
 
 
 def _precision(params) -> str:
