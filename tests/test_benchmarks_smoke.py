@@ -147,3 +147,16 @@ def test_default_table_takes_the_fastest_config_and_a_later_sweep_supersedes(tmp
     assert default_table([old]) == {"k": {"4096": {"64": "c", "8192": "b"}}}
     # The re-measured group takes the new file's best, even though the old timings were lower.
     assert default_table([old, new]) == {"k": {"4096": {"64": "c", "8192": "d"}}}
+
+
+def test_small_t_targets_compare_kernels_and_report_the_launch_floor():
+    from benchmarks.small_t import target_lines
+    row = lambda backend, T, kernel, wall: {"model": "m", "backend": backend, "T": T, "kernel_us": kernel,  # noqa: E731
+                                            "wall_us": wall, "wall_over_kernel": wall / kernel}
+    rows = [{"model": "floor", "backend": "one tiny kernel", "wall_us": 41.0},
+            row("triton", 16, 30.0, 90.0), row("xla", 16, 33.0, 95.0),
+            row("triton", 256, 70.0, 72.0), row("xla", 256, 60.0, 62.0)]
+    kernels, wall = target_lines(rows)
+    assert kernels.startswith("TARGET small-T triton kernel <= xla kernel: FAIL") and "T=256: 70.0 vs 60.0us" in kernels
+    assert wall.startswith("TARGET small-T wall <= 1.3x kernel: FAIL") and wall.endswith("wall 41us)")
+    assert "PASS" in target_lines(rows[:3])[0]
