@@ -275,6 +275,39 @@ def test_environment_variable_enables_the_sanitizer(mode):
         assert "RAISED" not in out.stdout and "OOB 2" in out.stdout, out.stdout + out.stderr
 
 
+def test_hazard_raised_under_jit_is_given_back_by_hazard_error():
+    """Under TE_JAX_PERM_SANITIZE=raise, a hazard raised inside a jitted function arrives as
+    XLA's runtime error, its message ending with the hazard's text; hazard_error returns
+    the HazardError itself, for an out-of-bounds access (raised at the access) and for an
+    overlap (raised when the launch ends)."""
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from tests import planted_kernels as pk\n"
+        "import te_jax_perm.sanitize as s\n"
+        "runs = [lambda: pk.gather_off_by_one(jnp.ones((3, 5)), jnp.array([2], jnp.int32), backend='interpret'),\n"
+        "        lambda: pk.scatter_rows(jnp.ones((2, 3)), jnp.array([1, 1], jnp.int32), backend='interpret')]\n"
+        "for run in runs:\n"
+        "    try:\n"
+        "        jax.block_until_ready(jax.jit(run)())\n"
+        "    except Exception as e:\n"
+        "        h = s.hazard_error(e)\n"
+        "        print('RAISED', type(e).__name__, type(h).__name__, h.hazard.kind,\n"
+        "              str(e).rstrip().endswith('HazardError: ' + str(h)), repr(str(h)))\n"
+        "print('OTHER', s.hazard_error(RuntimeError('unrelated')))\n")
+    env = {**os.environ, "TE_JAX_PERM_SANITIZE": "raise", "PYTHONPATH": os.getcwd(), "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("RAISED", "OTHER"))]
+    assert len(lines) == 3, out.stdout + out.stderr
+    assert lines[0].startswith("RAISED JaxRuntimeError HazardError out_of_bounds True "
+                               "\"kernel 'planted_gather_off_by_one': out-of-bounds load by program (0, 0, 0) "
+                               "on 'src'"), lines[0]
+    assert lines[1].startswith("RAISED JaxRuntimeError HazardError write_write True "
+                               "\"kernel 'planted_scatter_rows': programs (0, 0, 0) and (1, 0, 0) both store "
+                               "to 'out'"), lines[1]
+    assert lines[2] == "OTHER None"
+
+
 # -- on a machine whose default device is a GPU ---------------------------------------------
 def test_sanitizer_scope_places_computations_on_the_cpu():
     with jax.default_device(None), sanitize():

@@ -126,3 +126,23 @@ def test_single_device_module_has_no_partitioning_call():
     idx = jnp.zeros((4,), jnp.int32)
     txt = jax.jit(lambda s, i: GATHER(s, i, backend="xla")[0]).lower(src, idx).as_text()
     assert "CustomSPMDPartitioning" not in txt
+
+
+@multidevice
+def test_dim_splits_reads_whole_axis_and_part_axis_splits():
+    """What the token rule's callbacks read off an operand's sharding: the mesh axes and the
+    number of pieces per dimension; a split along part of a mesh axis (which Shardy can
+    choose when a size does not divide, and no PartitionSpec names) keeps its piece count."""
+    from jax._src.lib import xla_client as xc
+    from jax._src.sharding_impls import GSPMDSharding
+    from te_jax_perm.core.sharding import dim_splits
+
+    mesh = Mesh(np.asarray(jax.devices()[:4]), ("dp",))
+    whole = NamedSharding(mesh, P("dp"))
+    assert dim_splits(mesh, whole, 2) == [("dp", 4), (None, 1)]
+    assert dim_splits(mesh, GSPMDSharding(list(mesh.devices.flat), whole._to_xla_hlo_sharding(2)), 2) == [("dp", 4),
+                                                                                                   (None, 1)]
+    half = xc.HloSharding.iota_tile([2, 1, 2], subgroup_types=[xc.OpSharding.Type.REPLICATED])
+    assert dim_splits(mesh, GSPMDSharding(list(mesh.devices.flat), half), 2) == [(None, 2), (None, 1)]
+    two = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("dp", "fsdp"))
+    assert dim_splits(two, NamedSharding(two, P(None, ("dp", "fsdp"))), 2) == [(None, 1), (("dp", "fsdp"), 4)]

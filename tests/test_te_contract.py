@@ -13,6 +13,7 @@ CPU, ``triton`` on a GPU).
 """
 import inspect
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -299,15 +300,66 @@ def test_token_sharded_dispatch_and_combine_are_local(partitioner, mesh_shape, m
         np.testing.assert_allclose(np.asarray(gp)[tok], e_gp, rtol=1e-5, atol=1e-5)
 
 
+# (tokens sharded over, T, num_out_tokens, extra tokens appended inside the jitted function,
+# what does not divide). gcd(T, R) is the factor the Shardy rule shares between T and R:
+# with it not divisible by the shard count, Shardy splits a mesh axis in a way no
+# PartitionSpec names, which once failed in JAX's decoding as an IndivisibleError.
+INDIVISIBLE = [
+    ("dp", 2, 8, 15, 0, "output rows (15)"),            # gcd 1: T and R share no divisor
+    ("dp", 4, 12, 18, 0, "output rows (18)"),           # gcd 6, not divisible by 4
+    ("dp", 4, 8, 2, 0, "output rows (2)"),              # gcd 2 < 4 shards
+    ("dp", 8, 16, 12, 0, "output rows (12)"),           # gcd 4 < 8 shards
+    (("dp", "fsdp"), 4, 8, 6, 0, "output rows (6)"),    # gcd 2 against two mesh axes of 2
+    ("dp", 2, 8, 16, 1, "tokens (9)"),                  # T indivisible, reached by propagation
+    ("dp", 4, 8, 16, 2, "tokens (10)"),                 # T indivisible, gcd(10, 16) = 2
+]
+
+
 @multidevice
-def test_token_count_not_divisible_by_shards_is_a_clear_error():
+@pytest.mark.parametrize("token_axes,shards,t,n,extra,what", INDIVISIBLE,
+                         ids=["coprime", "gcd6_4", "gcd2_4", "gcd4_8", "two_axes", "t9_2", "t10_4"])
+@pytest.mark.parametrize("op", ["dispatch", "combine", "grad"])
+def test_sizes_not_divisible_by_token_shards_raise_our_value_error(partitioner, token_axes, shards, t, n, extra,
+                                                                  what, op):
+    """Under jit, a token or row count the token shards do not divide raises our ValueError
+    (op, size, shard count, what to choose), never XLA's runtime error or IndivisibleError."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    mesh = Mesh(np.asarray(jax.devices()[:2]), ("dp",))
-    rm = _routing(8, 4, 2)
-    x, _ = _inputs(8, 4, 16, jnp.float32)
-    sh = NamedSharding(mesh, P("dp", None))
-    with pytest.raises(Exception, match="do not divide into the 2 token shards"):
-        jax.jit(lambda x, rm: te_jax_perm.token_dispatch(x, rm, 15, backend="xla")[0])(
-            jax.device_put(x, sh), jax.device_put(rm, sh))
+    names = token_axes if isinstance(token_axes, tuple) else (token_axes,)
+    mesh = Mesh(np.asarray(jax.devices()[:shards]).reshape((2,) * len(names) if len(names) > 1 else (shards,)),
+                names)
+    rm = _routing(t, 4, 2)
+    x, _ = _inputs(t, 4, 16, jnp.float32)
+    sh = NamedSharding(mesh, P(token_axes, None))
+
+    def dispatch(x, rm):
+        if extra:  # T indivisible: an array no device_put would shard, sharded by propagation
+            x, rm = jnp.concatenate([x, x[:extra]]), jnp.concatenate([rm, rm[:extra]])
+        return te_jax_perm.token_dispatch(x, rm, n, backend="xla")
+
+    f = {"dispatch": lambda x, rm: dispatch(x, rm)[0],
+         "combine": lambda x, rm: te_jax_perm.token_combine(*(lambda o: (o[0], o[2]))(dispatch(x, rm)),
+                                                            backend="xla"),
+         "grad": jax.grad(lambda x, rm: jnp.sum(dispatch(x, rm)[0]))}[op]
+    axes = token_axes if isinstance(token_axes, tuple) else repr(token_axes).strip("'")
+    with pytest.raises(ValueError, match=rf"token_dispatch: its {re.escape(what)} do not divide into the {shards} "
+                                         rf"token shards of mesh axes {re.escape(str(axes))}; choose sizes "
+                                         rf"divisible by {shards}"):
+        jax.jit(f)(jax.device_put(x, sh), jax.device_put(rm, sh))
+
+
+@multidevice
+def test_combine_rows_not_divisible_by_token_shards_raise_our_value_error(partitioner):
+    """token_combine on its own: rows from an unsharded dispatch (18 of them), its map
+    sharded over 4 token shards (12 tokens)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.asarray(jax.devices()[:4]), ("dp",))
+    rm = _routing(12, 4, 2)
+    x, _ = _inputs(12, 4, 16, jnp.float32)
+    out, _, rid, _, _ = te_jax_perm.token_dispatch(x, rm, 18, backend="xla")
+    with pytest.raises(ValueError, match=r"^token_combine: its output rows \(18\) do not divide into the 4 token "
+                                         r"shards of mesh axes dp; choose sizes divisible by 4"):
+        jax.jit(lambda o, r: te_jax_perm.token_combine(o, r, backend="xla"))(
+            out, jax.device_put(rid, NamedSharding(mesh, P("dp", None))))
 

@@ -30,6 +30,8 @@ output rows divided across the shards - an op-level rule in ``te_jax_perm.ops.to
 from __future__ import annotations
 
 import functools
+import math
+import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
 from absl import logging
@@ -45,7 +47,8 @@ from te_jax_perm.core.declaration import Partitioning
 if TYPE_CHECKING:  # pragma: no cover
     from te_jax_perm.core.primitive import KernelPrimitive
 
-__all__ = ["Partitioning", "VmappedPrimitive", "lower_partitioned", "partitioned", "requires_devices", "sdy_rule"]
+__all__ = ["Partitioning", "VmappedPrimitive", "dim_splits", "lower_partitioned", "partition_error", "partitioned",
+           "requires_devices", "sdy_rule"]
 
 BATCH_AXIS = "__vmap__"
 
@@ -128,6 +131,82 @@ def partitioned(fn, ops, outs, local):
     wrapped.def_partition(partition, infer_sharding_from_operands=infer, propagate_user_sharding=propagate,
                           sharding_rule=rule, need_replication_factors=replicate)
     return wrapped
+
+
+# -- what a partitioning callback sees and raises ---------------------------------------------
+def dim_splits(mesh, sharding, ndim: int) -> list[tuple[Any, int]]:
+    """Per dimension of an operand: ``(mesh axes, pieces)``, the PartitionSpec entry that
+    splits it (``None`` when unsplit) and the number of pieces it is split into.
+
+    For a sharding a PartitionSpec cannot name (Shardy splits a dimension that a mesh axis
+    does not divide along part of that axis), the entry is ``None`` and ``pieces`` still
+    counts the split, so a caller can say which size does not divide."""
+    if isinstance(sharding, NamedSharding):
+        spec = (tuple(sharding.spec) + (None,) * ndim)[:ndim]
+        return [(ax, _axes_size(mesh, ax)) for ax in spec]
+    try:
+        hlo = sharding._to_xla_hlo_sharding(ndim)
+    except Exception:  # noqa: BLE001 - no HLO form (a single-device sharding): unsplit
+        return [(None, 1)] * ndim
+    if not hlo.is_tiled():
+        return [(None, 1)] * ndim
+    pieces = [int(p) for p in hlo.tile_assignment_dimensions()[:ndim]]
+    from jax._src import sharding_impls
+    try:
+        spec = tuple(sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0])
+    except (ValueError, NotImplementedError):  # IndivisibleError is a ValueError
+        return [(None, p) for p in pieces]
+    spec = (spec + (None,) * ndim)[:ndim]
+    return [(_entry(ax), p) for ax, p in zip(spec, pieces)]
+
+
+def _entry(ax):
+    """A PartitionSpec entry in its plain form: None, one axis name, or a tuple of several."""
+    if isinstance(ax, (tuple, list)):
+        return None if not ax else ax[0] if len(ax) == 1 else tuple(ax)
+    return ax
+
+
+def _axes_size(mesh, ax) -> int:
+    if ax is None:
+        return 1
+    return int(math.prod(mesh.shape[a] for a in (ax if isinstance(ax, tuple) else (ax,))))
+
+
+# Errors our partitioning callbacks raised, by message. XLA's partitioner runs them from C++
+# and hands any exception on as the text of its own runtime error; JAX's compile step then
+# offers that error to its registered handlers, and ours answers with the original object,
+# so the caller of ``jit`` gets our exception itself.
+_partition_errors: dict[str, BaseException] = {}
+_partition_errors_lock = threading.Lock()
+_handler_registered = False
+
+
+def partition_error(err: BaseException) -> BaseException:
+    """``err``, kept so that when a custom_partitioning callback raises it, compiling the
+    program raises ``err`` itself instead of XLA's runtime error quoting it."""
+    global _handler_registered
+    with _partition_errors_lock:
+        if not _handler_registered:
+            try:
+                from jax._src import compiler
+                compiler.register_xla_runtime_error_handler(_original_partition_error)
+            except (ImportError, AttributeError):  # pragma: no cover - hook moved: the text still says it
+                pass
+            _handler_registered = True
+        if len(_partition_errors) >= 64:   # raised but never compiled through JAX: forget them
+            _partition_errors.clear()
+        _partition_errors[str(err)] = err
+    return err
+
+
+def _original_partition_error(runtime_error: Exception) -> BaseException | None:
+    text = str(runtime_error)
+    with _partition_errors_lock:
+        for msg in list(_partition_errors):
+            if msg and msg in text:
+                return _partition_errors.pop(msg).with_traceback(None)
+    return None
 
 
 # -- lowering of a plain call ------------------------------------------------------------------

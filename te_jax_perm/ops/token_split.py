@@ -11,7 +11,9 @@ and the matching combine (and both backward passes) run locally too: no collecti
 Axis names: ``"T"`` (tokens) and ``"R"`` (expert-sorted rows) are split together along
 the mesh axes that shard the tokens; ``"H"`` is local (sliced along whatever shards it, as
 every row mover is); any other axis is replicated. ``T`` and ``R`` must be divisible by
-the number of token shards.
+the number of token shards: otherwise compiling the program raises a ``ValueError`` that
+names the op, the size and the shard count (not XLA's own error; see
+:func:`te_jax_perm.core.sharding.partition_error`).
 
 Mechanics: :func:`jax.experimental.custom_partitioning` with a Shardy rule in which ``T``
 and ``R`` share one factor (of size ``gcd(T, R)``), so propagation shards ``R`` exactly
@@ -28,10 +30,11 @@ import math
 from typing import Callable, Sequence
 
 import jax
-import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import CompoundFactor, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
+
+from te_jax_perm.core.sharding import dim_splits, partition_error
 
 SPLIT = ("T", "R")
 LOCAL = "H"
@@ -39,25 +42,14 @@ LOCAL = "H"
 Axes = Sequence[str]
 
 
-def _spec(sharding, ndim: int) -> list:
-    if isinstance(sharding, NamedSharding):
-        return list((tuple(sharding.spec) + (None,) * ndim)[:ndim])
-    return [None] * ndim
-
-
-def _mesh_axes(arg_shapes, arg_axes: Sequence[Axes], name_set) -> object:
-    """Mesh axes sharding the first operand axis named in ``name_set`` (``None``: unsharded)."""
+def _split(mesh, arg_shapes, arg_axes: Sequence[Axes], name_set) -> tuple[object, int]:
+    """``(mesh axes, pieces)`` of the first operand axis named in ``name_set`` that is split
+    (``(None, 1)``: none is; mesh axes ``None`` with pieces > 1: split along part of an axis)."""
     for shape, axes in zip(arg_shapes, arg_axes):
-        for n, ax in zip(axes, _spec(shape.sharding, len(axes))):
-            if n in name_set and ax is not None:
-                return ax
-    return None
-
-
-def _count(mesh, ax) -> int:
-    if ax is None:
-        return 1
-    return int(np.prod([mesh.shape[a] for a in (ax if isinstance(ax, tuple) else (ax,))]))
+        for n, (ax, pieces) in zip(axes, dim_splits(mesh, shape.sharding, len(axes))):
+            if n in name_set and pieces > 1:
+                return ax, pieces
+    return None, 1
 
 
 def _shardings(mesh, axes_list: Sequence[Axes], tokens, hidden) -> list[NamedSharding]:
@@ -113,19 +105,27 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg
         return tuple(local(*args))
 
     def infer(mesh, arg_shapes, result_shape):
-        tokens = _mesh_axes(arg_shapes, arg_axes, SPLIT)
-        hidden = _mesh_axes(arg_shapes, arg_axes, {LOCAL})
+        tokens = _split(mesh, arg_shapes, arg_axes, SPLIT)[0]
+        hidden = _split(mesh, arg_shapes, arg_axes, {LOCAL})[0]
         return tuple(_shardings(mesh, out_axes, tokens, hidden))
 
     def partition(mesh, arg_shapes, result_shape):
-        tokens = _mesh_axes(arg_shapes, arg_axes, SPLIT)
-        hidden = _mesh_axes(arg_shapes, arg_axes, {LOCAL})
-        shards = _count(mesh, tokens)
+        tokens, shards = _split(mesh, arg_shapes, arg_axes, SPLIT)
+        # H split along part of a mesh axis: gathered (every row mover also runs on whole rows).
+        hidden = _split(mesh, arg_shapes, arg_axes, {LOCAL})[0]
+        # Raised through partition_error: XLA runs this callback, and would otherwise hand the
+        # error on only as text inside its own runtime error.
+        where = f"of mesh axes {tokens}" if tokens is not None else "(split along part of a mesh axis)"
         for n in SPLIT:
             if n in sizes and sizes[n] % shards:
-                raise ValueError(f"{name}: its {'tokens' if n == 'T' else 'output rows'} ({sizes[n]}) do not "
-                                 f"divide into the {shards} token shards of mesh axes {tokens}; choose sizes "
-                                 f"divisible by {shards}")
+                raise partition_error(ValueError(
+                    f"{name}: its {'tokens' if n == 'T' else 'output rows'} ({sizes[n]}) do not divide into "
+                    f"the {shards} token shards {where}; choose sizes divisible by {shards}"))
+        if tokens is None and shards > 1:
+            raise partition_error(ValueError(
+                f"{name}: its tokens ({sizes.get('T')}) and output rows ({sizes.get('R')}) arrive split "
+                f"{shards} ways along part of a mesh axis; expected them split along whole mesh axes, "
+                "as a PartitionSpec names them"))
 
         def run(*xs):
             outs = list(local(*xs))
@@ -136,9 +136,12 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg
                 tuple(_shardings(mesh, arg_axes, tokens, hidden)))
 
     partitioned = custom_partitioning(lambda *xs: tuple(local(*xs)))
+    # decode_shardings=False: the callbacks read the operands' shardings themselves
+    # (dim_splits), so a split that does not divide reaches `partition`, which names it,
+    # instead of failing in JAX's decoding of the result shardings.
     partitioned.def_partition(partition, infer_sharding_from_operands=infer,
                               propagate_user_sharding=lambda mesh, user_shape: tuple(u.sharding for u in user_shape),
-                              sharding_rule=_rule(arg_axes, out_axes, sizes))
+                              sharding_rule=_rule(arg_axes, out_axes, sizes), decode_shardings=False)
 
     batched = custom_vmap(lambda *xs: partitioned(*xs))
 

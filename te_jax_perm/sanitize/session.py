@@ -35,6 +35,9 @@ class _Hub:
         self.sessions: list[Session] = []
         self.rec: tracer.LaunchRecord | None = None
         self.lock = threading.RLock()
+        # The HazardError the last raising launch raised: inside a jitted function it reaches
+        # the caller only as text in XLA's runtime error, and hazard_error gives it back.
+        self.raised: HazardError | None = None
 
     def launch_begin(self, kernel_name: str, buffers: Sequence[BufferInfo], grid: tuple[int, int, int]) -> None:
         raise_first = any(s.raise_first for s in self.sessions)
@@ -55,8 +58,11 @@ class _Hub:
             s.report.in_place.extend(in_place)
         for h in hazards:
             logging.warning("te_jax_perm sanitizer: %s", h.text())
-        if hazards and not rec.failed and rec.raise_first:
-            raise HazardError(hazards[0])
+        if rec.raise_first and (rec.failed or hazards):
+            # rec.failed: the tracer raised at the out-of-bounds access, the last one it recorded.
+            self.raised = HazardError(rec.oob[-1] if rec.failed else hazards[0])
+            if not rec.failed:
+                raise self.raised
 
 
 _hub = _Hub()
@@ -112,6 +118,34 @@ def sanitize(raise_on_first: bool = False) -> Iterator[Report]:
         raise
     finally:
         _close(session)
+
+
+def hazard_error(err: BaseException) -> HazardError | None:
+    """The :class:`HazardError` that ``err`` is or reports, else ``None``.
+
+    A hazard raised while a function you ``jax.jit`` runs reaches you as XLA's
+    ``JaxRuntimeError``: the sanitizer runs inside the host callback that executes the
+    kernel, and XLA hands an exception raised there on only as text (after its own prefix
+    and a traceback), which no code of this library sees on its way to you. That text ends
+    with the HazardError's message; given such an error, this returns the HazardError itself
+    (with its ``.hazard``)::
+
+        try:
+            jax.block_until_ready(jitted(x))
+        except Exception as e:
+            if (h := hazard_error(e)) is not None:
+                raise h from e
+            raise
+
+    Inside a ``sanitize(raise_on_first=True)`` scope, and for eager calls, the HazardError
+    already arrives as itself.
+    """
+    if isinstance(err, HazardError):
+        return err
+    raised = _hub.raised
+    if raised is not None and str(raised) in str(err):
+        return raised
+    return None
 
 
 def check(fn: Callable[..., Any], *args: Any, raise_on_first: bool = False, **kwargs: Any) -> Report:
