@@ -12,7 +12,8 @@ data, within the declared tolerance for those that sum); one that disagrees neve
 ``rowmap``: ``make_row_id_map`` over a grid of token and expert counts, one launch or two,
 every block size and warp count. Kernel times from one CUPTI profile per group
 (``benchmarks/kernel_timer.py``). Writes ``DIR/sweep_<part>.json``; ``--table`` turns mover
-sweeps into the shipped table of default configs (``te_jax_perm/ops/mover_defaults_sm90.json``).
+sweeps into the shipped tables of default configs, one per device the sweeps ran on
+(``te_jax_perm/ops/mover_defaults_sm90.json``).
 """
 from __future__ import annotations
 
@@ -213,11 +214,25 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "") ->
     return rows
 
 
+def default_tables(sweeps: list[str], tables: dict | None = None) -> dict:
+    """``tables`` (device kind -> table, as shipped) with the table of every device the
+    ``sweeps`` were measured on rebuilt from them (:func:`default_table`); other devices'
+    tables are kept, in their order."""
+    by_device: dict[str, list[str]] = {}
+    for path in sweeps:
+        with open(path) as f:
+            by_device.setdefault(json.load(f)["meta"]["device"], []).append(path)
+    out = dict(tables or {})
+    for device, paths in by_device.items():
+        out[device] = default_table(paths)
+    return out
+
+
 def default_table(sweeps: list[str]) -> dict:
     """The fastest config of each mover kernel at each row width H and token count T
-    measured in ``sweeps`` (sweep JSON files), keyed ``kernel -> H -> T -> config``: the
-    table the defaults read. A (kernel, H, T) group measured in a later file replaces the
-    earlier files' (a re-sweep after a kernel changed supersedes the old timings)."""
+    measured in ``sweeps`` (sweep JSON files of one device), keyed ``kernel -> H -> T ->
+    config``: the table the defaults read. A (kernel, H, T) group measured in a later file
+    replaces the earlier files' (a re-sweep after a kernel changed supersedes the old timings)."""
     best: dict = {}
     for path in sweeps:
         found: dict = {}
@@ -351,8 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", default="movers,rowmap")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--table", nargs="*", default=None, metavar="SWEEP_JSON",
-                    help="write the movers' default table from these sweep files to "
-                         "te_jax_perm/ops/mover_defaults_sm90.json and exit")
+                    help="rebuild the movers' default table of each device these sweep files were "
+                         "measured on, in te_jax_perm/ops/mover_defaults_sm90.json (other devices' "
+                         "tables kept), and exit")
     ap.add_argument("--kernels", default="", help="comma-separated mover kernel names (default: all four)")
     ap.add_argument("--tokens", default="", help="comma-separated token counts replacing each shape's T "
                     "(small-T sweeps, e.g. 16,64,256)")
@@ -361,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.table is not None:
         from te_jax_perm.ops import permute_decl
+        tables = default_tables(args.table, permute_decl.shipped_tables())
         with open(permute_decl.DEFAULTS_TABLE, "w") as f:
-            json.dump(default_table(args.table), f, indent=1)
+            json.dump(tables, f, indent=1)
             f.write("\n")
         return 0
     import jax

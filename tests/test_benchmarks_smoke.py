@@ -179,3 +179,13 @@ def test_sweep_agreement_is_bitwise_for_exact_kernels_and_within_tolerance_other
     path.write_text(json.dumps({"rows": [{"kernel": "k", "H": 8, "T": 8, "config": "fast", "us": 1.0, "agrees": False},
                                          {"kernel": "k", "H": 8, "T": 8, "config": "ok", "us": 2.0, "agrees": True}]}))
     assert default_table([str(path)]) == {"k": {"8": {"8": "ok"}}}
+
+
+def test_default_tables_rebuild_only_the_swept_devices(tmp_path):
+    from benchmarks.config_sweep import default_tables
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps({"meta": {"device": "H200"},
+                                "rows": [{"kernel": "k", "H": 8, "T": 8, "config": "c", "us": 1.0}]}))
+    shipped = {"H100": {"k": {"8": {"8": "old"}}}, "H200": {"k": {"8": {"8": "stale"}}}}
+    assert default_tables([str(path)], shipped) == {"H100": {"k": {"8": {"8": "old"}}},
+                                                     "H200": {"k": {"8": {"8": "c"}}}}

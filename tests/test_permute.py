@@ -424,3 +424,16 @@ def test_default_configs_read_the_table_at_the_nearest_token_count_and_slice_sma
     pg = D.permute_bwd_probs.decl.default_config(dims(5120), {"padded": False})
     assert (pg.kw["BLOCK_H"], pg.kw["ROWS"], pg.num_warps) == (8192, 1, 4)
     assert D.permute_bwd_probs.decl.default_config({**dims(5120), "T": 64}, {"padded": False}).kw["BLOCK_H"] == 256
+
+
+def test_defaults_come_from_the_devices_own_table_else_the_first_shipped(monkeypatch):
+    from te_jax_perm.ops import permute_decl as D
+    shipped = D.shipped_tables()
+    assert "NVIDIA H100 80GB HBM3" in shipped
+    assert all(set(t) >= {"permute_probs", "unpermute_weighted", "permute_bwd_probs", "unpermute_bwd_weighted"}
+               for t in shipped.values())
+    monkeypatch.setattr(D, "shipped_tables", lambda: {"GPU A": {"k": "a"}, "GPU B": {"k": "b"}})
+    monkeypatch.setattr(D, "_device_kind", lambda: "GPU B")
+    assert D._table() == {"k": "b"}
+    monkeypatch.setattr(D, "_device_kind", lambda: "cpu")
+    assert D._table() == {"k": "a"}

@@ -131,19 +131,35 @@ def _weighted_scatter_default_config(dims, params) -> Config:
     return Config.make(num_warps=8 if dims["H"] >= 6144 else 4, num_stages=1, BLOCK_H=_whole_row(dims), ROWS=1)
 
 
-# The fastest config of each mover at each row width and token count measured on an H100
-# (sm_90), written by `python3 -m benchmarks.config_sweep --table ...` from its sweeps
-# (kernel -> H -> T -> config); other widths get the rule of the kernel's family.
+# The fastest config of each mover at each row width and token count, per sm_90 device it
+# was measured on (device kind -> kernel -> H -> T -> config), written by
+# `python3 -m benchmarks.config_sweep --table ...` from its sweeps; other widths get the
+# rule of the kernel's family.
 DEFAULTS_TABLE = os.path.join(os.path.dirname(__file__), "mover_defaults_sm90.json")
 
 
 @functools.lru_cache(maxsize=None)
-def _table() -> dict:
+def shipped_tables() -> dict:
+    """Every shipped table: device kind -> kernel -> H -> T -> config."""
     try:
         with open(DEFAULTS_TABLE) as f:
             return json.load(f)
     except FileNotFoundError:
         return {}
+
+
+def _device_kind() -> str:
+    import jax
+    return jax.devices()[0].device_kind
+
+
+def _table() -> dict:
+    """The table of the device this process computes on; a device without its own (another
+    sm_90 part, or the CPU backends) gets the first device's, whose sweeps came first."""
+    tables = shipped_tables()
+    if not tables:
+        return {}
+    return tables.get(_device_kind()) or next(iter(tables.values()))
 
 
 def _tabled(name: str, rule: Callable) -> Callable:
