@@ -1,4 +1,6 @@
 """Lower-level permute/unpermute primitives and their kernel declarations."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -432,8 +434,11 @@ def test_defaults_come_from_the_devices_own_table_else_the_first_shipped(monkeyp
     assert "NVIDIA H100 80GB HBM3" in shipped
     assert all(set(t) >= {"permute_probs", "unpermute_weighted", "permute_bwd_probs", "unpermute_bwd_weighted"}
                for t in shipped.values())
-    monkeypatch.setattr(D, "shipped_tables", lambda: {"GPU A": {"k": "a"}, "GPU B": {"k": "b"}})
+    # A fresh cache of merged tables, so the fake tables never reach other tests.
+    monkeypatch.setattr(D, "_merged", functools.lru_cache(maxsize=8)(D._merged.__wrapped__))
+    monkeypatch.setattr(D, "shipped_tables", lambda: {"GPU A": {"k": {"64": {"8": "a8", "16": "a16"}}},
+                                                      "GPU B": {"k": {"64": {"8": "b8"}, "128": {"8": "b"}}}})
     monkeypatch.setattr(D, "_device_kind", lambda: "GPU B")
-    assert D._table() == {"k": "b"}
+    assert D._table() == {"k": {"64": {"8": "b8", "16": "a16"}, "128": {"8": "b"}}}
     monkeypatch.setattr(D, "_device_kind", lambda: "cpu")
-    assert D._table() == {"k": "a"}
+    assert D._table() == {"k": {"64": {"8": "a8", "16": "a16"}}}

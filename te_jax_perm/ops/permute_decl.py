@@ -153,13 +153,25 @@ def _device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
-def _table() -> dict:
-    """The table of the device this process computes on; a device without its own (another
-    sm_90 part, or the CPU backends) gets the first device's, whose sweeps came first."""
+@functools.lru_cache(maxsize=8)
+def _merged(kind: str) -> dict:
     tables = shipped_tables()
     if not tables:
         return {}
-    return tables.get(_device_kind()) or next(iter(tables.values()))
+    # The first device's table (its sweeps came first) under this device's own entries:
+    # a device measured at a few shapes keeps the first device's configs elsewhere.
+    merged = {k: {h: dict(by_t) for h, by_t in v.items()} for k, v in next(iter(tables.values())).items()}
+    for kernel, by_h in tables.get(kind, {}).items():
+        for h, by_t in by_h.items():
+            merged.setdefault(kernel, {}).setdefault(h, {}).update(by_t)
+    return merged
+
+
+def _table() -> dict:
+    """The defaults table for the device this process computes on: the first shipped
+    device's entries, overridden by this device's own where it was measured (another sm_90
+    part without a table, or the CPU backends, get the first device's as they are)."""
+    return _merged(_device_kind())
 
 
 def _tabled(name: str, rule: Callable) -> Callable:
