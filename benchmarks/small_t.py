@@ -61,6 +61,21 @@ def make_step(backend: str, k: int) -> Callable:
     return step
 
 
+def chained_walls(step: Callable, state: Any, chain: int, reps: int) -> list[float]:
+    """Seconds per step of ``chain`` dependent steps (``state = step(state)``) dispatched
+    asynchronously, for each of ``reps`` chains."""
+    import jax
+    walls = []
+    for _ in range(reps):
+        s = state
+        t0 = time.perf_counter()
+        for _ in range(chain):
+            s = step(s)
+        jax.block_until_ready(s)
+        walls.append((time.perf_counter() - t0) / chain)
+    return walls
+
+
 def measure(backend: str, T: int, H: int, E: int, k: int, chain: int = 50, reps: int = 7,
             trace_steps: int = 10) -> dict[str, Any]:
     import jax
@@ -70,14 +85,7 @@ def measure(backend: str, T: int, H: int, E: int, k: int, chain: int = 50, reps:
     t0 = time.perf_counter()
     jax.block_until_ready(f(x, rmap, probs))
     compile_s = time.perf_counter() - t0
-    walls = []
-    for _ in range(reps):
-        xs, ps = x, probs
-        t0 = time.perf_counter()
-        for _ in range(chain):
-            xs, ps = f(xs, rmap, ps)
-        jax.block_until_ready((xs, ps))
-        walls.append((time.perf_counter() - t0) / chain)
+    walls = chained_walls(lambda s: f(s[0], rmap, s[1]), (x, probs), chain, reps)
     stats = trace_stats.profile(lambda: jax.block_until_ready(f(x, rmap, probs)), trace_steps)
     wall_us = statistics.median(walls) * 1e6
     return {"backend": backend, "T": T, "H": H, "E": E, "k": k, "wall_us": wall_us,
@@ -99,14 +107,7 @@ def measure_floor(chain: int = 50, reps: int = 7) -> dict[str, Any]:
     f = jax.jit(lambda x: x + jnp.asarray(1, x.dtype))
     x = jax.device_put(np.zeros((16, 16), np.float32))
     jax.block_until_ready(f(x))
-    walls = []
-    for _ in range(reps):
-        xs = x
-        t0 = time.perf_counter()
-        for _ in range(chain):
-            xs = f(xs)
-        jax.block_until_ready(xs)
-        walls.append((time.perf_counter() - t0) / chain)
+    walls = chained_walls(f, x, chain, reps)
     return {"model": "floor", "backend": "one tiny kernel", "wall_us": statistics.median(walls) * 1e6,
             "wall_us_min": min(walls) * 1e6}
 

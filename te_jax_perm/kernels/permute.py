@@ -118,10 +118,10 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
         live0 = tm & (0 < cnt)
         if WEIGHTED:
             # Combine backward: one pass per map column, since each destination needs its dot.
-            # Only the row's owner writes it and gets the weight's gradient (a map that sends
-            # two entries to one row gives the other entry's weight none). The next column's
-            # entry and owner load while this column's rows move.
-            # Weight gradients: zero where the token has no owned entry.
+            # Only the row's owner writes it and gets the weight's gradient; weights without an
+            # owned entry get zero (a map that sends two entries to one row gives the other
+            # entry's weight none). The next column's entry and owner load while this
+            # column's rows move.
             _zero_token_rows(dw_ptr, t64, tm, E, E_LANES)
             nxt, ne, nok = _dest(rid_row, pad_ptr, 0, E, N_OUT, live0, PADDED)
             nown = _owns(owner_ptr, nxt, t64, 0, E, nok)

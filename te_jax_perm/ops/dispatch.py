@@ -32,7 +32,7 @@ from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops import _checks
 from te_jax_perm.ops.permute import permute_bwd, permute_fwd, unpermute_bwd, unpermute_fwd
 from te_jax_perm.ops.row_id_map import dispatch_map
-from te_jax_perm.ops.row_id_map_decl import pad_offsets_of
+from te_jax_perm.ops.row_id_map_decl import pad_offsets_of, padded_counts_of
 from te_jax_perm.ops.token_split import split_over_tokens
 
 
@@ -47,7 +47,7 @@ def padding_layout(tokens_per_expert: jax.Array, align_size: int) -> tuple[jax.A
     ``pad_offsets[e]`` is the number of padding rows inserted before expert ``e``'s rows.
     """
     kept = tokens_per_expert.astype(jnp.int32)
-    return (kept + align_size - 1) // align_size * align_size, pad_offsets_of(kept, align_size)
+    return padded_counts_of(kept, align_size), pad_offsets_of(kept, align_size)
 
 
 def padded_rows(num_out_tokens: int, num_experts: int, align_size: int) -> int:

@@ -22,6 +22,7 @@ from te_jax_perm.core.sharding import Partitioning
 from te_jax_perm.kernels import permute as K
 from te_jax_perm.ops import permute_reference as R
 from te_jax_perm.ops.row_id_map import row_id_map_reference
+from te_jax_perm.ops.row_id_map_decl import pad_offsets_of
 from te_jax_perm.ops.tiling import MAX_TILE, expert_lanes, next_pow2, not_pow2, pow2_at_most, tile_too_large
 
 FILL_ROWS = 16  # output rows per zero-fill program (only rows no token writes are touched)
@@ -206,8 +207,7 @@ def _np_layout(t: int, e: int, rows: int, padded: bool, rng: np.random.Generator
     np.put_along_axis(rm, top, True, axis=1)
     align = 4 if padded and rows > e * 3 else 1
     rid, kept = row_id_map_reference(rm, rows - e * (align - 1), xp=np)
-    padded_counts = -(-kept // align) * align
-    pad = ((np.cumsum(padded_counts) - padded_counts) - (np.cumsum(kept) - kept)).astype(np.int32)
+    pad = pad_offsets_of(kept, align, xp=np)
     owner = np.asarray(R.row_owner_reference(rid, pad, num_out_rows=rows, padded=padded)[0])
     return rid, pad, owner
 
@@ -264,8 +264,8 @@ def _grad_probs(like: str) -> Output:
 
 
 def _grad_lanes(dims, prob_grads: bool) -> int:
-    """E_LANES: lanes of a kernel's [ROWS, E] probability-gradient tile; 1 where it has none,
-    so kernels without one compile the same binary for every E."""
+    """E_LANES: lanes of the store that zeroes a token's E probability gradients before its
+    entries are written; 1 where the kernel has none, so it compiles one binary for every E."""
     return expert_lanes(dims["E"]) if prob_grads else 1
 
 

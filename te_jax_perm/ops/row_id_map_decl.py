@@ -126,10 +126,15 @@ def map_from_counts(rm, counts, block_t: int, drop_at: int, xp: ModuleType = jnp
     return rid, kept
 
 
+def padded_counts_of(kept, align: int):
+    """Each expert's ``kept`` rows rounded up to a multiple of ``align``."""
+    return (kept + align - 1) // align * align
+
+
 def pad_offsets_of(kept, align: int, xp: ModuleType = jnp):
     """Padding rows before each expert when its ``kept`` rows are rounded up to multiples
     of ``align`` (zeros for ``align == 1``)."""
-    padded = (kept + align - 1) // align * align
+    padded = padded_counts_of(kept, align)
     return ((xp.cumsum(padded) - padded) - (xp.cumsum(kept) - kept)).astype(xp.int32)
 
 
