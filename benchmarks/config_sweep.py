@@ -160,7 +160,10 @@ def _config(j):
     return Config.from_json(j)
 
 
-def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "") -> list[dict]:
+def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
+                 save: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """Every group (shape, kernel) in turn; ``save(rows)`` after each, so a run cut off
+    keeps what it measured. A group starts only if the longest group so far still fits."""
     import jax
     import numpy as np
     from benchmarks import cases
@@ -170,9 +173,10 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "") ->
     # Forward movers at every shape first, so a short budget still covers them.
     order = [(shape, pair) for pairs in (MOVERS[:2], MOVERS[2:]) for shape in shapes for pair in pairs
              if not kernels or pair[1] in kernels.split(",")]
-    p = None
+    p, longest = None, 0.0
     for shape, (case_name, kname) in order:
-        if time.monotonic() - t0 > budget_s:
+        started = time.monotonic()
+        if started - t0 + longest > budget_s:
             log(f"budget spent: {shape.name} {case_name} not swept")
             continue
         if p is None or p.shape != shape:
@@ -206,6 +210,8 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "") ->
                 f"({dflt['us'] / best['us']:.3f}x)" + (f" | WRONG OUTPUT: {wrong}" if wrong else ""))
         except Exception:  # one failing group must not end the sweep
             log(f"{shape.name} {case_name}: FAILED\n{traceback.format_exc()}")
+        save(rows)
+        longest = max(longest, time.monotonic() - started)
     return rows
 
 
@@ -383,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
+    def saver(name: str) -> Callable[[list[dict]], None]:
+        def save(rows: list[dict]) -> None:
+            with open(os.path.join(args.out, name), "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f)
+        return save
+
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     parts = args.part.split(",")
     if "movers" in parts:
@@ -390,13 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.tokens:
             import dataclasses
             shapes = tuple(dataclasses.replace(s, T=int(t)) for s in shapes for t in args.tokens.split(","))
-        rows = sweep_movers(shapes, args.budget_s, args.calls, log, args.kernels)
-        with open(os.path.join(args.out, "sweep_movers.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f)
+        sweep_movers(shapes, args.budget_s, args.calls, log, args.kernels, saver("sweep_movers.json"))
     if "rowmap" in parts:
-        rows = sweep_rowmap(args.budget_s, args.calls, log)
-        with open(os.path.join(args.out, "sweep_rowmap.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f)
+        saver("sweep_rowmap.json")(sweep_rowmap(args.budget_s, args.calls, log))
     return 0
 
 
