@@ -138,7 +138,7 @@ def unpermute_rows_reference(y, rid, pad, w=None, gpp=None, *, padded):
             v = jnp.take(y, d, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
             if w is not None:
                 wx = jnp.take_along_axis(w, x[:, None], axis=1).astype(jnp.float32)
-                v = v * jnp.where(ok[:, j, None], wx, 0)
+                v = v * jnp.where(ok[:, j, None], wx, 0)  # as the kernel: 0, not 0 * w (inf, NaN)
             if dp is not None:
                 dp = dp.at[tok, jnp.where(ok[:, j], x, e)].set(jnp.take(gpp, d, mode="fill", fill_value=0))
             return acc + v, dp
