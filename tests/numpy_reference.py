@@ -96,3 +96,24 @@ def combine_vjp(g, y, dest, w=None):
                 gy[d] = g[tok] * (1.0 if w is None else float(w[tok, ex]))
                 gw[tok, ex] = float(np.dot(y[d].astype(np.float64), g[tok].astype(np.float64)))
     return gy, gw
+
+
+def map_gather(y, rid, pad=None, w=None, gpp=None):
+    """What each token gathers through any [T, 2E+1] map, entry by entry: its first
+    ``cnt`` columns (clamped to [0, E]), each entry whose expert is in [0, E) and whose row
+    (plus ``pad[expert]`` when given) is in [0, N) adding that row (times ``w[t, expert]``);
+    ``(rows, grad_probs)``, ``grad_probs[t, expert] = gpp[row]`` of the token's last such entry."""
+    t, e, n = rid.shape[0], (rid.shape[1] - 1) // 2, y.shape[0]
+    out = np.zeros((t, y.shape[1]), np.float64)
+    gp = np.zeros((t, e), np.float64)
+    for tok in range(t):
+        for j in range(min(max(int(rid[tok, 2 * e]), 0), e)):
+            d, ex = int(rid[tok, j]), int(rid[tok, e + j])
+            if d < 0 or not 0 <= ex < e:
+                continue
+            d += 0 if pad is None else int(pad[ex])
+            if 0 <= d < n:
+                out[tok] += y[d].astype(np.float64) * (1.0 if w is None else float(w[tok, ex]))
+                if gpp is not None:
+                    gp[tok, ex] = gpp[d]
+    return out, gp

@@ -49,16 +49,28 @@ def test_permute_unpermute_lower_level(backend, align, budget):
         np.testing.assert_allclose(np.asarray(gw), e_gw, rtol=1e-4, atol=1e-5)
 
 
+def _hostile_map(seed, t, e, n):
+    """(row-id map, pad offsets): duplicate destinations (within a token and across
+    tokens), rows past ``n`` and negative, expert ids outside [0, E), routed counts above E
+    and negative."""
+    rng = np.random.default_rng(seed)
+    rid = np.full((t, 2 * e + 1), -1, np.int32)
+    rid[:, 2 * e] = rng.integers(-1, e + 2, t)
+    rid[:, :e] = rng.integers(-2, n + 3, (t, e))
+    rid[:, e:2 * e] = rng.integers(-1, e + 1, (t, e))
+    # Certain, not left to chance: token 0's first two entries name row 2 (and token 1's
+    # first names it too), both with an expert in range and counted.
+    rid[:2, 2 * e] = e
+    rid[0, :2] = rid[1, 0] = 2
+    rid[:2, e:e + 2] = [[0, 1], [1, 0]]
+    return rid, rng.integers(0, 3, e).astype(np.int32)
+
+
 def test_row_owner_kernel_matches_its_reference_on_hostile_maps(kernel_backend):
     """Duplicate destinations, out-of-range rows and expert ids, negative counts: the
     kernel and the reference name the same one writer per row (the highest entry)."""
-    rng = np.random.default_rng(5)
     t, e, n = 9, 4, 12
-    rid = np.full((t, 2 * e + 1), -1, np.int32)
-    rid[:, 2 * e] = rng.integers(-1, e + 2, t)
-    rid[:, :e] = rng.integers(-2, n + 3, (t, e))          # duplicates and rows past n
-    rid[:, e:2 * e] = rng.integers(-1, e + 1, (t, e))     # some expert ids out of range
-    pad = rng.integers(0, 3, e).astype(np.int32)
+    rid, pad = _hostile_map(5, t, e, n)
     for padded in (False, True):
         got = [np.asarray(D.row_owner(rid, pad, backend=b, num_out_rows=n, padded=padded)[0])
                for b in ("xla", kernel_backend)]
@@ -103,6 +115,73 @@ def test_duplicate_destinations_have_one_writer_on_every_backend(kernel_backend)
     np.testing.assert_array_equal(out[0], x[1])  # row 0: tokens 0 and 1 -> token 1
     np.testing.assert_array_equal(out[1], x[3])  # row 1: tokens 0 and 3 -> token 3
     assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_gathers_add_every_entry_of_a_hostile_map(kernel_backend, padded):
+    """Combine forward (weighted or not) and dispatch backward (rows and probability
+    gradients) add a row once per map entry naming it, whatever else names it: the kernel,
+    the xla reference and a NumPy loop agree, also under vmap, and the kernel writes every
+    output element."""
+    t, e, n, h = 9, 4, 12, 24
+    rids = np.stack([_hostile_map(seed, t, e, n)[0] for seed in (6, 7)])
+    pad = _hostile_map(6, t, e, n)[1]
+    rng = np.random.default_rng(6)
+    y = rng.standard_normal((n, h)).astype(np.float32)
+    w = rng.random((t, e)).astype(np.float32)
+    gpp = rng.standard_normal(n).astype(np.float32)
+    want = []
+    for rid in rids:
+        rows, gp = ref.map_gather(y, rid, pad if padded else None, gpp=gpp)
+        want.append((rows, ref.map_gather(y, rid, pad if padded else None, w)[0], rows, gp))
+    got = {}
+    for b in ("xla", kernel_backend):
+        def gathers(rid):
+            kw = dict(backend=b, padded=padded)
+            return (*D.unpermute(y, rid, pad, **kw), *D.unpermute_weighted(y, rid, pad, w, **kw),
+                    *D.permute_bwd_probs(y, rid, pad, gpp, **kw))
+
+        got[b] = [[np.asarray(a) for a in gathers(rids[0])],
+                  [np.asarray(a)[1] for a in jax.vmap(gathers)(rids)]]
+        for outs, expected in zip(got[b], want):
+            assert all(np.isfinite(a).all() for a in outs)  # the interpreter's outputs start as NaN
+            for a, x in zip(outs, expected):
+                np.testing.assert_allclose(a, x, rtol=1e-5, atol=1e-5)
+    for outs, xla_outs in zip(got[kernel_backend], got["xla"]):
+        for a, x in zip(outs, xla_outs):
+            np.testing.assert_allclose(a, x, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(outs[3], xla_outs[3])  # copies of gpp
+
+
+def test_gathers_through_a_malformed_map_by_hand(kernel_backend):
+    """The public combine and dispatch backward through a small traced map, on every
+    backend: a row named twice by one token and once by another, rows past the input and
+    negative, a routed count above E and a negative one; of two entries naming one expert,
+    the later gives its probability gradient."""
+    e = 2
+    rid = np.array([[1, 1, 0, 1, 2],     # row 1 twice
+                    [1, 9, 1, 0, 2],     # row 1 again; row 9 past the 4 rows
+                    [-3, 2, 0, 0, 7],    # count 7 > E: both columns; a negative row
+                    [0, 3, 1, 1, 2],     # expert 1 twice: row 3's gradient wins
+                    [0, 0, 0, 0, -1]],   # negative count: nothing
+                   np.int32)
+    y = np.arange(1, 9, dtype=np.float32).reshape(4, 2)
+    w = np.array([[0.5, 0.25], [2, 4], [1, 3], [0.5, 2], [9, 9]], np.float32)
+    gpp = np.array([10, 20, 30, 40], np.float32)
+    rows = [[6, 8], [3, 4], [5, 6], [8, 10], [0, 0]]
+    for b in ("xla", kernel_backend):
+        combine = jax.jit(lambda y, r, w: te_jax_perm.unpermute_with_mask_map(y, r, w, backend=b))
+        np.testing.assert_array_equal(np.asarray(combine(y, rid, None)), rows)
+        np.testing.assert_array_equal(np.asarray(combine(y, rid, w)), [[2.25, 3], [12, 16], [5, 6], [16, 20], [0, 0]])
+
+        def dispatch_bwd(r):
+            f = lambda x, p: te_jax_perm.permute_with_mask_map(x, r, jnp.zeros(e, jnp.int32), 4, probs=p,  # noqa: E731
+                                                               backend=b)
+            return jax.vjp(f, jnp.zeros((5, 2), jnp.float32), jnp.zeros((5, e), jnp.float32))[1]((y, gpp))
+
+        gx, gp = jax.jit(dispatch_bwd)(rid)
+        np.testing.assert_array_equal(np.asarray(gx), rows)
+        np.testing.assert_array_equal(np.asarray(gp), [[20, 20], [0, 20], [30, 0], [0, 40], [0, 0]])
 
 
 # Configs that change ROWS (token ranges per program) and BLOCK_H (loop over H): all exact.

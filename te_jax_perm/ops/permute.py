@@ -181,7 +181,9 @@ def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs
 
 def unpermute_reference(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,
                         pad_offsets: jax.Array | None = None) -> jax.Array:
-    """:func:`unpermute_with_mask_map` in plain JAX (differentiable by JAX itself)."""
+    """:func:`unpermute_with_mask_map` in plain JAX, differentiable by JAX itself: forward mode
+    always, reverse mode where ``row_id_map`` is concrete outside ``jit`` (its loop over the
+    map's columns runs to the last column in use)."""
     pad, padded = _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, None)
     return R.unpermute_rows_reference(inp, row_id_map, pad, merging_probs, padded=padded)[0]
 

@@ -1,9 +1,10 @@
 """Pure-JAX row movement through a row-id map: the ``xla`` backend of every permute kernel.
 
 These are the CPU default and the pure-XLA baseline on GPU, so they must stay O(N*H + T*H
-+ T*E) in memory: never a [T, E, H] tensor (60 GB at T=8192, E=256, H=7168). Every op goes
-through the inverse map (output row -> token, expert), built from int32 [T, E] entries, and
-then moves or sums whole rows by gathers and segment sums over the N output rows.
++ T*E) in memory: never a [T, E, H] tensor (60 GB at T=8192, E=256, H=7168). The scatters
+go through the inverse map (output row -> token, expert), built from int32 [T, E] entries,
+and move whole rows by gathers over the N output rows; the gathers loop over the map's
+columns, one [T, H] gather per column, as their kernels do.
 
 The kernel-level functions take the kernels' operands. A scatter's ``owner`` table (from
 ``row_owner``) names each output row's one writer; the references derive the same table
@@ -112,18 +113,39 @@ def unpermute_bwd_weighted_reference(g, rid, pad, owner, w, y, *, padded):
 
 def unpermute_rows_reference(y, rid, pad, w=None, gpp=None, *, padded):
     """Kernels ``unpermute`` / ``unpermute_weighted`` (``w``) / ``permute_bwd_probs`` (``gpp``):
-    expert-sorted rows summed back into token rows, fp32 accumulation."""
-    n, t, e = y.shape[0], rid.shape[0], (rid.shape[1] - 1) // 2
-    row_token, row_expert = _inverse_map(rid, pad, padded, n)
-    rows = y.astype(jnp.float32)
-    if w is not None:
-        rows = rows * _weights_at(w, row_token, row_expert)[:, None]
-    # Unwritten rows go to segment T, which is sliced off; f32 accumulation, then cast.
-    out = jax.ops.segment_sum(rows, row_token, num_segments=t + 1)[:t].astype(y.dtype)
-    if gpp is None:
-        return (out,)
-    # d probs[t, e] = gpp[r] for the row r of (t, e): N scalars scattered into [T, E].
-    return out, _to_token_expert(gpp, row_token, row_expert, t, e, gpp.dtype)
+    each token sums the rows of all its map entries, in fp32, then casts.
+
+    Per entry, as the kernel computes it, so that any map (two entries naming one row
+    included) gives the kernel's result: a loop over the map's columns, each step one
+    ``[T, H]`` gather of every token's entry in that column, added in column order (the
+    kernel's fp32 order). The probability gradient of an entry is ``gpp`` at its row,
+    stored in column order: of two entries naming one expert, the later wins."""
+    (n, h), t, e = y.shape, rid.shape[0], (rid.shape[1] - 1) // 2
+    out = jnp.zeros((t, h), jnp.float32)
+    dprobs = None if gpp is None else jnp.zeros((t, e + 1), gpp.dtype)
+    if n and e:  # else no entry has a row to read
+        dest, ex, valid = dests(rid, pad, padded)
+        # Absent entries (and rows y lacks) read row n, past the end: the gathers fill zero.
+        dest = jnp.where(valid & (dest < n), dest, n)
+        ok = dest < n
+        tok = jnp.arange(t)
+        # Columns past the last one any token has an entry in would add only zeros.
+        cols = jnp.max(jnp.where(ok, jnp.arange(1, e + 1, dtype=jnp.int32), 0), initial=0)
+
+        def column(j, carry):
+            acc, dp = carry
+            d, x = dest[:, j], ex[:, j]
+            v = jnp.take(y, d, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+            if w is not None:
+                wx = jnp.take_along_axis(w, x[:, None], axis=1).astype(jnp.float32)
+                v = v * jnp.where(ok[:, j, None], wx, 0)  # as the kernel: 0, not 0 * w (inf, NaN)
+            if dp is not None:
+                dp = dp.at[tok, jnp.where(ok[:, j], x, e)].set(jnp.take(gpp, d, mode="fill", fill_value=0))
+            return acc + v, dp
+
+        out, dprobs = jax.lax.fori_loop(0, cols, column, (out, dprobs))
+    out = out.astype(y.dtype)
+    return (out,) if gpp is None else (out, dprobs[:, :e])
 
 
 def permute_bwd_probs_reference(y, rid, pad, gpp, *, padded):
