@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops.permute import permute_bwd, permute_fwd, unpermute_bwd, unpermute_fwd
+from te_jax_perm.ops.permute import permute_bwd, permute_fwd, unpermute_bwd, unpermute_fwd, unread_pad
 from te_jax_perm.ops.row_id_map import dispatch_map
 from te_jax_perm.ops.row_id_map_decl import pad_offsets_of, padded_counts_of
 from te_jax_perm.ops.token_split import split_over_tokens
@@ -72,36 +72,41 @@ def local_budget(num_out_tokens: int, shards: int, rows: int, num_experts: int, 
 
 
 def _dispatch_local(tokens, num_out_tokens, align_size, rows, backend):
-    """The dispatch forward of one token shard: ``(x, rm[, probs]) -> (out[, pp], rid, kept)``,
+    """The dispatch forward of one token shard: ``(x, rm[, probs], pad) -> (out[, pp], rid, kept)``,
     ``kept`` the shard's kept rows per expert (summed over the shards by the caller).
 
     ``tokens`` and ``rows`` are the global sizes; the shard's local ``x`` says how many
     shards there are."""
-    def run(x, rm, *probs):
+    def run(x, rm, *rest):
+        *probs, pad = rest
         shards = tokens // x.shape[0] if x.shape[0] else 1
         e, local_rows = rm.shape[1], rows // shards
         budget = local_budget(num_out_tokens, shards, local_rows, e, align_size)
         rid, kept, owner = dispatch_map(rm, budget, align_size or 1, local_rows, backend)
-        no_pad = jnp.zeros((e,), jnp.int32)
-        (out, pp), _ = permute_fwd(x, probs[0] if probs else None, rid, no_pad, local_rows, False, backend, owner)
+        (out, pp), _ = permute_fwd(x, probs[0] if probs else None, rid, pad, local_rows, False, backend, owner)
         return (out, pp, rid, kept) if probs else (out, rid, kept)
     return run
 
 
 def _dispatch_bwd_local(backend):
-    """``(g_out[, g_pp], rid) -> (g_x[, g_probs])``: the gather of the dispatch backward."""
+    """``(g_out[, g_pp], rid, pad) -> (g_x[, g_probs])``: the gather of the dispatch backward."""
     def run(g_out, *rest):
-        *g_pp, rid = rest
-        no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
-        g_x, g_probs = permute_bwd(g_out.shape[0], False, backend, (rid, no_pad),
+        *g_pp, rid, pad = rest
+        g_x, g_probs = permute_bwd(g_out.shape[0], False, backend, (rid, pad),
                                    (g_out, g_pp[0] if g_pp else None))[:2]
         return (g_x, g_probs) if g_pp else (g_x,)
     return run
 
 
+def _unread_pad_of(rid):
+    # An operand of the per-shard call, not made inside it: a partitioned body cannot close
+    # over a constant.
+    return unread_pad((rid.shape[1] - 1) // 2)
+
+
 def _dispatch_axes(with_probs):
     probs = (("T", "E"),) if with_probs else ()
-    return ((("T", "H"), ("T", "E")) + probs,
+    return ((("T", "H"), ("T", "E")) + probs + (("E",),),
             (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"), ("E",)))
 
 
@@ -112,7 +117,7 @@ def _dispatch(x, rm, probs, num_out_tokens, align_size, rows, backend):
 
 def _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend):
     with_probs = probs is not None
-    args = (x, rm) + ((probs,) if with_probs else ())
+    args = (x, rm) + ((probs,) if with_probs else ()) + (unread_pad(rm.shape[1]),)
     arg_axes, out_axes = _dispatch_axes(with_probs)
     outs = split_over_tokens("token_dispatch", _dispatch_local(x.shape[0], num_out_tokens, align_size, rows, backend),
                              args, arg_axes, out_axes, backend, summed=(len(out_axes) - 1,))
@@ -123,8 +128,8 @@ def _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend):
 def _dispatch_bwd(num_out_tokens, align_size, rows, backend, rid, cts):
     g_out, g_pp, _, _ = cts
     with_probs = g_pp is not None
-    args = (g_out,) + ((g_pp,) if with_probs else ()) + (rid,)
-    arg_axes = (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"),)
+    args = (g_out,) + ((g_pp,) if with_probs else ()) + (rid, _unread_pad_of(rid))
+    arg_axes = (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"), ("E",))
     out_axes = (("T", "H"),) + ((("T", "E"),) if with_probs else ())
     grads = split_over_tokens("token_dispatch (backward)", _dispatch_bwd_local(backend),
                               args, arg_axes, out_axes, backend)
@@ -135,18 +140,18 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 def _combine_local(backend):
-    """``(inp, rid[, w]) -> (out,)``: each token's rows summed (weighted)."""
-    def run(inp, rid, *w):
-        no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
-        return (unpermute_fwd(inp, w[0] if w else None, rid, no_pad, False, backend)[0],)
+    """``(inp, rid[, w], pad) -> (out,)``: each token's rows summed (weighted)."""
+    def run(inp, rid, *rest):
+        *w, pad = rest
+        return (unpermute_fwd(inp, w[0] if w else None, rid, pad, False, backend)[0],)
     return run
 
 
 def _combine_bwd_local(backend):
-    """``(g, rid, inp[, w]) -> (g_inp[, g_w])``: the scatter of the combine backward."""
-    def run(g, rid, inp, *w):
-        no_pad = jnp.zeros(((rid.shape[1] - 1) // 2,), jnp.int32)
-        g_inp, g_w = unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, no_pad), g)[:2]
+    """``(g, rid, inp[, w], pad) -> (g_inp[, g_w])``: the scatter of the combine backward."""
+    def run(g, rid, inp, *rest):
+        *w, pad = rest
+        g_inp, g_w = unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, pad), g)[:2]
         return (g_inp, g_w) if w else (g_inp,)
     return run
 
@@ -158,8 +163,8 @@ def _combine(inp, w, rid, backend):
 
 def _combine_fwd(inp, w, rid, backend):
     weighted = w is not None
-    args = (inp, rid) + ((w,) if weighted else ())
-    arg_axes = (("R", "H"), ("T", "W")) + ((("T", "E"),) if weighted else ())
+    args = (inp, rid) + ((w,) if weighted else ()) + (_unread_pad_of(rid),)
+    arg_axes = (("R", "H"), ("T", "W")) + ((("T", "E"),) if weighted else ()) + (("E",),)
     (out,) = split_over_tokens("token_combine", _combine_local(backend), args, arg_axes, (("T", "H"),),
                                backend)
     return out, (inp, w, rid)
@@ -168,8 +173,8 @@ def _combine_fwd(inp, w, rid, backend):
 def _combine_bwd(backend, res, g):
     inp, w, rid = res
     weighted = w is not None
-    args = (g, rid, inp) + ((w,) if weighted else ())
-    arg_axes = (("T", "H"), ("T", "W"), ("R", "H")) + ((("T", "E"),) if weighted else ())
+    args = (g, rid, inp) + ((w,) if weighted else ()) + (_unread_pad_of(rid),)
+    arg_axes = (("T", "H"), ("T", "W"), ("R", "H")) + ((("T", "E"),) if weighted else ()) + (("E",),)
     out_axes = (("R", "H"),) + ((("T", "E"),) if weighted else ())
     grads = split_over_tokens("token_combine (backward)", _combine_bwd_local(backend), args, arg_axes,
                               out_axes, backend)

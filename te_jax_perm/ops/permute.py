@@ -3,8 +3,7 @@
 ``permute_with_mask_map`` / ``unpermute_with_mask_map`` are differentiable (custom VJPs
 whose backward passes are the opposite kernel), jit-able and vmap-able. Every launch,
 forward and backward, is a declared kernel (:mod:`te_jax_perm.ops.permute_decl`) with
-aliased preallocated outputs. ``permute_reference`` / ``unpermute_reference`` are the same
-ops in plain JAX.
+aliased preallocated outputs.
 """
 from __future__ import annotations
 
@@ -12,11 +11,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from te_jax_perm.ops import _checks
 from te_jax_perm.ops import permute_decl as D
-from te_jax_perm.ops import permute_reference as R
 from te_jax_perm.ops._bits import from_bits, to_bits
+
+
+def unread_pad(e: int) -> np.ndarray:
+    """The ``pad`` operand of an unpadded launch (``padded=False``), which no kernel reads.
+    Its values are chosen so that it stays a buffer of the compiled program: XLA rewrites a
+    constant of one repeated value into a broadcast and ``0, 1, 2, ...`` into an iota, each
+    a kernel launched on every call."""
+    return np.arange(e, 0, -1, dtype=np.int32)
 
 
 def _owners(rid, pad, rows, padded, backend):
@@ -100,7 +107,7 @@ def _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_o
     if probs is not None:
         _checks.check_shape("probs", probs, (inp.shape[0], e), f"[T={inp.shape[0]}, E={e}]")
         _checks.check_probs_dtype("probs", probs)
-    return pad_or_zeros(pad_offsets, e), pad_offsets is not None, num_out_rows
+    return pad_operand(pad_offsets, e), pad_offsets is not None, num_out_rows
 
 
 def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expert: jax.Array,
@@ -132,15 +139,6 @@ def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expe
     return _permute(inp, probs, row_id_map, pad, num_out_rows, padded, backend)
 
 
-def permute_reference(inp: jax.Array, row_id_map: jax.Array, tokens_per_expert: jax.Array, num_out_rows: int,
-                      probs: jax.Array | None = None, pad_offsets: jax.Array | None = None
-                      ) -> tuple[jax.Array, jax.Array | None]:
-    """:func:`permute_with_mask_map` in plain JAX (differentiable by JAX itself)."""
-    pad, padded, num_out_rows = _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_offsets)
-    outs = R.permute_rows_reference(inp, row_id_map, pad, None, None, probs, num_out_rows=num_out_rows, padded=padded)
-    return outs[0], (outs[1] if probs is not None else None)
-
-
 def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expert):
     """Checked arguments of :func:`unpermute_with_mask_map`: ``(pad, padded)``."""
     _checks.check_rank("inp", inp, (2,), "[N, H]")
@@ -153,7 +151,7 @@ def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expe
     if tokens_per_expert is not None:
         _checks.check_shape("tokens_per_expert", tokens_per_expert, (e,), f"[E={e}]")
         _checks.check_index_values("tokens_per_expert", tokens_per_expert)
-    return pad_or_zeros(pad_offsets, e), pad_offsets is not None
+    return pad_operand(pad_offsets, e), pad_offsets is not None
 
 
 def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,
@@ -179,18 +177,11 @@ def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs
     return _unpermute(inp, merging_probs, row_id_map, pad, padded, backend)
 
 
-def unpermute_reference(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,
-                        pad_offsets: jax.Array | None = None) -> jax.Array:
-    """:func:`unpermute_with_mask_map` in plain JAX, differentiable by JAX itself: forward mode
-    always, reverse mode where ``row_id_map`` is concrete outside ``jit`` (its loop over the
-    map's columns runs to the last column in use)."""
-    pad, padded = _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, None)
-    return R.unpermute_rows_reference(inp, row_id_map, pad, merging_probs, padded=padded)[0]
-
-
-def pad_or_zeros(pad_offsets, e):
+def pad_operand(pad_offsets, e):
+    """The kernels' ``pad`` operand: the checked ``pad_offsets``, or :func:`unread_pad` when
+    there are none."""
     if pad_offsets is None:
-        return jnp.zeros((e,), jnp.int32)
+        return unread_pad(e)
     _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}]")
     _checks.check_index_values("pad_offsets", pad_offsets)
     return jnp.asarray(pad_offsets).astype(jnp.int32)

@@ -3,7 +3,8 @@
 These are the CPU default and the pure-XLA baseline on GPU, so they must stay O(N*H + T*H
 + T*E) in memory: never a [T, E, H] tensor (60 GB at T=8192, E=256, H=7168). The scatters
 go through the inverse map (output row -> token, expert), built from int32 [T, E] entries,
-and move whole rows by gathers over the N output rows; the gathers loop over the map's
+and move whole rows by gathers over the N output rows; the gathers sum each row into its
+token the same way where every row has one entry, and otherwise loop over the map's
 columns, one [T, H] gather per column, as their kernels do.
 
 The kernel-level functions take the kernels' operands. A scatter's ``owner`` table (from
@@ -11,6 +12,8 @@ The kernel-level functions take the kernels' operands. A scatter's ``owner`` tab
 from the map themselves, so a wrong table cannot make the backends disagree silently.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +66,12 @@ def _inverse_map(rid, pad, padded, n):
     t, e = rid.shape[0], (rid.shape[1] - 1) // 2
     if t == 0:  # no tokens: no row has an owner (and there is no map row to look up)
         return jnp.zeros((n,), jnp.int32), jnp.full((n,), e, jnp.int32)
-    (owner,) = row_owner_reference(rid, pad, num_out_rows=n, padded=padded)
+    return _row_entries(rid, row_owner_reference(rid, pad, num_out_rows=n, padded=padded)[0])
+
+
+def _row_entries(rid, owner):
+    """(token, expert) per row of the entry ``owner`` names; (T, E) where none."""
+    t, e = rid.shape[0], (rid.shape[1] - 1) // 2
     entry = jnp.maximum(owner - 1, 0)
     tok, col = entry // e, entry % e
     row_token = jnp.where(owner > 0, tok, t).astype(jnp.int32)
@@ -113,37 +121,64 @@ def unpermute_bwd_weighted_reference(g, rid, pad, owner, w, y, *, padded):
 
 def unpermute_rows_reference(y, rid, pad, w=None, gpp=None, *, padded):
     """Kernels ``unpermute`` / ``unpermute_weighted`` (``w``) / ``permute_bwd_probs`` (``gpp``):
-    each token sums the rows of all its map entries, in fp32, then casts.
+    each token sums the rows of all its map entries, in fp32, then casts; the probability
+    gradient of an entry is ``gpp`` at its row.
 
-    Per entry, as the kernel computes it, so that any map (two entries naming one row
-    included) gives the kernel's result: a loop over the map's columns, each step one
-    ``[T, H]`` gather of every token's entry in that column, added in column order (the
-    kernel's fp32 order). The probability gradient of an entry is ``gpp`` at its row,
-    stored in column order: of two entries naming one expert, the later wins."""
+    The kernels' result for any map. When no two entries name one row (every map a
+    dispatch builds), each row has one token and the sums are segment sums over the rows
+    (a few fused kernels); otherwise :func:`_gather_per_entry` runs. The choice is a
+    ``cond`` on the device's values."""
     (n, h), t, e = y.shape, rid.shape[0], (rid.shape[1] - 1) // 2
-    out = jnp.zeros((t, h), jnp.float32)
-    dprobs = None if gpp is None else jnp.zeros((t, e + 1), gpp.dtype)
-    if n and e:  # else no entry has a row to read
-        dest, ex, valid = dests(rid, pad, padded)
-        # Absent entries (and rows y lacks) read row n, past the end: the gathers fill zero.
-        dest = jnp.where(valid & (dest < n), dest, n)
-        ok = dest < n
-        tok = jnp.arange(t)
-        # Columns past the last one any token has an entry in would add only zeros.
-        cols = jnp.max(jnp.where(ok, jnp.arange(1, e + 1, dtype=jnp.int32), 0), initial=0)
+    if n == 0 or t == 0 or e == 0:  # no entry has a row to read
+        out = jnp.zeros((t, h), y.dtype)
+        return (out,) if gpp is None else (out, jnp.zeros((t, e), gpp.dtype))
+    dest, _, valid = dests(rid, pad, padded)
+    (owner,) = row_owner_reference(rid, pad, num_out_rows=n, padded=padded)
+    one_per_row = jnp.sum(valid & (dest < n)) == jnp.sum(owner > 0)
+    return jax.lax.cond(one_per_row, functools.partial(_gather_by_row, owner=owner, padded=padded),
+                        functools.partial(_gather_per_entry, padded=padded), y, rid, pad, w, gpp)
 
-        def column(j, carry):
-            acc, dp = carry
-            d, x = dest[:, j], ex[:, j]
-            v = jnp.take(y, d, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
-            if w is not None:
-                wx = jnp.take_along_axis(w, x[:, None], axis=1).astype(jnp.float32)
-                v = v * jnp.where(ok[:, j, None], wx, 0)  # as the kernel: 0, not 0 * w (inf, NaN)
-            if dp is not None:
-                dp = dp.at[tok, jnp.where(ok[:, j], x, e)].set(jnp.take(gpp, d, mode="fill", fill_value=0))
-            return acc + v, dp
 
-        out, dprobs = jax.lax.fori_loop(0, cols, column, (out, dprobs))
+def _gather_by_row(y, rid, pad, w, gpp, *, owner, padded):
+    """The gathers where every row has at most one entry: each row summed into its token."""
+    del pad, padded
+    t, e = rid.shape[0], (rid.shape[1] - 1) // 2
+    row_token, row_expert = _row_entries(rid, owner)
+    rows = y.astype(jnp.float32)
+    if w is not None:
+        rows = rows * _weights_at(w, row_token, row_expert)[:, None]
+    # Unwritten rows go to segment T, which is sliced off; f32 accumulation, then cast.
+    out = jax.ops.segment_sum(rows, row_token, num_segments=t + 1)[:t].astype(y.dtype)
+    if gpp is None:
+        return (out,)
+    return out, _to_token_expert(gpp, row_token, row_expert, t, e, gpp.dtype)
+
+
+def _gather_per_entry(y, rid, pad, w, gpp, *, padded):
+    """The gathers entry by entry, as the kernel computes them, for any map: a loop over
+    the map's columns up to the last one in use, each step one ``[T, H]`` gather of every
+    token's entry in that column, added in column order (the kernel's fp32 order); of two
+    entries of one token naming one expert, the later column's probability gradient wins."""
+    (n, h), t, e = y.shape, rid.shape[0], (rid.shape[1] - 1) // 2
+    dest, ex, valid = dests(rid, pad, padded)
+    ok = valid & (dest < n)
+    dest = jnp.where(ok, dest, n)  # absent entries read row n, past the end: the gathers fill zero
+    tok = jnp.arange(t)
+    cols = jnp.max(jnp.where(ok, jnp.arange(1, e + 1, dtype=jnp.int32), 0), initial=0)
+
+    def column(j, carry):
+        acc, dp = carry
+        d, x = dest[:, j], ex[:, j]
+        v = jnp.take(y, d, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+        if w is not None:
+            wx = jnp.take_along_axis(w, x[:, None], axis=1).astype(jnp.float32)
+            v = v * jnp.where(ok[:, j, None], wx, 0)  # as the kernel: 0, not 0 * w (inf, NaN)
+        if dp is not None:
+            dp = dp.at[tok, jnp.where(ok[:, j], x, e)].set(jnp.take(gpp, d, mode="fill", fill_value=0))
+        return acc + v, dp
+
+    init = (jnp.zeros((t, h), jnp.float32), None if gpp is None else jnp.zeros((t, e + 1), gpp.dtype))
+    out, dprobs = jax.lax.fori_loop(0, cols, column, init)
     out = out.astype(y.dtype)
     return (out,) if gpp is None else (out, dprobs[:, :e])
 
