@@ -33,6 +33,8 @@ from benchmarks.shapes import GPU_SHAPES, OFF_LIST_SHAPES, by_name
 # (case, kernel declaration name) pairs of the row movers.
 MOVERS = (("token_combine.fwd", "unpermute_weighted"), ("token_dispatch.fwd", "permute_probs"),
           ("token_dispatch.bwd", "permute_bwd_probs"), ("token_combine.bwd", "unpermute_bwd_weighted"))
+# Swept only when named in --kernels; not tabled (its default is a rule).
+AUX = (("token_combine.bwd", "row_owner"),)
 # Phase one times every tile shape and warp count at one stage count; phase two gives the
 # TOP fastest every stage count.
 FIRST_STAGES = 3
@@ -96,8 +98,10 @@ def _subjaxprs(eqn, n_in: int) -> list:
 
 
 def _candidates(decl, dims, params, stages=None) -> list:
-    return [c for c in decl.configs if (stages is None or c.num_stages in stages)
-            and not decl.violated(dims, params, c)] or [decl.default_config(dims, params)]
+    """The declaration's valid configs at ``stages`` (all of them if none has those)."""
+    valid = [c for c in decl.configs if not decl.violated(dims, params, c)]
+    staged = [c for c in valid if stages is None or c.num_stages in stages]
+    return staged or valid or [decl.default_config(dims, params)]
 
 
 def _precompile(launches: list) -> dict:
@@ -171,8 +175,8 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
     from te_jax_perm.core.triton_backend import triton_call
     rows, t0 = [], time.monotonic()
     # Forward movers at every shape first, so a short budget still covers them.
-    order = [(shape, pair) for pairs in (MOVERS[:2], MOVERS[2:]) for shape in shapes for pair in pairs
-             if not kernels or pair[1] in kernels.split(",")]
+    order = [(shape, pair) for pairs in (MOVERS[:2], MOVERS[2:] + AUX) for shape in shapes for pair in pairs
+             if pair[1] in kernels.split(",") or (not kernels and pair in MOVERS)]
     p, longest = None, 0.0
     for shape, (case_name, kname) in order:
         started = time.monotonic()
@@ -241,7 +245,8 @@ def default_table(sweeps: list[str]) -> dict:
             for r in json.load(f)["rows"]:
                 # A config whose outputs disagree with the default's is never a default
                 # (sweeps older than the "agrees" field compared bitwise only: kept).
-                if r.get("us") is None or "error" in r or r.get("agrees") is False:
+                if r.get("us") is None or "error" in r or r.get("agrees") is False \
+                        or r["kernel"] in {a[1] for a in AUX}:
                     continue
                 key = (r["kernel"], str(r["H"]), str(r["T"]))
                 if key not in found or r["us"] < found[key][1]:
@@ -370,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="rebuild the movers' default table of each device these sweep files were "
                          "measured on, in te_jax_perm/ops/mover_defaults_sm90.json (other devices' "
                          "tables kept), and exit")
-    ap.add_argument("--kernels", default="", help="comma-separated mover kernel names (default: all four)")
+    ap.add_argument("--kernels", default="", help="comma-separated kernel names: the four movers (the default) and row_owner")
     ap.add_argument("--tokens", default="", help="comma-separated token counts replacing each shape's T "
                     "(small-T sweeps, e.g. 16,64,256)")
     ap.add_argument("--budget-s", type=float, default=400.0)

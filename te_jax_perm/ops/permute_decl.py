@@ -302,9 +302,8 @@ def _scatter_check(dims, params) -> None:
         raise ValueError(f"owner has {dims['R']} rows; expected one per output row ({rows})")
 
 
-# Tokens x map columns per row_owner step: [32, 8] covers top-8 routing in one step, and
-# 32 tokens per program gives hundreds of programs at T of a few thousand.
-OWNER_BLOCK_T, OWNER_BLOCK_K = 32, 8
+# Map columns per row_owner step: 8 covers top-8 routing in one step.
+OWNER_BLOCK_K = 8
 
 row_owner = declare(KernelDecl(
     name="row_owner", kernel=K.row_owner_kernel,
@@ -312,12 +311,12 @@ row_owner = declare(KernelDecl(
     outputs=(Output("owner", lambda dims, params: (params["num_out_rows"],), lambda dtypes, params: jnp.int32,
                     init="zeros"),),
     params=("num_out_rows", "padded"), reference=R.row_owner_reference,
-    grid=lambda dims, params, config: (-(-dims["T"] // OWNER_BLOCK_T),),
+    grid=lambda dims, params, config: (-(-dims["T"] // config.kw["BLOCK_T"]),),
     scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": params["num_out_rows"]},
-    constexprs=lambda dims, params, config: {"PADDED": params["padded"], "BLOCK_T": OWNER_BLOCK_T,
-                                             "BLOCK_K": OWNER_BLOCK_K},
-    configs=tuple(Config.make(num_warps=w) for w in (1, 2, 4)),
-    default_config=lambda dims, params: Config.make(num_warps=2),
+    constexprs=lambda dims, params, config: {"PADDED": params["padded"], "BLOCK_K": OWNER_BLOCK_K},
+    configs=tuple(Config.make(num_warps=w, BLOCK_T=bt) for bt in (8, 16, 32, 64) for w in (1, 2, 4)),
+    # 32 tokens per program: hundreds of programs at T of a few thousand.
+    default_config=lambda dims, params: Config.make(num_warps=2, BLOCK_T=32),
     key_dims=("T", "E"), key_bucket=_key_bucket, key_params=("padded",), params_check=_owner_check,
     example_inputs=lambda dims, params, dtypes, rng: _np_layout(
         dims["T"], dims["E"], params["num_out_rows"], params["padded"], rng)[:2],
