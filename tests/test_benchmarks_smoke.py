@@ -189,3 +189,21 @@ def test_default_tables_rebuild_only_the_swept_devices(tmp_path):
     shipped = {"H100": {"k": {"8": {"8": "old"}}}, "H200": {"k": {"8": {"8": "stale"}}}}
     assert default_tables([str(path)], shipped) == {"H100": {"k": {"8": {"8": "old"}}},
                                                      "H200": {"k": {"8": {"8": "c"}}}}
+
+
+def test_gpu_driver_hostile_memcheck_selects_existing_tests():
+    """Every test the hostile-input memcheck names exists (a renamed test would otherwise
+    drop out of it silently), and the selection keeps tests on the kernel backend."""
+    import pathlib
+    import subprocess
+    import sys
+    from tests.gpu.run import HOSTILE_TESTS
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           *HOSTILE_TESTS, "-k", "not xla"], cwd=root, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(root)))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    for target in HOSTILE_TESTS:
+        assert any(i.startswith(target) for i in ids), target
+    assert not any("[xla" in i for i in ids)

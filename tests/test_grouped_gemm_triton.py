@@ -35,12 +35,13 @@ def _np_grads(lhs, rhs, sizes, dout):
 
 CASES = [
     # (M, K, N, group sizes): empty groups, rows past the last group, sizes summing past M,
-    # negative sizes, a single group, ragged K/N not multiple of any tile.
+    # negative sizes, int32-overflowing sums, a single group, ragged K/N not multiple of any tile.
     (40, 32, 48, [10, 0, 25]),
     (33, 16, 16, [40, 5]),
     (17, 16, 32, [-3, 7, 2, 100]),
     (64, 64, 64, [64]),
     (24, 24, 40, [0, 0, 0]),
+    (20, 16, 16, [5, 2**31 - 1, 2**31 - 1, -2**31]),  # sums that overflow int32
 ]
 
 
