@@ -1,6 +1,6 @@
 """Every GPU run in one command, from the repository root of a CUDA machine:
 
-    python3 -m tests.gpu.run --out=OUT                       # tests, capture, stress, memcheck
+    python3 -m tests.gpu.run --out=OUT                       # tests, capture, stress, both memchecks
     python3 -m tests.gpu.run --out=OUT --steps=all --budget_s=540
     python3 -m tests.gpu.run --out=OUT --steps=gemm_tests,layer,example   # the whole MoE layer
     python3 -m tests.gpu.run --out=OUT --steps=bench --bench_args="--shapes DeepSeek"
@@ -11,8 +11,8 @@ Steps, in the order they run (``--steps`` picks some, comma-separated; ``all`` i
   run), on ``--workers`` processes; the two steps below are left to themselves;
 * ``capture``: the command-buffer (CUDA graph) capture test, alone on the GPU (it times);
 * ``stress``: unsynchronised calls alternating shapes, dtypes and ``align_size``;
-* ``memcheck``: every kernel forward and backward, then the hostile-input tests on the kernel
-  backend, under ``compute-sanitizer --tool memcheck``;
+* ``memcheck``: every kernel forward and backward under ``compute-sanitizer --tool memcheck``;
+* ``memcheck_hostile``: the hostile-input tests on the kernel backend under memcheck;
 * ``bench``: ``benchmarks.run`` (bandwidth of every op against copy baselines and ``xla``);
 * ``autotune``: ``benchmarks/autotune_bench.py`` (compile time, tuned vs default configs);
 * ``gemm_tests``: the grouped GEMM's GPU tests;
@@ -46,7 +46,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 flags.DEFINE_string("out", None, "directory for the logs, summary.txt and the benchmarks' JSON and PNG files",
                     required=True)
-flags.DEFINE_string("steps", "pytest,capture,stress,memcheck", "comma-separated steps to run, or 'all' (see "
+flags.DEFINE_string("steps", "pytest,capture,stress,memcheck,memcheck_hostile", "comma-separated steps to run, or 'all' (see "
                     "the module docstring for what each does)")
 flags.DEFINE_float("budget_s", 540, "wall-clock budget of the whole run in seconds; no step starts with less "
                    "than a minute of it left")
@@ -92,16 +92,18 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
                 "tests/gpu/test_stress.py::test_stress_triton_alternating_shapes_dtypes_align", "--deselect",
                 "tests/gpu/test_capture.py::test_dispatch_combine_step_is_captured_in_command_buffers"])
     mode = "auto" if dry else "gpu"
-    san = compute_sanitizer() or "compute-sanitizer"
+    memcheck = [compute_sanitizer() or "compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99",
+                "--report-api-errors", "no", "--print-limit", "50"]
     return [
         Step("pytest", 360, pytest + ["-n", str(f.workers)] + targets + f.pytest_args.split(), r"(passed|failed)"),
         Step("capture", 100, pytest + ["-s", "tests/gpu/test_capture.py"], r"(passed|failed)", gpu_only=True),
         Step("stress", 170, [py, "-m", "tests.gpu.stress"] + (["--small", "--cases", "2", "--passes", "2",
                                                                 "--dtypes", "float32"] if dry else
                                                                ["--cases", "40", "--passes", "4"]), r"^STRESS"),
-        Step("memcheck", 240, [san, "--tool", "memcheck", "--error-exitcode", "99", "--report-api-errors", "no",
-                              "--print-limit", "50", py, "-m", "tests.gpu.memcheck_ops"],
-             r"ERROR SUMMARY|^MEMCHECK-OPS", gpu_only=True, env=MEMCHECK_ENV),
+        Step("memcheck", 90, memcheck + [py, "-m", "tests.gpu.memcheck_ops"], r"ERROR SUMMARY|^MEMCHECK-OPS",
+             gpu_only=True, env=MEMCHECK_ENV),
+        Step("memcheck_hostile", 240, memcheck + [py, "-m", "tests.gpu.memcheck_ops", "--hostile"],
+             r"ERROR SUMMARY|^MEMCHECK-HOSTILE PASS", gpu_only=True, env=MEMCHECK_ENV),
         Step("bench", 300, [py, "-m", "benchmarks.run", "--out", str(out), "--mode", mode, "--log"]
              + f.bench_args.split(), r"^(BENCH SUMMARY|TARGET)"),
         Step("autotune", 170, [py, "benchmarks/autotune_bench.py", f"--out={out / 'autotune'}", "--budget-s=120",
