@@ -305,6 +305,7 @@ def _scatter_check(dims, params) -> None:
 # Map columns per row_owner step: 8 covers top-8 routing in one step.
 OWNER_BLOCK_K = 8
 
+
 def _owner_default_config(dims, params) -> Config:
     """About 128 map entries per program, one per thread of 4 warps: ``BLOCK_T`` tokens of
     about ``num_out_rows / T`` entries each (their top-k). In an H100 sweep of 8-64 tokens,
@@ -325,7 +326,7 @@ row_owner = declare(KernelDecl(
     scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": params["num_out_rows"]},
     constexprs=lambda dims, params, config: {"PADDED": params["padded"], "BLOCK_K": OWNER_BLOCK_K},
     configs=tuple(Config.make(num_warps=w, BLOCK_T=bt) for bt in (8, 16, 32, 64) for w in (1, 2, 4)),
-    default_config=lambda dims, params: _owner_default_config(dims, params),
+    default_config=_owner_default_config,
     key_dims=("T", "E"), key_bucket=_key_bucket, key_params=("padded",), params_check=_owner_check,
     example_inputs=lambda dims, params, dtypes, rng: _np_layout(
         dims["T"], dims["E"], params["num_out_rows"], params["padded"], rng)[:2],

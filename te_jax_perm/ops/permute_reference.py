@@ -13,8 +13,6 @@ from the map themselves, so a wrong table cannot make the backends disagree sile
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -132,16 +130,16 @@ def unpermute_rows_reference(y, rid, pad, w=None, gpp=None, *, padded):
     if n == 0 or t == 0 or e == 0:  # no entry has a row to read
         out = jnp.zeros((t, h), y.dtype)
         return (out,) if gpp is None else (out, jnp.zeros((t, e), gpp.dtype))
-    dest, _, valid = dests(rid, pad, padded)
+    dest, ex, valid = dests(rid, pad, padded)
+    ok = valid & (dest < n)
     (owner,) = row_owner_reference(rid, pad, num_out_rows=n, padded=padded)
-    one_per_row = jnp.sum(valid & (dest < n)) == jnp.sum(owner > 0)
-    return jax.lax.cond(one_per_row, functools.partial(_gather_by_row, owner=owner, padded=padded),
-                        functools.partial(_gather_per_entry, padded=padded), y, rid, pad, w, gpp)
+    one_per_row = jnp.sum(ok) == jnp.sum(owner > 0)
+    return jax.lax.cond(one_per_row, lambda: _gather_by_row(y, rid, owner, w, gpp),
+                        lambda: _gather_per_entry(y, dest, ex, ok, w, gpp))
 
 
-def _gather_by_row(y, rid, pad, w, gpp, *, owner, padded):
+def _gather_by_row(y, rid, owner, w, gpp):
     """The gathers where every row has at most one entry: each row summed into its token."""
-    del pad, padded
     t, e = rid.shape[0], (rid.shape[1] - 1) // 2
     row_token, row_expert = _row_entries(rid, owner)
     rows = y.astype(jnp.float32)
@@ -154,14 +152,13 @@ def _gather_by_row(y, rid, pad, w, gpp, *, owner, padded):
     return out, _to_token_expert(gpp, row_token, row_expert, t, e, gpp.dtype)
 
 
-def _gather_per_entry(y, rid, pad, w, gpp, *, padded):
-    """The gathers entry by entry, as the kernel computes them, for any map: a loop over
-    the map's columns up to the last one in use, each step one ``[T, H]`` gather of every
-    token's entry in that column, added in column order (the kernel's fp32 order); of two
-    entries of one token naming one expert, the later column's probability gradient wins."""
-    (n, h), t, e = y.shape, rid.shape[0], (rid.shape[1] - 1) // 2
-    dest, ex, valid = dests(rid, pad, padded)
-    ok = valid & (dest < n)
+def _gather_per_entry(y, dest, ex, ok, w, gpp):
+    """The gathers entry by entry, as the kernel computes them, for any map (entries
+    ``dest``/``ex`` [T, E] counting where ``ok``): a loop over the map's columns up to the
+    last one in use, each step one ``[T, H]`` gather of every token's entry in that column,
+    added in column order (the kernel's fp32 order); of two entries of one token naming one
+    expert, the later column's probability gradient wins."""
+    (n, h), (t, e) = y.shape, dest.shape
     dest = jnp.where(ok, dest, n)  # absent entries read row n, past the end: the gathers fill zero
     tok = jnp.arange(t)
     cols = jnp.max(jnp.where(ok, jnp.arange(1, e + 1, dtype=jnp.int32), 0), initial=0)
