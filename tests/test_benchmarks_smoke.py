@@ -197,7 +197,7 @@ def test_gpu_driver_hostile_memcheck_selects_existing_tests():
     import pathlib
     import subprocess
     import sys
-    from tests.gpu.run import HOSTILE_TESTS
+    from tests.gpu.hostile import HOSTILE_TESTS
     root = pathlib.Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                            *HOSTILE_TESTS, "-k", "not xla"], cwd=root, capture_output=True, text=True, timeout=300,
