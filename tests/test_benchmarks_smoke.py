@@ -195,15 +195,43 @@ def test_gpu_driver_hostile_memcheck_selects_existing_tests():
     """Every test the hostile-input memcheck names exists (a renamed test would otherwise
     drop out of it silently), and the selection keeps tests on the kernel backend."""
     import pathlib
-    import subprocess
-    import sys
-    from tests.gpu.hostile import HOSTILE_TESTS
+    from tests.gpu.hostile import HOSTILE_TESTS, collect
     root = pathlib.Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           *HOSTILE_TESTS, "-k", "not xla"], cwd=root, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=str(root)))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    ids = [line for line in done.stdout.splitlines() if "::" in line]
+    ids = collect(root, dict(os.environ, PYTHONPATH=str(root)))
     for target in HOSTILE_TESTS:
         assert any(i.startswith(target) for i in ids), target
     assert not any("[xla" in i for i in ids)
+
+
+def test_gpu_driver_hostile_memcheck_reruns_a_crash_once_and_fails_on_errors(tmp_path):
+    """The hostile-input memcheck runs each test in a sanitized process of its own: a process
+    killed by a signal without a report is rerun once; a memcheck report fails the run.
+    Here a stand-in sanitizer (a script that drops the sanitizer's arguments) crashes on
+    its first call, then runs the test; a second stand-in reports a memcheck error."""
+    import pathlib
+    import subprocess
+    import sys
+    from tests.gpu.hostile import MEMCHECK_ARGS
+    root = pathlib.Path(__file__).resolve().parents[1]
+    test = "tests/test_dispatch.py::test_zero_tokens_give_zero_size_results[interpret-None]"
+    crash_once = tmp_path / "crash_once.sh"
+    crash_once.write_text(f"#!/bin/sh\nshift {len(MEMCHECK_ARGS)}\n"
+                          f"if [ ! -e {tmp_path}/crashed ]; then touch {tmp_path}/crashed; kill -SEGV $$; fi\n"
+                          'exec "$@"\n')
+    reports = tmp_path / "reports.sh"
+    reports.write_text(f"#!/bin/sh\nshift {len(MEMCHECK_ARGS)}\n\"$@\"\n"
+                       "echo '========= ERROR SUMMARY: 1 error'\nexit 99\n")
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+    runs = {}
+    for script in (crash_once, reports):
+        script.chmod(0o755)
+        runs[script.stem] = subprocess.run(
+            [sys.executable, "-m", "tests.gpu.hostile", f"--sanitizer={script}", f"--out={tmp_path / script.stem}",
+             f"--tests={test}"], cwd=root, capture_output=True, text=True, timeout=600, env=env)
+    crash = runs["crash_once"]
+    assert crash.returncode == 0, crash.stdout + crash.stderr
+    assert "MEMCHECK-HOSTILE PASS: 1 of 1" in crash.stdout and "1 passed on a rerun" in crash.stdout, crash.stdout
+    assert "(try 2)" in crash.stdout
+    report = runs["reports"]
+    assert report.returncode == 1, report.stdout + report.stderr
+    assert "MEMCHECK-HOSTILE FAIL: 0 of 1" in report.stdout and "memcheck: " + test in report.stdout, report.stdout

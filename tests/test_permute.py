@@ -66,10 +66,11 @@ def _hostile_map(seed, t, e, n):
     return rid, rng.integers(0, 3, e).astype(np.int32)
 
 
-def test_row_owner_kernel_matches_its_reference_on_hostile_maps(kernel_backend):
+@pytest.mark.parametrize("t,e,n", [(9, 4, 12), (7, 20, 40)], ids=["E4", "E20"])
+def test_row_owner_kernel_matches_its_reference_on_hostile_maps(kernel_backend, t, e, n):
     """Duplicate destinations, out-of-range rows and expert ids, negative counts: the
-    kernel and the reference name the same one writer per row (the highest entry)."""
-    t, e, n = 9, 4, 12
+    kernel and the reference name the same one writer per row (the highest entry). At
+    E = 20 routed counts exceed one step of map columns, so later steps run too."""
     rid, pad = _hostile_map(5, t, e, n)
     for padded in (False, True):
         got = [np.asarray(D.row_owner(rid, pad, backend=b, num_out_rows=n, padded=padded)[0])

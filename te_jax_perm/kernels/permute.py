@@ -49,6 +49,12 @@ def _dest(rid_row, pad_ptr, j, E, N, live, PADDED: tl.constexpr):
     # Both halves of the entry load at once (neither waits for the other's value).
     dest = tl.load(rid_row + j, mask=live, other=-1)
     e = tl.load(rid_row + E + j, mask=live, other=-1)
+    return _checked(dest, e, pad_ptr, E, N, live, PADDED)
+
+
+@triton.jit
+def _checked(dest, e, pad_ptr, E, N, live, PADDED: tl.constexpr):
+    """:func:`_dest` for an entry already loaded: destination (int64, padded), expert, usable."""
     ok = live & (dest >= 0) & (e >= 0) & (e < E)
     dest = dest.to(tl.int64)
     if PADDED:
@@ -62,12 +68,21 @@ def row_owner_kernel(rid_ptr, pad_ptr, T, E, N, owner_prealloc, owner_ptr, PADDE
                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     # A [BLOCK_T, BLOCK_K] tile of map entries per step: every entry's loads and atomic are
     # independent, so they are all in flight at once (one step covers top-k up to BLOCK_K).
+    # The first step's entries load beside the routed count rather than after it (masked to
+    # the row's E columns, so in bounds whatever the count says): the kernel is latency
+    # bound, and one dependent load fewer is most of its time at top-k <= BLOCK_K.
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
     rid_row = rid_ptr + t64 * (2 * E + 1)
+    j = tl.arange(0, BLOCK_K)[None, :]
+    in_row = tm[:, None] & (j < E)
+    dest = tl.load(rid_row[:, None] + j, mask=in_row, other=-1)
+    e = tl.load(rid_row[:, None] + E + j, mask=in_row, other=-1)
     cnt = tl.minimum(tl.maximum(tl.load(rid_row + 2 * E, mask=tm, other=0), 0), E)
-    for j0 in range(0, tl.max(cnt, axis=0), BLOCK_K):
+    dest, _e, ok = _checked(dest, e, pad_ptr, E, N, in_row & (j < cnt[:, None]), PADDED)
+    tl.atomic_max(owner_ptr + dest, (t64[:, None] * E + j + 1).to(tl.int32), mask=ok)
+    for j0 in range(BLOCK_K, tl.max(cnt, axis=0), BLOCK_K):
         j = j0 + tl.arange(0, BLOCK_K)[None, :]
         live = tm[:, None] & (j < cnt[:, None])
         dest, _e, ok = _dest(rid_row[:, None], pad_ptr, j, E, N, live, PADDED)

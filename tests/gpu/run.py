@@ -12,7 +12,8 @@ Steps, in the order they run (``--steps`` picks some, comma-separated; ``all`` i
 * ``capture``: the command-buffer (CUDA graph) capture test, alone on the GPU (it times);
 * ``stress``: unsynchronised calls alternating shapes, dtypes and ``align_size``;
 * ``memcheck``: every kernel forward and backward under ``compute-sanitizer --tool memcheck``;
-* ``memcheck_hostile``: the hostile-input tests on the kernel backend under memcheck;
+* ``memcheck_hostile``: the hostile-input tests on the kernel backend under memcheck, one
+  process per test (``tests/gpu/hostile.py``);
 * ``bench``: ``benchmarks.run`` (bandwidth of every op against copy baselines and ``xla``);
 * ``autotune``: ``benchmarks/autotune_bench.py`` (compile time, tuned vs default configs);
 * ``gemm_tests``: the grouped GEMM's GPU tests;
@@ -41,7 +42,7 @@ import time
 from absl import flags
 
 from te_jax_perm import cli
-from tests.gpu.hostile import HOSTILE_TESTS
+from tests.gpu.hostile import MEMCHECK_ARGS, MEMCHECK_ENV
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -78,14 +79,6 @@ def compute_sanitizer() -> str | None:
     return found or next((c for c in candidates if os.access(c, os.X_OK)), None)
 
 
-# One cudaMalloc per buffer so memcheck sees every buffer's real bounds; no CUDA graphs, so
-# each report names the kernel launch directly.
-MEMCHECK_ENV = {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform",
-                "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer= "
-                             "--xla_gpu_autotune_level=0"}
-
-
-
 def steps(out: pathlib.Path, dry: bool) -> list[Step]:
     py, f = sys.executable, flags.FLAGS
     pytest = [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
@@ -94,8 +87,8 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
                 "tests/gpu/test_stress.py::test_stress_triton_alternating_shapes_dtypes_align", "--deselect",
                 "tests/gpu/test_capture.py::test_dispatch_combine_step_is_captured_in_command_buffers"])
     mode = "auto" if dry else "gpu"
-    memcheck = [compute_sanitizer() or "compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99",
-                "--report-api-errors", "no", "--print-limit", "50"]
+    sanitizer = compute_sanitizer() or "compute-sanitizer"
+    memcheck = [sanitizer, *MEMCHECK_ARGS]
     return [
         Step("pytest", 360, pytest + ["-n", str(f.workers)] + targets + f.pytest_args.split(), r"(passed|failed)"),
         Step("capture", 100, pytest + ["-s", "tests/gpu/test_capture.py"], r"(passed|failed)", gpu_only=True),
@@ -104,9 +97,9 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
                                                                ["--cases", "40", "--passes", "4"]), r"^STRESS"),
         Step("memcheck", 90, memcheck + [py, "-m", "tests.gpu.memcheck_ops"], r"ERROR SUMMARY|^MEMCHECK-OPS",
              gpu_only=True, env=MEMCHECK_ENV),
-        # -vv (after -q): each test named as it starts, so a process that dies shows where.
-        Step("memcheck_hostile", 240, memcheck + pytest + ["-vv"] + HOSTILE_TESTS + ["-k", "not xla"],
-             r"ERROR SUMMARY|(passed|failed)", gpu_only=True, env=MEMCHECK_ENV),
+        Step("memcheck_hostile", 300, [py, "-m", "tests.gpu.hostile", f"--sanitizer={sanitizer}",
+                                       f"--out={out / 'memcheck_hostile'}"], r"^(MEMCHECK-HOSTILE|  \w+: )",
+             gpu_only=True),
         Step("bench", 300, [py, "-m", "benchmarks.run", "--out", str(out), "--mode", mode, "--log"]
              + f.bench_args.split(), r"^(BENCH SUMMARY|TARGET)"),
         Step("autotune", 170, [py, "benchmarks/autotune_bench.py", f"--out={out / 'autotune'}", "--budget-s=120",

@@ -17,7 +17,7 @@ import argparse
 import dataclasses
 import sys
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
