@@ -59,7 +59,7 @@ def collect(root: pathlib.Path, env: dict, targets: list[str] = HOSTILE_TESTS) -
 
 def verdict(rc: int, log: str) -> str:
     """``pass``, ``memcheck`` (errors reported), ``fail`` (the test failed) or ``crash`` (the
-    sanitized process died by a signal with neither)."""
+    sanitized process died by a signal with neither); ``timeout`` comes from :func:`run_one`."""
     errors = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", log)]
     if any(errors) or rc == 99:
         return "memcheck"
@@ -75,7 +75,7 @@ def run_one(test: str, sanitizer: str, root: pathlib.Path, env: dict, timeout: f
         done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return "fail", f"$ {' '.join(cmd)}\nTIMEOUT after {timeout:.0f}s\n{out}"
+        return "timeout", f"$ {' '.join(cmd)}\nTIMEOUT after {timeout:.0f}s\n{out}"
     log = done.stdout + done.stderr
     return verdict(done.returncode, log), f"$ {' '.join(cmd)}\nrc={done.returncode}\n{log}"
 
@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             (out / f"{name}.try{tries}.log").write_text(log)
             print(f"{v.upper():8s} {test}" + (f" (try {tries})" if tries > 1 else ""), flush=True)
             if v != "crash" or tries == 2:
+                if v != "pass":  # the log files may not travel back from the GPU machine; this does
+                    print(f"--- {test}, try {tries}: the log's end\n" + "\n".join(log.splitlines()[-40:]), flush=True)
                 return v, tries
 
     with concurrent.futures.ThreadPoolExecutor(a.workers) as pool:
