@@ -25,7 +25,7 @@ _LAZY = {
     "topk_to_routing_map": "te_jax_perm.ops.routing",
     "routing_map_to_topk": "te_jax_perm.ops.routing",
     # expert GEMMs over the dispatched rows
-    "grouped_matmul": "te_jax_perm.ops.grouped_gemm",
+    "grouped_matmul": "te_jax_perm.ops.grouped_gemm.api",
     # sanitizer and autotuner entry points
     "sanitize": "te_jax_perm.sanitize",
     "autotune": "te_jax_perm.autotune",
