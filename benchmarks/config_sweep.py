@@ -13,7 +13,7 @@ data, within the declared tolerance for those that sum); one that disagrees neve
 every block size and warp count. Kernel times from one CUPTI profile per group
 (``benchmarks/kernel_timer.py``). Writes ``DIR/sweep_<part>.json``; ``--table`` turns mover
 sweeps into the shipped tables of default configs, one per device the sweeps ran on
-(``te_jax_perm/ops/mover_defaults_sm90.json``).
+(``te_jax_perm/ops/permute/mover_defaults_sm90.json``).
 """
 from __future__ import annotations
 
@@ -190,8 +190,8 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
             case = next(c for c in cases.CASES if c.name == case_name)
             built = case.build(p, "triton")
             operands, params = capture_operands(built.fn, built.args, kname)
-            from te_jax_perm.ops import permute_decl
-            decl = getattr(permute_decl, kname).decl
+            from te_jax_perm.ops.permute import decl as movers
+            decl = getattr(movers, kname).decl
             call = bind_call(decl, operands, params, "triton")
             default = decl.default_config(call.dims, call.params)
             want = [np.asarray(o) for o in jax.jit(lambda ops: triton_call(configure(call, default), ops))(operands)]
@@ -302,9 +302,9 @@ def sweep_rowmap(budget_s: float, calls: int, log) -> list[dict]:
     from benchmarks.workloads import topk_routing
     from te_jax_perm.core import Config
     from te_jax_perm.core.launch import bind_call, configure
-    from te_jax_perm.ops.row_id_map import make_row_id_map
-    from te_jax_perm.ops.row_id_map_decl import (num_blocks, row_id_map_block_counts, row_id_map_fill,
-                                                 row_id_map_fused)
+    from te_jax_perm.ops.row_id_map.api import make_row_id_map
+    from te_jax_perm.ops.row_id_map.decl import row_id_map_block_counts, row_id_map_fill, row_id_map_fused
+    from te_jax_perm.ops.row_id_map.reference import num_blocks
     rows, t0 = [], time.monotonic()
     rng = np.random.default_rng(0)
     # Compile everything first: E and the block size are compiled in, T is not.
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="")
     ap.add_argument("--table", nargs="*", default=None, metavar="SWEEP_JSON",
                     help="rebuild the movers' default table of each device these sweep files were "
-                         "measured on, in te_jax_perm/ops/mover_defaults_sm90.json (other devices' "
+                         "measured on, in te_jax_perm/ops/permute/mover_defaults_sm90.json (other devices' "
                          "tables kept), and exit")
     ap.add_argument("--kernels", default="", help="comma-separated kernel names: the four movers (the default) and row_owner")
     ap.add_argument("--tokens", default="", help="comma-separated token counts replacing each shape's T "
@@ -382,9 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=5)
     args = ap.parse_args(argv)
     if args.table is not None:
-        from te_jax_perm.ops import permute_decl
-        tables = default_tables(args.table, permute_decl.shipped_tables())
-        with open(permute_decl.DEFAULTS_TABLE, "w") as f:
+        from te_jax_perm.ops.permute import decl as movers
+        tables = default_tables(args.table, movers.shipped_tables())
+        with open(movers.DEFAULTS_TABLE, "w") as f:
             json.dump(tables, f, indent=1)
             f.write("\n")
         return 0

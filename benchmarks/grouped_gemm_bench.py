@@ -19,7 +19,9 @@ import numpy as np
 
 from te_jax_perm import cli
 from te_jax_perm.core import Config
-from te_jax_perm.ops import grouped_gemm_triton as gg
+from te_jax_perm.ops.grouped_gemm import decl as D
+from te_jax_perm.ops.grouped_gemm.api import grouped_gemm_triton
+from te_jax_perm.ops.grouped_gemm.reference import grouped_gemm_reference
 
 _OUT = flags.DEFINE_string("out", "/tmp/grouped_gemm_bench", "Directory for grouped_gemm.json.")
 _BUDGET = flags.DEFINE_float("budget_s", 300.0, "Stop starting new shapes after this many seconds.")
@@ -79,20 +81,20 @@ def main(argv):
         sizes = jnp.asarray(_group_sizes(m, g, rng))
         flops = 2.0 * m * k * n
         r["dense_ms"] = _time_ms(jax.jit(lambda a, b: a @ b), lhs, rhs[0])
-        fwd = jax.jit(lambda a, b, s: gg.grouped_gemm_triton(a, b, s, backend="triton"))
+        fwd = jax.jit(lambda a, b, s: grouped_gemm_triton(a, b, s, backend="triton"))
         r["ours_fwd_ms"] = _time_ms(fwd, lhs, rhs, sizes)
-        ref = jax.jit(gg.grouped_gemm_reference)(lhs[:4096], rhs, jnp.minimum(sizes, 0).at[0].set(4096))
+        ref = jax.jit(grouped_gemm_reference)(lhs[:4096], rhs, jnp.minimum(sizes, 0).at[0].set(4096))
         ours = fwd(lhs[:4096], rhs, jnp.minimum(sizes, 0).at[0].set(4096))
         r["check_max_abs_err"] = float(jnp.max(jnp.abs(ours.astype(jnp.float32) - ref.astype(jnp.float32))))
-        fb = jax.jit(lambda a, b, s, d: jax.vjp(lambda x, y: gg.grouped_gemm_triton(x, y, s, backend="triton"), a, b)[1](d))
+        fb = jax.jit(lambda a, b, s, d: jax.vjp(lambda x, y: grouped_gemm_triton(x, y, s, backend="triton"), a, b)[1](d))
         r["ours_bwd_ms"] = _time_ms(fb, lhs, rhs, sizes, dout)
         if _SWEEP.value:
             r["sweep_fwd_ms"] = {}
             for cfg in SWEEP:
-                if gg._grouped_gemm.decl.violated({"M": m, "C": k, "D": n, "G": g}, {"elem_bytes": 2}, cfg):
+                if D.grouped_gemm.decl.violated({"M": m, "C": k, "D": n, "G": g}, {"elem_bytes": 2}, cfg):
                     continue
-                f = jax.jit(lambda a, b, s, cfg=cfg: gg._grouped_gemm(a, b, s, backend="triton", config=cfg,
-                                                                      elem_bytes=2)[0])
+                f = jax.jit(lambda a, b, s, cfg=cfg: D.grouped_gemm(a, b, s, backend="triton", config=cfg,
+                                                                    elem_bytes=2)[0])
                 try:
                     r["sweep_fwd_ms"][str(cfg)] = _time_ms(f, lhs, rhs, sizes, reps=5)
                 except Exception as e:  # a config that fails to compile is a finding, not a crash

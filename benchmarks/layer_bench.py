@@ -50,7 +50,7 @@ from benchmarks import trace_stats
 from benchmarks.shapes import by_substrings
 from examples import moe_permute as example
 from te_jax_perm.core import resolve_backend
-from te_jax_perm.ops.grouped_gemm import default_impl, grouped_matmul, tokamax_available
+from te_jax_perm.ops.grouped_gemm.api import default_impl, grouped_matmul, tokamax_available
 
 TARGET_STEP_OVER_GEMM = 1.5          # at DeepSeek-V3 and Qwen3 (H100)
 TARGET_MODELS = ("DeepSeek-V3", "Qwen3")

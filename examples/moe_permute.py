@@ -32,7 +32,7 @@ import numpy as np
 import te_jax_perm
 from te_jax_perm import cli
 from te_jax_perm.core import resolve_backend
-from te_jax_perm.ops.grouped_gemm import default_impl
+from te_jax_perm.ops.grouped_gemm.api import default_impl
 
 flags.DEFINE_integer("tokens", 256, "tokens T in the batch")
 flags.DEFINE_integer("hidden", 128, "hidden size H of each token")

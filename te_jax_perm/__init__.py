@@ -10,22 +10,22 @@ from te_jax_perm.core.audit import audit_aliases
 from te_jax_perm.core.backends import BACKENDS, BackendUnavailableError, use_backend
 
 _LAZY = {
-    # ops/dispatch.py: the TE-compatible high-level API
-    "token_dispatch": "te_jax_perm.ops.dispatch",
-    "token_combine": "te_jax_perm.ops.dispatch",
-    "sort_chunks_by_index": "te_jax_perm.ops.chunk_sort",
-    "sort_chunks_by_index_with_probs": "te_jax_perm.ops.chunk_sort",
+    # the TE-compatible high-level API
+    "token_dispatch": "te_jax_perm.ops.permute.api",
+    "token_combine": "te_jax_perm.ops.permute.api",
+    "sort_chunks_by_index": "te_jax_perm.ops.chunk_sort.api",
+    "sort_chunks_by_index_with_probs": "te_jax_perm.ops.chunk_sort.api",
     # lower-level primitives
-    "make_row_id_map": "te_jax_perm.ops.row_id_map",
-    "permute_with_mask_map": "te_jax_perm.ops.permute",
-    "unpermute_with_mask_map": "te_jax_perm.ops.permute",
-    "make_chunk_sort_map": "te_jax_perm.ops.chunk_sort",
-    "sort_chunks_by_map": "te_jax_perm.ops.chunk_sort",
+    "make_row_id_map": "te_jax_perm.ops.row_id_map.api",
+    "permute_with_mask_map": "te_jax_perm.ops.permute.api",
+    "unpermute_with_mask_map": "te_jax_perm.ops.permute.api",
+    "make_chunk_sort_map": "te_jax_perm.ops.chunk_sort.api",
+    "sort_chunks_by_map": "te_jax_perm.ops.chunk_sort.api",
     # routing formats: top-k indices <-> routing maps
     "topk_to_routing_map": "te_jax_perm.ops.routing",
     "routing_map_to_topk": "te_jax_perm.ops.routing",
     # expert GEMMs over the dispatched rows
-    "grouped_matmul": "te_jax_perm.ops.grouped_gemm",
+    "grouped_matmul": "te_jax_perm.ops.grouped_gemm.api",
     # sanitizer and autotuner entry points
     "sanitize": "te_jax_perm.sanitize",
     "autotune": "te_jax_perm.autotune",

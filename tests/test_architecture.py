@@ -1,7 +1,8 @@
-"""The layout rules, checked on the source: core imports nothing above it, one module orders
-kernel arguments, one reads the output-init rule, plug-ins register through core.hooks, no
-module imports another's private names, only core/env.py reads the environment, and the
-library's environment variables reject values they do not know."""
+"""The layout rules, checked on the source: core imports nothing above it, every op is a package
+of one file set whose references and declarations import no API, one module orders kernel
+arguments, one reads the output-init rule, plug-ins register through core.hooks, no module
+imports another's private names, only core/env.py reads the environment, and the library's
+environment variables reject values they do not know."""
 import ast
 import dataclasses
 import os
@@ -48,6 +49,42 @@ def test_core_imports_nothing_above_it():
     assert not bad, "\n".join(bad)
 
 
+# What each op package of te_jax_perm/ops/ holds: the public functions with their VJPs, the
+# kernel declarations, the pure-JAX references. Kernel sources live in te_jax_perm/kernels/.
+OP_FILES = {"__init__.py", "api.py", "decl.py", "reference.py"}
+# Within and across ops, imports go api -> decl -> reference, never back.
+_IMPORTS_NO = {"reference": ("decl", "api"), "decl": ("api",)}
+
+
+def _op_packages():
+    return sorted(p for p in (PKG / "ops").iterdir() if (p / "__init__.py").exists())
+
+
+def test_every_op_package_has_the_same_files():
+    packages = _op_packages()
+    assert {p.name for p in packages} >= {"permute", "row_id_map", "chunk_sort", "grouped_gemm"}
+    bad = [f"te_jax_perm/ops/{p.name}/ holds {sorted(f.name for f in p.glob('*.py'))}; expected {sorted(OP_FILES)}"
+           for p in packages
+           if {f.name for f in p.glob("*.py")} != OP_FILES or any(d.is_dir() for d in p.glob("[!_]*"))]
+    assert not bad, "\n".join(bad)
+
+
+def test_op_references_and_declarations_import_no_api():
+    ops = {p.name for p in _op_packages()}
+    bad = []
+    for rel, tree in _modules():
+        parts = rel.split("/")
+        if len(parts) != 4 or parts[1] != "ops" or parts[2] not in ops:
+            continue
+        kind = parts[3][:-3]
+        for mod in _imported_modules(tree):
+            tail = mod.split(".")
+            if (len(tail) >= 4 and tail[:2] == ["te_jax_perm", "ops"] and tail[2] in ops
+                    and tail[3] in _IMPORTS_NO.get(kind, ())):
+                bad.append(f"{rel} imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
 def _attribute_uses(tree, names):
     return [(node.attr, node.lineno) for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in names]
 
@@ -90,14 +127,16 @@ def test_no_module_touches_another_modules_privates():
 
 def _private_imports(rel: str, source: str):
     """``from m import _name`` in file ``rel`` where ``_name`` is another module's private
-    name (a private module of the importer's own package is that package's business)."""
+    name (a private module of the importer's package, or of a package enclosing it, is that
+    package's business)."""
     own = pathlib.PurePosixPath(rel).parent.as_posix().replace("/", ".")
     for node in ast.walk(ast.parse(source, rel)):
         if not isinstance(node, ast.ImportFrom) or not node.module or node.level:
             continue
         for a in node.names:
             private = a.name.startswith("_") and not a.name.startswith("__")
-            if private and not (node.module == own and (ROOT / own.replace(".", "/") / f"{a.name}.py").exists()):
+            enclosing = own == node.module or own.startswith(node.module + ".")
+            if private and not (enclosing and (ROOT / node.module.replace(".", "/") / f"{a.name}.py").exists()):
                 yield f"{rel}:{node.lineno} from {node.module} import {a.name}"
 
 
@@ -109,10 +148,13 @@ def test_no_module_imports_another_modules_private_names():
 
 
 def test_private_import_check_sees_one():
-    src = "from te_jax_perm.ops import _checks\nfrom te_jax_perm.ops.permute import _helper, segments\n"
-    assert list(_private_imports("te_jax_perm/ops/dispatch.py", src)) == [
-        "te_jax_perm/ops/dispatch.py:2 from te_jax_perm.ops.permute import _helper"]
+    src = "from te_jax_perm.ops import _checks\nfrom te_jax_perm.ops.permute.api import _helper, segments\n"
+    assert list(_private_imports("te_jax_perm/ops/permute/api.py", src)) == [
+        "te_jax_perm/ops/permute/api.py:2 from te_jax_perm.ops.permute.api import _helper"]
+    assert list(_private_imports("te_jax_perm/ops/routing.py", src)) == [
+        "te_jax_perm/ops/routing.py:2 from te_jax_perm.ops.permute.api import _helper"]
     assert list(_private_imports("benchmarks/run.py", src))[0].endswith("import _checks")
+    assert list(_private_imports("te_jax_perm/core/launch.py", src))[0].endswith("import _checks")
 
 
 def _environment_reads(tree):

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import te_jax_perm
 from te_jax_perm.core import Config
-from te_jax_perm.ops import chunk_sort_decl as cs
+from te_jax_perm.ops.chunk_sort import decl as cs
 from te_jax_perm.sanitize import sanitize
 from tests.conftest import KERNEL_BACKEND
 

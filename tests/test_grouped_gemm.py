@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import te_jax_perm
-from te_jax_perm.ops.grouped_gemm import (default_impl, grouped_matmul, grouped_matmul_reference,
-                                            tokamax_available)
+from te_jax_perm.ops.grouped_gemm.api import default_impl, grouped_matmul, tokamax_available
+from te_jax_perm.ops.grouped_gemm.reference import grouped_matmul_reference
 from tests.conftest import ON_GPU, top_k_routing
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -175,7 +175,7 @@ def test_default_impl_and_missing_tokamax():
 
 
 def test_tokamax_hint_says_what_is_true_on_each_python():
-    from te_jax_perm.ops.grouped_gemm import tokamax_install_hint
+    from te_jax_perm.ops.grouped_gemm.api import tokamax_install_hint
     old = tokamax_install_hint((3, 11))
     assert "Python 3.12 or newer" in old and "Python 3.11" in old and "installs nothing" in old
     assert "impl='triton'" in old and "pip install" not in old

@@ -1,22 +1,13 @@
-"""grouped_gemm_triton against a float64 NumPy per-group reference: values, VJP, edge group sizes."""
+"""grouped_gemm_triton against the float64 NumPy per-group reference (sizes clamped as documented):
+values, VJP, edge group sizes."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from te_jax_perm.ops import grouped_gemm_triton as gg
-
-
-def _np_grouped(lhs, rhs, sizes):
-    """Per-group matmul with the documented clamping: sizes to [0, M], running sum to M."""
-    m = lhs.shape[0]
-    out = np.zeros((m, rhs.shape[2]))
-    start = 0
-    for g, n in enumerate(sizes):
-        n = int(min(max(int(n), 0), m - start))
-        out[start:start + n] = lhs[start:start + n].astype(np.float64) @ rhs[g].astype(np.float64)
-        start += n
-    return out
+from te_jax_perm.ops.grouped_gemm import decl as D
+from te_jax_perm.ops.grouped_gemm.api import grouped_gemm_triton
+from te_jax_perm.ops.grouped_gemm.reference import clamped_group_sizes, grouped_matmul_reference
 
 
 def _np_grads(lhs, rhs, sizes, dout):
@@ -52,10 +43,10 @@ def test_values_and_vjp_match_numpy(backend, m, k, n, sizes):
     rhs = rng.standard_normal((len(sizes), k, n)).astype(np.float32)
     dout = rng.standard_normal((m, n)).astype(np.float32)
     gs = np.asarray(sizes, np.int32)
-    out, vjp = jax.vjp(lambda a, b: gg.grouped_gemm_triton(a, b, gs, backend=backend), lhs, rhs)
+    out, vjp = jax.vjp(lambda a, b: grouped_gemm_triton(a, b, gs, backend=backend), lhs, rhs)
     # TF32 tensor cores on GPU: the tolerance covers 10-bit mantissas over K <= 64 terms.
     tol = dict(rtol=2e-2, atol=5e-2)
-    np.testing.assert_allclose(np.asarray(out), _np_grouped(lhs, rhs, sizes), **tol)
+    np.testing.assert_allclose(np.asarray(out), grouped_matmul_reference(lhs, rhs, sizes), **tol)
     dlhs, drhs = vjp(dout)
     ref_dlhs, ref_drhs = _np_grads(lhs, rhs, sizes, dout)
     np.testing.assert_allclose(np.asarray(dlhs), ref_dlhs, **tol)
@@ -67,9 +58,9 @@ def test_bf16_under_jit_with_traced_sizes(backend):
     lhs = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((4, 64, 128)) / 8, jnp.bfloat16)
     sizes = jnp.asarray([30, 0, 50, 10], jnp.int32)
-    out = jax.jit(lambda a, b, s: gg.grouped_gemm_triton(a, b, s, backend=backend))(lhs, rhs, sizes)
+    out = jax.jit(lambda a, b, s: grouped_gemm_triton(a, b, s, backend=backend))(lhs, rhs, sizes)
     assert out.dtype == jnp.bfloat16 and out.shape == (96, 128)
-    ref = _np_grouped(np.asarray(lhs, np.float32), np.asarray(rhs, np.float32), [30, 0, 50, 10])
+    ref = grouped_matmul_reference(np.asarray(lhs, np.float32), np.asarray(rhs, np.float32), [30, 0, 50, 10])
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=2e-2, atol=5e-2)
     assert not np.asarray(out[90:]).any()  # rows past the groups are zeros, not poison
 
@@ -81,27 +72,26 @@ def test_every_config_of_the_space_is_correct_on_the_kernel_backend(kernel_backe
     lhs = rng.standard_normal((150, 64)).astype(np.float32)
     rhs = rng.standard_normal((3, 64, 128)).astype(np.float32)
     sizes = np.asarray([70, 1, 60], np.int32)
-    ref = _np_grouped(lhs, rhs, sizes)
+    ref = grouped_matmul_reference(lhs, rhs, sizes)
     seen = set()
-    for cfg in gg._grouped_gemm.decl.configs:
+    for cfg in D.grouped_gemm.decl.configs:
         key = (cfg.kw["BM"], cfg.kw["BN"], cfg.kw["BK"])
-        if key in seen or gg._grouped_gemm.decl.violated({"M": 150, "C": 64, "D": 128, "G": 3},
-                                                           {"elem_bytes": 4}, cfg):
+        if key in seen or D.grouped_gemm.decl.violated({"M": 150, "C": 64, "D": 128, "G": 3}, {"elem_bytes": 4}, cfg):
             continue  # warps/stages don't change the tiling; pruned configs never run
         seen.add(key)
-        (out,) = gg._grouped_gemm(lhs, rhs, sizes, backend=kernel_backend, config=cfg, elem_bytes=4)
+        (out,) = D.grouped_gemm(lhs, rhs, sizes, backend=kernel_backend, config=cfg, elem_bytes=4)
         np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-2, atol=5e-2, err_msg=str(cfg))
 
 
 def test_shape_errors_name_the_argument():
-    with pytest.raises(ValueError, match=r"rhs has shape \(2, 8, 4\); expected \(G=3, K=16"):
-        gg.grouped_gemm_triton(jnp.zeros((4, 16)), jnp.zeros((2, 8, 4)), jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match=r"rhs has shape \(2, 8, 4\); expected \[G, 16, N\]"):
+        grouped_gemm_triton(jnp.zeros((4, 16)), jnp.zeros((2, 8, 4)), jnp.zeros((3,), jnp.int32))
     with pytest.raises(TypeError, match="lhs has dtype float32 but rhs has bfloat16"):
-        gg.grouped_gemm_triton(jnp.zeros((4, 8)), jnp.zeros((1, 8, 4), jnp.bfloat16), jnp.zeros((1,), jnp.int32))
+        grouped_gemm_triton(jnp.zeros((4, 8)), jnp.zeros((1, 8, 4), jnp.bfloat16), jnp.zeros((1,), jnp.int32))
 
 
 def test_clamped_group_sizes():
-    got = gg.clamped_group_sizes(jnp.asarray([-3, 7, 2, 100], jnp.int32), 17)
+    got = clamped_group_sizes(jnp.asarray([-3, 7, 2, 100], jnp.int32), 17)
     np.testing.assert_array_equal(np.asarray(got), [0, 7, 2, 8])
 
 
@@ -110,8 +100,8 @@ def test_clamped_group_sizes():
 def test_default_configs_meet_their_own_constraints(elem_bytes, m, c, d):
     # fp32 operands double a tile's shared-memory bytes: the default must still fit.
     params = {"elem_bytes": elem_bytes}
-    for decl, dims in ((gg._grouped_gemm.decl, {"M": m, "C": c, "D": d, "G": 8}),
-                       (gg._grouped_gemm_rhs_t.decl, {"M": m, "C": d, "D": c, "G": 8}),
-                       (gg._grouped_gemm_wgrad.decl, {"M": m, "K": c, "N": d, "G": 8})):
+    for decl, dims in ((D.grouped_gemm.decl, {"M": m, "C": c, "D": d, "G": 8}),
+                       (D.grouped_gemm_rhs_t.decl, {"M": m, "C": d, "D": c, "G": 8}),
+                       (D.grouped_gemm_wgrad.decl, {"M": m, "K": c, "N": d, "G": 8})):
         cfg = decl.default_config(dims, params)
         assert [why for check in decl.constraints if (why := check(dims, params, cfg))] == [], (decl.name, cfg)

@@ -8,7 +8,7 @@ import pytest
 
 import te_jax_perm
 from te_jax_perm.core import Config
-from te_jax_perm.ops import permute_decl as D
+from te_jax_perm.ops.permute import decl as D
 from tests import numpy_reference as ref
 from tests.conftest import routing
 
@@ -247,7 +247,7 @@ def _sm90_ptx(decl, dims, params, dtypes):
 
 def _row_kernels():
     from benchmarks.copy_baseline import device_copy_primitive
-    from te_jax_perm.ops import chunk_sort_decl as cs
+    from te_jax_perm.ops.chunk_sort import decl as cs
     idx = {"row_id_map": "int32", "pad_offsets": "int32", "owner": "int32"}
     rows = {"T": 4096, "E": 256, "W": 513, "N": 4096 * 8, "R": 4096 * 8}
     scatter = {"num_out_rows": 4096 * 8, "padded": True}
@@ -296,7 +296,7 @@ def test_device_copy_full_and_ragged_tiles(kernel_backend, n):
 def test_numpy_row_id_map_reference_matches_make_row_id_map():
     """The NumPy run of ``row_id_map_reference`` (autotuning trial operands) is the map the
     kernels build, and the independent loop reference's."""
-    from te_jax_perm.ops.row_id_map import row_id_map_reference
+    from te_jax_perm.ops.row_id_map.reference import row_id_map_reference
     rng = np.random.default_rng(3)
     rm = routing(rng, 13, 6, 3, "skew")
     for drop_at in (int(rm.sum()), 7, 0):
@@ -475,7 +475,7 @@ def test_xla_references_need_no_token_expert_row_tensor(case):
 
 def test_default_configs_read_the_table_at_the_nearest_token_count_and_slice_small_t(monkeypatch):
     from te_jax_perm.core import Config
-    from te_jax_perm.ops import permute_decl as D
+    from te_jax_perm.ops.permute import decl as D
     a = Config.make(num_warps=1, BLOCK_H=512, ROWS=1)
     b = Config.make(num_warps=4, num_stages=2, BLOCK_H=4096, ROWS=2)
     monkeypatch.setattr(D, "_table", lambda: {"unpermute_weighted": {"4096": {"64": a.to_json(), "8192": b.to_json()}}})
@@ -505,7 +505,7 @@ def test_default_configs_read_the_table_at_the_nearest_token_count_and_slice_sma
 
 
 def test_defaults_come_from_the_devices_own_table_else_the_first_shipped(monkeypatch):
-    from te_jax_perm.ops import permute_decl as D
+    from te_jax_perm.ops.permute import decl as D
     shipped = D.shipped_tables()
     assert "NVIDIA H100 80GB HBM3" in shipped
     movers = {"permute_probs", "unpermute_weighted", "permute_bwd_probs", "unpermute_bwd_weighted"}
@@ -526,7 +526,7 @@ def test_defaults_come_from_the_devices_own_table_else_the_first_shipped(monkeyp
 def test_the_unread_pad_operand_stays_a_constant_buffer(e):
     """Unpadded launches pass a ``pad`` operand no kernel reads; XLA must keep it a constant
     of the program, not rewrite it into a broadcast or iota kernel launched on every call."""
-    from te_jax_perm.ops.permute import unread_pad
+    from te_jax_perm.ops.permute.api import unread_pad
     f = jax.jit(lambda x: x + jax.lax.optimization_barrier(jnp.asarray(unread_pad(e))))
     hlo = f.lower(jnp.zeros((e,), jnp.int32)).compile().as_text()
     assert "iota(" not in hlo and "broadcast(" not in hlo, hlo

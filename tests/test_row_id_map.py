@@ -81,7 +81,7 @@ def test_row_id_map_negative_budget():
 def test_map_plan_is_the_measured_one_and_keeps_block_counts():
     """At a measured (T, E) the plan is the fastest one measured; elsewhere it keeps the
     nearest measured plan's number of blocks (tokens per block a power of two, at most 128)."""
-    from te_jax_perm.ops import row_id_map_decl as D
+    from te_jax_perm.ops.row_id_map import decl as D
     for (t, e), (single, bt, warps) in D._MAP_PLANS.items():
         assert D.map_plan(t, e) == D.MapPlan(single or -(-t // bt) <= 1, bt, warps)
     for t, e in [(1, 1), (3, 7), (100, 200), (8192, 64), (65536, 384), (10**6, 8)]:
@@ -100,7 +100,8 @@ def test_dispatch_map_is_the_padded_map_and_its_row_owners(kernel_backend, t, e,
     # The dispatch's map build against the three steps it replaces: the plain map, its
     # destinations shifted by the padding, and row_owner of the result; also with fewer
     # output rows than the padded layout needs (owner entries past the buffer are dropped).
-    from te_jax_perm.ops import permute_decl, row_id_map_decl as M
+    from te_jax_perm.ops.permute import decl as movers
+    from te_jax_perm.ops.row_id_map import decl as M, reference as R
     rm = routing(np.random.default_rng(seed), t, e, k, mode)
     n = int(rm.sum() * budget)
     rows = max(0, n + e * (align - 1) + extra_rows)
@@ -112,18 +113,17 @@ def test_dispatch_map_is_the_padded_map_and_its_row_owners(kernel_backend, t, e,
         rid, kept, owner = M.dispatch_map_fill(rm, counts, **kw)
     plain, want_kept = te_jax_perm.make_row_id_map(rm, n, backend="xla")
     dest, ex = np.asarray(plain)[:, :e], np.asarray(plain)[:, e:2 * e]
-    pad = np.asarray(M.pad_offsets_of(np.asarray(want_kept), align, np))
+    pad = np.asarray(R.pad_offsets_of(np.asarray(want_kept), align, np))
     want = np.asarray(plain).copy()
     want[:, :e] = np.where(dest >= 0, dest + pad[np.clip(ex, 0, e - 1)], dest)
     np.testing.assert_array_equal(np.asarray(rid), want)
     np.testing.assert_array_equal(np.asarray(kept), np.asarray(want_kept))
-    (want_owner,) = permute_decl.row_owner(want, np.zeros(e, np.int32), backend="xla", num_out_rows=rows,
-                                           padded=False)
+    (want_owner,) = movers.row_owner(want, np.zeros(e, np.int32), backend="xla", num_out_rows=rows, padded=False)
     np.testing.assert_array_equal(np.asarray(owner), np.asarray(want_owner))
 
 
 def test_dispatch_map_rejects_rows_past_int32():
-    from te_jax_perm.ops import row_id_map_decl as M
+    from te_jax_perm.ops.row_id_map import decl as M
     rm = np.ones((4, 8), bool)
     with pytest.raises(ValueError, match="align_size = 2147483647"):
         M.dispatch_map_fused(rm, backend="xla", block_t=4, drop_at=32, align=2**31 - 1, num_out_rows=32)

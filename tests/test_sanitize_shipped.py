@@ -116,7 +116,7 @@ def run_row_id_map(T, E, k, routing, *, drop=0, single_pass=False, seed=0):
 
 def run_grouped_gemm(M, K, N, sizes, seed=0):
     """The expert grouped GEMM forward and backward (input and weight gradients)."""
-    from te_jax_perm.ops.grouped_gemm_triton import grouped_gemm_triton
+    from te_jax_perm.ops.grouped_gemm.api import grouped_gemm_triton
 
     rng = np.random.default_rng(seed)
     lhs = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)

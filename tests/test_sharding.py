@@ -65,8 +65,8 @@ def test_undeclared_axis_is_replicated(partitioner):
 
 def _group_dispatch_combine(x, routing_map, probs, backend):
     """Per routing group: dispatch by expert, scale rows, combine back."""
-    from te_jax_perm.ops.permute import permute_with_mask_map, unpermute_with_mask_map
-    from te_jax_perm.ops.row_id_map import make_row_id_map
+    from te_jax_perm.ops.permute.api import permute_with_mask_map, unpermute_with_mask_map
+    from te_jax_perm.ops.row_id_map.api import make_row_id_map
     n = x.shape[0] * 2
     rid, kept = make_row_id_map(routing_map, num_out_tokens=n, backend=backend)
     rows, _ = permute_with_mask_map(x, rid, kept, n, backend=backend)
@@ -93,7 +93,7 @@ def test_vmapped_dispatch_combine_is_shard_local(partitioner):
 
 @multidevice
 def test_vmapped_chunk_sort_is_shard_local_and_differentiable(partitioner):
-    from te_jax_perm.ops.chunk_sort import sort_chunks_by_index
+    from te_jax_perm.ops.chunk_sort.api import sort_chunks_by_index
     g, n, h, c = 8, 20, 8, 5
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((g, n, h)), jnp.float32)

@@ -247,7 +247,7 @@ MESHES = [((2, 2), ("dp", "tpsp"), "dp"), ((2, 2, 2), ("dp", "fsdp", "tpsp"), "d
 @pytest.mark.parametrize("align", [None, 8])
 def test_token_sharded_dispatch_and_combine_are_local(partitioner, mesh_shape, mesh_axes, token_axes, align):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from te_jax_perm.ops.dispatch import local_budget
+    from te_jax_perm.ops.permute.api import local_budget
 
     t, e, h, k = 64, 4, 32, 2
     rm = _routing(t, e, k)

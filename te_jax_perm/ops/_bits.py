@@ -1,4 +1,4 @@
-"""Pure row moves carry bits, not values.
+"""Shared by every op that moves rows (permute, chunk sort): pure row moves carry bits, not values.
 
 Every row move (dispatch forward, chunk sorts) runs on unsigned integers of the rows' byte
 width and views the result back: bit-exact for every bit pattern on every backend (XLA on

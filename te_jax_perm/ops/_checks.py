@@ -1,4 +1,4 @@
-"""Argument checks shared by the permutation ops.
+"""Argument checks shared by every op, so that each error reads the same way.
 
 Every message names the argument, the shape (or dtype/value) seen and what was expected.
 Values are checked through :func:`te_jax_perm.core.checks.check_values`: concrete ones at
@@ -52,6 +52,12 @@ def _dt(x: Any) -> np.dtype:
 def check_rank(name: str, x: Any, ranks: Sequence[int], expected: str) -> None:
     if x.ndim not in ranks:
         raise ValueError(f"{name} has shape {tuple(x.shape)} (rank {x.ndim}); expected {expected}")
+
+
+def flatten_rows(name: str, x: Any, rows: str, last: str) -> Any:
+    """``x`` of shape ``[rows, last]``, or ``[B, S, last]`` flattened to ``B*S`` rows."""
+    check_rank(name, x, (2, 3), f"[{rows}, {last}] or [B, S, {last}]")
+    return x.reshape(-1, x.shape[-1]) if x.ndim == 3 else x
 
 
 def check_shape(name: str, x: Any, shape: tuple[int, ...], expected: str | None = None) -> None:

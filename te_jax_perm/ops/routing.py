@@ -1,4 +1,6 @@
-"""Routing formats: top-k expert indices ``[T, k]`` and routing maps ``[T, E]``.
+"""Routing formats for the ops' callers: plain JAX with no kernel, so a module, not an op package.
+
+Top-k expert indices ``[T, k]`` and routing maps ``[T, E]``.
 
 Routers usually produce top-k indices (``jax.lax.top_k``); the ops take a routing map, as
 TransformerEngine's do. These convert between the two.

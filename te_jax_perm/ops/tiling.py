@@ -1,4 +1,4 @@
-"""Tile arithmetic shared by every kernel declaration: powers of two and register budgets.
+"""Tile arithmetic shared by every op's kernel declarations: powers of two and register budgets.
 
 Triton's ``tl.arange`` needs power-of-two extents, so block sizes are powers of two and
 row widths, chunk and expert counts are rounded up to one; autotuning keys bucket sizes

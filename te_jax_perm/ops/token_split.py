@@ -1,4 +1,6 @@
-"""The token-axis rule: a token-sharded dispatch or combine runs as independent local calls.
+"""The ops' token-axis sharding rule: a rule with no kernel, so a module, not an op package.
+
+A token-sharded dispatch or combine runs as independent local calls.
 
 Data- and FSDP-parallel meshes shard tokens. Routing is data-dependent (a token's row
 depends on every earlier token), so there is no sharding of one global dispatch that

@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from te_jax_perm.ops.chunk_sort import sort_chunks_by_index, sort_chunks_by_map
-from te_jax_perm.ops.grouped_gemm import grouped_matmul
-from te_jax_perm.ops.permute import permute_with_mask_map, unpermute_with_mask_map
-from te_jax_perm.ops.row_id_map import make_row_id_map
+from te_jax_perm.ops.chunk_sort.api import sort_chunks_by_index, sort_chunks_by_map
+from te_jax_perm.ops.grouped_gemm.api import grouped_matmul
+from te_jax_perm.ops.permute.api import permute_with_mask_map, unpermute_with_mask_map
+from te_jax_perm.ops.row_id_map.api import make_row_id_map
 from te_jax_perm.parallel.a2a_support import resolve_a2a
 from te_jax_perm.parallel.exchange import return_rows, send_rows
 from te_jax_perm.parallel.shard_map_compat import shard_map

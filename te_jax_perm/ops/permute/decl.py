@@ -2,9 +2,9 @@
 
 Six kernels over two bodies (see :mod:`te_jax_perm.kernels.permute`): the scatters
 ``permute``, ``permute_probs`` and ``unpermute_bwd_weighted``; the gathers ``unpermute``,
-``unpermute_weighted`` and ``permute_bwd_probs``. Their references are in
-:mod:`te_jax_perm.ops.permute_reference`; the public API and VJP rules in
-:mod:`te_jax_perm.ops.permute`.
+``unpermute_weighted`` and ``permute_bwd_probs``; and ``row_owner``, the writer of each
+output row. Their references are in :mod:`te_jax_perm.ops.permute.reference`; the public
+API and VJP rules in :mod:`te_jax_perm.ops.permute.api`.
 """
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ import numpy as np
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.core.sharding import Partitioning
 from te_jax_perm.kernels import permute as K
-from te_jax_perm.ops import permute_reference as R
-from te_jax_perm.ops.row_id_map import row_id_map_reference
-from te_jax_perm.ops.row_id_map_decl import pad_offsets_of
+from te_jax_perm.ops.permute import reference as R
+from te_jax_perm.ops.row_id_map.reference import pad_offsets_of, row_id_map_reference
 from te_jax_perm.ops.tiling import MAX_TILE, expert_lanes, next_pow2, not_pow2, pow2_at_most, tile_too_large
 
 FILL_ROWS = 16  # output rows per zero-fill program (only rows no token writes are touched)

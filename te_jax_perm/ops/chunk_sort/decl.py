@@ -3,84 +3,24 @@ gather by a map.
 
 Map convention: int32 ``[N]`` each, ``row_id_map`` the output row of each input row and
 ``src_map`` the input row of each output row, ``-1`` where there is none (see
-:mod:`te_jax_perm.kernels.chunk_sort`). The public API and VJP rules are in
-:mod:`te_jax_perm.ops.chunk_sort`.
+:mod:`te_jax_perm.kernels.chunk_sort`). Their references are in
+:mod:`te_jax_perm.ops.chunk_sort.reference`; the public API and VJP rules in
+:mod:`te_jax_perm.ops.chunk_sort.api`.
 """
 from __future__ import annotations
 
-from types import ModuleType
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.core.sharding import Partitioning
 from te_jax_perm.kernels import chunk_sort as K
+from te_jax_perm.ops.chunk_sort.reference import (chunk_maps_reference, chunk_sort_map_reference,
+                                                  chunk_sort_plan_reference, gather_rows_reference)
 from te_jax_perm.ops.tiling import next_pow2, pow2_bucket, tile_too_large
 
 # Chunk tables are padded to at least 16 lanes: no size-1 aranges, friendlier layouts.
 MIN_LANES = 16
 MAX_CHUNKS = 2048
-
-
-# --------------------------------------------------------------------------------------
-# Row maps: int32 [N] each, the output row of each input row and the input row of each
-# output row, -1 where there is none.
-# --------------------------------------------------------------------------------------
-def chunk_sort_plan_reference(split_sizes, sorted_indices, *, num_tokens: int, xp: ModuleType = jnp):
-    """The plan ``[PLAN_ROWS, C]`` int32 (rows in :mod:`te_jax_perm.kernels.chunk_sort`),
-    scratch rows included, exactly as the plan kernel writes it, in plain ``xp``."""
-    n, c = num_tokens, split_sizes.shape[0]
-    # Sizes clipped to [0, N], then summed saturating at N: int32 cannot overflow, and chunks
-    # are truncated where the input ends.
-    sizes = xp.clip(split_sizes, 0, n).astype(xp.int32)
-    if xp is np:
-        incl = np.minimum(np.cumsum(sizes.astype(np.int64)), n).astype(np.int32)
-    else:
-        incl = jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, n - a), sizes)
-    excl = xp.concatenate([xp.zeros((1,), xp.int32), incl[:-1]])
-    eff = incl - excl
-    # Each chunk is placed at the first position naming it; other positions are empty.
-    pos = xp.arange(c, dtype=xp.int32)
-    named = (sorted_indices >= 0) & (sorted_indices < c)
-    at = xp.where(named, sorted_indices, 0).astype(xp.int32)
-    code = _scatter_max(xp, xp.zeros((c,), xp.int32), at, xp.where(named, c - pos, 0).astype(xp.int32))
-    first = named & (c - code[at] == pos)
-    size_at = xp.where(first, eff[at], 0).astype(xp.int32)
-    out_incl = xp.cumsum(size_at).astype(xp.int32)
-    out_excl = out_incl - size_at
-    placed = code > 0
-    start = out_excl[xp.where(placed, c - code, 0)]
-    rows = (incl, xp.where(placed, start - excl, 0), placed.astype(xp.int32), out_incl,
-            xp.where(first, excl[at] - out_excl, 0), code, eff, excl, out_excl)
-    return (xp.stack([r.astype(xp.int32) for r in rows]),)
-
-
-def chunk_sort_map_reference(plan, *, num_tokens: int, xp: ModuleType = jnp):
-    """``(row_id_map, src_map)`` of a chunk sort from its plan, in plain ``xp``."""
-    c = plan.shape[1]
-    rows = xp.arange(num_tokens, dtype=xp.int32)
-    incl, out_incl = plan[int(K.INCL.value)], plan[int(K.OUT_INCL.value)]
-    chunk = xp.minimum(xp.searchsorted(incl, rows, side="right"), c - 1)
-    mapped = (rows < incl[-1]) & (plan[int(K.PLACED.value)][chunk] > 0)
-    dst = xp.where(mapped, rows + plan[int(K.DST_SHIFT.value)][chunk], -1)
-    pos = xp.minimum(xp.searchsorted(out_incl, rows, side="right"), c - 1)
-    src = xp.where(rows < out_incl[-1], rows + plan[int(K.SRC_SHIFT.value)][pos], -1)
-    return dst.astype(xp.int32), src.astype(xp.int32)
-
-
-def chunk_maps_reference(split_sizes, sorted_indices, *, num_tokens: int, xp: ModuleType = jnp):
-    """``(row_id_map, src_map)`` of a chunk sort, in plain ``xp``: plan, then maps."""
-    (plan,) = chunk_sort_plan_reference(split_sizes, sorted_indices, num_tokens=num_tokens, xp=xp)
-    return chunk_sort_map_reference(plan, num_tokens=num_tokens, xp=xp)
-
-
-def _scatter_max(xp: ModuleType, base, index, values):
-    if xp is np:
-        np.maximum.at(base, index, values)
-        return base
-    return base.at[index].max(values)
 
 
 def _map_params_check(dims, params) -> None:
@@ -191,20 +131,7 @@ def chunk_maps(split_sizes, sorted_indices, *, num_tokens: int, backend: str | N
     return chunk_sort_map(plan, backend=backend, config=config, num_tokens=num_tokens)
 
 
-# --------------------------------------------------------------------------------------
-# Row movement: a gather by a source map, with optional probs.
-# --------------------------------------------------------------------------------------
-def gather_rows_reference(inp, src_map, probs=None):
-    """Output row ``i`` = ``inp[src_map[i]]`` (and the same for probs), zero where
-    ``src_map[i]`` is outside ``[0, N)``, in plain JAX."""
-    mapped = (src_map >= 0) & (src_map < inp.shape[0])
-    src = jnp.where(mapped, src_map, 0)
-    outs = (jnp.where(mapped[:, None], inp[src], jnp.zeros((), inp.dtype)),)
-    if probs is not None:
-        outs += (jnp.where(mapped, probs[src], jnp.zeros((), probs.dtype)),)
-    return outs
-
-
+# -- the row movers: a gather by a source map, with optional probs ------------------------
 def _move_fits(dims, params, config: Config) -> str | None:
     kw = config.kw
     too_wide = kw["BLOCK_H"] > max(16, next_pow2(dims["H"]))

@@ -1,23 +1,21 @@
 """Kernel declarations of the row-id map build: per-block counts, fill, and the fused one-pass;
 and the dispatch's variants of the last two, which also pad and name each row's writer.
 
-The pure-JAX reference (the ``xla`` backend) is :func:`te_jax_perm.ops.row_id_map.row_id_map_reference`'s
-building block :func:`map_from_counts`, written once for NumPy and JAX alike so that the
-autotuner's trial operands come from the same code.
+Their pure-JAX references (the ``xla`` backend) are in :mod:`te_jax_perm.ops.row_id_map.reference`.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from types import ModuleType
-
 import jax.numpy as jnp
 import numpy as np
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels import row_id_map as K
 from te_jax_perm.ops._checks import INT32_MAX
-from te_jax_perm.ops.permute_reference import check_entry_ids, row_owner_reference
+from te_jax_perm.ops.permute.reference import check_entry_ids
+from te_jax_perm.ops.row_id_map import reference as R
+from te_jax_perm.ops.row_id_map.reference import block_sums, num_blocks, routed
 from te_jax_perm.ops.tiling import expert_lanes, pow2_at_most
 
 # How the map is built, by token and expert count: one launch or two, tokens per block,
@@ -70,10 +68,6 @@ def _sub_tokens(block_t: int, num_experts: int) -> int:
     return max(1, min(block_t, 2048 // expert_lanes(num_experts)))
 
 
-def num_blocks(t: int, block_t: int) -> int:
-    return -(-t // block_t)
-
-
 def _tile_constexprs(dims, params, config) -> dict:
     # E is compiled in (an exact key dim): routing rows become vector loads.
     e = dims["E"]
@@ -86,89 +80,6 @@ def _fill_constexprs(dims, params, config) -> dict:
     be = expert_lanes(dims["E"])
     ch = max(1, 8192 // be) if "NB" in dims else max(1, min(16384 // be, 32 * params["block_t"]))
     return {**_tile_constexprs(dims, params, config), "CH": ch}
-
-
-# -- the reference, for NumPy (trial operands) and JAX (the xla backend) ----------------------
-def routed(rm, xp: ModuleType = jnp):
-    return (rm != 0).astype(xp.int32)
-
-
-def block_sums(m, block_t: int, xp: ModuleType = jnp):
-    """Per-block column sums of the int32 [T, E] matrix ``m``: int32 [NB, E]."""
-    t, e = m.shape
-    nb = num_blocks(t, block_t)
-    return xp.pad(m, ((0, nb * block_t - t), (0, 0))).reshape(nb, block_t, e).sum(axis=1, dtype=xp.int32)
-
-
-def map_from_counts(rm, counts, block_t: int, drop_at: int, xp: ModuleType = jnp):
-    """``(row_id_map int32 [T, 2E+1], kept int32 [E])`` of routing map ``rm`` given its
-    per-block counts, exactly as the kernels build them (layout in ``kernels/row_id_map.py``)."""
-    t, e = rm.shape
-    m = routed(rm, xp)
-    nb = num_blocks(t, block_t)
-    within = (xp.cumsum(xp.pad(m, ((0, nb * block_t - t), (0, 0))).reshape(nb, block_t, e), axis=1)
-              .reshape(nb * block_t, e)[:t] - m)
-    totals = counts.sum(axis=0, dtype=xp.int32)
-    prefix = xp.cumsum(counts, axis=0, dtype=xp.int32) - counts
-    start = xp.cumsum(totals) - totals
-    dest = start[None, :] + prefix[xp.arange(t) // block_t] + within
-    is_routed = m > 0
-    cnt = m.sum(axis=1, dtype=xp.int32)
-    rank_r = xp.cumsum(m, axis=1) - m
-    rank_n = xp.cumsum(1 - m, axis=1) - (1 - m)
-    col = xp.where(is_routed, rank_r, cnt[:, None] + rank_n)
-    order = xp.argsort(col, axis=1)  # a permutation per row: ties cannot occur
-    vd = xp.where(is_routed & (dest < drop_at), dest, -1).astype(xp.int32)
-    ve = xp.where(is_routed, xp.arange(e, dtype=xp.int32)[None, :], -1)
-    rid = xp.concatenate([xp.take_along_axis(vd, order, 1), xp.take_along_axis(ve, order, 1).astype(xp.int32),
-                          cnt[:, None]], axis=1)
-    kept = xp.clip(drop_at - start, 0, totals).astype(xp.int32)
-    return rid, kept
-
-
-def padded_counts_of(kept, align: int):
-    """Each expert's ``kept`` rows rounded up to a multiple of ``align``."""
-    return (kept + align - 1) // align * align
-
-
-def pad_offsets_of(kept, align: int, xp: ModuleType = jnp):
-    """Padding rows before each expert when its ``kept`` rows are rounded up to multiples
-    of ``align`` (zeros for ``align == 1``)."""
-    padded = padded_counts_of(kept, align)
-    return ((xp.cumsum(padded) - padded) - (xp.cumsum(kept) - kept)).astype(xp.int32)
-
-
-def _owned(rid, kept, *, align, num_out_rows):
-    """The dispatch map's extras, in JAX: destinations shifted by the padding, and each of
-    ``num_out_rows`` rows' writing entry ``t*E + j + 1`` (0 for none), as the kernels write
-    them."""
-    e = kept.shape[0]
-    dest = rid[:, :e]
-    shifted = jnp.where(dest >= 0, dest + pad_offsets_of(kept, align)[jnp.clip(rid[:, e:2 * e], 0, e - 1)], dest)
-    rid = jnp.concatenate([shifted.astype(jnp.int32), rid[:, e:]], axis=1)
-    (owner,) = row_owner_reference(rid, jnp.zeros((e,), jnp.int32), num_out_rows=num_out_rows, padded=False)
-    return rid, kept, owner
-
-
-def _counts_reference(rm, *, block_t):
-    return (block_sums(routed(rm), block_t),)
-
-
-def _fill_reference(rm, counts, *, block_t, drop_at):
-    return map_from_counts(rm, counts, block_t, drop_at)
-
-
-def _fused_reference(rm, *, block_t, drop_at):
-    return map_from_counts(rm, block_sums(routed(rm), block_t), block_t, drop_at)
-
-
-def _dispatch_fill_reference(rm, counts, *, block_t, drop_at, align, num_out_rows):
-    return _owned(*map_from_counts(rm, counts, block_t, drop_at), align=align, num_out_rows=num_out_rows)
-
-
-def _dispatch_fused_reference(rm, *, block_t, drop_at, align, num_out_rows):
-    return _dispatch_fill_reference(rm, block_sums(routed(rm), block_t), block_t=block_t, drop_at=drop_at,
-                                    align=align, num_out_rows=num_out_rows)
 
 
 # -- autotuning trial operands ---------------------------------------------------------------
@@ -211,7 +122,7 @@ row_id_map_block_counts = declare(KernelDecl(
     outputs=(Output("counts", lambda dims, params: (num_blocks(dims["T"], params["block_t"]), dims["E"]),
                     lambda dtypes, params: jnp.int32),),
     params=("block_t",),
-    reference=_counts_reference,
+    reference=R.row_id_map_block_counts_reference,
     grid=lambda dims, params, config: (num_blocks(dims["T"], params["block_t"]),),
     scalars=lambda dims, params: {"T": dims["T"]},
     constexprs=_tile_constexprs,
@@ -236,7 +147,7 @@ _MAP_WRITER = dict(
 row_id_map_fill = declare(KernelDecl(
     name="row_id_map_fill", kernel=K.row_id_map_fill_kernel,
     operands=(_ROUTING, Operand("counts", ("NB", "E"), ("int32",))),
-    reference=_fill_reference,
+    reference=R.row_id_map_fill_reference,
     default_config=lambda dims, params: _plan_warps(dims),
     params_check=_fill_params_check,
     example_inputs=_fill_examples,
@@ -246,7 +157,7 @@ row_id_map_fill = declare(KernelDecl(
 row_id_map_fused = declare(KernelDecl(
     name="row_id_map_fused", kernel=K.row_id_map_fused_kernel,
     operands=(_ROUTING,),
-    reference=_fused_reference,
+    reference=R.row_id_map_fused_reference,
     default_config=lambda dims, params: _plan_warps(dims),
     example_inputs=lambda dims, params, dtypes, rng: (_example_routing(dims, dtypes, rng),),
     **_MAP_WRITER,
@@ -268,11 +179,11 @@ _DISPATCH_MAP = dict(
 dispatch_map_fill = declare(KernelDecl(
     name="dispatch_map_fill", kernel=K.dispatch_map_fill_kernel,
     operands=(_ROUTING, Operand("counts", ("NB", "E"), ("int32",))),
-    reference=_dispatch_fill_reference, example_inputs=_fill_examples, **_DISPATCH_MAP))
+    reference=R.dispatch_map_fill_reference, example_inputs=_fill_examples, **_DISPATCH_MAP))
 
 dispatch_map_fused = declare(KernelDecl(
     name="dispatch_map_fused", kernel=K.dispatch_map_fused_kernel,
     operands=(_ROUTING,),
-    reference=_dispatch_fused_reference,
+    reference=R.dispatch_map_fused_reference,
     example_inputs=lambda dims, params, dtypes, rng: (_example_routing(dims, dtypes, rng),),
     **_DISPATCH_MAP))

@@ -1,61 +1,22 @@
-"""``grouped_gemm_triton``: the MoE expert matmul as a Triton grouped GEMM, with its VJP.
+"""Kernel declarations of the grouped GEMM: the forward, the input gradient (``rhs`` read
+transposed in place) and the weight gradient (each group's rows reduced). One launch each,
+its tile schedule computed on the device from ``group_sizes``: nothing is densified.
 
-``lhs [M, K]`` holds rows grouped by expert (``token_dispatch``'s output layout),
-``rhs [G, K, N]`` one matrix per expert, ``group_sizes [G]`` int32 the rows of each expert
-(``tokens_per_expert``). Unlike XLA:GPU's ``lax.ragged_dot`` lowering, nothing is densified:
-each expert's rows are multiplied by its matrix only, in one launch whose tile schedule is
-computed on the device from ``group_sizes``.
-
-Semantics (all backends): group sizes are clamped to ``[0, M]`` and their running sum to
-``M``; rows past the last group give zero rows; the result has ``lhs``'s dtype and is
-accumulated in float32. The ``xla`` backend is ``lax.ragged_dot`` on the clamped sizes.
+Their references are :mod:`te_jax_perm.ops.grouped_gemm.reference`'s; the public API and VJP
+are in :mod:`te_jax_perm.ops.grouped_gemm.api`.
 """
 from __future__ import annotations
 
-import functools
-
-import jax
-import jax.numpy as jnp
 import triton
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels.grouped_gemm import grouped_gemm_kernel, grouped_gemm_wgrad_kernel
+from te_jax_perm.ops.grouped_gemm.reference import (grouped_gemm_reference, grouped_gemm_rhs_t_reference,
+                                                    grouped_gemm_wgrad_reference)
 
 _FLOATS = ("float16", "bfloat16", "float32")
 # Hopper has 227 KiB of shared memory per block; leave room for the epilogue.
 _SMEM_BYTES = 200 * 1024
-
-
-def clamped_group_sizes(group_sizes: jax.Array, rows: int) -> jax.Array:
-    """The group sizes every backend actually uses: each in [0, rows], their sum <= rows."""
-    sizes = jnp.clip(group_sizes.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32), 0, rows)
-    ends = jnp.minimum(jnp.cumsum(sizes), rows)
-    return jnp.diff(ends, prepend=0).astype(jnp.int32)
-
-
-def _ragged_dot(lhs, rhs, group_sizes):
-    sizes = clamped_group_sizes(group_sizes, lhs.shape[0])
-    return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32).astype(lhs.dtype)
-
-
-def grouped_gemm_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Pure-JAX ``grouped_gemm``: ``lhs [M,K]``, ``rhs [G,K,N]`` -> ``[M,N]``."""
-    return _ragged_dot(lhs, rhs, group_sizes)
-
-
-def grouped_gemm_rhs_t_reference(dout: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Pure-JAX input gradient: ``dout [M,N]`` times each ``rhs[g].T`` -> ``[M,K]``."""
-    return _ragged_dot(dout, jnp.swapaxes(rhs, 1, 2), group_sizes)
-
-
-def grouped_gemm_wgrad_reference(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array,
-                                 num_groups: int) -> jax.Array:
-    """Pure-JAX weight gradient: ``out[g] = lhs[rows of g].T @ dout[rows of g]`` -> ``[G,K,N]``."""
-    sizes = clamped_group_sizes(group_sizes, lhs.shape[0])
-    rhs0 = jnp.zeros((num_groups, lhs.shape[1], dout.shape[1]), jnp.float32)
-    _, vjp = jax.vjp(lambda r: jax.lax.ragged_dot(lhs.astype(jnp.float32), r, sizes), rhs0)
-    (grad,) = vjp(dout.astype(jnp.float32))
-    return grad.astype(lhs.dtype)
 
 
 def _smem_fits(tile_elems: int, stages: int, elem_bytes: int) -> bool:
@@ -148,18 +109,17 @@ def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
     )
 
 
-_grouped_gemm = declare(_mm_decl("grouped_gemm", trans_rhs=False))
-_grouped_gemm_rhs_t = declare(_mm_decl("grouped_gemm_rhs_t", trans_rhs=True))
+grouped_gemm = declare(_mm_decl("grouped_gemm", trans_rhs=False))
+grouped_gemm_rhs_t = declare(_mm_decl("grouped_gemm_rhs_t", trans_rhs=True))
 
-_grouped_gemm_wgrad = declare(KernelDecl(
+grouped_gemm_wgrad = declare(KernelDecl(
     name="grouped_gemm_wgrad",
     kernel=grouped_gemm_wgrad_kernel,
     operands=(Operand("lhs", ("M", "K"), _FLOATS), Operand("dout", ("M", "N"), _FLOATS),
               Operand("group_sizes", ("G",), ("int32",))),
     outputs=(Output("out", lambda dims, params: (dims["G"], dims["K"], dims["N"]),
                     lambda dtypes, params: dtypes["lhs"]),),
-    reference=lambda lhs, dout, group_sizes, elem_bytes: (
-        grouped_gemm_wgrad_reference(lhs, dout, group_sizes, group_sizes.shape[0]),),
+    reference=lambda lhs, dout, group_sizes, elem_bytes: (grouped_gemm_wgrad_reference(lhs, dout, group_sizes),),
     grid=lambda dims, params, config: (
         dims["G"] * triton.cdiv(dims["K"], config.kw["BK"]) * triton.cdiv(dims["N"], config.kw["BN"]),),
     constexprs=lambda dims, params, config: {"K": dims["K"], "N": dims["N"], "G": dims["G"],
@@ -173,59 +133,3 @@ _grouped_gemm_wgrad = declare(KernelDecl(
     **_SHARED,
 ))
 
-
-def _check(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> None:
-    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
-        raise ValueError(f"grouped_gemm_triton: expected lhs [M,K], rhs [G,K,N], group_sizes [G]; got lhs "
-                         f"{lhs.shape}, rhs {rhs.shape}, group_sizes {group_sizes.shape}")
-    if rhs.shape[1] != lhs.shape[1] or rhs.shape[0] != group_sizes.shape[0]:
-        raise ValueError(f"grouped_gemm_triton: rhs has shape {rhs.shape}; expected (G={group_sizes.shape[0]}, "
-                         f"K={lhs.shape[1]}, N) to match group_sizes {group_sizes.shape} and lhs {lhs.shape}")
-    if lhs.dtype != rhs.dtype:
-        raise TypeError(f"grouped_gemm_triton: lhs has dtype {lhs.dtype} but rhs has {rhs.dtype}; expected equal dtypes")
-
-
-def grouped_gemm_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                 backend: str | None = None) -> jax.Array:
-    """Grouped matmul: ``out[rows of g] = lhs[rows of g] @ rhs[g]``.
-
-    Args:
-      lhs: ``[M, K]`` float16/bfloat16/float32, rows grouped contiguously by group.
-      rhs: ``[G, K, N]``, same dtype as ``lhs``.
-      group_sizes: ``[G]`` int32, the rows of each group in order (may be traced). Sizes
-        are clamped to ``[0, M]`` and their running sum to ``M``.
-      backend: ``"triton"``, ``"interpret"`` or ``"xla"``; default as for every op.
-
-    Returns:
-      ``[M, N]`` in ``lhs.dtype`` (float32 accumulation); rows past the last group are zero.
-      Differentiable in ``lhs`` and ``rhs``.
-    """
-    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
-    _check(lhs, rhs, group_sizes)
-    return _grouped_gemm_vjp(lhs, rhs, group_sizes.astype(jnp.int32), backend)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped_gemm_vjp(lhs, rhs, group_sizes, backend):
-    return _fwd_only(lhs, rhs, group_sizes, backend)
-
-
-def _fwd_only(lhs, rhs, group_sizes, backend):
-    (out,) = _grouped_gemm(lhs, rhs, group_sizes, backend=backend, elem_bytes=lhs.dtype.itemsize)
-    return out
-
-
-def _fwd(lhs, rhs, group_sizes, backend):
-    return _fwd_only(lhs, rhs, group_sizes, backend), (lhs, rhs, group_sizes)
-
-
-def _bwd(backend, res, dout):
-    lhs, rhs, group_sizes = res
-    dout = dout.astype(lhs.dtype)
-    nbytes = lhs.dtype.itemsize
-    (dlhs,) = _grouped_gemm_rhs_t(dout, rhs, group_sizes, backend=backend, elem_bytes=nbytes)
-    (drhs,) = _grouped_gemm_wgrad(lhs, dout, group_sizes, backend=backend, elem_bytes=nbytes)
-    return dlhs, drhs, None
-
-
-_grouped_gemm_vjp.defvjp(_fwd, _bwd)

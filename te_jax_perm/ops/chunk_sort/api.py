@@ -18,7 +18,7 @@ Semantics, for ``inp`` of shape ``[N, H]`` split into chunks of ``split_sizes[c]
   gradients, the same way every other dropped row of this library does, and keeps each
   output row the copy of at most one input row.
 
-Rows move by one declared gather kernel (:mod:`te_jax_perm.ops.chunk_sort_decl`) whose
+Rows move by one declared gather kernel (:mod:`te_jax_perm.ops.chunk_sort.decl`) whose
 output is a preallocated, alias-declared buffer: output row ``j`` reads input row
 ``src_map[j]`` or is zero, so every output element is written exactly once, by the program
 owning its row, for any map. The map kernel builds both directions (``row_id_map`` and its
@@ -36,8 +36,9 @@ import numpy as np
 
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops import chunk_sort_decl as D
 from te_jax_perm.ops._bits import from_bits, to_bits
+from te_jax_perm.ops.chunk_sort import decl as D
+from te_jax_perm.ops.chunk_sort.reference import checked_chunks, checked_rows
 
 
 def _gather(inp, src_map, probs, backend: str):
@@ -82,27 +83,7 @@ def _one_to_one(row_id_map):
     return dst, jnp.where(first < n, first, -1)
 
 
-# --------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------
-def _rows_and_probs(inp, probs):
-    inp = jnp.asarray(inp)
-    _checks.check_rank("inp", inp, (2,), "[N, H]")
-    if probs is not None:
-        probs = jnp.asarray(probs)
-        _checks.check_shape("probs", probs, (inp.shape[0],), f"({inp.shape[0]},) (one probability per row of inp)")
-        _checks.check_float("probs", probs)
-    return inp, probs
-
-
-def _chunks(split_sizes, sorted_indices):
-    split_sizes = _checks.index_vector("split_sizes", split_sizes)
-    sorted_indices = _checks.index_vector("sorted_indices", sorted_indices)
-    _checks.check_shape("sorted_indices", sorted_indices, split_sizes.shape,
-                        f"{tuple(split_sizes.shape)} (one entry per chunk of split_sizes)")
-    return split_sizes, sorted_indices
-
-
+# -- public API ------------------------------------------------------------------------------
 def _one_to_one_problem(row_id_map: np.ndarray) -> str | None:
     n = row_id_map.shape[0]
     bad = row_id_map[(row_id_map < -1) | (row_id_map >= n)]
@@ -135,7 +116,7 @@ def make_chunk_sort_map(split_sizes: jax.Array, sorted_indices: jax.Array, num_t
 
 
 def _maps(split_sizes, sorted_indices, num_tokens, backend):
-    split_sizes, sorted_indices = _chunks(split_sizes, sorted_indices)
+    split_sizes, sorted_indices = checked_chunks(split_sizes, sorted_indices)
     num_tokens = _checks.check_static_int("num_tokens", num_tokens, 0)
     return D.chunk_maps(split_sizes, sorted_indices, backend=backend, num_tokens=num_tokens)
 
@@ -160,7 +141,7 @@ def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array |
       ``(output [N, H], permuted_probs [N] or None)``; rows nothing moves to are zero.
       Differentiable in ``inp`` and ``probs``.
     """
-    inp, probs = _rows_and_probs(inp, probs)
+    inp, probs = checked_rows(inp, probs)
     row_id_map = jnp.asarray(row_id_map)
     _checks.check_shape("row_id_map", row_id_map, (inp.shape[0],), f"({inp.shape[0]},) int32")
     _checks.check_int32("row_id_map", row_id_map)
@@ -208,26 +189,8 @@ def sort_chunks_by_index_with_probs(inp: jax.Array, split_sizes: jax.Array, sort
 
 
 def _sort_chunks(inp, split_sizes, sorted_indices, probs, backend):
-    inp = _flatten_rows(inp)
-    inp, probs = _rows_and_probs(inp, probs)
+    inp, probs = checked_rows(_checks.flatten_rows("inp", jnp.asarray(inp), "N", "H"), probs)
     chosen = resolve_backend(backend)
     row_map, src_map = _maps(split_sizes, sorted_indices, inp.shape[0], chosen)
     out, permuted_probs = _move(inp, src_map, row_map, probs, chosen)
     return out, permuted_probs, row_map
-
-
-def _flatten_rows(inp):
-    inp = jnp.asarray(inp)
-    _checks.check_rank("inp", inp, (2, 3), "[N, H] or [B, S, H]")
-    return inp.reshape(-1, inp.shape[-1]) if inp.ndim == 3 else inp
-
-
-def sort_chunks_reference(inp: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array,
-                          probs: jax.Array | None = None):
-    """:func:`sort_chunks_by_index` (``probs=None``) or :func:`sort_chunks_by_index_with_probs`
-    in plain JAX, with their return arity."""
-    inp, probs = _rows_and_probs(_flatten_rows(inp), probs)
-    split_sizes, sorted_indices = _chunks(split_sizes, sorted_indices)
-    row_map, src_map = D.chunk_maps_reference(split_sizes, sorted_indices, num_tokens=inp.shape[0])
-    outs = D.gather_rows_reference(inp, src_map, probs)
-    return (outs[0], row_map) if probs is None else (outs[0], outs[1], row_map)

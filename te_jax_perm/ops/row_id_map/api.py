@@ -6,22 +6,13 @@ sync, no data-dependent shapes, no XLA ops around the kernels.
 """
 from __future__ import annotations
 
-from types import ModuleType
-
 import jax
-import jax.numpy as jnp
 
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops.row_id_map_decl import (block_sums, dispatch_map_fill, dispatch_map_fused, map_from_counts,
-                                             map_plan, num_blocks, routed, row_id_map_block_counts, row_id_map_fill,
-                                             row_id_map_fused)
+from te_jax_perm.ops.row_id_map.decl import (dispatch_map_fill, dispatch_map_fused, map_plan, row_id_map_block_counts,
+                                             row_id_map_fill, row_id_map_fused)
+from te_jax_perm.ops.row_id_map.reference import drop_threshold, num_blocks
 from te_jax_perm.ops.tiling import not_pow2
-
-NO_DROP = 2**31 - 1  # drop threshold meaning "keep every routed row"
-
-
-def _drop_at(num_out_tokens: int | None) -> int:
-    return NO_DROP if num_out_tokens is None else _checks.check_static_int("num_out_tokens", num_out_tokens, 0)
 
 
 def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *,
@@ -35,7 +26,7 @@ def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *
       num_out_tokens: static row budget; rows whose expert-sorted destination is
         ``>= num_out_tokens`` are dropped (their map entry is ``-1``). ``None`` keeps all.
       block_tokens: tokens per block (one program each; a power of two); ``None`` takes
-        :func:`~te_jax_perm.ops.row_id_map_decl.map_plan`'s, measured per (T, E). Results do
+        :func:`~te_jax_perm.ops.row_id_map.decl.map_plan`'s, measured per (T, E). Results do
         not depend on it.
       single_pass: one launch in which every program reduces the whole routing map
         (``True``), or per-block counts then fill (``False``); ``None`` takes the plan's.
@@ -49,7 +40,7 @@ def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *
     """
     routing_map = _checks.routing_map_array("routing_map", routing_map)
     _checks.check_rank("routing_map", routing_map, (2,), "[T, E]")
-    drop_at = _drop_at(num_out_tokens)
+    drop_at = drop_threshold(num_out_tokens)
     t, e = routing_map.shape
     plan = map_plan(t, e)
     bt = plan.block_tokens if block_tokens is None else block_tokens
@@ -78,10 +69,3 @@ def dispatch_map(routing_map: jax.Array, num_out_tokens: int, align_size: int, n
     plan = map_plan(*routing_map.shape)
     return _build(routing_map, plan.single_pass, plan.block_tokens, dispatch_map_fused, dispatch_map_fill, backend,
                   drop_at=num_out_tokens, align=align_size, num_out_rows=num_out_rows)
-
-
-def row_id_map_reference(routing_map, num_out_tokens: int | None = None, xp: ModuleType = jnp):
-    """What :func:`make_row_id_map` returns, in plain ``xp`` (``jax.numpy`` or ``numpy``)."""
-    block_t = map_plan(*routing_map.shape).block_tokens
-    m = routed(routing_map, xp)
-    return map_from_counts(routing_map, block_sums(m, block_t, xp), block_t, _drop_at(num_out_tokens), xp)

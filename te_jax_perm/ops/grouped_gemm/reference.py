@@ -1,0 +1,88 @@
+"""Pure-JAX grouped GEMMs, the one computation of every path that is not a Triton kernel:
+``impl="xla"`` (XLA's ragged dot), ``impl="tokamax"`` (the same with tokamax's ragged dot in
+its place) and the kernels' ``xla`` backend; and the float64 NumPy
+:func:`grouped_matmul_reference` the tests hold every path to.
+
+Semantics every path shares: group sizes are clamped to ``[0, M]`` and their running sum to
+``M``; rows past the last group give zero output rows and zero input-gradient rows and add
+nothing to the weight gradient, whatever they hold; floats accumulate in float32 (or wider).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# lhs [M, K] x rhs [G, K, N] -> [M, N], lhs rows ragged over the groups of rhs.
+DIMS_FWD = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+# dout [M, N] x rhs [G, K, N] -> [M, K]: the same grouping, rhs contracted over N.
+DIMS_TRANS_RHS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+# lhs [M, K] x dout [M, N] -> [G, K, N]: the contraction over M is ragged, one result per group.
+DIMS_RAGGED_CONTRACT = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+# ``(a, b, group_sizes, dims, out_dtype) -> array``: one ragged dot implementation.
+RaggedDot = Callable[[jax.Array, jax.Array, jax.Array, Any, Any], jax.Array]
+
+
+def xla_ragged_dot(a: jax.Array, b: jax.Array, group_sizes: jax.Array, dims: Any, out_dtype: Any) -> jax.Array:
+    """``lax.ragged_dot_general``, floats accumulated in at least float32 before the cast."""
+    out_dtype = jnp.dtype(out_dtype)
+    acc = jnp.promote_types(out_dtype, jnp.float32) if jnp.issubdtype(out_dtype, jnp.floating) else out_dtype
+    return jax.lax.ragged_dot_general(a, b, group_sizes, dims, preferred_element_type=acc).astype(out_dtype)
+
+
+def clamped_group_sizes(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The group sizes every path actually uses: each in [0, rows], their sum <= rows."""
+    sizes = jnp.clip(group_sizes.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32), 0, rows)
+    ends = jnp.minimum(jnp.cumsum(sizes), rows)
+    return jnp.diff(ends, prepend=0).astype(jnp.int32)
+
+
+def zero_past_groups(x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``x`` with its rows past the groups set to zero (a select: NaNs there do not survive)."""
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.where(rows < jnp.sum(group_sizes), x, jnp.zeros((), x.dtype))
+
+
+def grouped_gemm_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any = None,
+                           dot: RaggedDot = xla_ragged_dot) -> jax.Array:
+    """``lhs [M, K]`` times each group's ``rhs[g]`` of ``rhs [G, K, N]`` -> ``[M, N]`` in
+    ``out_dtype`` (default: ``lhs``'s)."""
+    sizes = clamped_group_sizes(group_sizes, lhs.shape[0])
+    out = dot(lhs, rhs, sizes, DIMS_FWD, lhs.dtype if out_dtype is None else out_dtype)
+    return zero_past_groups(out, sizes)
+
+
+def grouped_gemm_rhs_t_reference(dout: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype: Any = None,
+                                 dot: RaggedDot = xla_ragged_dot) -> jax.Array:
+    """The input gradient: ``dout [M, N]`` times each ``rhs[g].T`` -> ``[M, K]``."""
+    sizes = clamped_group_sizes(group_sizes, dout.shape[0])
+    out = dot(dout, rhs, sizes, DIMS_TRANS_RHS, dout.dtype if out_dtype is None else out_dtype)
+    return zero_past_groups(out, sizes)
+
+
+def grouped_gemm_wgrad_reference(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, out_dtype: Any = None,
+                                 dot: RaggedDot = xla_ragged_dot) -> jax.Array:
+    """The weight gradient: ``out[g] = lhs[rows of g].T @ dout[rows of g]`` -> ``[G, K, N]``."""
+    sizes = clamped_group_sizes(group_sizes, lhs.shape[0])
+    # dout's rows past the groups are zeroed so that no implementation can read them in.
+    return dot(lhs, zero_past_groups(dout, sizes), sizes, DIMS_RAGGED_CONTRACT,
+               lhs.dtype if out_dtype is None else out_dtype)
+
+
+def grouped_matmul_reference(lhs: np.ndarray, rhs: np.ndarray, group_sizes: np.ndarray) -> np.ndarray:
+    """NumPy float64 reference: one plain matmul per group (sizes clamped as every path
+    clamps them), zeros past the groups."""
+    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    start = 0
+    for g, n in enumerate(np.asarray(group_sizes)):
+        n = min(max(int(n), 0), lhs.shape[0] - start)
+        out[start:start + n] = lhs[start:start + n] @ rhs[g]
+        start += n
+    return out

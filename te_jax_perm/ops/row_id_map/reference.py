@@ -1,0 +1,114 @@
+"""Pure-JAX references of the row-id map's kernels (their ``xla`` backend) and the public
+:func:`row_id_map_reference`, written once for NumPy and JAX alike (``xp``) so that the
+autotuner's trial operands come from the same code as the results they are checked against.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import jax.numpy as jnp
+
+from te_jax_perm.ops import _checks
+from te_jax_perm.ops.permute.reference import row_owner_reference
+
+NO_DROP = 2**31 - 1  # drop threshold meaning "keep every routed row"
+
+
+def drop_threshold(num_out_tokens: int | None) -> int:
+    """The kernels' ``drop_at`` of a row budget: rows at or past it are dropped."""
+    return NO_DROP if num_out_tokens is None else _checks.check_static_int("num_out_tokens", num_out_tokens, 0)
+
+
+def row_id_map_reference(routing_map, num_out_tokens: int | None = None, xp: ModuleType = jnp):
+    """What :func:`~te_jax_perm.ops.row_id_map.api.make_row_id_map` returns, in plain ``xp``
+    (``jax.numpy`` or ``numpy``). The map does not depend on how tokens are blocked, so one
+    block holds them all."""
+    block_t = max(routing_map.shape[0], 1)
+    m = routed(routing_map, xp)
+    return map_from_counts(routing_map, block_sums(m, block_t, xp), block_t, drop_threshold(num_out_tokens), xp)
+
+
+def num_blocks(t: int, block_t: int) -> int:
+    return -(-t // block_t)
+
+
+def routed(rm, xp: ModuleType = jnp):
+    return (rm != 0).astype(xp.int32)
+
+
+def block_sums(m, block_t: int, xp: ModuleType = jnp):
+    """Per-block column sums of the int32 [T, E] matrix ``m``: int32 [NB, E]."""
+    t, e = m.shape
+    nb = num_blocks(t, block_t)
+    return xp.pad(m, ((0, nb * block_t - t), (0, 0))).reshape(nb, block_t, e).sum(axis=1, dtype=xp.int32)
+
+
+def map_from_counts(rm, counts, block_t: int, drop_at: int, xp: ModuleType = jnp):
+    """``(row_id_map int32 [T, 2E+1], kept int32 [E])`` of routing map ``rm`` given its
+    per-block counts, exactly as the kernels build them (layout in ``kernels/row_id_map.py``)."""
+    t, e = rm.shape
+    m = routed(rm, xp)
+    nb = num_blocks(t, block_t)
+    within = (xp.cumsum(xp.pad(m, ((0, nb * block_t - t), (0, 0))).reshape(nb, block_t, e), axis=1)
+              .reshape(nb * block_t, e)[:t] - m)
+    totals = counts.sum(axis=0, dtype=xp.int32)
+    prefix = xp.cumsum(counts, axis=0, dtype=xp.int32) - counts
+    start = xp.cumsum(totals) - totals
+    dest = start[None, :] + prefix[xp.arange(t) // block_t] + within
+    is_routed = m > 0
+    cnt = m.sum(axis=1, dtype=xp.int32)
+    rank_r = xp.cumsum(m, axis=1) - m
+    rank_n = xp.cumsum(1 - m, axis=1) - (1 - m)
+    col = xp.where(is_routed, rank_r, cnt[:, None] + rank_n)
+    order = xp.argsort(col, axis=1)  # a permutation per row: ties cannot occur
+    vd = xp.where(is_routed & (dest < drop_at), dest, -1).astype(xp.int32)
+    ve = xp.where(is_routed, xp.arange(e, dtype=xp.int32)[None, :], -1)
+    rid = xp.concatenate([xp.take_along_axis(vd, order, 1), xp.take_along_axis(ve, order, 1).astype(xp.int32),
+                          cnt[:, None]], axis=1)
+    kept = xp.clip(drop_at - start, 0, totals).astype(xp.int32)
+    return rid, kept
+
+
+def padded_counts_of(kept, align: int):
+    """Each expert's ``kept`` rows rounded up to a multiple of ``align``."""
+    return (kept + align - 1) // align * align
+
+
+def pad_offsets_of(kept, align: int, xp: ModuleType = jnp):
+    """Padding rows before each expert when its ``kept`` rows are rounded up to multiples
+    of ``align`` (zeros for ``align == 1``)."""
+    padded = padded_counts_of(kept, align)
+    return ((xp.cumsum(padded) - padded) - (xp.cumsum(kept) - kept)).astype(xp.int32)
+
+
+def dispatch_extras(rid, kept, *, align, num_out_rows):
+    """The dispatch map's extras, in JAX: destinations shifted by the padding, and each of
+    ``num_out_rows`` rows' writing entry ``t*E + j + 1`` (0 for none), as the kernels write
+    them."""
+    e = kept.shape[0]
+    dest = rid[:, :e]
+    shifted = jnp.where(dest >= 0, dest + pad_offsets_of(kept, align)[jnp.clip(rid[:, e:2 * e], 0, e - 1)], dest)
+    rid = jnp.concatenate([shifted.astype(jnp.int32), rid[:, e:]], axis=1)
+    (owner,) = row_owner_reference(rid, jnp.zeros((e,), jnp.int32), num_out_rows=num_out_rows, padded=False)
+    return rid, kept, owner
+
+
+def row_id_map_block_counts_reference(rm, *, block_t):
+    return (block_sums(routed(rm), block_t),)
+
+
+def row_id_map_fill_reference(rm, counts, *, block_t, drop_at):
+    return map_from_counts(rm, counts, block_t, drop_at)
+
+
+def row_id_map_fused_reference(rm, *, block_t, drop_at):
+    return map_from_counts(rm, block_sums(routed(rm), block_t), block_t, drop_at)
+
+
+def dispatch_map_fill_reference(rm, counts, *, block_t, drop_at, align, num_out_rows):
+    return dispatch_extras(*map_from_counts(rm, counts, block_t, drop_at), align=align, num_out_rows=num_out_rows)
+
+
+def dispatch_map_fused_reference(rm, *, block_t, drop_at, align, num_out_rows):
+    return dispatch_map_fill_reference(rm, block_sums(routed(rm), block_t), block_t=block_t, drop_at=drop_at,
+                                       align=align, num_out_rows=num_out_rows)
