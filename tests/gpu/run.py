@@ -92,7 +92,7 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
     return [
         Step("pytest", 360, pytest + ["-n", str(f.workers)] + targets + f.pytest_args.split(), r"(passed|failed)"),
         Step("capture", 100, pytest + ["-s", "tests/gpu/test_capture.py"], r"(passed|failed)", gpu_only=True),
-        Step("stress", 170, [py, "-m", "tests.gpu.stress"] + (["--small", "--cases", "2", "--passes", "2",
+        Step("stress", 240, [py, "-m", "tests.gpu.stress"] + (["--small", "--cases", "2", "--passes", "2",
                                                                 "--dtypes", "float32"] if dry else
                                                                ["--cases", "40", "--passes", "4"]), r"^STRESS"),
         Step("memcheck", 90, memcheck + [py, "-m", "tests.gpu.memcheck_ops"], r"ERROR SUMMARY|^MEMCHECK-OPS",
