@@ -5,7 +5,8 @@ step on the ``triton`` and the ``xla`` backend: wall time against profiler kerne
 
 The routing map is a jit argument (as in training). Wall time: a chain of
 dependent steps dispatched asynchronously (each step's input is the previous step's
-output), per step, median of several chains; kernel time: the sum of every kernel of one
+output), per step, median of several chains, beside the host's time to enqueue them
+(when the two are equal, the host sets the pace, not the kernels); kernel time: the sum of every kernel of one
 step in a ``jax.profiler`` trace (ours and XLA's). Writes ``small_t.json`` and
 ``small_t.png`` into ``--out``; prints two ``TARGET`` lines: the ``triton`` step's kernel time
 is at most the ``xla`` backend's at every T, and at T <= 64 its wall time is within 1.3x its
@@ -61,19 +62,22 @@ def make_step(backend: str, k: int) -> Callable:
     return step
 
 
-def chained_walls(step: Callable, state: Any, chain: int, reps: int) -> list[float]:
+def chained_walls(step: Callable, state: Any, chain: int, reps: int) -> tuple[list[float], list[float]]:
     """Seconds per step of ``chain`` dependent steps (``state = step(state)``) dispatched
-    asynchronously, for each of ``reps`` chains."""
+    asynchronously, for each of ``reps`` chains: the wall time, and the host's time to
+    enqueue them (equal to the wall time when the host, not the GPU, sets the pace)."""
     import jax
-    walls = []
+    walls, enqueue = [], []
     for _ in range(reps):
         s = state
         t0 = time.perf_counter()
         for _ in range(chain):
             s = step(s)
+        t1 = time.perf_counter()
         jax.block_until_ready(s)
         walls.append((time.perf_counter() - t0) / chain)
-    return walls
+        enqueue.append((t1 - t0) / chain)
+    return walls, enqueue
 
 
 def measure(backend: str, T: int, H: int, E: int, k: int, chain: int = 50, reps: int = 7,
@@ -85,11 +89,12 @@ def measure(backend: str, T: int, H: int, E: int, k: int, chain: int = 50, reps:
     t0 = time.perf_counter()
     jax.block_until_ready(f(x, rmap, probs))
     compile_s = time.perf_counter() - t0
-    walls = chained_walls(lambda s: f(s[0], rmap, s[1]), (x, probs), chain, reps)
+    walls, enqueue = chained_walls(lambda s: f(s[0], rmap, s[1]), (x, probs), chain, reps)
     stats = trace_stats.profile(lambda: jax.block_until_ready(f(x, rmap, probs)), trace_steps)
     wall_us = statistics.median(walls) * 1e6
     return {"backend": backend, "T": T, "H": H, "E": E, "k": k, "wall_us": wall_us,
-            "wall_us_min": min(walls) * 1e6, "kernel_us": stats.kernel_us_per_step,
+            "wall_us_min": min(walls) * 1e6, "host_enqueue_us": statistics.median(enqueue) * 1e6,
+            "kernel_us": stats.kernel_us_per_step,
             "wall_over_kernel": wall_us / stats.kernel_us_per_step if stats.kernel_us_per_step else None,
             "kernels_per_step": sum(stats.kernel_count.values()) / stats.steps,
             "graph_launches_per_step": stats.graph_launches / stats.steps,
@@ -107,7 +112,7 @@ def measure_floor(chain: int = 50, reps: int = 7) -> dict[str, Any]:
     f = jax.jit(lambda x: x + jnp.asarray(1, x.dtype))
     x = jax.device_put(np.zeros((16, 16), np.float32))
     jax.block_until_ready(f(x))
-    walls = chained_walls(f, x, chain, reps)
+    walls, _ = chained_walls(f, x, chain, reps)
     return {"model": "floor", "backend": "one tiny kernel", "wall_us": statistics.median(walls) * 1e6,
             "wall_us_min": min(walls) * 1e6}
 
