@@ -197,7 +197,7 @@ def _plot_ratios(result: dict, plt: Any) -> Any:
     bottom.yaxis.set_major_locator(FixedLocator(ticks))
     bottom.yaxis.set_minor_locator(NullLocator())
     bottom.set_yticklabels([f"{t:g}x" for t in ticks])
-    bottom.set_ylabel(f"speedup over the xla backend (higher is better)")
+    bottom.set_ylabel("speedup over the xla backend (higher is better)")
     bottom.axhline(1.0, color="grey", linewidth=1.0, label="1x: as fast as xla")
     bottom.axhline(LAYER_SPEEDUP, color="black", linestyle="--", linewidth=1.0,
                    label=f"target {LAYER_SPEEDUP:g}x: layer at {' & '.join(m.split('-A')[0] for m in LAYER_MODELS)}")

@@ -339,8 +339,8 @@ def main(argv: list[str]) -> int:
         ok, msg = memory_check(on_devices(sz, n), modes if n > 1 else ["dense"], devs)
         print(f"memory check ({n} device{'s' if n > 1 else ''}): {msg}")
         if not ok:
-            print(f"WON'T FIT: not compiling. Try fewer --tokens, a smaller --hidden/--ffn, fewer --experts per "
-                  f"device, or a --capacity (rows past it drop).")
+            print("WON'T FIT: not compiling. Try fewer --tokens, a smaller --hidden/--ffn, fewer --experts per "
+                  "device, or a --capacity (rows past it drop).")
             return EXIT_WONT_FIT
 
     results: dict[str, Any] = {"device": devs[0].device_kind, "platform": jax.default_backend(), "runs": []}

@@ -4,7 +4,6 @@ Includes a regression test for an undeclared alias (the backward inverse sort wr
 buffer XLA was free to share with the incoming gradient).
 """
 import contextlib
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -11,7 +11,6 @@ import zlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
