@@ -151,6 +151,24 @@ def test_padded_groups_from_token_dispatch(align):
         _close(g, r, "float32", f"grad {name}")
 
 
+def test_triton_promotes_mixed_operand_dtypes_instead_of_rounding_rhs():
+    """bf16 lhs with fp32 rhs: impl='triton' computes in fp32 (the promoted dtype), as the
+    other implementations do; rounding rhs to bf16 would be off by ~1e-3 relative here.
+    Gradients come back in each operand's dtype. Dtypes with no kernel raise."""
+    rng = np.random.default_rng(3)
+    lhs = jnp.asarray(rng.standard_normal((12, 16)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((3, 16, 8)), jnp.float32)
+    sizes = jnp.asarray([5, 4, 3], jnp.int32)
+    want = grouped_matmul_reference(np.asarray(lhs, np.float32), np.asarray(rhs), np.asarray(sizes))
+    got = grouped_matmul(lhs, rhs, sizes, impl="triton")
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    gl, gr = jax.grad(lambda a, b: jnp.sum(grouped_matmul(a, b, sizes, impl="triton")), argnums=(0, 1))(lhs, rhs)
+    assert (gl.dtype, gr.dtype) == (jnp.bfloat16, jnp.float32)
+    with pytest.raises(TypeError, match="lhs has dtype int8 and rhs int8, which promote to int8"):
+        grouped_matmul(jnp.zeros((4, 16), jnp.int8), jnp.zeros((1, 16, 8), jnp.int8), jnp.asarray([4]), impl="triton")
+
+
 def test_errors_name_the_argument():
     lhs, rhs, gs, _ = _problem(8, 4, 3, [2, 2], "float32", tail=0.0)
     with pytest.raises(ValueError, match=r"lhs has shape \(8, 4, 1\)"):

@@ -44,6 +44,8 @@ from te_jax_perm.ops.grouped_gemm import reference as R
 from te_jax_perm.ops.grouped_gemm.reference import RaggedDot
 
 IMPLS = ("triton", "tokamax", "xla")
+# The operand dtypes our grouped GEMM kernels compile for.
+KERNEL_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -75,8 +77,14 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     out_dtype = jnp.dtype(preferred_element_type) if preferred_element_type is not None else \
         jnp.result_type(lhs.dtype, rhs.dtype)
     if impl == "triton":
-        # Our kernels take one operand dtype, and run on the op backend in effect.
-        rhs, impl = rhs.astype(lhs.dtype), resolve_backend(None)
+        # Our kernels take one operand dtype, and run on the op backend in effect. Mixed
+        # operands are promoted (bf16 lhs with fp32 rhs computes in fp32), never rounded to
+        # lhs's dtype; the casts sit outside the VJP, so each gradient keeps its operand's dtype.
+        dt = jnp.result_type(lhs.dtype, rhs.dtype)
+        if dt not in KERNEL_DTYPES:
+            raise TypeError(f"impl='triton' computes in float16, bfloat16 or float32; lhs has dtype {lhs.dtype} "
+                            f"and rhs {rhs.dtype}, which promote to {dt}; use impl='xla' for these dtypes")
+        lhs, rhs, impl = lhs.astype(dt), rhs.astype(dt), resolve_backend(None)
     return _grouped_gemm(lhs, rhs, group_sizes, impl, out_dtype)
 
 
@@ -105,8 +113,7 @@ def default_impl(lhs_dtype: Any = jnp.bfloat16, rhs_dtype: Any = jnp.bfloat16) -
     """``"triton"`` on a GPU for equal bf16/fp16/fp32 operands (measured 2-4x faster than
     tokamax's ragged_dot and 4-30x faster than XLA's ``ragged_dot`` at MoE sizes on an
     H100), else ``"xla"``."""
-    floats = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)}
-    if jnp.dtype(lhs_dtype) not in floats or jnp.dtype(rhs_dtype) != jnp.dtype(lhs_dtype):
+    if jnp.dtype(lhs_dtype) not in KERNEL_DTYPES or jnp.dtype(rhs_dtype) != jnp.dtype(lhs_dtype):
         return "xla"
     return "triton" if jax.default_backend() == "gpu" else "xla"
 
