@@ -235,3 +235,14 @@ def test_gpu_driver_hostile_memcheck_reruns_a_crash_once_and_fails_on_errors(tmp
     report = runs["reports"]
     assert report.returncode == 1, report.stdout + report.stderr
     assert "MEMCHECK-HOSTILE FAIL: 0 of 1" in report.stdout and "memcheck: " + test in report.stdout, report.stdout
+
+
+def test_gpu_driver_hostile_memcheck_verdicts():
+    """A sanitized process killed by a signal is a crash (rerun once) even when the
+    sanitizer printed its "ERROR SUMMARY: 0 errors"; pytest's own failure is a failure."""
+    from tests.gpu.hostile import verdict
+    summary = "========= ERROR SUMMARY: 0 errors"
+    assert verdict(-11, "tests/x.py::t PASSED\n" + summary) == "crash"
+    assert verdict(1, "1 failed in 2.0s\n" + summary) == "fail"
+    assert verdict(0, "1 passed in 1.0s\n" + summary) == "pass"
+    assert verdict(99, "1 passed in 1.0s\n========= ERROR SUMMARY: 2 errors") == "memcheck"

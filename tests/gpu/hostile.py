@@ -65,7 +65,8 @@ def verdict(rc: int, log: str) -> str:
         return "memcheck"
     if rc == 0 and re.search(r"\b1 passed\b", log):
         return "pass"
-    if re.search(r"\b\d+ (failed|errors?)\b", log):
+    # pytest's summary ("1 failed", "1 error"), not the sanitizer's "ERROR SUMMARY: 0 errors".
+    if re.search(r"\b\d+ (failed|errors?)\b", "\n".join(ln for ln in log.splitlines() if "ERROR SUMMARY" not in ln)):
         return "fail"
     return "crash" if rc < 0 or rc > 128 else "fail"
 
