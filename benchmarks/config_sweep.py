@@ -97,9 +97,15 @@ def _subjaxprs(eqn, n_in: int) -> list:
     return out
 
 
-def _candidates(decl, dims, params, stages=None) -> list:
-    """The declaration's valid configs at ``stages`` (all of them if none has those)."""
+def _candidates(decl, dims, params, stages=None, quick: bool = False) -> list:
+    """The declaration's valid configs at ``stages`` (all of them if none has those);
+    ``quick``: only one token per program, its whole row or half of it per tile (the shapes
+    every mover default has taken), at each warp count."""
     valid = [c for c in decl.configs if not decl.violated(dims, params, c)]
+    if quick:
+        from te_jax_perm.ops.permute.decl import whole_row
+        whole = whole_row(dims)
+        valid = [c for c in valid if c.kw.get("ROWS") == 1 and c.kw.get("BLOCK_H") in (whole, whole // 2)]
     staged = [c for c in valid if stages is None or c.num_stages in stages]
     return staged or valid or [decl.default_config(dims, params)]
 
@@ -165,9 +171,11 @@ def _config(j):
 
 
 def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
-                 save: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+                 save: Callable[[list[dict]], None] = lambda rows: None, quick: bool = False) -> list[dict]:
     """Every group (shape, kernel) in turn; ``save(rows)`` after each, so a run cut off
-    keeps what it measured. A group starts only if the longest group so far still fits."""
+    keeps what it measured. A group starts only if the longest group so far still fits.
+    ``quick``: the :func:`_candidates` of ``quick`` at one stage count, no second phase
+    (about a tenth of the configs: a device's whole table in a few minutes)."""
     import jax
     import numpy as np
     from benchmarks import cases
@@ -195,11 +203,13 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
             call = bind_call(decl, operands, params, "triton")
             default = decl.default_config(call.dims, call.params)
             want = [np.asarray(o) for o in jax.jit(lambda ops: triton_call(configure(call, default), ops))(operands)]
-            first = _time_configs(call, _candidates(decl, call.dims, call.params, {FIRST_STAGES}) + [default],
+            cands = _candidates(decl, call.dims, call.params, {1 if quick else FIRST_STAGES}, quick)
+            first = _time_configs(call, cands + [c for c in [default] if str(c) not in {str(x) for x in cands}],
                                   operands, want, calls)
             timed = sorted((r for r in first if r.get("us") is not None), key=lambda r: r["us"])
             tried = {r["config_str"] for r in first}
-            second = [c for r in timed[:TOP] for c in _restaged(_config(r["config"])) if str(c) not in tried]
+            second = [] if quick else [c for r in timed[:TOP] for c in _restaged(_config(r["config"]))
+                                       if str(c) not in tried]
             group = first + (_time_configs(call, second, operands, want, calls) if second else [])
             for r in group:
                 r.update({"shape": shape.name, "T": shape.T, "H": shape.H, "E": shape.E, "k": shape.k,
@@ -234,13 +244,16 @@ def default_tables(sweeps: list[str], tables: dict | None = None) -> dict:
 
 
 def default_table(sweeps: list[str]) -> dict:
-    """The fastest config of each mover kernel at each row width H and token count T
+    """The best config of each mover kernel at each row width H and token count T
     measured in ``sweeps`` (sweep JSON files of one device), keyed ``kernel -> H -> T ->
-    config``: the table the defaults read. A (kernel, H, T) group measured in a later file
-    replaces the earlier files' (a re-sweep after a kernel changed supersedes the old timings)."""
+    config``: the table the defaults read. Shapes that share a key (e.g. two models with
+    H=4096 at T=8192) share its entry: the config whose worst slowdown against each shape's
+    own best is least (then the least summed slowdown), among the configs measured at all
+    of them. A (kernel, H, T) key measured in a later file replaces the earlier files' (a
+    re-sweep after a kernel changed supersedes the old timings)."""
     best: dict = {}
     for path in sweeps:
-        found: dict = {}
+        times: dict = {}   # key -> shape -> config string -> (config, µs)
         with open(path) as f:
             for r in json.load(f)["rows"]:
                 # A config whose outputs disagree with the default's is never a default
@@ -249,11 +262,21 @@ def default_table(sweeps: list[str]) -> dict:
                         or r["kernel"] in {a[1] for a in AUX}:
                     continue
                 key = (r["kernel"], str(r["H"]), str(r["T"]))
-                if key not in found or r["us"] < found[key][1]:
-                    found[key] = (r["config"], r["us"])
-        for (kernel, h, t), entry in found.items():
-            best.setdefault(kernel, {}).setdefault(h, {})[t] = entry
-    return {k: {h: {t: c for t, (c, _) in sorted(by_t.items(), key=lambda kv: int(kv[0]))}
+                by_cfg = times.setdefault(key, {}).setdefault(r.get("shape", ""), {})
+                c = json.dumps(r["config"], sort_keys=True)
+                if c not in by_cfg or r["us"] < by_cfg[c][1]:
+                    by_cfg[c] = (r["config"], r["us"])
+        for (kernel, h, t), shapes in times.items():
+            common = set.intersection(*(set(by_cfg) for by_cfg in shapes.values()))
+            if not common:  # no config measured at every shape: the largest shape's best
+                by_cfg = max(shapes.values(), key=lambda b: min(us for _, us in b.values()))
+                common = {min(by_cfg, key=lambda c: by_cfg[c][1])}
+            fastest = {s: min(us for _, us in by_cfg.values()) for s, by_cfg in shapes.items()}
+            slowdowns = {c: [shapes[s][c][1] / fastest[s] for s in shapes if c in shapes[s]] for c in common}
+            pick = min(sorted(common), key=lambda c: (max(slowdowns[c]), sum(slowdowns[c])))
+            best.setdefault(kernel, {}).setdefault(h, {})[t] = next(by_cfg[pick][0] for by_cfg in shapes.values()
+                                                                     if pick in by_cfg)
+    return {k: {h: {t: c for t, c in sorted(by_t.items(), key=lambda kv: int(kv[0]))}
                 for h, by_t in sorted(v.items(), key=lambda kv: int(kv[0]))}
             for k, v in sorted(best.items())}
 
@@ -378,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", default="", help="comma-separated kernel names: the four movers (the default) and row_owner")
     ap.add_argument("--tokens", default="", help="comma-separated token counts replacing each shape's T "
                     "(small-T sweeps, e.g. 16,64,256)")
+    ap.add_argument("--quick", action="store_true",
+                    help="movers: whole- and half-row tiles of one token at each warp count, one stage count")
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--calls", type=int, default=5)
     args = ap.parse_args(argv)
@@ -407,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tokens:
             import dataclasses
             shapes = tuple(dataclasses.replace(s, T=int(t)) for s in shapes for t in args.tokens.split(","))
-        sweep_movers(shapes, args.budget_s, args.calls, log, args.kernels, saver("sweep_movers.json"))
+        sweep_movers(shapes, args.budget_s, args.calls, log, args.kernels, saver("sweep_movers.json"), args.quick)
     if "rowmap" in parts:
         saver("sweep_rowmap.json")(sweep_rowmap(args.budget_s, args.calls, log))
     return 0

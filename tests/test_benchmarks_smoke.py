@@ -149,6 +149,19 @@ def test_default_table_takes_the_fastest_config_and_a_later_sweep_supersedes(tmp
     assert default_table([old, new]) == {"k": {"4096": {"64": "c", "8192": "d"}}}
 
 
+def test_default_table_serves_every_shape_sharing_a_key(tmp_path):
+    """Two shapes with one (H, T) key: the entry is the config least slow at both against
+    each one's best, not the best config of the shape whose kernel happens to be fastest."""
+    from benchmarks.config_sweep import default_table
+    rows = [{"kernel": "k", "H": 4096, "T": 8192, "shape": s, "config": c, "us": us}
+            for s, c, us in (("small", "a", 68.6), ("small", "b", 69.4), ("small", "c", 80.0),
+                             ("big", "a", 213.6), ("big", "b", 205.7), ("big", "c", 204.0))]
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"rows": rows}))
+    # a: 1.000 / 1.047 slower; b: 1.012 / 1.008; c: 1.166 / 1.000 -> b.
+    assert default_table([str(path)]) == {"k": {"4096": {"8192": "b"}}}
+
+
 def test_small_t_targets_compare_kernels_and_report_the_launch_floor():
     from benchmarks.small_t import target_lines
     row = lambda backend, T, kernel, wall: {"model": "m", "backend": backend, "T": T, "kernel_us": kernel,  # noqa: E731

@@ -118,14 +118,17 @@ def test_duplicate_destinations_have_one_writer_on_every_backend(kernel_backend)
     assert np.isfinite(out).all()
 
 
+@pytest.mark.parametrize("n", [12, 40], ids=["one_row_in_flight", "two_rows_in_flight"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_gathers_add_every_entry_of_a_hostile_map(backend, padded):
+def test_gathers_add_every_entry_of_a_hostile_map(backend, padded, n):
     """Combine forward (weighted or not) and dispatch backward (rows and probability
     gradients) add a row once per map entry naming it, whatever else names it: each
-    backend agrees with a NumPy loop, also under vmap, and writes every output element.
+    backend agrees with a NumPy loop, also under vmap, and writes every output element, with
+    one row load in flight per program and (from four rows per token) two.
     (One backend per test: the kernel backend's run is also a hostile case under the GPU
     memcheck, where the xla backend's eager loops would only take time.)"""
-    t, e, n, h = 9, 4, 12, 24
+    t, e, h = 9, 4, 24
+    assert D._two_in_flight({"N": n, "T": t}) == (n >= 36)
     rids = np.stack([_hostile_map(seed, t, e, n)[0] for seed in (6, 7)])
     pad = _hostile_map(6, t, e, n)[1]
     rng = np.random.default_rng(6)
@@ -498,10 +501,11 @@ def test_default_configs_read_the_table_at_the_nearest_token_count_and_slice_sma
     dims = lambda h: {"T": 8192, "H": h, "N": 8192, "E": 8, "W": 17, "R": 8192}  # noqa: E731
     assert [D.unpermute_bwd_weighted.decl.default_config(dims(h), {"padded": False}).num_warps
             for h in (2048, 5120, 6144, 7168)] == [4, 4, 8, 8]
-    # The dispatch backward's gather: its own rule (whole rows, 4 warps), sliced at small T.
-    pg = D.permute_bwd_probs.decl.default_config(dims(5120), {"padded": False})
-    assert (pg.kw["BLOCK_H"], pg.kw["ROWS"], pg.num_warps) == (8192, 1, 4)
-    assert D.permute_bwd_probs.decl.default_config({**dims(5120), "T": 64}, {"padded": False}).kw["BLOCK_H"] == 256
+    # Both gathers share one rule (whole rows, 4 warps), sliced at small T.
+    for gather in (D.permute_bwd_probs, D.unpermute_weighted):
+        g = gather.decl.default_config(dims(5120), {"padded": False})
+        assert (g.kw["BLOCK_H"], g.kw["ROWS"], g.num_warps) == (8192, 1, 4)
+        assert gather.decl.default_config({**dims(5120), "T": 64}, {"padded": False}).kw["BLOCK_H"] == 256
 
 
 def test_defaults_come_from_the_devices_own_table_else_the_first_shipped(monkeypatch):

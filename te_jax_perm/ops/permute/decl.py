@@ -32,7 +32,7 @@ def _key_bucket(name: str, v: int) -> int:
     return next_pow2(v) if name == "T" else v
 
 
-def _whole_row(dims) -> int:
+def whole_row(dims) -> int:
     """The tile width holding a whole row (a power of two, at most 8192 columns)."""
     return min(next_pow2(max(dims["H"], 16)), 8192)
 
@@ -43,7 +43,7 @@ def _default_config(dims, params) -> Config:
     enough warps for that: 8 warps at H in {2880, 4096, 7168} (bf16: 2 rows of 4096 lanes,
     or 1 row of 8192 lanes; masked lanes past H move no bytes). Dtype-agnostic: fp32 rows
     double the bytes per thread, still well within registers (checked in the PTX test)."""
-    block_h = _whole_row(dims)
+    block_h = whole_row(dims)
     rows = min(max(1, 8192 // block_h), 4, pow2_at_most(dims["T"]))
     return Config.make(num_warps=max(1, min(8, rows * block_h // 1024)), BLOCK_H=block_h, ROWS=rows)
 
@@ -98,22 +98,11 @@ def _small_t_slices(dims, cfg: Config) -> Config:
 
 def _gather_default_config(dims, params) -> Config:
     """Gathers (combine forward, dispatch backward) at a row width the table lacks: one
-    token per program, its whole row (H up to 8192) in one tile. Fewer, wider programs beat
-    slicing the row in an H100 sweep of every tile shape, warp count and stage count, with
-    1 warp up to 4096 columns and 4 warps at 8192; stages changed nothing measurable. At
-    small T, column slices (:func:`_small_t_slices`)."""
-    block_h = _whole_row(dims)
-    return _small_t_slices(dims, Config.make(num_warps=1 if block_h <= 4096 else 4, num_stages=1,
-                                             BLOCK_H=block_h, ROWS=1))
-
-
-def _pgrad_gather_default_config(dims, params) -> Config:
-    """The dispatch backward's gather (rows summed, each entry's probability gradient moved
-    alongside) at a row width the table lacks: one token's whole row per program, 4 warps,
-    within 1% of the best of every tile shape, warp and stage count in an H100 sweep at
-    H = 2048, 2880, 3584, 4096 and 7168 (at 6144, 8 warps win by 5%: tabled). At small T,
-    column slices (:func:`_small_t_slices`)."""
-    return _small_t_slices(dims, Config.make(num_warps=4, num_stages=1, BLOCK_H=_whole_row(dims), ROWS=1))
+    token's whole row (H up to 8192) per program on 4 warps, within 1.5% of the best
+    whole- or half-row tile at any warp count in an H100 sweep at all eleven benchmark
+    shapes (H = 2048 to 7168, top-1 to top-8). At small T, column slices
+    (:func:`_small_t_slices`)."""
+    return _small_t_slices(dims, Config.make(num_warps=4, num_stages=1, BLOCK_H=whole_row(dims), ROWS=1))
 
 
 def _scatter_default_config(dims, params) -> Config:
@@ -128,7 +117,7 @@ def _weighted_scatter_default_config(dims, params) -> Config:
     of every tile shape, warp and stage count (within 0.1%) in an H100 sweep at H = 2048,
     2880 (4 warps) and 6144 (8 warps; 4 are 5% slower); at H = 5120, 8 warps were 6% slower
     than 4 and at 7168 1% faster."""
-    return Config.make(num_warps=8 if dims["H"] >= 6144 else 4, num_stages=1, BLOCK_H=_whole_row(dims), ROWS=1)
+    return Config.make(num_warps=8 if dims["H"] >= 6144 else 4, num_stages=1, BLOCK_H=whole_row(dims), ROWS=1)
 
 
 # The fastest config of each mover at each row width and token count, per sm_90 device it
@@ -374,8 +363,16 @@ unpermute_bwd_weighted = declare(KernelDecl(
               params_check=_scatter_check)))
 
 
-def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_rows_reference,
-                    rule=_gather_default_config):
+# Rows per token (N / T) from which a gather keeps two row loads in flight per program
+# (kernels/permute.py): faster at top-4 and top-8, 3-5% slower at top-1 and top-2.
+TWO_IN_FLIGHT_FROM = 4
+
+
+def _two_in_flight(dims) -> bool:
+    return dims["N"] >= TWO_IN_FLIGHT_FROM * max(dims["T"], 1)
+
+
+def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_rows_reference):
     """A gather: each token's rows summed (fp32) into ``out [T, H]``."""
     extra = extra_ops[0].name if extra_ops else None
     # Sums over a token's rows, slice by slice of H: H-local (grad_probs has no H axis).
@@ -390,13 +387,14 @@ def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_r
         # N: rows of inp, the bound every row read is checked against.
         scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": dims["N"]},
         constexprs=lambda dims, params, config: {"H": dims["H"], "PADDED": params["padded"],
-                                                 "E_LANES": _grad_lanes(dims, bool(extra_outs))},
+                                                 "E_LANES": _grad_lanes(dims, bool(extra_outs)),
+                                                 "TWO_IN_FLIGHT": _two_in_flight(dims)},
         exact=False, rtol=1e-2, atol=1e-2, example_inputs=_unpermute_example(extra), partitioning=part,
-        **_common(default_config=_tabled(name, rule))))
+        **_common(default_config=_tabled(name, _gather_default_config))))
 
 
 unpermute = _unpermute_decl("unpermute", K.unpermute_kernel, (), ())
 unpermute_weighted = _unpermute_decl("unpermute_weighted", K.unpermute_weighted_kernel, (_TE_PROBS("merging_probs"),), ())
 permute_bwd_probs = _unpermute_decl(
     "permute_bwd_probs", K.permute_bwd_probs_kernel, (Operand("grad_permuted_probs", ("N",), PROB_DTYPES),),
-    (_grad_probs("grad_permuted_probs"),), reference=R.permute_bwd_probs_reference, rule=_pgrad_gather_default_config)
+    (_grad_probs("grad_permuted_probs"),), reference=R.permute_bwd_probs_reference)
