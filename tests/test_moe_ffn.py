@@ -186,6 +186,17 @@ def test_bad_arguments_name_what_they_are():
         call(num_out_tokens=16.0)
 
 
+@pytest.mark.parametrize("align", [None, 4])
+def test_example_fused_layer_matches_its_dense_reference(kernel_backend, align):
+    """examples/moe_permute.py --gemm=fused: one training step of the layer on moe_ffn against a
+    dense layer (loss, output, and the input, router and both weights' gradients)."""
+    from examples import moe_permute as example
+    cfg = example.MoEConfig(tokens=16, hidden=16, ffn=16, experts=4, topk=2, align_size=align,
+                            backend=kernel_backend, gemm="fused")
+    errors = example.check(cfg)
+    assert max(errors.values()) <= example.TOLERANCE["float32"], errors
+
+
 # -- each fused kernel against its reference, hostile tables included --------------------------
 def _kernel_operands(seed, hostile):
     """Operands of every fused kernel: T=9 tokens, G=3 experts, M=20 rows; hostile: owners
