@@ -184,6 +184,19 @@ def test_vmap_over_independent_layers(backend):
             _close(got[b], w, 2e-5, f"layer {b} gradient")
 
 
+def test_values_off_the_route_are_never_read(kernel_backend):
+    """NaN probabilities off the route and inf rows of tokens with no expert leave the output
+    and every gradient finite: no kernel reads them."""
+    x, rm, probs, w_in, w_out = _problem(12, 16, 4, 2, 8, "silu_glu", "float32", empty_tokens=3)
+    probs, x = jnp.where(rm, probs, jnp.nan), x.at[:3].set(jnp.inf)
+    def loss(x, p):
+        return jnp.sum(te_jax_perm.moe_ffn(x, rm, p, w_in, w_out, 20, backend=kernel_backend) ** 2)
+
+    val, (dx, dprobs) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, probs)
+    assert np.isfinite(float(val)) and np.isfinite(np.asarray(dx)).all() and np.isfinite(np.asarray(dprobs)).all()
+    assert not np.asarray(dx)[:3].any()
+
+
 def test_bad_arguments_name_what_they_are():
     x, rm, probs, w_in, w_out = _problem(8, 16, 4, 2, 8, "silu_glu", "float32")
     call = lambda **kw: te_jax_perm.moe_ffn(**{**dict(x=x, routing_map=rm, probs=probs, w_in=w_in,  # noqa: E731
