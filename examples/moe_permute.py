@@ -6,6 +6,9 @@
          te_jax_perm.grouped_matmul (down), one group of rows per expert
       -> te_jax_perm.token_combine     (weighted by the routing probabilities)
 
+With --gemm=fused the experts run as te_jax_perm.moe_ffn: the same layer in one op, the
+dispatch and the combine fused into the expert GEMMs (no dispatched copy of the tokens).
+
 The loss of one jitted training step, and its gradients in the input, the router and both
 expert weights, are compared with a dense layer that runs every expert on every token and
 masks by the routing. The last line is PASS or FAIL (exit status 0 or 1).
@@ -14,6 +17,7 @@ masks by the routing. The last line is PASS or FAIL (exit status 0 or 1).
     python3 examples/moe_permute.py --backend=interpret --tokens=32 --hidden=32
     python3 examples/moe_permute.py --align_size=16 --probs_in=dispatch
     python3 examples/moe_permute.py --ep_ranks=4       # + sort_chunks_by_index (EP regrouping)
+    python3 examples/moe_permute.py --gemm=fused       # te_jax_perm.moe_ffn
 
 With --ep_ranks > 1 the layer simulates expert parallelism on one device: each source rank
 dispatches its own tokens, and sort_chunks_by_index regroups the received rows from
@@ -45,13 +49,18 @@ flags.DEFINE_integer("align_size", 0, "pad each expert's rows to a multiple of t
 flags.DEFINE_enum("backend", None, ["triton", "interpret", "xla"], "te_jax_perm backend: triton (GPU), "
                   "interpret (the Triton kernels in Triton's CPU interpreter, slow) or xla (plain JAX); "
                   "default: triton on a GPU, xla elsewhere")
-flags.DEFINE_enum("gemm", None, ["triton", "tokamax", "xla"], "the experts' grouped GEMM: triton (ours), "
-                  "tokamax (needs te_jax_perm[gemm]) or xla (jax.lax.ragged_dot); default: triton on a GPU, "
-                  "xla elsewhere")
+flags.DEFINE_enum("gemm", None, ["triton", "tokamax", "xla", "fused"], "the experts' grouped GEMM: triton "
+                  "(ours), tokamax (needs te_jax_perm[gemm]), xla (jax.lax.ragged_dot), or fused: the whole "
+                  "dispatch-experts-combine as te_jax_perm.moe_ffn (with --probs_in=combine and --ep_ranks=1); "
+                  "default: triton on a GPU, xla elsewhere")
 flags.DEFINE_enum("probs_in", "combine", ["combine", "dispatch"], "where the routing probabilities apply: "
                   "token_combine's merging_probs, or the expert outputs via token_dispatch's permuted_probs")
 flags.DEFINE_integer("ep_ranks", 1, "source ranks of the simulated expert parallelism (1: none)")
 flags.DEFINE_integer("seed", 0, "random seed for inputs, weights and routing")
+flags.register_multi_flags_validator(
+    ["gemm", "probs_in", "ep_ranks"],
+    lambda f: f["gemm"] != "fused" or (f["probs_in"] == "combine" and f["ep_ranks"] == 1),
+    "--gemm=fused runs with --probs_in=combine and --ep_ranks=1")
 
 TOLERANCE = {"float32": 2e-4, "bfloat16": 5e-2, "float16": 1e-2}
 
@@ -104,6 +113,9 @@ def moe_layer(params, x: jax.Array, cfg: MoEConfig) -> jax.Array:
     if cfg.ep_ranks > 1:
         return moe_layer_ep(params, x, cfg)
     routing_map, probs = route(params["router"], x, cfg.topk)
+    if cfg.gemm == "fused":      # the same layer in one op; SwiGLU is its "silu_glu" activation
+        return te_jax_perm.moe_ffn(x, routing_map, probs, params["w_in"], params["w_out"], x.shape[0] * cfg.topk,
+                                   activation="silu_glu", align_size=cfg.align_size, backend=cfg.backend)
     in_dispatch = cfg.probs_in == "dispatch"
     rows, permuted_probs, row_id_map, pad_offsets, tokens_per_expert = te_jax_perm.token_dispatch(
         x, routing_map, num_out_tokens=x.shape[0] * cfg.topk, probs=probs if in_dispatch else None,
@@ -188,9 +200,10 @@ def main(argv: list[str]) -> int:
     backend = resolve_backend(f.backend)
     cfg = MoEConfig(f.tokens, f.hidden, f.ffn, f.experts, f.topk, f.dtype, f.align_size or None, backend,
                     f.gemm or default_impl(f.dtype, f.dtype), f.probs_in, f.ep_ranks, f.seed)
+    experts = "experts fused with dispatch and combine (moe_ffn)" if cfg.gemm == "fused" else f"grouped GEMM {cfg.gemm}"
     print(f"MoE layer: T={cfg.tokens} H={cfg.hidden} F={cfg.ffn} E={cfg.experts} k={cfg.topk} {cfg.dtype}, "
           f"align_size={cfg.align_size}, probs in {cfg.probs_in}, ep_ranks={cfg.ep_ranks}; te_jax_perm backend "
-          f"{cfg.backend}, grouped GEMM {cfg.gemm}, on {jax.devices()[0].device_kind}")
+          f"{cfg.backend}, {experts}, on {jax.devices()[0].device_kind}")
     errors, tol = check(cfg), TOLERANCE[cfg.dtype]
     for name, err in errors.items():
         print(f"  max error {name:14s} {err:.2e}  {'ok' if err <= tol else 'MISMATCH'} (tolerance {tol:.0e})")

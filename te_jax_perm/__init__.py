@@ -26,6 +26,8 @@ _LAZY = {
     "routing_map_to_topk": "te_jax_perm.ops.routing",
     # expert GEMMs over the dispatched rows
     "grouped_matmul": "te_jax_perm.ops.grouped_gemm.api",
+    # the expert layer with dispatch and combine fused into the expert GEMMs
+    "moe_ffn": "te_jax_perm.ops.moe_ffn.api",
     # sanitizer and autotuner entry points
     "sanitize": "te_jax_perm.sanitize",
     "autotune": "te_jax_perm.autotune",

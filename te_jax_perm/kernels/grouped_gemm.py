@@ -14,7 +14,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _group_bounds(gs_ptr, M, G: tl.constexpr, G_P2: tl.constexpr):
+def group_bounds(gs_ptr, M, G: tl.constexpr, G_P2: tl.constexpr):
     """Clamped [start, end) row range of every group, as int64 vectors of length G_P2."""
     g_idx = tl.arange(0, G_P2)
     sizes = tl.load(gs_ptr + g_idx, mask=g_idx < G, other=0).to(tl.int64)
@@ -26,15 +26,12 @@ def _group_bounds(gs_ptr, M, G: tl.constexpr, G_P2: tl.constexpr):
 
 
 @triton.jit
-def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
-                        C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-                        TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    """out[rows of g] = lhs[rows of g] @ B_g for every group g; other rows get zeros.
-
-    lhs is [M, C]. Without TRANS_RHS, rhs is [G, C, D] and B_g = rhs[g]; with TRANS_RHS,
-    rhs is [G, D, C] and B_g = rhs[g].T (the input-gradient GEMM, no transposed copy).
-    """
+def group_tile(group_sizes_ptr, M, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's [BM, BN] output tile of a grouped GEMM over ``M`` rows and ``D`` columns:
+    ``(g, is_group_tile, row0, row_end, tile_n)``. Group tiles come first, each inside one
+    group (rows ``[row0, row_end)`` of group ``g``); the tiles after them cover the rows no
+    group owns (``is_group_tile`` false, ``g`` then names no group), which the kernel zero-fills."""
     pid = tl.program_id(0)
     num_n: tl.constexpr = (D + BN - 1) // BN
     num_m = tl.num_programs(0) // num_n
@@ -47,7 +44,7 @@ def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, 
     tile_m = first_m + (pid % per_band) % band_m
     tile_n = (pid % per_band) // band_m
 
-    g_idx, starts, ends = _group_bounds(group_sizes_ptr, M, G, G_P2)
+    g_idx, starts, ends = group_bounds(group_sizes_ptr, M, G, G_P2)
     tiles = (ends - starts + BM - 1) // BM
     tile_ends = tl.cumsum(tiles, 0)
     total_tiles = tl.sum(tiles, 0)
@@ -62,6 +59,20 @@ def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, 
     row0 = tl.where(is_group_tile, g_start + (tile_m - g_first_tile) * BM,
                     used_rows + (tile_m - total_tiles) * BM)
     row_end = tl.where(is_group_tile, g_end, M)
+    return g, is_group_tile, row0, row_end, tile_n
+
+
+@triton.jit
+def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
+                        C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+                        TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    """out[rows of g] = lhs[rows of g] @ B_g for every group g; other rows get zeros.
+
+    lhs is [M, C]. Without TRANS_RHS, rhs is [G, C, D] and B_g = rhs[g]; with TRANS_RHS,
+    rhs is [G, D, C] and B_g = rhs[g].T (the input-gradient GEMM, no transposed copy).
+    """
+    g, is_group_tile, row0, row_end, tile_n = group_tile(group_sizes_ptr, M, D, G, G_P2, BM, BN, GROUP_M)
     k_end = tl.where(is_group_tile, C, 0)
 
     rows = row0 + tl.arange(0, BM)
@@ -90,6 +101,27 @@ def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, 
 
 
 @triton.jit
+def wgrad_tile(group_sizes_ptr, M, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+               BK: tl.constexpr, BN: tl.constexpr):
+    """This program's [BK, BN] block of a weight gradient [G, K, N] and the rows it reduces:
+    ``(g, tile_k, tile_n, r_start, r_end)``, rows ``[r_start, r_end)`` being group ``g``'s."""
+    pid = tl.program_id(0)
+    num_k: tl.constexpr = (K + BK - 1) // BK
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    g = pid // (num_k * num_n)
+    rest = pid % (num_k * num_n)
+    tile_k = rest // num_n
+    tile_n = rest % num_n
+
+    g_idx, starts, ends = group_bounds(group_sizes_ptr, M, G, G_P2)
+    sel = g_idx == g
+    # Row indices fit int32 (M does); the loop runs over this group's rows only.
+    r_start = tl.sum(tl.where(sel, starts, 0), 0).to(tl.int32)
+    r_end = tl.sum(tl.where(sel, ends, 0), 0).to(tl.int32)
+    return g, tile_k, tile_n, r_start, r_end
+
+
+@triton.jit
 def grouped_gemm_wgrad_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
                               K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                               BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
@@ -99,19 +131,7 @@ def grouped_gemm_wgrad_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_preallo
     One program owns one [BK, BN] block of one group's matrix and reduces over that
     group's rows, so no two programs write the same element and empty groups get zeros.
     """
-    pid = tl.program_id(0)
-    num_k: tl.constexpr = (K + BK - 1) // BK
-    num_n: tl.constexpr = (N + BN - 1) // BN
-    g = pid // (num_k * num_n)
-    rest = pid % (num_k * num_n)
-    tile_k = rest // num_n
-    tile_n = rest % num_n
-
-    g_idx, starts, ends = _group_bounds(group_sizes_ptr, M, G, G_P2)
-    sel = g_idx == g
-    # Row indices fit int32 (M does); the loop runs over this group's rows only.
-    r_start = tl.sum(tl.where(sel, starts, 0), 0).to(tl.int32)
-    r_end = tl.sum(tl.where(sel, ends, 0), 0).to(tl.int32)
+    g, tile_k, tile_n, r_start, r_end = wgrad_tile(group_sizes_ptr, M, K, N, G, G_P2, BK, BN)
 
     kcols = tile_k * BK + tl.arange(0, BK)
     k_ok = kcols < K

@@ -14,7 +14,7 @@ from te_jax_perm.kernels.grouped_gemm import grouped_gemm_kernel, grouped_gemm_w
 from te_jax_perm.ops.grouped_gemm.reference import (grouped_gemm_reference, grouped_gemm_rhs_t_reference,
                                                     grouped_gemm_wgrad_reference)
 
-_FLOATS = ("float16", "bfloat16", "float32")
+FLOATS = ("float16", "bfloat16", "float32")
 # Hopper has 227 KiB of shared memory per block; leave room for the epilogue.
 _SMEM_BYTES = 200 * 1024
 
@@ -23,7 +23,7 @@ def _smem_fits(tile_elems: int, stages: int, elem_bytes: int) -> bool:
     return tile_elems * stages * elem_bytes <= _SMEM_BYTES
 
 
-def _mm_fits(dims, params, config: Config) -> str | None:
+def mm_fits(dims, params, config: Config) -> str | None:
     kw = config.kw
     need = (kw["BM"] * kw["BK"] + kw["BK"] * kw["BN"])
     if not _smem_fits(need, config.num_stages, params["elem_bytes"]):
@@ -31,7 +31,7 @@ def _mm_fits(dims, params, config: Config) -> str | None:
     return None
 
 
-def _wgrad_fits(dims, params, config: Config) -> str | None:
+def wgrad_fits(dims, params, config: Config) -> str | None:
     kw = config.kw
     need = kw["BR"] * (kw["BK"] + kw["BN"])
     if not _smem_fits(need, config.num_stages, params["elem_bytes"]):
@@ -45,7 +45,7 @@ def _stages(tile_elems: int, most: int, params) -> int:
     return max([s for s in range(1, most + 1) if _smem_fits(tile_elems, s, params["elem_bytes"])] or [1])
 
 
-def _mm_default(dims, params) -> Config:
+def mm_default(dims, params) -> Config:
     # 128x256 tiles with 8 warps keep Hopper's tensor cores fed when N allows; small
     # problems take 64-row tiles so that short groups waste less.
     wide = dims["D"] >= 256
@@ -54,20 +54,42 @@ def _mm_default(dims, params) -> Config:
                        BM=bm, BN=bn, BK=bk, GROUP_M=8)
 
 
-def _wgrad_default(dims, params) -> Config:
+def wgrad_default(dims, params) -> Config:
     bk, bn, br = 128, 128 if dims["N"] < 256 else 256, 64
     return Config.make(num_warps=8, num_stages=_stages(br * (bk + bn), 3, params), BK=bk, BN=bn, BR=br)
 
 
-def _precision(params) -> str:
+def precision(params) -> str:
     # fp32 operands get three TF32 products (about fp32 accuracy on tensor cores): plain
     # TF32 would round the inputs to 10 mantissa bits, a silent loss a fp32 caller does not
     # expect. 16-bit operands are exact in any mode.
     return "tf32x3" if params["elem_bytes"] == 4 else "tf32"
 
 
-def _g_p2(dims) -> int:
+def groups_p2(dims) -> int:
     return triton.next_power_of_2(max(dims["G"], 1))
+
+
+def mm_grid(dims, params, config: Config) -> tuple[int]:
+    """Programs of a row-tile GEMM ``[M, C] x [G, C, D]``: enough row tiles for every group's
+    rows (each group starts a new tile: ``cdiv(M, BM) + G``) and the rows past them, times
+    the column tiles (``group_tile`` in the kernel maps each program to its tile)."""
+    return ((triton.cdiv(dims["M"], config.kw["BM"]) + dims["G"] + 1) * triton.cdiv(dims["D"], config.kw["BN"]),)
+
+
+def wgrad_grid(dims, params, config: Config) -> tuple[int]:
+    """Programs of a weight gradient ``[G, K, N]``: one per [BK, BN] block of each group."""
+    return (dims["G"] * triton.cdiv(dims["K"], config.kw["BK"]) * triton.cdiv(dims["N"], config.kw["BN"]),)
+
+
+# The tuning spaces: row-tile GEMMs (forward, input gradient) and weight gradients. The
+# fused MoE GEMMs (ops/moe_ffn) tile the same way and share them.
+MM_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BM=bm, BN=bn, BK=bk, GROUP_M=8)
+                   for bm in (64, 128) for bn in (128, 256) for bk in (64, 128)
+                   for w in (4, 8) for s in (3, 4))
+WGRAD_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BK=bk, BN=bn, BR=br)
+                      for bk in (64, 128) for bn in (128, 256) for br in (32, 64)
+                      for w in (4, 8) for s in (3, 4))
 
 
 # What both GEMM declarations share: one static param (the operand width sets the tile
@@ -89,22 +111,19 @@ def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
     return KernelDecl(
         name=name,
         kernel=grouped_gemm_kernel,
-        operands=(Operand("lhs", ("M", "C"), _FLOATS), Operand("rhs", rhs_dims, _FLOATS),
+        operands=(Operand("lhs", ("M", "C"), FLOATS), Operand("rhs", rhs_dims, FLOATS),
                   Operand("group_sizes", ("G",), ("int32",))),
         outputs=(Output("out", lambda dims, params: (dims["M"], dims["D"]),
                         lambda dtypes, params: dtypes["lhs"]),),
         reference=lambda lhs, rhs, group_sizes, elem_bytes: (reference(lhs, rhs, group_sizes),),
-        grid=lambda dims, params, config: (
-            (triton.cdiv(dims["M"], config.kw["BM"]) + dims["G"] + 1) * triton.cdiv(dims["D"], config.kw["BN"]),),
+        grid=mm_grid,
         constexprs=lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"],
-                                                  "G_P2": _g_p2(dims), "TRANS_RHS": trans_rhs,
-                                                  "PRECISION": _precision(params)},
-        configs=tuple(Config.make(num_warps=w, num_stages=s, BM=bm, BN=bn, BK=bk, GROUP_M=8)
-                      for bm in (64, 128) for bn in (128, 256) for bk in (64, 128)
-                      for w in (4, 8) for s in (3, 4)),
-        constraints=(_mm_fits,),
+                                                  "G_P2": groups_p2(dims), "TRANS_RHS": trans_rhs,
+                                                  "PRECISION": precision(params)},
+        configs=MM_CONFIGS,
+        constraints=(mm_fits,),
         key_dims=("M", "C", "D", "G"),
-        default_config=_mm_default,
+        default_config=mm_default,
         **_SHARED,
     )
 
@@ -115,21 +134,18 @@ grouped_gemm_rhs_t = declare(_mm_decl("grouped_gemm_rhs_t", trans_rhs=True))
 grouped_gemm_wgrad = declare(KernelDecl(
     name="grouped_gemm_wgrad",
     kernel=grouped_gemm_wgrad_kernel,
-    operands=(Operand("lhs", ("M", "K"), _FLOATS), Operand("dout", ("M", "N"), _FLOATS),
+    operands=(Operand("lhs", ("M", "K"), FLOATS), Operand("dout", ("M", "N"), FLOATS),
               Operand("group_sizes", ("G",), ("int32",))),
     outputs=(Output("out", lambda dims, params: (dims["G"], dims["K"], dims["N"]),
                     lambda dtypes, params: dtypes["lhs"]),),
     reference=lambda lhs, dout, group_sizes, elem_bytes: (grouped_gemm_wgrad_reference(lhs, dout, group_sizes),),
-    grid=lambda dims, params, config: (
-        dims["G"] * triton.cdiv(dims["K"], config.kw["BK"]) * triton.cdiv(dims["N"], config.kw["BN"]),),
+    grid=wgrad_grid,
     constexprs=lambda dims, params, config: {"K": dims["K"], "N": dims["N"], "G": dims["G"],
-                                              "G_P2": _g_p2(dims), "PRECISION": _precision(params)},
-    configs=tuple(Config.make(num_warps=w, num_stages=s, BK=bk, BN=bn, BR=br)
-                  for bk in (64, 128) for bn in (128, 256) for br in (32, 64)
-                  for w in (4, 8) for s in (3, 4)),
-    constraints=(_wgrad_fits,),
+                                              "G_P2": groups_p2(dims), "PRECISION": precision(params)},
+    configs=WGRAD_CONFIGS,
+    constraints=(wgrad_fits,),
     key_dims=("M", "K", "N", "G"),
-    default_config=_wgrad_default,
+    default_config=wgrad_default,
     **_SHARED,
 ))
 

@@ -1,0 +1,160 @@
+"""Triton sources of the fused MoE expert GEMMs (``moe_ffn``).
+
+The GEMMs run over the ``M`` expert-sorted rows a dispatch would produce (grouped by expert,
+``group_sizes`` rows each, the grouped GEMM's tile schedule: ``group_tile`` / ``wgrad_tile``
+of :mod:`te_jax_perm.kernels.grouped_gemm`), but the token rows are never copied into them:
+``owner[r]``, the row's one writing map entry ``t*E + j + 1`` (0 for none, as ``row_owner``
+computes it), names the token ``t = (owner[r] - 1) // E`` whose row the GEMM reads or writes.
+
+* ``moe_gather_gemm_kernel``: ``out[r] = x[token(r)] @ B_g``, the first expert GEMM (and,
+  with ``TRANS_RHS``, the second one's input gradient, ``dy[token(r)] @ w[g].T``).
+* ``moe_weighted_gemm_kernel``: ``out[r] = probs[token(r), g] * (lhs[r] @ B_g)``, the second
+  expert GEMM with each row's routing probability applied in fp32 before the rounding.
+* ``moe_gather_wgrad_kernel``: ``out[g] = x[token(rows of g)].T @ dout[rows of g]``.
+* ``moe_weighted_wgrad_kernel``: ``out[g] = lhs[rows of g].T @ (probs * dout[token(rows)])``,
+  the scaled rows rounded to the operand dtype as the unfused combine's gradient rounds them.
+
+Every output element is written by exactly one program (no atomics): row tiles own disjoint
+rows, weight-gradient programs disjoint blocks. Rows with no owner (padding, unused budget),
+rows past the groups, and rows whose owner names a token outside ``[0, T)`` read zeros and
+are written as zeros; group sizes are clamped as the grouped GEMM clamps them. Whatever
+``owner`` and ``group_sizes`` hold, no program addresses memory outside its buffers.
+"""
+import triton
+import triton.language as tl
+
+from te_jax_perm.kernels.grouped_gemm import group_tile, wgrad_tile
+
+
+@triton.jit
+def _row_tokens(owner_ptr, rows, live, T, G: tl.constexpr):
+    """(token int64, owned) of each of ``rows``: owned where ``live`` and the row's owner
+    names a token in ``[0, T)``; token 0 where not owned (an address that is never read)."""
+    own = tl.load(owner_ptr + rows, mask=live, other=0)
+    tok = (tl.maximum(own, 1) - 1) // G
+    owned = live & (own > 0) & (tok < T)
+    return tl.where(owned, tok, 0).to(tl.int64), owned
+
+
+@triton.jit
+def _gemm_body(a_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr,
+               C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+               TRANS_RHS: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+               PRECISION: tl.constexpr):
+    g, is_group_tile, row0, row_end, tile_n = group_tile(group_sizes_ptr, M, D, G, G_P2, BM, BN, GROUP_M)
+    k_end = tl.where(is_group_tile, C, 0)
+    rows = row0 + tl.arange(0, BM)
+    row_ok = rows < row_end
+    # Only group tiles have owners: a fill tile's rows may be named by a stale table, but
+    # they belong to no group (and ``g`` names none), so they read and weigh nothing. (A
+    # bound rather than ``row_ok & is_group_tile``: Triton's interpreter gives a block ANDed
+    # with a scalar the wrong mask dtype.)
+    tok, owned = _row_tokens(owner_ptr, rows, rows < tl.where(is_group_tile, row_end, 0), T, G)
+    if GATHER:
+        src = tok
+        src_ok = owned
+    else:
+        src = rows.to(tl.int64)
+        src_ok = row_ok
+    cols = tile_n * BN + tl.arange(0, BN)
+    col_ok = cols < D
+    ks = tl.arange(0, BK)
+    a_ptrs = a_ptr + src[:, None] * C + ks[None, :]
+    b_base = rhs_ptr + tl.where(is_group_tile, g, 0).to(tl.int64) * C * D
+    if TRANS_RHS:
+        b_ptrs = b_base + cols[None, :].to(tl.int64) * C + ks[:, None]
+        b_step = BK
+    else:
+        b_ptrs = b_base + ks[:, None].to(tl.int64) * D + cols[None, :]
+        b_step = BK * D
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, k_end, BK):
+        k_ok = (k + ks) < C
+        a = tl.load(a_ptrs, mask=src_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BK
+        b_ptrs += b_step
+    if WEIGHTED:
+        # probs [T, G]: the row's token and its group's expert. A select, not a product, for
+        # rows without an owner, so that a non-finite value there cannot survive as NaN.
+        p = tl.load(probs_ptr + tok * G + tl.where(is_group_tile, g, 0), mask=owned, other=0.0)
+        acc = tl.where(owned[:, None], acc * p.to(tl.float32)[:, None], 0.0)
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def moe_gather_gemm_kernel(x_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, M, T, out_prealloc_ptr, out_ptr,
+                           C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+                           TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    """out [M, D]: row r = x[token(r)] @ B_g (x [T, C]); rhs [G, C, D], or [G, D, C] used
+    transposed with TRANS_RHS."""
+    _gemm_body(x_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, x_ptr, M, T, out_ptr, C, D, G, G_P2,
+               TRANS_RHS, True, False, BM, BN, BK, GROUP_M, PRECISION)
+
+
+@triton.jit
+def moe_weighted_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T,
+                             out_prealloc_ptr, out_ptr, C: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                             G_P2: tl.constexpr, TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    """out [M, D]: row r = probs[token(r), g] * (lhs[r] @ B_g) (lhs [M, C], probs [T, G])."""
+    _gemm_body(lhs_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr, C, D, G, G_P2,
+               TRANS_RHS, False, True, BM, BN, BK, GROUP_M, PRECISION)
+
+
+@triton.jit
+def _wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr,
+                K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+                GATHER_LHS: tl.constexpr, WEIGHTED_DOUT: tl.constexpr,
+                BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
+    # g < G always: the grid has G * (K blocks) * (N blocks) programs.
+    g, tile_k, tile_n, r_start, r_end = wgrad_tile(group_sizes_ptr, M, K, N, G, G_P2, BK, BN)
+    kcols = tile_k * BK + tl.arange(0, BK)
+    k_ok = kcols < K
+    ncols = tile_n * BN + tl.arange(0, BN)
+    n_ok = ncols < N
+    rs = tl.arange(0, BR)
+    acc = tl.zeros((BK, BN), dtype=tl.float32)
+    for r in range(r_start, r_end, BR):
+        rows = r + rs
+        r_ok = rows < r_end
+        tok, owned = _row_tokens(owner_ptr, rows, r_ok, T, G)
+        if GATHER_LHS:
+            x = tl.load(lhs_ptr + tok[:, None] * K + kcols[None, :], mask=owned[:, None] & k_ok[None, :], other=0.0)
+        else:
+            x = tl.load(lhs_ptr + rows[:, None].to(tl.int64) * K + kcols[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        if WEIGHTED_DOUT:
+            dy = tl.load(dout_ptr + tok[:, None] * N + ncols[None, :], mask=owned[:, None] & n_ok[None, :], other=0.0)
+            p = tl.load(probs_ptr + tok * G + g, mask=owned, other=0.0).to(tl.float32)
+            dy = (dy.to(tl.float32) * p[:, None]).to(dout_ptr.dtype.element_ty)
+        else:
+            dy = tl.load(dout_ptr + rows[:, None].to(tl.int64) * N + ncols[None, :],
+                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(tl.trans(x), dy, acc, input_precision=PRECISION)
+    out_ptrs = out_ptr + g.to(tl.int64) * K * N + kcols[:, None].to(tl.int64) * N + ncols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_gather_wgrad_kernel(x_ptr, dout_ptr, group_sizes_ptr, owner_ptr, M, T, out_prealloc_ptr, out_ptr,
+                            K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+                            BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
+    """out [G, K, N]: out[g] = x[token(rows of g)].T @ dout[rows of g] (x [T, K], dout [M, N])."""
+    _wgrad_body(x_ptr, dout_ptr, group_sizes_ptr, owner_ptr, x_ptr, M, T, out_ptr, K, N, G, G_P2,
+                True, False, BK, BN, BR, PRECISION)
+
+
+@triton.jit
+def moe_weighted_wgrad_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T,
+                              out_prealloc_ptr, out_ptr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+                              G_P2: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                              PRECISION: tl.constexpr):
+    """out [G, K, N]: out[g] = lhs[rows of g].T @ (probs[token, g] * dout[token]) over the
+    rows of g (lhs [M, K], dout [T, N], probs [T, G])."""
+    _wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr, K, N, G, G_P2,
+                False, True, BK, BN, BR, PRECISION)

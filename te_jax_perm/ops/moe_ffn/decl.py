@@ -1,0 +1,136 @@
+"""Kernel declarations of the fused MoE expert GEMMs (:mod:`te_jax_perm.kernels.moe_ffn`):
+the first expert GEMM reading token rows through the row owners (``moe_gather_gemm``), the
+second applying each row's routing probability (``moe_weighted_gemm``), and for the
+backward pass the gathered input-gradient GEMM (``moe_gather_gemm_rhs_t``) and the two
+weight gradients (``moe_gather_wgrad``, ``moe_weighted_wgrad``).
+
+They tile as the grouped GEMM does (its tile schedule, tuning spaces, shared-memory rule and
+default configs); their references are :mod:`te_jax_perm.ops.moe_ffn.reference`'s, the public
+op and its VJP :mod:`te_jax_perm.ops.moe_ffn.api`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import triton
+
+from te_jax_perm.core import KernelDecl, Operand, Output, declare
+from te_jax_perm.kernels import moe_ffn as K
+from te_jax_perm.ops.grouped_gemm.decl import (FLOATS, MM_CONFIGS, WGRAD_CONFIGS, groups_p2, mm_default, mm_fits,
+                                               mm_grid, precision, wgrad_default, wgrad_fits, wgrad_grid)
+from te_jax_perm.ops.moe_ffn import reference as R
+from te_jax_perm.ops.permute.decl import PROB_DTYPES
+from te_jax_perm.ops.permute.reference import row_owner_reference
+from te_jax_perm.ops.row_id_map.reference import row_id_map_reference
+
+_GS = Operand("group_sizes", ("G",), ("int32",))
+_OWNER = Operand("owner", ("M",), ("int32",))
+_PROBS = Operand("probs", ("T", "G"), PROB_DTYPES)
+
+# As the grouped GEMM's: the operand width sets the tile budget and the precision; rows
+# bucketed to powers of two in tuning keys (the token count T only sizes the gather's source,
+# so it stays out of the key); a tolerance, since fp32 accumulation order differs by tiling.
+_SHARED = dict(
+    params=("elem_bytes",),
+    scalars=lambda dims, params: {"M": dims["M"], "T": dims["T"]},
+    key_params=("elem_bytes",),
+    key_bucket=lambda name, v: triton.next_power_of_2(v) if name == "M" else v,
+    exact=False, rtol=2e-2, atol=2e-2,
+)
+
+
+# -- valid tuning operands: an owner table and group sizes from a real top-k dispatch --------
+def _layout(t: int, g: int, m: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``(group_sizes, owner)`` of a random top-k routing of ``t`` tokens over ``g`` experts
+    dispatched into ``m`` rows."""
+    k = max(1, min(g, m // max(t, 1)))
+    rm = np.zeros((t, g), bool)
+    np.put_along_axis(rm, np.argsort(rng.random((t, g)), axis=1)[:, :k], True, axis=1)
+    rid, kept = row_id_map_reference(rm, m, xp=np)
+    (owner,) = row_owner_reference(rid, np.zeros((g,), np.int32), num_out_rows=m, padded=False)
+    return np.asarray(kept, np.int32), np.asarray(owner, np.int32)
+
+
+def _rand(rng, shape, dtype, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
+
+
+def _example(kind: str):
+    def make(dims, params, dtypes, rng):
+        t, g, m = dims["T"], dims["G"], dims["M"]
+        gs, owner = _layout(t, g, m, rng)
+        probs = lambda: rng.random((t, g)).astype(dtypes["probs"])  # noqa: E731
+        if kind == "gather":
+            return (_rand(rng, (t, dims["C"]), dtypes["x"]), _rand(rng, (g, dims["C"], dims["D"]), dtypes["rhs"]),
+                    gs, owner)
+        if kind == "gather_rhs_t":
+            return (_rand(rng, (t, dims["C"]), dtypes["x"]), _rand(rng, (g, dims["D"], dims["C"]), dtypes["rhs"]),
+                    gs, owner)
+        if kind == "weighted":
+            return (_rand(rng, (m, dims["C"]), dtypes["lhs"]), _rand(rng, (g, dims["C"], dims["D"]), dtypes["rhs"]),
+                    gs, owner, probs())
+        if kind == "gather_wgrad":
+            return (_rand(rng, (t, dims["K"]), dtypes["x"]), _rand(rng, (m, dims["N"]), dtypes["dout"]), gs, owner)
+        return (_rand(rng, (m, dims["K"]), dtypes["lhs"]), _rand(rng, (t, dims["N"]), dtypes["dout"]), gs, owner,
+                probs())
+    return make
+
+
+# -- declarations ----------------------------------------------------------------------------
+def _mm_constexprs(trans_rhs: bool):
+    return lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"], "G_P2": groups_p2(dims),
+                                         "TRANS_RHS": trans_rhs, "PRECISION": precision(params)}
+
+
+def _mm(name: str, kernel, operands: tuple[Operand, ...], reference, trans_rhs: bool, example: str) -> KernelDecl:
+    """A row-tile GEMM with ``M`` output rows of width ``D``, in the first operand's dtype."""
+    first = operands[0].name
+    return KernelDecl(
+        name=name, kernel=kernel, operands=operands,
+        outputs=(Output("out", lambda dims, params: (dims["M"], dims["D"]), lambda dtypes, params: dtypes[first]),),
+        reference=reference, grid=mm_grid, constexprs=_mm_constexprs(trans_rhs),
+        configs=MM_CONFIGS, constraints=(mm_fits,), key_dims=("M", "C", "D", "G"), default_config=mm_default,
+        example_inputs=_example(example), **_SHARED)
+
+
+def _wgrad(name: str, kernel, operands: tuple[Operand, ...], reference, example: str) -> KernelDecl:
+    """A weight gradient ``[G, K, N]`` in the first operand's dtype."""
+    first = operands[0].name
+    return KernelDecl(
+        name=name, kernel=kernel, operands=operands,
+        outputs=(Output("out", lambda dims, params: (dims["G"], dims["K"], dims["N"]),
+                        lambda dtypes, params: dtypes[first]),),
+        reference=reference, grid=wgrad_grid,
+        constexprs=lambda dims, params, config: {"K": dims["K"], "N": dims["N"], "G": dims["G"],
+                                                  "G_P2": groups_p2(dims), "PRECISION": precision(params)},
+        configs=WGRAD_CONFIGS, constraints=(wgrad_fits,), key_dims=("M", "K", "N", "G"), default_config=wgrad_default,
+        example_inputs=_example(example), **_SHARED)
+
+
+moe_gather_gemm = declare(_mm(
+    "moe_gather_gemm", K.moe_gather_gemm_kernel,
+    (Operand("x", ("T", "C"), FLOATS), Operand("rhs", ("G", "C", "D"), FLOATS), _GS, _OWNER),
+    lambda x, rhs, gs, owner, elem_bytes: R.moe_gather_gemm_reference(x, rhs, gs, owner, elem_bytes=elem_bytes),
+    trans_rhs=False, example="gather"))
+
+# The second GEMM's input gradient: the output gradient's token rows times w_out[g].T.
+moe_gather_gemm_rhs_t = declare(_mm(
+    "moe_gather_gemm_rhs_t", K.moe_gather_gemm_kernel,
+    (Operand("x", ("T", "C"), FLOATS), Operand("rhs", ("G", "D", "C"), FLOATS), _GS, _OWNER),
+    lambda x, rhs, gs, owner, elem_bytes: R.moe_gather_gemm_reference(x, rhs, gs, owner, elem_bytes=elem_bytes,
+                                                                      trans_rhs=True),
+    trans_rhs=True, example="gather_rhs_t"))
+
+moe_weighted_gemm = declare(_mm(
+    "moe_weighted_gemm", K.moe_weighted_gemm_kernel,
+    (Operand("lhs", ("M", "C"), FLOATS), Operand("rhs", ("G", "C", "D"), FLOATS), _GS, _OWNER, _PROBS),
+    R.moe_weighted_gemm_reference, trans_rhs=False, example="weighted"))
+
+moe_gather_wgrad = declare(_wgrad(
+    "moe_gather_wgrad", K.moe_gather_wgrad_kernel,
+    (Operand("x", ("T", "K"), FLOATS), Operand("dout", ("M", "N"), FLOATS), _GS, _OWNER),
+    R.moe_gather_wgrad_reference, example="gather_wgrad"))
+
+moe_weighted_wgrad = declare(_wgrad(
+    "moe_weighted_wgrad", K.moe_weighted_wgrad_kernel,
+    (Operand("lhs", ("M", "K"), FLOATS), Operand("dout", ("T", "N"), FLOATS), _GS, _OWNER, _PROBS),
+    R.moe_weighted_wgrad_reference, example="weighted_wgrad"))

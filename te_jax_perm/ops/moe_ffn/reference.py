@@ -1,0 +1,142 @@
+"""Pure-JAX references of the fused MoE expert GEMMs (their ``xla`` backend), the
+activations ``moe_ffn`` applies between them, and the float64 NumPy
+:func:`moe_ffn_reference` the tests hold every path to.
+
+Row semantics every path shares (those of :mod:`te_jax_perm.kernels.moe_ffn`): ``M``
+expert-sorted rows, grouped by ``group_sizes`` (clamped as the grouped GEMM clamps them);
+row ``r``'s token is ``(owner[r] - 1) // G`` where ``owner[r] > 0`` and that token exists;
+a row without one (padding, unused budget, past the groups) reads zeros and gives zeros.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax_perm.ops.grouped_gemm.reference import (clamped_group_sizes, grouped_gemm_reference,
+                                                    grouped_gemm_rhs_t_reference, grouped_gemm_wgrad_reference)
+
+# name -> (function of the first GEMM's float32 output, whether w_in holds gate and up side
+# by side, [E, H, 2F], the activation being act(gate) * up).
+ACTIVATIONS: dict[str, tuple[Callable[[jax.Array], jax.Array], bool]] = {
+    "silu_glu": (jax.nn.silu, True),
+    "gelu_glu": (jax.nn.gelu, True),
+    "silu": (jax.nn.silu, False),
+    "gelu": (jax.nn.gelu, False),
+    "relu": (jax.nn.relu, False),
+}
+
+
+def activate(activation: str, h: jax.Array) -> jax.Array:
+    """The activation between the expert GEMMs, in float32: ``act(h)``, or for a gated one
+    ``act(gate) * up`` with ``gate, up = h[..., :F], h[..., F:]`` (``[..., 2F] -> [..., F]``).
+    ``act(0) = 0`` for every one, so zero rows (padding) stay zero."""
+    fn, gated = ACTIVATIONS[activation]
+    h = h.astype(jnp.float32)
+    if not gated:
+        return fn(h)
+    gate, up = jnp.split(h, 2, axis=-1)
+    return fn(gate) * up
+
+
+def row_tokens(owner: jax.Array, num_groups: int, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """``(token int32 [M], owned bool [M])`` of each row: its owner's token where the owner
+    is positive and names a token in ``[0, num_tokens)``; token 0 where not owned."""
+    tok = (jnp.maximum(owner, 1) - 1) // num_groups
+    owned = (owner > 0) & (tok < num_tokens)
+    return jnp.where(owned, tok, 0).astype(jnp.int32), owned
+
+
+def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """Each of ``rows`` rows' group, int32 ``[rows]``; ``G`` for rows past the groups."""
+    ends = jnp.cumsum(clamped_group_sizes(group_sizes, rows))
+    return jnp.searchsorted(ends, jnp.arange(rows, dtype=ends.dtype), side="right").astype(jnp.int32)
+
+
+def row_probs(probs: jax.Array, group_sizes: jax.Array, owner: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(p float32 [M], owned bool [M])``: each owned row's probability ``probs[token, group]``,
+    0 for rows without an owner or past the groups."""
+    t, g = probs.shape
+    tok, owned = row_tokens(owner, g, t)
+    grp = row_groups(group_sizes, owner.shape[0])
+    owned = owned & (grp < g)
+    p = probs.astype(jnp.float32)[tok, jnp.minimum(grp, g - 1)]
+    return jnp.where(owned, p, 0.0), owned
+
+
+def gather_rows(x: jax.Array, owner: jax.Array, num_groups: int) -> jax.Array:
+    """``[M, K]``: each row's token row of ``x [T, K]``, zeros where the row has no owner."""
+    tok, owned = row_tokens(owner, num_groups, x.shape[0])
+    if x.shape[0] == 0:
+        return jnp.zeros((owner.shape[0], x.shape[1]), x.dtype)
+    return jnp.where(owned[:, None], x[tok], jnp.zeros((), x.dtype))
+
+
+def moe_gather_gemm_reference(x, rhs, group_sizes, owner, *, elem_bytes, trans_rhs=False):
+    """Kernel ``moe_gather_gemm`` (``_rhs_t``): ``[M, D]``, row r = ``x[token(r)] @ B_g``."""
+    del elem_bytes
+    # Rows past the groups read nothing in the kernel: the reference GEMMs zero them.
+    rows = gather_rows(x, owner, group_sizes.shape[0])
+    gemm = grouped_gemm_rhs_t_reference if trans_rhs else grouped_gemm_reference
+    return (gemm(rows, rhs, group_sizes),)
+
+
+def moe_weighted_gemm_reference(lhs, rhs, group_sizes, owner, probs, *, elem_bytes):
+    """Kernel ``moe_weighted_gemm``: ``[M, D]``, row r = ``probs[token(r), g] * (lhs[r] @ rhs[g])``,
+    the product taken in float32 before the rounding; zeros for rows without an owner."""
+    del elem_bytes
+    out = grouped_gemm_reference(lhs, rhs, group_sizes, jnp.float32)
+    p, owned = row_probs(probs, group_sizes, owner)
+    return (jnp.where(owned[:, None], out * p[:, None], 0.0).astype(lhs.dtype),)
+
+
+def moe_gather_wgrad_reference(x, dout, group_sizes, owner, *, elem_bytes):
+    """Kernel ``moe_gather_wgrad``: ``[G, K, N]``, ``x[token(rows of g)].T @ dout[rows of g]``."""
+    del elem_bytes
+    return (grouped_gemm_wgrad_reference(gather_rows(x, owner, group_sizes.shape[0]), dout, group_sizes),)
+
+
+def moe_weighted_wgrad_reference(lhs, dout, group_sizes, owner, probs, *, elem_bytes):
+    """Kernel ``moe_weighted_wgrad``: ``[G, K, N]``, ``lhs[rows of g].T @ (p * dout[token])``
+    with the scaled rows rounded to ``dout``'s dtype."""
+    del elem_bytes
+    p, owned = row_probs(probs, group_sizes, owner)
+    rows = gather_rows(dout, owner, group_sizes.shape[0]).astype(jnp.float32)
+    scaled = jnp.where(owned[:, None], rows * p[:, None], 0.0).astype(dout.dtype)
+    return (grouped_gemm_wgrad_reference(lhs, scaled, group_sizes),)
+
+
+# -- the op's NumPy reference ----------------------------------------------------------------
+def _np_activate(activation: str, h: np.ndarray) -> np.ndarray:
+    _, gated = ACTIVATIONS[activation]
+    name = activation.replace("_glu", "")
+    if name == "silu":
+        fn = lambda v: v / (1.0 + np.exp(-v))                                              # noqa: E731
+    elif name == "gelu":  # the tanh form, as jax.nn.gelu computes it by default
+        fn = lambda v: 0.5 * v * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v ** 3)))  # noqa: E731
+    else:
+        fn = lambda v: np.maximum(v, 0.0)                                                 # noqa: E731
+    if not gated:
+        return fn(h)
+    gate, up = np.split(h, 2, axis=-1)
+    return fn(gate) * up
+
+
+def moe_ffn_reference(x: Any, routing_map: Any, probs: Any, w_in: Any, w_out: Any, num_out_tokens: int,
+                      activation: str = "silu_glu") -> np.ndarray:
+    """NumPy float64: ``y[t] = sum_e probs[t, e] * act(x[t] @ w_in[e]) @ w_out[e]`` over the
+    experts ``e`` token ``t`` is routed to and whose row the dispatch keeps: rows in
+    expert-major order (tokens ascending within an expert) at or past ``num_out_tokens``
+    are dropped, as ``token_dispatch`` drops them. ``[T, H]``."""
+    x, probs, w_in, w_out = (np.asarray(a, np.float64) for a in (x, probs, w_in, w_out))
+    rm = np.asarray(routing_map).astype(bool)
+    y = np.zeros_like(x)
+    row = 0
+    for e in range(rm.shape[1]):
+        for t in np.flatnonzero(rm[:, e]):
+            if row < num_out_tokens:
+                y[t] += probs[t, e] * (_np_activate(activation, x[t] @ w_in[e]) @ w_out[e])
+            row += 1
+    return y
