@@ -31,11 +31,11 @@ Performance notes (H100-class, bandwidth bound):
   are issued before any store, and each map column ``j`` is one ``[ROWS]`` vector load.
 * The map entries of step ``j + 1`` are fetched before step ``j``'s row traffic, so the
   dependent index load overlaps the row load/store instead of serialising with it.
-* Gathers of about four or more rows per token (``TWO_IN_FLIGHT``, from the row and token
-  counts) also request step ``j + 1``'s row before summing step ``j``'s: two row loads in
-  flight per program (DBRX's top-4 combine forward 4% faster at the same tile on an H100).
-  With one or two rows per token the second row buffer costs more occupancy than it hides
-  latency (top-1 and top-2 ran 3-5% slower with it).
+* Gathers of two or more rows per token (``TWO_IN_FLIGHT``, from the row and token counts)
+  also request step ``j + 1``'s row before summing step ``j``'s: two row loads in flight
+  per program (DBRX's top-4 combine forward 4% faster at the same tile on an H100). With
+  one row per token there is nothing to overlap and the second row buffer only costs
+  occupancy (top-1 ran 4-5% slower with it).
 
 Row offsets are int64: ``rows * H`` exceeds 2**31 at real sizes.
 """

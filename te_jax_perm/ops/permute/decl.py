@@ -364,8 +364,8 @@ unpermute_bwd_weighted = declare(KernelDecl(
 
 
 # Rows per token (N / T) from which a gather keeps two row loads in flight per program
-# (kernels/permute.py): faster at top-4 and top-8, 3-5% slower at top-1 and top-2.
-TWO_IN_FLIGHT_FROM = 4
+# (kernels/permute.py): faster at top-4 and top-8, 4-5% slower at top-1.
+TWO_IN_FLIGHT_FROM = 2
 
 
 def _two_in_flight(dims) -> bool:
