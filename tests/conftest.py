@@ -45,6 +45,16 @@ def on_cpu():
         yield
 
 
+@pytest.fixture(params=[True, False], ids=["shardy", "gspmd"])
+def partitioner(request):
+    """Runs a test under Shardy and under GSPMD propagation."""
+    import jax
+    old = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", request.param)
+    yield request.param
+    jax.config.update("jax_use_shardy_partitioner", old)
+
+
 @pytest.fixture
 def tmp_cache(tmp_path):
     """A private, empty tuning cache (and fresh tuner counters) for one test."""

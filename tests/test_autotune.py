@@ -78,7 +78,6 @@ def test_a_declaration_without_key_dims_keys_every_dim():
 
 
 def test_key_changes_with_kernel_source():
-    from te_jax_perm.core.declaration import KernelDecl  # noqa: F401
     import dataclasses
     decl = K.accumulate_decl()
     other = dataclasses.replace(decl, kernel=K.copy_rows_kernel)

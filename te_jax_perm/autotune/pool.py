@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib
 import subprocess
 import sys
 import os
@@ -35,7 +36,7 @@ class CompileResult:
 
 def _worker_main(read_fd: int, write_fd: int) -> None:
     conn = _Duplex(Connection(read_fd, writable=False), Connection(write_fd, readable=False))
-    import triton  # noqa: F401  (the point of a long-lived worker: import once)
+    importlib.import_module("triton")  # the point of a long-lived worker: import once
     from te_jax_perm.autotune.compile_job import compile_job
     conn.send(("ready", None))
     while True:

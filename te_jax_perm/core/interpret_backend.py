@@ -20,7 +20,7 @@ import numpy as np
 from te_jax_perm.core import interpret_numerics
 from te_jax_perm.core import hooks
 from te_jax_perm.core.aliasing import preallocate
-from te_jax_perm.core.hooks import BufferInfo, LaunchObserver, observe_launches  # noqa: F401  (re-exported)
+from te_jax_perm.core.hooks import BufferInfo
 from te_jax_perm.core.kernel_args import OPERAND, kernel_arguments
 from te_jax_perm.core.launch import Launch
 
