@@ -4,6 +4,10 @@ Each worker imports Triton once and then loops on jobs, so isolation costs no im
 time per config. A worker that dies (``abort()``, segfault) or overruns the timeout fails
 only its current job; it is replaced and the remaining jobs continue. Workers share the
 parent's ``TRITON_CACHE_DIR``, so the parent loads their binaries as cache hits.
+
+A job is a picklable :class:`CompileJob`; the same :func:`compile_job` runs in a worker and
+in-process (the baseline the pool's compile time is measured against), so both compile
+exactly the same thing.
 """
 from __future__ import annotations
 
@@ -16,15 +20,52 @@ import os
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from absl import logging
 
-from te_jax_perm.autotune.compile_job import CompileJob
 from te_jax_perm.core import env
+from te_jax_perm.core.launch import Launch
+from te_jax_perm.core.triton_compile import compile_kernel, launch_spec
 
 DEFAULT_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileJob:
+    kernel_module: str
+    kernel_name: str
+    signature: Mapping[str, str]
+    constexprs: Mapping[str, Any]
+    attrs: Mapping[tuple[int, ...], Any]
+    target: tuple[str, int, int]
+    options: Mapping[str, Any]
+    label: str = ""
+
+
+def make_job(launch: Launch, target: tuple[str, int, int]) -> CompileJob:
+    """The compile of ``launch``'s kernel with its config, with pointers assumed 16-byte
+    aligned (XLA's allocations are), as the ``triton`` backend compiles it too."""
+    fn = launch.decl.kernel.fn
+    sig, constexprs, attrs = launch_spec(launch)
+    config = launch.config
+    return CompileJob(fn.__module__, fn.__name__, sig, constexprs, attrs, tuple(target),
+                      {"num_warps": config.num_warps, "num_stages": config.num_stages},
+                      label=f"{launch.decl.name}:{config}")
+
+
+def compile_job(job: CompileJob) -> dict:
+    """Compiles ``job``; returns a small picklable summary including the binary."""
+    t0 = time.perf_counter()
+    kernel = getattr(importlib.import_module(job.kernel_module), job.kernel_name)
+    k = compile_kernel(kernel, job.signature, job.constexprs, job.attrs, job.target, job.options["num_warps"],
+                       job.options["num_stages"])
+    binary = k.asm.get("cubin") or k.asm.get("hsaco") or b""
+    meta = getattr(k, "metadata", None)
+    return {"hash": k.hash, "binary": bytes(binary) if isinstance(binary, (bytes, bytearray)) else binary,
+            "n_regs": getattr(k, "n_regs", None), "shared": getattr(meta, "shared", None),
+            "compile_s": time.perf_counter() - t0}
 
 
 @dataclasses.dataclass
@@ -37,7 +78,6 @@ class CompileResult:
 def _worker_main(read_fd: int, write_fd: int) -> None:
     conn = _Duplex(Connection(read_fd, writable=False), Connection(write_fd, readable=False))
     importlib.import_module("triton")  # the point of a long-lived worker: import once
-    from te_jax_perm.autotune.compile_job import compile_job
     conn.send(("ready", None))
     while True:
         try:
