@@ -17,6 +17,7 @@ import importlib
 import subprocess
 import sys
 import os
+import socket
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -75,8 +76,8 @@ class CompileResult:
     error: str = ""
 
 
-def _worker_main(read_fd: int, write_fd: int) -> None:
-    conn = _Duplex(Connection(read_fd, writable=False), Connection(write_fd, readable=False))
+def _worker_main(fd: int) -> None:
+    conn = Connection(fd)
     importlib.import_module("triton")  # the point of a long-lived worker: import once
     conn.send(("ready", None))
     while True:
@@ -94,19 +95,17 @@ def _worker_main(read_fd: int, write_fd: int) -> None:
 
 class _Worker:
     """One worker: a ``python -c`` subprocess (never re-imports the parent's ``__main__``,
-    so it works from scripts without a main guard) talking pickles over two pipes."""
+    so it works from scripts without a main guard) talking pickles over a socket pair."""
 
     def __init__(self, cache_dir: str):
-        p_read, c_write = os.pipe()
-        c_read, p_write = os.pipe()
+        ours, theirs = socket.socketpair()
         env = dict(os.environ, TRITON_CACHE_DIR=cache_dir,
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        code = f"from te_jax_perm.autotune.pool import _worker_main; _worker_main({c_read}, {c_write})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, pass_fds=(c_read, c_write),
-                                     stdin=subprocess.DEVNULL)
-        os.close(c_read)
-        os.close(c_write)
-        self.conn = _Duplex(Connection(p_read, writable=False), Connection(p_write, readable=False))
+        code = f"from te_jax_perm.autotune.pool import _worker_main; _worker_main({theirs.fileno()})"
+        with theirs:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, pass_fds=(theirs.fileno(),),
+                                         stdin=subprocess.DEVNULL)
+        self.conn = Connection(ours.detach())
         self.ready = False
         self.spawned = time.monotonic()
         self.job: int | None = None
@@ -129,28 +128,6 @@ class _Worker:
             self.proc.kill()
             self.proc.wait(timeout=5)
         self.conn.close()
-
-
-class _Duplex:
-    def __init__(self, r: Connection, w: Connection):
-        self.r, self.w = r, w
-
-    def fileno(self) -> int:
-        return self.r.fileno()
-
-    def send(self, obj: Any) -> None:
-        self.w.send(obj)
-
-    def recv(self) -> Any:
-        return self.r.recv()
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return self.r.poll(timeout)
-
-    def close(self) -> None:
-        """Stops every worker (also called at exit for the shared pool)."""
-        self.r.close()
-        self.w.close()
 
 
 class CompilePool:
