@@ -189,7 +189,7 @@ def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
         decl = decls.get(e["key"].get("kernel")) if why is None else None
         if decl is not None:
             space = entry_check.declared_space(decl, (e.get("tuned_dims"),), _literal_params(e["key"]))
-            why = entry_check.entry_problem(e, decl, space if _default_known(decl, e) else None)
+            why = entry_check.entry_problem(e, decl, space)
         if why:
             bad += 1
             lines.append(f"BAD  [{where}{p.name}]: {why}")
@@ -219,13 +219,3 @@ def _literal_params(key: Mapping[str, Any]) -> dict:
         except (ValueError, SyntaxError, TypeError):
             continue
     return out
-
-
-def _default_known(decl: KernelDecl, entry: Mapping[str, Any]) -> bool:
-    """Whether the default config at the entry's tuned dims can be computed from the file
-    alone (else configs outside the declared list cannot be judged and are not flagged)."""
-    try:
-        decl.default_config(entry["tuned_dims"], _literal_params(entry["key"]))
-        return True
-    except Exception:  # noqa: BLE001 - the default may need params the key does not hold
-        return False
