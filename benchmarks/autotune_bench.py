@@ -31,24 +31,24 @@ def _np_dtype(name: str) -> np.dtype:
 
 def compile_time(launches, target, max_configs: int, workers: int) -> dict:
     """Compiles the same jobs in-process (sequentially) and in the pool; fresh caches for both."""
-    from te_jax_perm.autotune import compile_job, space
-    from te_jax_perm.autotune.pool import CompilePool
+    from te_jax_perm.autotune import space
+    from te_jax_perm.autotune.pool import CompilePool, compile_job, make_job
     from te_jax_perm.core import configure
     jobs, warm = [], []
     for ln in launches:
         valid, _ = space.candidates(ln.decl, ln.dims, ln.params)
         for c in valid:
-            jobs.append(compile_job.make_job(configure(ln, c), target))
+            jobs.append(make_job(configure(ln, c), target))
         # Warm-up jobs (distinct binaries: num_warps=1) so neither side pays LLVM start-up in the figure.
         c1 = dataclasses.replace(valid[0], num_warps=1)
-        warm.append(compile_job.make_job(configure(ln, c1), target))
+        warm.append(make_job(configure(ln, c1), target))
     jobs = jobs[:max_configs]
     root = tempfile.mkdtemp(prefix="autotune_bench_")
     os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "inproc")
-    compile_job.compile_job(warm[0])
+    compile_job(warm[0])
     t0 = time.perf_counter()
     for j in jobs:
-        compile_job.compile_job(j)
+        compile_job(j)
     inproc = time.perf_counter() - t0
     pool = CompilePool(workers=workers, cache_dir=os.path.join(root, "pool"))
     t0 = time.perf_counter()

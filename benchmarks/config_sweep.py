@@ -112,7 +112,7 @@ def _candidates(decl, dims, params, stages=None, quick: bool = False) -> list:
 
 def _precompile(launches: list) -> dict:
     """Compiles every launch's kernel in the autotuner's worker pool (filling Triton's cache)."""
-    from te_jax_perm.autotune.compile_job import make_job
+    from te_jax_perm.autotune.pool import make_job
     from te_jax_perm.autotune.pool import get_pool
     from te_jax_perm.core.triton_backend import compute_capability
     cc = compute_capability()

@@ -76,7 +76,6 @@ def _block(out: Any) -> None:
 def measure(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int = 10, warmup: int = 2) -> list[KernelTimes]:
     """Runs each ``(label, fn)``: ``warmup`` calls unprofiled, then ``calls`` calls in one
     profile; returns each label's kernels. ``fn()`` may return JAX arrays or torch tensors."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     marker = _marker()

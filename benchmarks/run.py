@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> dict:
         for c in selected:
             for b in backends:
                 runner.measure(shape, c.op, c.direction, b, lambda: c.build(problem, b))
-        del problem
+        problem = None  # frees this shape's arrays before the next shape's are made
     result = {
         "meta": _meta(st, args, copy_cfg, time.monotonic() - t_start),
         "copy_tuning": copy_trials,

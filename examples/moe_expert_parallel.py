@@ -102,7 +102,7 @@ def on_devices(sz: Sizes, n: int) -> Sizes:
 def memory_check(sz: Sizes, modes: list[str], devices) -> tuple[bool, str]:
     from te_jax_perm.parallel.memory import GIB, device_memory_limit, ep_working_set, fits
     ws = max((ep_working_set(tokens=sz.tokens, hidden=sz.hidden, ffn=sz.ffn, experts=sz.experts, ep=sz.n_dev,
-                             topk=sz.topk, capacity=sz.cap, num_out_tokens=sz.num_out, dtype=sz.dtype, a2a=m)
+                             capacity=sz.cap, num_out_tokens=sz.num_out, dtype=sz.dtype, a2a=m)
               for m in modes), key=lambda w: w.total)
     limit = int(FLAGS.device_memory_gib * GIB) if FLAGS.device_memory_gib else device_memory_limit(devices[0])
     return fits(ws, limit)

@@ -26,13 +26,13 @@ def accumulate_rows_kernel(x_ptr, T, H, out_alias_ptr, out_ptr, BS: tl.constexpr
         tl.store(out_ptr + off, tl.load(out_ptr + off, mask=m) + tl.load(x_ptr + off, mask=m), mask=m)
 
 
-def _tiles_own_rows(d, p, c):
+def tiles_own_rows(d, p, c):
     if c.kw["BS"] % c.kw["BT"]:
         return f"BS={c.kw['BS']} is not a multiple of BT={c.kw['BT']}: tiles would spill into the next program"
     return None
 
 
-def _not_wider_than_rows(d, p, c):
+def not_wider_than_rows(d, p, c):
     if c.kw["BS"] > triton.next_power_of_2(d["T"]):
         return f"BS={c.kw['BS']} exceeds next_power_of_2(T={d['T']})"
     return None
@@ -42,7 +42,7 @@ SAFE_CONFIGS = tuple(Config.make(BS=bs, BT=bt) for bs in (8, 16, 32, 64) for bt 
 RACY_CONFIG = Config.make(BS=40, BT=32)  # 2 programs x 2 tiles: fewest launches, rows 40..63 added twice
 
 
-def accumulate_decl(name="test_accumulate", configs=SAFE_CONFIGS, constraints=(_tiles_own_rows,), **kw):
+def accumulate_decl(name="test_accumulate", configs=SAFE_CONFIGS, constraints=(tiles_own_rows,), **kw):
     kw.setdefault("default_config", lambda d, p: Config.make(BS=8, BT=8))
     return KernelDecl(
         name=name, kernel=accumulate_rows_kernel,

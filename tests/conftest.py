@@ -45,6 +45,16 @@ def on_cpu():
         yield
 
 
+@pytest.fixture(params=[True, False], ids=["shardy", "gspmd"])
+def partitioner(request):
+    """Runs a test under Shardy and under GSPMD propagation."""
+    import jax
+    old = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", request.param)
+    yield request.param
+    jax.config.update("jax_use_shardy_partitioner", old)
+
+
 @pytest.fixture
 def tmp_cache(tmp_path):
     """A private, empty tuning cache (and fresh tuner counters) for one test."""
@@ -65,20 +75,18 @@ def top_k_routing(logits: np.ndarray, k: int) -> np.ndarray:
 
 
 def routing(rng: np.random.Generator, t: int, e: int, k: int, mode: str = "topk") -> np.ndarray:
-    """bool [T, E] with k distinct experts per token.
-
-    mode: "topk" random; "skew" one hot expert takes ~half the tokens; "empty" only the
-    first half of the experts are ever used; "all_one" every token goes to expert 0.
-    """
+    """bool [T, E]: each token routed to the ``k`` distinct experts (at most ``E``) of highest
+    random logit, with the logits biased by ``mode``: "topk" none; "skew" expert 0 takes
+    about half the tokens; "empty" the experts from ``max(k, E // 2)`` on take none;
+    "all_one" every token goes to expert 0."""
     k = min(k, e)
-    m = np.zeros((t, e), bool)
-    pool = np.arange(e) if mode != "empty" else np.arange(max(k, e // 2))
-    for i in range(t):
-        if mode == "all_one":
-            chosen = [0] + list(rng.choice(np.arange(1, e), k - 1, replace=False)) if k > 1 else [0]
-        elif mode == "skew" and rng.random() < 0.5 and e > 1:
-            chosen = [0] + list(rng.choice(np.arange(1, e), k - 1, replace=False))
-        else:
-            chosen = rng.choice(pool, k, replace=False)
-        m[i, chosen] = True
-    return m
+    logits = rng.standard_normal((t, e))
+    if mode == "skew":
+        logits[rng.random(t) < 0.5, 0] += 100.0
+    elif mode == "empty":
+        logits[:, max(k, e // 2):] -= 100.0
+    elif mode == "all_one":
+        logits[:, 0] += 100.0
+    elif mode != "topk":
+        raise ValueError(f"mode {mode!r}; expected topk, skew, empty or all_one")
+    return top_k_routing(logits, k)

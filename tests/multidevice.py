@@ -34,13 +34,3 @@ def collectives(f, *args) -> list[str]:
     import jax
     txt = jax.jit(f).lower(*args).compile().as_text()
     return [c for c in COLLECTIVES if c in txt]
-
-
-@pytest.fixture(params=[True, False], ids=["shardy", "gspmd"])
-def partitioner(request):
-    """Runs a test under Shardy and under GSPMD propagation."""
-    import jax
-    old = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", request.param)
-    yield request.param
-    jax.config.update("jax_use_shardy_partitioner", old)

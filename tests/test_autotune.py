@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("tmp_cache")
 
 def test_pruning_drops_invalid_configs_before_trials():
     cfgs = K.SAFE_CONFIGS + (K.RACY_CONFIG, Config.make(BS=128, BT=4))
-    decl = K.accumulate_decl(configs=cfgs, constraints=(K._tiles_own_rows, K._not_wider_than_rows))
+    decl = K.accumulate_decl(configs=cfgs, constraints=(K.tiles_own_rows, K.not_wider_than_rows))
     valid, pruned = autotune.candidates(decl, {"T": 64, "H": 16}, {})
     assert {c for c, _ in pruned} == {K.RACY_CONFIG, Config.make(BS=128, BT=4)}
     assert "not a multiple" in dict(pruned)[K.RACY_CONFIG]
@@ -78,7 +78,6 @@ def test_a_declaration_without_key_dims_keys_every_dim():
 
 
 def test_key_changes_with_kernel_source():
-    from te_jax_perm.core.declaration import KernelDecl  # noqa: F401
     import dataclasses
     decl = K.accumulate_decl()
     other = dataclasses.replace(decl, kernel=K.copy_rows_kernel)
@@ -208,7 +207,7 @@ def test_resolver_tunes_on_miss_when_enabled_and_uses_cache_when_disabled(on_cpu
 
 
 def test_cached_winner_invalid_for_exact_dims_is_skipped(tmp_cache):
-    decl = K.accumulate_decl(name="bucket", constraints=(K._tiles_own_rows, K._not_wider_than_rows))
+    decl = K.accumulate_decl(name="bucket", constraints=(K.tiles_own_rows, K.not_wider_than_rows))
     autotune.tune(decl, [((64, 16), np.float32)])
     k = keymod.make_key(decl, {"T": 64, "H": 16}, {}, [np.float32], "interpret")
     entry = cache.load(k)

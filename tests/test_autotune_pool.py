@@ -7,8 +7,7 @@ import pytest
 
 from tests import _autotune_kernels as K
 from te_jax_perm import autotune
-from te_jax_perm.autotune import compile_job
-from te_jax_perm.autotune.pool import CompilePool
+from te_jax_perm.autotune.pool import CompilePool, make_job
 from te_jax_perm.core import Config
 
 pytest.importorskip("triton")
@@ -37,7 +36,7 @@ def _jobs(decl, configs, faults=None):
     from te_jax_perm.core import bind_call, configure
     call = bind_call(decl, [jax.ShapeDtypeStruct((64, 16), np.float32)], {}, "triton")
     faults = faults or {}
-    jobs = [compile_job.make_job(configure(call, c), TARGET) for c in configs]
+    jobs = [make_job(configure(call, c), TARGET) for c in configs]
     return [K.crashing(j, faults[c]) if c in faults else j for j, c in zip(jobs, configs)]
 
 
@@ -93,7 +92,7 @@ def test_parent_loads_worker_binary_without_recompiling(pool, monkeypatch):
     decl = K.accumulate_decl()
     launch = configure(bind_call(decl, [jax.ShapeDtypeStruct((64, 16), np.float32)], {}, "triton"),
                        Config.make(BS=16, BT=8, num_warps=2))
-    (res,) = pool.compile_many([compile_job.make_job(launch, TARGET)])
+    (res,) = pool.compile_many([make_job(launch, TARGET)])
     assert res.ok
     monkeypatch.setenv("TRITON_CACHE_DIR", pool.cache_dir)
     from triton.compiler import ASTSource
@@ -101,5 +100,5 @@ def test_parent_loads_worker_binary_without_recompiling(pool, monkeypatch):
     def no_compile(*a, **k):
         raise AssertionError("parent recompiled instead of loading the worker's binary")
     monkeypatch.setattr(ASTSource, "make_ir", no_compile)
-    triton_compile._compile_cached.cache_clear()
+    triton_compile.compile_cached.cache_clear()
     assert triton_compile.compiled_for(launch, TARGET[1]).name

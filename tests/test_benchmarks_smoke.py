@@ -44,7 +44,7 @@ def test_chain_length_is_clamped():
 def test_dispatch_bytes_count_reads_once_and_every_output():
     shape = CPU_SHAPES[0]
     p = cases.Problem.make(shape)
-    built = cases._dispatch_fwd(p, "xla")
+    built = next(c for c in cases.CASES if (c.op, c.direction) == ("token_dispatch", "fwd")).build(p, "xla")
     T, H, E, k = shape.T, shape.H, shape.E, shape.k
     item = np.dtype(shape.dtype).itemsize
     expected = (T * H * item + T * E + T * k * 4                    # tokens once, routing map, routed probs
@@ -106,15 +106,15 @@ def test_stress_cases_are_distinct_and_cover_dtypes_and_alignments():
 def test_stress_comparison_catches_one_flipped_bit_and_large_errors():
     want = np.arange(12, dtype=np.float32).reshape(3, 4)
     got = want.copy()
-    assert stress._same("dispatch", got, want, "float32") is None
+    assert stress.same("dispatch", got, want, "float32") is None
     got[1, 2] = np.nextafter(got[1, 2], np.float32(100))
-    assert "1 of 12" in stress._same("dispatch", got, want, "float32")
-    assert stress._same("combine", got, want, "float32") is None  # within fp32 tolerance
+    assert "1 of 12" in stress.same("dispatch", got, want, "float32")
+    assert stress.same("combine", got, want, "float32") is None  # within fp32 tolerance
     got[0, 0] += 1.0
-    assert "max abs error" in stress._same("combine", got, want, "float32")
-    assert "shape/dtype" in stress._same("combine", got[:2], want, "float32")
+    assert "max abs error" in stress.same("combine", got, want, "float32")
+    assert "shape/dtype" in stress.same("combine", got[:2], want, "float32")
     zero = np.zeros(3, np.float32)
-    assert stress._same("sort", -zero, zero, "float32") is not None
+    assert stress.same("sort", -zero, zero, "float32") is not None
 
 
 def test_gpu_driver_names_its_steps_and_rejects_others(tmp_path):

@@ -173,7 +173,7 @@ single_process = pytest.mark.skipif(MULTI, reason="runs once, in the parent proc
 
 @single_process
 def test_working_set_counts_weights_activations_and_capacity():
-    kw = dict(tokens=4096, hidden=4096, ffn=2048, experts=32, ep=4, topk=8, num_out_tokens=4096 * 8)
+    kw = dict(tokens=4096, hidden=4096, ffn=2048, experts=32, ep=4, num_out_tokens=4096 * 8)
     ws = ep_working_set(**kw, dtype="bfloat16")
     el = 32 // 4
     weights = el * 2 * 4096 * 2048 * 2

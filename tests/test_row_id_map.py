@@ -82,7 +82,7 @@ def test_map_plan_is_the_measured_one_and_keeps_block_counts():
     """At a measured (T, E) the plan is the fastest one measured; elsewhere it keeps the
     nearest measured plan's number of blocks (tokens per block a power of two, at most 128)."""
     from te_jax_perm.ops.row_id_map import decl as D
-    for (t, e), (single, bt, warps) in D._MAP_PLANS.items():
+    for (t, e), (single, bt, warps) in D.MAP_PLANS.items():
         assert D.map_plan(t, e) == D.MapPlan(single or -(-t // bt) <= 1, bt, warps)
     for t, e in [(1, 1), (3, 7), (100, 200), (8192, 64), (65536, 384), (10**6, 8)]:
         plan = D.map_plan(t, e)

@@ -12,7 +12,8 @@ import pytest
 
 import te_jax_perm
 from te_jax_perm.core import Config, declare
-from te_jax_perm.core.interpret_backend import BufferInfo, HostPointer, launch_interpreted
+from te_jax_perm.core.hooks import BufferInfo
+from te_jax_perm.core.interpret_backend import HostPointer, launch_interpreted
 from te_jax_perm.sanitize import (IN_PLACE, OOB, READ_WRITE, WRITE_WRITE, Hazard, HazardError, check,
                                   sanitize)
 from tests import planted_kernels as pk

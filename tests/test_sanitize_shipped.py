@@ -19,6 +19,7 @@ import te_jax_perm.ops
 from te_jax_perm.autotune.space import candidates
 from te_jax_perm.core import KernelPrimitive, hooks
 from te_jax_perm.sanitize import sanitize
+from tests.conftest import routing
 
 BE = "interpret"
 
@@ -33,42 +34,12 @@ def shipped_kernels() -> dict[str, KernelPrimitive]:
     return found
 
 
-# -- routing patterns -------------------------------------------------------------------
-def _topk(rng, t, e, k):
-    rm = np.zeros((t, e), bool)
-    for i in range(t):
-        rm[i, rng.choice(e, size=k, replace=False)] = True
-    return rm
-
-
-def _skewed(rng, t, e, k):
-    # Expert 0 takes every token of the first half (k distinct experts per token still).
-    rm = np.zeros((t, e), bool)
-    for i in range(t):
-        if i < (t + 1) // 2:
-            rm[i, [0, *rng.choice(np.arange(1, e), size=k - 1, replace=False)]] = True
-        else:
-            rm[i, rng.choice(e, size=k, replace=False)] = True
-    return rm
-
-
-def _empty_experts(rng, t, e, k):
-    # Only the first k+1 experts receive tokens; the rest are empty.
-    rm = np.zeros((t, e), bool)
-    for i in range(t):
-        rm[i, rng.choice(k + 1, size=k, replace=False)] = True
-    return rm
-
-
-ROUTINGS = {"topk": _topk, "skewed": _skewed, "empty": _empty_experts}
-
-
-def run_moe(T, H, E, k, routing, *, drop=0, align=None, probs=True, dtype=jnp.float32, seed=0):
+def run_moe(T, H, E, k, mode, *, drop=0, align=None, probs=True, dtype=jnp.float32, seed=0):
     """token_dispatch -> token_combine, forward and backward (all cotangents non-zero)."""
     from te_jax_perm import token_combine, token_dispatch
 
     rng = np.random.default_rng(seed)
-    rm = jnp.asarray(ROUTINGS[routing](rng, T, E, k))
+    rm = jnp.asarray(routing(rng, T, E, k, mode))
     num_out = max(int(rm.sum()) - drop, 0)
     x = jnp.asarray(rng.standard_normal((T, H)), dtype)
     p = jnp.asarray(rng.random((T, E)), jnp.float32) * rm if probs else None
@@ -106,11 +77,11 @@ def run_copy(shape, dtype=jnp.bfloat16):
     return device_copy(jnp.arange(int(np.prod(shape)), dtype=dtype).reshape(shape), backend=BE)
 
 
-def run_row_id_map(T, E, k, routing, *, drop=0, single_pass=False, seed=0):
+def run_row_id_map(T, E, k, mode, *, drop=0, single_pass=False, seed=0):
     """The public map build, in one launch or two (counts, then fill)."""
     from te_jax_perm import make_row_id_map
 
-    rm = jnp.asarray(ROUTINGS[routing](np.random.default_rng(seed), T, E, k))
+    rm = jnp.asarray(routing(np.random.default_rng(seed), T, E, k, mode))
     return make_row_id_map(rm, max(int(rm.sum()) - drop, 0), block_tokens=4, single_pass=single_pass, backend=BE)
 
 
@@ -130,15 +101,15 @@ SCENARIOS = {
     "moe_T1_oddH": lambda: run_moe(1, 5, 4, 2, "topk"),
     "moe_topk_odd": lambda: run_moe(13, 33, 5, 2, "topk", dtype=jnp.bfloat16),
     "moe_empty_experts": lambda: run_moe(12, 16, 8, 2, "empty"),
-    "moe_skewed_k1": lambda: run_moe(17, 24, 4, 1, "skewed", probs=False),
-    "moe_dropping": lambda: run_moe(16, 20, 4, 2, "skewed", drop=7),
+    "moe_skewed_k1": lambda: run_moe(17, 24, 4, 1, "skew", probs=False),
+    "moe_dropping": lambda: run_moe(16, 20, 4, 2, "skew", drop=7),
     "moe_padding": lambda: run_moe(11, 70, 4, 2, "empty", align=4),
     "moe_drop_and_pad_noprobs": lambda: run_moe(9, 7, 3, 2, "topk", drop=3, align=8, probs=False),
     "chunks_empty_and_unmapped": lambda: run_chunk_sort(20, 9, [3, 0, 5, 4, 0, 2], [5, 2, 0, 4, 3, 1]),
     "chunks_T1": lambda: run_chunk_sort(1, 3, [1], [0], probs=False),
     "chunks_full": lambda: run_chunk_sort(24, 96, [8, 8, 8], [2, 0, 1]),
     "copy_odd": lambda: run_copy((7, 13)),
-    "row_id_map_two_pass": lambda: run_row_id_map(19, 6, 2, "skewed", drop=5),
+    "row_id_map_two_pass": lambda: run_row_id_map(19, 6, 2, "skew", drop=5),
     "row_id_map_one_pass": lambda: run_row_id_map(19, 6, 2, "topk", drop=3, single_pass=True),
     # T*E large enough for the dispatch's two-launch map (counts, then the padded, owned fill).
     "moe_two_pass_map": lambda: run_moe(64, 8, 128, 2, "topk", align=4),
@@ -227,7 +198,7 @@ def run_combine_short_input(rows=13, T=8, E=4, k=2):
     from te_jax_perm import token_combine, token_dispatch
 
     rng = np.random.default_rng(0)
-    rm = jnp.asarray(_topk(rng, T, E, k))
+    rm = jnp.asarray(routing(rng, T, E, k))
     x = jnp.asarray(rng.standard_normal((T, 16)), jnp.float32)
     out, _, rid, _, _ = token_dispatch(x, rm, T * k, backend=BE)
     p = jnp.asarray(rng.random((T, E)), jnp.float32) * rm

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.multidevice import MULTI, collectives, multidevice, partitioner, run_module_on_8_devices  # noqa: E402,F401
+from tests.multidevice import MULTI, collectives, multidevice, run_module_on_8_devices  # noqa: E402,F401
 from tests.conftest import top_k_routing
 
 

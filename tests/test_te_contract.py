@@ -23,7 +23,7 @@ import pytest
 import te_jax_perm
 from tests import numpy_reference as ref
 from tests.conftest import routing
-from tests.multidevice import MULTI, collectives, multidevice, partitioner, run_module_on_8_devices  # noqa: F401
+from tests.multidevice import MULTI, collectives, multidevice, run_module_on_8_devices  # noqa: F401
 
 # (num_tokens, num_experts, hidden_size, topk): TE's L0 cases, scaled down for the interpreter.
 CASES = [(32, 5, 32, 3), (24, 8, 40, 8)]

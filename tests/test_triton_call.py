@@ -71,7 +71,7 @@ def _lower_for_cuda(fn, *args, lib=None):
     # Lowered with ``lib`` standing in for jaxlib's CUDA bindings: the exact custom calls a
     # GPU run would execute, without a GPU.
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(triton_backend, "_device_kernel_call_lib", lambda: lib)
+        mp.setattr(triton_backend, "kernel_call_lib", lambda: lib)
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)), lib
 
 
@@ -160,9 +160,9 @@ def test_kernels_are_compiled_once_per_specialisation():
     from te_jax_perm.core import triton_compile
     src, idx = jnp.ones((9, 40), jnp.float32), jnp.zeros((4,), jnp.int32)
     _lower_for_cuda(_gather, src, idx)
-    before = triton_compile._compile_cached.cache_info().misses
+    before = triton_compile.compile_cached.cache_info().misses
     lowered, lib = _lower_for_cuda(_gather, jnp.ones((11, 40), jnp.float32), jnp.zeros((6,), jnp.int32))
-    assert triton_compile._compile_cached.cache_info().misses == before  # same binary: H is a runtime scalar
+    assert triton_compile.compile_cached.cache_info().misses == before  # same binary: H is a runtime scalar
 
 
 # -- the [cuda] extra against the compatibility table -----------------------------------------

@@ -137,9 +137,8 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
             row = {"model": model, "T": T, "H": H, "E": E, "k": k, "kernel": ln.decl.name,
                    "best": e.get("best"), "best_time_s": e.get("best_time_s"),
                    "default": e.get("default"), "default_time_s": e.get("default_time_s"),
-                   "timed": len(e.get("ranking", [])), "rejected": len(e.get("rejected", [])),
-                   "failed": len(e.get("failed", [])), "pruned": len(e.get("pruned", [])),
-                   "skipped": len(e.get("skipped", [])), "not_run": len(e.get("not_run", [])),
+                   "timed": len(e.get("ranking", [])),
+                   **{f: len(e.get(f, [])) for f in ("rejected", "failed", "pruned", "skipped", "not_run")},
                    "complete": e.get("complete", True), "cached": res.cached,
                    "wall_s": time.perf_counter() - t0, "phases_s": e.get("phases_s")}
             if row["best_time_s"] and row["default_time_s"]:

@@ -80,17 +80,22 @@ def _read(path: Path) -> tuple[Any, str | None]:
             os.close(fd)
 
 
+def _entry_at(path: Path) -> tuple[Any, str | None]:
+    """``(entry, why it cannot be used)`` at ``path`` (this process's unwritten entries first),
+    its shape checked; raises ``FileNotFoundError`` when there is none."""
+    if str(path) in _memory:
+        return _memory[str(path)], None
+    entry, why = _read(path)
+    return entry, why or entry_check.entry_problem(entry)
+
+
 def _lookup(key: Mapping[str, Any]) -> tuple[Path, Any, str | None]:
     """``(path, entry, problem)``; ``entry`` is ``None`` when there is no entry at all."""
     path = entry_path(key)
-    if str(path) in _memory:
-        return path, _memory[str(path)], None
     try:
-        entry, why = _read(path)
+        entry, why = _entry_at(path)
     except FileNotFoundError:
         return path, None, None
-    if why is None:
-        why = entry_check.entry_problem(entry)
     # A digest collision or a hand-edited file must not hand back another key's result.
     if why is None and entry["key"] != json.loads(json.dumps(key)):
         why = "its key is not the key this file name stands for"
@@ -163,19 +168,11 @@ def entries() -> Iterator[tuple[Path, Any, str | None]]:
     except OSError:
         pass
     for p in sorted(paths | {Path(m) for m in _memory if Path(m).parent == d}):
-        if str(p) in _memory:
-            yield p, _memory[str(p)], None
-            continue
         try:
-            entry, why = _read(p)
+            entry, why = _entry_at(p)
         except FileNotFoundError:
-            continue
-        yield p, entry, why or entry_check.entry_problem(entry)
-
-
-def _count(e: Mapping[str, Any], field: str) -> int:
-    v = e.get(field, [])
-    return len(v) if isinstance(v, list) else 0
+            continue   # removed since the listing
+        yield p, entry, why
 
 
 def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
@@ -192,7 +189,7 @@ def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
         decl = decls.get(e["key"].get("kernel")) if why is None else None
         if decl is not None:
             space = entry_check.declared_space(decl, (e.get("tuned_dims"),), _literal_params(e["key"]))
-            why = entry_check.entry_problem(e, decl, space if _default_known(decl, e) else None)
+            why = entry_check.entry_problem(e, decl, space)
         if why:
             bad += 1
             lines.append(f"BAD  [{where}{p.name}]: {why}")
@@ -200,9 +197,9 @@ def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
         k = e["key"]
         lines.append(f"{k.get('kernel')}  backend={k.get('backend')} dims={k.get('dims')} "
                      f"params={k.get('params')} dtypes={k.get('dtypes')} device={k.get('device')}")
-        lines.append(f"    best={e.get('best')} time_s={e.get('best_time_s')} "
-                     f"timed={_count(e, 'ranking')} rejected={_count(e, 'rejected')} "
-                     f"failed={_count(e, 'failed')} pruned={_count(e, 'pruned')}  [{where}{p.name}]")
+        counts = " ".join(f"{name}={len(e.get(field, []))}" for name, field in (
+            ("timed", "ranking"), ("rejected", "rejected"), ("failed", "failed"), ("pruned", "pruned")))
+        lines.append(f"    best={e.get('best')} time_s={e.get('best_time_s')} {counts}  [{where}{p.name}]")
     if len(lines) == 1:
         lines.append("  empty: nothing is tuned here yet (python -m te_jax_perm.autotune --tune_shapes tunes the ops)")
     if bad:
@@ -222,13 +219,3 @@ def _literal_params(key: Mapping[str, Any]) -> dict:
         except (ValueError, SyntaxError, TypeError):
             continue
     return out
-
-
-def _default_known(decl: KernelDecl, entry: Mapping[str, Any]) -> bool:
-    """Whether the default config at the entry's tuned dims can be computed from the file
-    alone (else configs outside the declared list cannot be judged and are not flagged)."""
-    try:
-        decl.default_config(entry["tuned_dims"], _literal_params(entry["key"]))
-        return True
-    except Exception:  # noqa: BLE001 - the default may need params the key does not hold
-        return False

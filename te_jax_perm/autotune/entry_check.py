@@ -47,17 +47,18 @@ def config_schema_problem(cfg_json: Any) -> str | None:
 
 
 def declared_space(decl: KernelDecl, dims_list: Iterable[Mapping[str, int] | None], params: Mapping[str, Any]
-                   ) -> set[str]:
-    """Canonical configs ``decl`` can run: its configs plus its default at each of ``dims_list``."""
-    space = {canonical(c.to_json()) for c in decl.configs}
+                   ) -> set[str] | None:
+    """Canonical configs ``decl`` can run: its configs plus its default at each of
+    ``dims_list``; ``None`` when no default could be computed there (dims and params read
+    from a file may not suit it), so that configs outside the declared list cannot be judged."""
+    space, defaults = {canonical(c.to_json()) for c in decl.configs}, 0
     for dims in dims_list:
-        if dims is None:
-            continue
         try:
             space.add(canonical(decl.default_config(dims, params).to_json()))
-        except Exception:  # noqa: BLE001 - dims from a file may not suit the default: no default then
+            defaults += 1
+        except Exception:  # noqa: BLE001 - no default at these dims
             continue
-    return space
+    return space if defaults else None
 
 
 def entry_problem(entry: Any, decl: KernelDecl | None = None, space: set[str] | None = None) -> str | None:

@@ -4,26 +4,69 @@ Each worker imports Triton once and then loops on jobs, so isolation costs no im
 time per config. A worker that dies (``abort()``, segfault) or overruns the timeout fails
 only its current job; it is replaced and the remaining jobs continue. Workers share the
 parent's ``TRITON_CACHE_DIR``, so the parent loads their binaries as cache hits.
+
+A job is a picklable :class:`CompileJob`; the same :func:`compile_job` runs in a worker and
+in-process (the baseline the pool's compile time is measured against), so both compile
+exactly the same thing.
 """
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib
 import subprocess
 import sys
 import os
+import socket
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from absl import logging
 
-from te_jax_perm.autotune.compile_job import CompileJob
 from te_jax_perm.core import env
+from te_jax_perm.core.launch import Launch
+from te_jax_perm.core.triton_compile import compile_kernel, launch_spec
 
 DEFAULT_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileJob:
+    kernel_module: str
+    kernel_name: str
+    signature: Mapping[str, str]
+    constexprs: Mapping[str, Any]
+    attrs: Mapping[tuple[int, ...], Any]
+    target: tuple[str, int, int]
+    options: Mapping[str, Any]
+    label: str = ""
+
+
+def make_job(launch: Launch, target: tuple[str, int, int]) -> CompileJob:
+    """The compile of ``launch``'s kernel with its config, with pointers assumed 16-byte
+    aligned (XLA's allocations are), as the ``triton`` backend compiles it too."""
+    fn = launch.decl.kernel.fn
+    sig, constexprs, attrs = launch_spec(launch)
+    config = launch.config
+    return CompileJob(fn.__module__, fn.__name__, sig, constexprs, attrs, tuple(target),
+                      {"num_warps": config.num_warps, "num_stages": config.num_stages},
+                      label=f"{launch.decl.name}:{config}")
+
+
+def compile_job(job: CompileJob) -> dict:
+    """Compiles ``job``; returns a small picklable summary including the binary."""
+    t0 = time.perf_counter()
+    kernel = getattr(importlib.import_module(job.kernel_module), job.kernel_name)
+    k = compile_kernel(kernel, job.signature, job.constexprs, job.attrs, job.target, job.options["num_warps"],
+                       job.options["num_stages"])
+    binary = k.asm.get("cubin") or k.asm.get("hsaco") or b""
+    meta = getattr(k, "metadata", None)
+    return {"hash": k.hash, "binary": bytes(binary) if isinstance(binary, (bytes, bytearray)) else binary,
+            "n_regs": getattr(k, "n_regs", None), "shared": getattr(meta, "shared", None),
+            "compile_s": time.perf_counter() - t0}
 
 
 @dataclasses.dataclass
@@ -33,10 +76,9 @@ class CompileResult:
     error: str = ""
 
 
-def _worker_main(read_fd: int, write_fd: int) -> None:
-    conn = _Duplex(Connection(read_fd, writable=False), Connection(write_fd, readable=False))
-    import triton  # noqa: F401  (the point of a long-lived worker: import once)
-    from te_jax_perm.autotune.compile_job import compile_job
+def _worker_main(fd: int) -> None:
+    conn = Connection(fd)
+    importlib.import_module("triton")  # the point of a long-lived worker: import once
     conn.send(("ready", None))
     while True:
         try:
@@ -53,19 +95,17 @@ def _worker_main(read_fd: int, write_fd: int) -> None:
 
 class _Worker:
     """One worker: a ``python -c`` subprocess (never re-imports the parent's ``__main__``,
-    so it works from scripts without a main guard) talking pickles over two pipes."""
+    so it works from scripts without a main guard) talking pickles over a socket pair."""
 
     def __init__(self, cache_dir: str):
-        p_read, c_write = os.pipe()
-        c_read, p_write = os.pipe()
+        ours, theirs = socket.socketpair()
         env = dict(os.environ, TRITON_CACHE_DIR=cache_dir,
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        code = f"from te_jax_perm.autotune.pool import _worker_main; _worker_main({c_read}, {c_write})"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, pass_fds=(c_read, c_write),
-                                     stdin=subprocess.DEVNULL)
-        os.close(c_read)
-        os.close(c_write)
-        self.conn = _Duplex(Connection(p_read, writable=False), Connection(p_write, readable=False))
+        code = f"from te_jax_perm.autotune.pool import _worker_main; _worker_main({theirs.fileno()})"
+        with theirs:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, pass_fds=(theirs.fileno(),),
+                                         stdin=subprocess.DEVNULL)
+        self.conn = Connection(ours.detach())
         self.ready = False
         self.spawned = time.monotonic()
         self.job: int | None = None
@@ -88,28 +128,6 @@ class _Worker:
             self.proc.kill()
             self.proc.wait(timeout=5)
         self.conn.close()
-
-
-class _Duplex:
-    def __init__(self, r: Connection, w: Connection):
-        self.r, self.w = r, w
-
-    def fileno(self) -> int:
-        return self.r.fileno()
-
-    def send(self, obj: Any) -> None:
-        self.w.send(obj)
-
-    def recv(self) -> Any:
-        return self.r.recv()
-
-    def poll(self, timeout: float = 0.0) -> bool:
-        return self.r.poll(timeout)
-
-    def close(self) -> None:
-        """Stops every worker (also called at exit for the shared pool)."""
-        self.r.close()
-        self.w.close()
 
 
 class CompilePool:

@@ -11,9 +11,9 @@ import numpy as np
 from absl import logging
 
 from te_jax_perm.autotune import cache
-from te_jax_perm.autotune.compile_job import make_job
 from te_jax_perm.autotune.inputs import initial_prealloc, make_inputs
 from te_jax_perm.autotune.key import make_key
+from te_jax_perm.autotune.pool import make_job
 from te_jax_perm.autotune.space import candidates, cap
 from te_jax_perm.autotune.trials import HostRunner, TrialResult, log_result, run_trials
 from te_jax_perm.core.declaration import Config, KernelDecl

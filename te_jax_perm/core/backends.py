@@ -72,11 +72,9 @@ def ensure_available(name: str) -> None:
             raise BackendUnavailableError("backend 'triton': " + "; ".join(problems))
     if name in ("triton", "interpret") and importlib.util.find_spec("triton") is None:
         raise BackendUnavailableError(f"backend {name!r} needs the triton package: pip install triton")
-    if name == "interpret" and jax.default_backend() != "cpu":
+    if name == "interpret" and jax.default_backend() != "cpu" and not _has_cpu():
         # The interpreter dereferences host pointers; GPU buffers would crash it.
-        cpu = [d for d in jax.devices("cpu")] if _has_cpu() else []
-        if not cpu:
-            raise BackendUnavailableError("backend 'interpret' runs on the CPU platform only")
+        raise BackendUnavailableError("backend 'interpret' runs on the CPU platform only")
 
 
 def _has_cpu() -> bool:

@@ -112,15 +112,6 @@ def remove_launch_observer(observer: LaunchObserver) -> None:
         _launch_observers.remove(observer)
 
 
-@contextlib.contextmanager
-def observe_launches(observer: LaunchObserver) -> Iterator[LaunchObserver]:
-    add_launch_observer(observer)
-    try:
-        yield observer
-    finally:
-        remove_launch_observer(observer)
-
-
 def launch_observers() -> tuple[LaunchObserver, ...]:
     with _lock:
         return tuple(_launch_observers)

@@ -20,7 +20,7 @@ import numpy as np
 from te_jax_perm.core import interpret_numerics
 from te_jax_perm.core import hooks
 from te_jax_perm.core.aliasing import preallocate
-from te_jax_perm.core.hooks import BufferInfo, LaunchObserver, observe_launches  # noqa: F401  (re-exported)
+from te_jax_perm.core.hooks import BufferInfo
 from te_jax_perm.core.kernel_args import OPERAND, kernel_arguments
 from te_jax_perm.core.launch import Launch
 
@@ -59,23 +59,20 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
 
 
 def _launch_locked(interp, kernel, grid3, args, constexprs, name, buffers) -> None:
-    fn = interp.InterpretedFunction(kernel.fn).rewrite()
-    scope = interp._patch_lang(kernel.fn)
-    interpret_numerics.patch_scalar_index(scope)
     observers = hooks.launch_observers()
     for ob in observers:
         ob.launch_begin(name or kernel.fn.__name__, buffers, grid3)
     try:
-        call_args = {k: interp._implicit_cvt(v) for k, v in args.items()}
-        call_args.update(constexprs)
-        interp.interpreter_builder.set_grid_dim(*grid3)
-        for x, y, z in itertools.product(*(range(g) for g in grid3)):
-            interp.interpreter_builder.set_grid_idx(x, y, z)
-            for ob in observers:
-                ob.program_begin((x, y, z))
-            fn(**call_args)
+        with _interpreted(interp, kernel.fn) as fn:
+            call_args = {k: interp._implicit_cvt(v) for k, v in args.items()}
+            call_args.update(constexprs)
+            interp.interpreter_builder.set_grid_dim(*grid3)
+            for x, y, z in itertools.product(*(range(g) for g in grid3)):
+                interp.interpreter_builder.set_grid_idx(x, y, z)
+                for ob in observers:
+                    ob.program_begin((x, y, z))
+                fn(**call_args)
     finally:
-        scope.restore()
         for ob in observers:
             ob.launch_end()
 
@@ -84,25 +81,32 @@ _rewritten: dict[Any, Any] = {}
 
 
 @contextlib.contextmanager
+def _interpreted(interp: Any, fn: Any) -> Iterator[Callable]:
+    """``fn``'s interpreter rewrite (made once per function), with the language patched for
+    its module within the block and restored after."""
+    if fn not in _rewritten:
+        _rewritten[fn] = interp.InterpretedFunction(fn).rewrite()
+    scope = interp._patch_lang(fn)
+    interpret_numerics.patch_scalar_index(scope)
+    try:
+        yield _rewritten[fn]
+    finally:
+        scope.restore()
+
+
+@contextlib.contextmanager
 def _nested_jit_calls(interp: Any) -> Iterator[None]:
     """Lets a kernel call other ``@triton.jit`` functions (its helpers, ``tl.sum``,
     ``tl.cumsum``...): outside ``TRITON_INTERPRET=1`` those are ``JITFunction`` objects whose
     ``__call__`` refuses to run, so for the launch each such call runs the function's
-    interpreter rewrite, with the language patched for its module and restored after."""
+    interpreter rewrite."""
     from triton.runtime.jit import JITFunction
 
     original = JITFunction.__call__
 
     def call(self, *a, **kw):
-        fn = _rewritten.get(self.fn)
-        if fn is None:
-            fn = _rewritten[self.fn] = interp.InterpretedFunction(self.fn).rewrite()
-        scope = interp._patch_lang(self.fn)
-        interpret_numerics.patch_scalar_index(scope)
-        try:
+        with _interpreted(interp, self.fn) as fn:
             return fn(*a, **kw)
-        finally:
-            scope.restore()
 
     JITFunction.__call__ = call
     try:

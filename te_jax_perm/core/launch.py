@@ -6,7 +6,8 @@ its output shapes and dtypes derived. It is what a config is chosen for (the aut
 key and trials read it). A :class:`Launch` is a call with its config: grid, runtime scalars
 and compile-time constants, checked against the config's constraints and the kernel's
 signature. Both are frozen and built where a call is lowered, then passed down to the
-backend, the tuner and the sanitizer, which never re-derive any of it.
+backend, the tuner and the sanitizer, which never re-derive any of it. :func:`select_config`
+picks a call's config: the caller's, the installed resolver's, or the declared default.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
+from absl import logging
 
+from te_jax_perm.core import hooks
 from te_jax_perm.core.aliasing import AliasPlan, alias_plan
 from te_jax_perm.core.declaration import Config, Dims, KernelDecl, Params
 from te_jax_perm.core.shapes import bind_dims
@@ -123,3 +126,21 @@ def configure(call: Call, config: Config) -> Launch:
     scalars = dict(decl.scalars(dims, params))
     constexprs = check_signature(decl, scalars, constexprs)  # now in the kernel's order
     return Launch(call, config, grid, _frozen(scalars), _frozen(constexprs))
+
+
+def select_config(call: Call, explicit: Config | None) -> Config:
+    """The config ``call`` launches with: ``explicit``, else the installed resolver's pick
+    (the autotuner's), else the declaration's default, which must meet its own constraints."""
+    hooks.notify_call(call)
+    if explicit is not None:
+        return explicit
+    picked = hooks.resolve_config(call)
+    if picked is not None:
+        return picked
+    decl = call.decl
+    cfg = decl.default_config(call.dims, call.params)
+    why = decl.violated(call.dims, call.params, cfg)
+    if why:
+        raise ValueError(f"{decl.name}: default {cfg} violates its own constraint for {dict(call.dims)}: {why}")
+    logging.vlog(1, "%s: default config %s for %s", decl.name, cfg, dict(call.dims))
+    return cfg

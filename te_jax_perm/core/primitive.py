@@ -15,9 +15,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from te_jax_perm.core import backends, checks, sharding
-from te_jax_perm.core.config_select import select_config
 from te_jax_perm.core.declaration import Config, KernelDecl
-from te_jax_perm.core.launch import bind_call, configure
+from te_jax_perm.core.launch import bind_call, configure, select_config
 from te_jax_perm.core.shapes import check_static_params
 
 _RESERVED = ("backend", "config")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from absl import logging
 import jax
@@ -91,10 +91,8 @@ def sdy_rule(ops: Sequence[tuple[str, ...]], outs: Sequence[tuple[str, ...]], lo
 
 
 def _spec_axes(sharding, ndim: int) -> list[Any]:
-    if isinstance(sharding, NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-        return list(spec[:ndim])
-    return [None] * ndim
+    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+    return list((spec + (None,) * ndim)[:ndim])
 
 
 def _choose(ops, local, arg_shapes) -> dict[str, Any]:
@@ -142,8 +140,7 @@ def dim_splits(mesh, sharding, ndim: int) -> list[tuple[Any, int]]:
     does not divide along part of that axis), the entry is ``None`` and ``pieces`` still
     counts the split, so a caller can say which size does not divide."""
     if isinstance(sharding, NamedSharding):
-        spec = (tuple(sharding.spec) + (None,) * ndim)[:ndim]
-        return [(ax, _axes_size(mesh, ax)) for ax in spec]
+        return [(ax, _axes_size(mesh, ax)) for ax in _spec_axes(sharding, ndim)]
     try:
         hlo = sharding._to_xla_hlo_sharding(ndim)
     except Exception:  # noqa: BLE001 - no HLO form (a single-device sharding): unsplit
@@ -233,13 +230,18 @@ def _callback_fallback(name: str, ctx, backend: str) -> bool:
     return True
 
 
+def _lower(kp: "KernelPrimitive", ctx, args, body: Callable, in_batched: Sequence[bool] | None, backend: str):
+    """Lowers ``body`` (the per-device function) through custom_partitioning per ``kp``'s
+    axis names, or unpartitioned where the interpret backend cannot be partitioned."""
+    if not _callback_fallback(kp.decl.name, ctx, backend):
+        ranks = [len(a.shape) - (in_batched is not None) for a in ctx.avals_out]
+        body = partitioned(body, *_axis_names(kp, ranks, in_batched))
+    return mlir.lower_fun(lambda *xs: list(body(*xs)), multiple_results=True)(ctx, *args)
+
+
 def lower_partitioned(kp: "KernelPrimitive", ctx, *args, **kw):
     """Lowers ``kp`` through custom_partitioning; the per-shard function binds ``kp.local``."""
-    if _callback_fallback(kp.decl.name, ctx, kw.get("backend")):
-        return mlir.lower_fun(lambda *xs: kp.local.bind(*xs, **kw), multiple_results=True)(ctx, *args)
-    ops, outs, local = _axis_names(kp, [len(a.shape) for a in ctx.avals_out], None)
-    fn = partitioned(lambda *xs: tuple(kp.local.bind(*xs, **kw)), ops, outs, local)
-    return mlir.lower_fun(lambda *xs: list(fn(*xs)), multiple_results=True)(ctx, *args)
+    return _lower(kp, ctx, args, lambda *xs: tuple(kp.local.bind(*xs, **kw)), None, kw.get("backend"))
 
 
 # -- vmap: one primitive for the whole batch, batch axis local --------------------------------
@@ -276,12 +278,8 @@ class VmappedPrimitive:
         return tuple(jax.lax.map(body, xs))
 
     def _lower(self, ctx, *args, in_batched, **kw):
-        if _callback_fallback(self.kp.decl.name, ctx, kw.get("backend")):
-            return mlir.lower_fun(lambda *xs: list(self._loop(*xs, in_batched=in_batched, **kw)),
-                                  multiple_results=True)(ctx, *args)
-        ops, outs, local = _axis_names(self.kp, [len(a.shape) - 1 for a in ctx.avals_out], in_batched)
-        fn = partitioned(lambda *xs: self._loop(*xs, in_batched=in_batched, **kw), ops, outs, local)
-        return mlir.lower_fun(lambda *xs: list(fn(*xs)), multiple_results=True)(ctx, *args)
+        return _lower(self.kp, ctx, args, lambda *xs: self._loop(*xs, in_batched=in_batched, **kw), in_batched,
+                      kw.get("backend"))
 
     def bind(self, args: Sequence[jax.Array], dims: Sequence[Any], **kw):
         in_batched = tuple(d is not None for d in dims)

@@ -35,27 +35,32 @@ FFI_TARGET = "triton_kernel_call_ffi"
 # (older releases, which this library does not support, took cluster dims instead of num_ctas).
 
 
-def _load_kernel_call_lib() -> Any:
+@functools.lru_cache(maxsize=None)
+def kernel_call_lib() -> Any:
+    """jaxlib's Triton kernel-call bindings, loaded once; raises when jaxlib has no CUDA plugin."""
     try:
-        from jax._src.lib import gpu_triton
+        from jax._src.lib import gpu_triton as lib
     except ImportError as e:  # pragma: no cover - every supported jaxlib has the module
         raise BackendUnavailableError(f"backend 'triton': jaxlib has no Triton kernel-call module ({e}); "
                                       "pip install 'te_jax_perm[cuda]'") from e
-    if getattr(gpu_triton, "TritonKernelCall", None) is None:
+    if getattr(lib, "TritonKernelCall", None) is None:
         raise BackendUnavailableError(
             "backend 'triton' needs jaxlib's CUDA plugin (its Triton kernel call is missing): "
             "pip install 'te_jax_perm[cuda]'")
-    return gpu_triton
+    return lib
 
 
-def _ffi_registered(lib: Any) -> bool:
-    """Whether jaxlib registered the typed-FFI Triton call (0.10.1 and later do)."""
-    plugin = getattr(lib, "_cuda_triton", None)
-    registrations = getattr(plugin, "registrations", None)
+def _check_ffi(lib: Any) -> None:
+    """Raises unless jaxlib registered the typed-FFI Triton call (0.10.1 and later do)."""
+    registrations = getattr(getattr(lib, "_cuda_triton", None), "registrations", None)
     if callable(registrations):
-        return FFI_TARGET in registrations()
-    jaxlib = compat.installed("jaxlib")
-    return jaxlib is not None and jaxlib >= compat.FFI_MIN_JAXLIB
+        registered = FFI_TARGET in registrations()
+    else:
+        jaxlib = compat.installed("jaxlib")
+        registered = jaxlib is not None and jaxlib >= compat.FFI_MIN_JAXLIB
+    if not registered:
+        raise BackendUnavailableError("backend 'triton': " + "; ".join(compat.problems() or [
+            f"this jaxlib does not register {FFI_TARGET}: pip install 'jax[cuda13]>={compat.FFI_MIN_JAXLIB}'"]))
 
 
 def _triton_kernel(lib: Any, kernel: CompiledKernel) -> Any:
@@ -73,46 +78,25 @@ def _triton_kernel(lib: Any, kernel: CompiledKernel) -> Any:
         raise
 
 
-# -- the kernel-call library in use --------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _device_kernel_call_lib() -> Any:
-    return _load_kernel_call_lib()
-
-
 def compute_capability() -> int:
     """The compute capability the ``triton`` backend compiles for (e.g. 90 on an H100)."""
-    return _lib_and_capability()[1]
-
-
-def _lib_and_capability() -> tuple[Any, int]:
-    lib = _device_kernel_call_lib()
-    return lib, int(lib.get_compute_capability(0))
-
-
-def _check_ffi(lib: Any) -> None:
-    if not _ffi_registered(lib):
-        raise BackendUnavailableError("backend 'triton': " + "; ".join(compat.problems() or [
-            f"this jaxlib does not register {FFI_TARGET}: pip install 'jax[cuda13]>={compat.FFI_MIN_JAXLIB}'"]))
+    return int(kernel_call_lib().get_compute_capability(0))
 
 
 # -- the call ----------------------------------------------------------------------------------
-def kernel_call_parameters(launch: Launch, lib: Any) -> list[Any]:
-    """The kernel-call parameters in kernel order: every pointer (operands, preallocs, then
-    outputs, which XLA hands over after the operands) 16-byte aligned, never zeroed by the
-    call (zeroed outputs arrive zeroed as their preallocated operands); scalars by value,
-    except those compiled in as constants (:func:`~te_jax_perm.core.triton_compile.launch_spec`)."""
+def kernel_call_proto(launch: Launch, lib: Any) -> bytes:
+    """The serialized, compressed kernel call of ``launch`` (the custom call's payload). Its
+    parameters follow the kernel's order: every pointer (operands, preallocs, then outputs,
+    which XLA hands over after the operands) 16-byte aligned, never zeroed by the call
+    (zeroed outputs arrive zeroed as their preallocated operands); scalars by value, except
+    those compiled in as constants (:func:`~te_jax_perm.core.triton_compile.launch_spec`)."""
+    kernel = _triton_kernel(lib, compiled_for(launch, int(lib.get_compute_capability(0))))
     sig = launch_spec(launch)[0]
-    args = kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)
-    return [lib.create_array_parameter(0, 16) if a.is_pointer
-            else lib.create_scalar_parameter(_python_scalar(a.value), scalar_type(a.value))
-            for a in args if sig[a.name] != "constexpr"]
-
-
-def kernel_call_proto(launch: Launch, lib: Any, compute_capability: int) -> bytes:
-    """The serialized, compressed kernel call of ``launch`` (the custom call's payload)."""
-    kernel = _triton_kernel(lib, compiled_for(launch, compute_capability))
-    gx, gy, gz = launch.grid3
-    call = lib.TritonKernelCall(kernel, gx, gy, gz, kernel_call_parameters(launch, lib))
+    params = [lib.create_array_parameter(0, 16) if a.is_pointer
+              else lib.create_scalar_parameter(_python_scalar(a.value), scalar_type(a.value))
+              for a in kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)
+              if sig[a.name] != "constexpr"]
+    call = lib.TritonKernelCall(kernel, *launch.grid3, params)
     return zlib.compress(call.to_proto(f"te_jax_perm.{launch.decl.name}", b""))
 
 
@@ -124,10 +108,10 @@ def triton_call(launch: Launch, operands: Sequence[jax.Array],
     preallocs = preallocate(plan, launch.out_avals) if preallocs is None else list(preallocs)
     if launch.empty:
         return preallocs  # CUDA rejects empty grids; the preallocated buffers are the result
-    lib, capability = _lib_and_capability()
+    lib = kernel_call_lib()
     _check_ffi(lib)
     result_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in launch.out_avals]
-    payload = kernel_call_proto(launch, lib, capability)
+    payload = kernel_call_proto(launch, lib)
     with jax.named_scope(f"te_jax_perm.{launch.decl.name}"):
         call = jax.ffi.ffi_call(FFI_TARGET, result_types, input_output_aliases=plan.input_output_aliases)
         return list(call(*operands, *preallocs, opaque=payload))

@@ -87,13 +87,15 @@ def compiled_for(launch: Launch, compute_capability: int) -> CompiledKernel:
     """The compiled kernel of ``launch`` for a CUDA device of ``compute_capability`` (e.g.
     90), compiled once per (kernel, signature, constexprs, warps, stages, device)."""
     sig, constexprs, attrs = launch_spec(launch)
-    return _compile_cached(launch.decl.kernel, tuple(sig.items()), tuple(constexprs.items()), tuple(attrs),
-                           launch.config.num_warps, launch.config.num_stages, int(compute_capability))
+    return compile_cached(launch.decl.kernel, tuple(sig.items()), tuple(constexprs.items()), tuple(attrs),
+                          launch.config.num_warps, launch.config.num_stages, int(compute_capability))
 
 
 @functools.lru_cache(maxsize=1024)
-def _compile_cached(kernel: Any, sig: tuple, constexprs: tuple, aligned: tuple, num_warps: int, num_stages: int,
-                    cc: int) -> CompiledKernel:
+def compile_cached(kernel: Any, sig: tuple, constexprs: tuple, aligned: tuple, num_warps: int, num_stages: int,
+                   cc: int) -> CompiledKernel:
+    """:func:`compiled_for`'s cache, one entry per specialisation (``cache_info()`` counts
+    the compiles); ``aligned`` lists the argument positions known 16-byte divisible."""
     attrs = {position: DIVISIBILITY for position in aligned}
     compiled = compile_kernel(kernel, dict(sig), dict(constexprs), attrs, ("cuda", cc, 32), num_warps, num_stages)
     if _metadata(compiled, "profile_scratch_size", 0):

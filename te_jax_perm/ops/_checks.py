@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax_perm.core.checks import CheckError, check_values, concrete  # noqa: F401  (CheckError re-exported)
+from te_jax_perm.core.checks import check_values, concrete
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 

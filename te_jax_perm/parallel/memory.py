@@ -37,7 +37,7 @@ class WorkingSet:
         return ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items()) + f" (GiB); total {self.total / GIB:.2f} GiB"
 
 
-def ep_working_set(*, tokens: int, hidden: int, ffn: int, experts: int, ep: int, topk: int,
+def ep_working_set(*, tokens: int, hidden: int, ffn: int, experts: int, ep: int,
                    capacity: int | None = None, num_out_tokens: int | None = None, dtype: Any = "bfloat16",
                    a2a: str = "dense") -> WorkingSet:
     """Per-device bytes of one fwd+bwd step of ``ep_moe_layer`` (``tokens`` per device).

@@ -66,25 +66,20 @@ class _Hub:
 
 
 _hub = _Hub()
-_hub_cm: contextlib.AbstractContextManager | None = None
 
 
 def _open(session: Session) -> None:
-    global _hub_cm
     with _hub.lock:
         if not _hub.sessions:
-            _hub_cm = hooks.observe_launches(_hub)
-            _hub_cm.__enter__()
+            hooks.add_launch_observer(_hub)
         _hub.sessions.append(session)
 
 
 def _close(session: Session) -> None:
-    global _hub_cm
     with _hub.lock:
         _hub.sessions.remove(session)
         if not _hub.sessions:
-            _hub_cm.__exit__(None, None, None)
-            _hub_cm = None
+            hooks.remove_launch_observer(_hub)
 
 
 @contextlib.contextmanager

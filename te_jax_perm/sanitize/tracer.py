@@ -149,43 +149,34 @@ def _install(cls) -> None:
     _saved.update(orig)
     from triton.runtime.interpreter import TensorHandle
 
-    # Trailing cache arguments differ across Triton versions (one cache_policy in 3.9,
-    # cache_modifier and eviction_policy before): pass them through untouched.
-    def masked_load(self, ptrs, mask, *rest):
-        rec = _current()
-        if rec is not None:
-            new = rec.record(ptrs, mask.data, "load")
-            if new is not None:
-                mask = TensorHandle(new, mask.dtype)
-        return orig["create_masked_load"](self, ptrs, mask, *rest)
+    def recorded(name: str, kind: str, ptr_at: int, mask_at: int) -> Callable:
+        """``name`` recording its pointer argument's unmasked lanes as ``kind``, with the
+        lanes out of bounds (already reported) masked off. Arguments after the mask (cache
+        policies, which differ across Triton versions) pass through untouched."""
+        def wrapper(self, *args):
+            rec = _current()
+            if rec is not None:
+                mask = args[mask_at]
+                new = rec.record(args[ptr_at], mask.data, kind)
+                if new is not None:
+                    args = args[:mask_at] + (TensorHandle(new, mask.dtype),) + args[mask_at + 1:]
+            return orig[name](self, *args)
+        return wrapper
 
-    def masked_store(self, ptrs, value, mask, *rest):
-        rec = _current()
-        if rec is not None:
-            new = rec.record(ptrs, mask.data, "store")
-            if new is not None:
-                mask = TensorHandle(new, mask.dtype)
-        return orig["create_masked_store"](self, ptrs, value, mask, *rest)
-
-    def atomic(name: str) -> Callable:
+    def scoped(name: str, attr: str, value: Callable) -> Callable:
+        """``name`` run with the record's ``attr`` set to ``value(rec, *args)``, restored after:
+        atomics that reuse loads and stores, descriptor accesses charged to their base."""
         def wrapper(self, *args):
             rec = _current()
             if rec is None:
                 return orig[name](self, *args)
-            prev, rec.atomic = rec.atomic, True
+            prev = getattr(rec, attr)
+            setattr(rec, attr, value(rec, *args))
             try:
                 return orig[name](self, *args)
             finally:
-                rec.atomic = prev
+                setattr(rec, attr, prev)
         return wrapper
-
-    def atomic_rmw(self, op, ptr, val, mask, sem, scope):
-        rec = _current()
-        if rec is not None:
-            new = rec.record(ptr, mask.data, "atomic")
-            if new is not None:
-                mask = TensorHandle(new, mask.dtype)
-        return orig["create_atomic_rmw"](self, op, ptr, val, mask, sem, scope)
 
     def atomic_cas(self, ptr, cmp, val, sem, scope):
         rec = _current()
@@ -194,25 +185,14 @@ def _install(cls) -> None:
             return TensorHandle(np.zeros_like(cmp.data), cmp.dtype.scalar)
         return orig["create_atomic_cas"](self, ptr, cmp, val, sem, scope)
 
-    def descriptor(name: str) -> Callable:
-        def wrapper(self, desc, *args):
-            rec = _current()
-            if rec is None:
-                return orig[name](self, desc, *args)
-            prev, rec.forced_tag = rec.forced_tag, rec.tag_of(desc.base)
-            try:
-                return orig[name](self, desc, *args)
-            finally:
-                rec.forced_tag = prev
-        return wrapper
-
     recording = {
-        "create_masked_load": masked_load, "create_masked_store": masked_store,
-        "create_atomic_rmw": atomic_rmw, "create_atomic_cas": atomic_cas,
-        "create_atomic_load": atomic("create_atomic_load"), "create_atomic_store": atomic("create_atomic_store"),
-        "create_atomic_poll": atomic("create_atomic_poll"),
-        "create_descriptor_load": descriptor("create_descriptor_load"),
-        "create_descriptor_store": descriptor("create_descriptor_store"),
+        "create_masked_load": recorded("create_masked_load", "load", 0, 1),
+        "create_masked_store": recorded("create_masked_store", "store", 0, 2),
+        "create_atomic_rmw": recorded("create_atomic_rmw", "atomic", 1, 3), "create_atomic_cas": atomic_cas,
+        **{n: scoped(n, "atomic", lambda rec, *a: True)
+           for n in ("create_atomic_load", "create_atomic_store", "create_atomic_poll")},
+        **{n: scoped(n, "forced_tag", lambda rec, desc, *a: rec.tag_of(desc.base))
+           for n in ("create_descriptor_load", "create_descriptor_store")},
     }
     for name, fn in orig.items():
         setattr(cls, name, recording[name] if name in recording else _deriving(fn))

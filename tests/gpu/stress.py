@@ -146,7 +146,7 @@ def program(case: StressCase, backend: str) -> Callable[..., dict[str, jax.Array
     return jax.jit(f)
 
 
-def _same(name: str, got: np.ndarray, want: np.ndarray, dtype: str) -> str | None:
+def same(name: str, got: np.ndarray, want: np.ndarray, dtype: str) -> str | None:
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"{name}: shape/dtype {got.shape}/{got.dtype}, expected {want.shape}/{want.dtype}"
     if name in EXACT or want.dtype.kind in "iub":
@@ -210,7 +210,7 @@ def run_stress(backend: str, n_cases: int, passes: int, small: bool, seed: int =
             failures.append(f"call {call} case {cases[i]}: outputs {sorted(res)} != {sorted(ref)}")
             continue
         for name in ref:
-            why = _same(name, np.asarray(res[name]), ref[name], cases[i].dtype)
+            why = same(name, np.asarray(res[name]), ref[name], cases[i].dtype)
             if why:
                 failures.append(f"call {call} case {cases[i]}: {why}")
     for f in failures[:20]:

@@ -25,7 +25,7 @@ from te_jax_perm.ops.tiling import expert_lanes, pow2_at_most
 # afford to reduce the whole routing map itself (small T*E); otherwise two launches with
 # about 128-512 blocks balance each fill program's reduction of the [NB, E] counts against
 # parallelism.
-_MAP_PLANS = {
+MAP_PLANS = {
     (16, 8): (True, 1, 1), (16, 32): (True, 1, 1), (16, 128): (True, 1, 1), (16, 256): (False, 1, 4),
     (64, 8): (True, 2, 1), (64, 32): (True, 2, 1), (64, 128): (False, 1, 4), (64, 256): (False, 2, 4),
     (256, 8): (True, 16, 4), (256, 32): (False, 4, 4), (256, 128): (False, 4, 4), (256, 256): (False, 8, 4),
@@ -57,7 +57,7 @@ def map_plan(num_tokens: int, num_experts: int) -> MapPlan:
         (t0, e0), (_, bt0, _) = item
         return abs(math.log2(t0) - lt) + abs(math.log2(e0) - le), -(-t0 // bt0)
 
-    (t0, _), (single, bt0, warps) = min(_MAP_PLANS.items(), key=rank)
+    (t0, _), (single, bt0, warps) = min(MAP_PLANS.items(), key=rank)
     blocks = -(-t0 // bt0)
     bt = min(MAX_BLOCK_TOKENS, pow2_at_most(max(1, num_tokens // blocks)))
     return MapPlan(single or num_blocks(num_tokens, bt) <= 1, bt, warps)
