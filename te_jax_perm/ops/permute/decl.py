@@ -137,13 +137,15 @@ def shipped_tables() -> dict:
         return {}
 
 
-def _device_kind() -> str:
+def device_kind() -> str:
+    """The kind of the device this process computes on (the shipped tables' key)."""
     import jax
     return jax.devices()[0].device_kind
 
 
 @functools.lru_cache(maxsize=8)
-def _merged(kind: str) -> dict:
+def merged_table(kind: str) -> dict:
+    """The defaults table of device ``kind``: kernel -> H -> T -> config."""
     tables = shipped_tables()
     if not tables:
         return {}
@@ -156,11 +158,11 @@ def _merged(kind: str) -> dict:
     return merged
 
 
-def _table() -> dict:
+def device_table() -> dict:
     """The defaults table for the device this process computes on: the first shipped
     device's entries, overridden by this device's own where it was measured (another sm_90
     part without a table, or the CPU backends, get the first device's as they are)."""
-    return _merged(_device_kind())
+    return merged_table(device_kind())
 
 
 def _tabled(name: str, rule: Callable) -> Callable:
@@ -168,7 +170,7 @@ def _tabled(name: str, rule: Callable) -> Callable:
     token count nearest this one (in log2), when it is valid here (e.g. not more rows per
     program than there are tokens), else ``rule``."""
     def default(dims, params) -> Config:
-        by_t = _table().get(name, {}).get(str(dims["H"]))
+        by_t = device_table().get(name, {}).get(str(dims["H"]))
         if by_t:
             lt = math.log2(max(dims["T"], 1))
             entry = by_t[min(by_t, key=lambda t: (abs(math.log2(int(t)) - lt), -int(t)))]
@@ -368,7 +370,8 @@ unpermute_bwd_weighted = declare(KernelDecl(
 TWO_IN_FLIGHT_FROM = 2
 
 
-def _two_in_flight(dims) -> bool:
+def two_in_flight(dims) -> bool:
+    """Whether a gather of these dims keeps two row loads in flight per program."""
     return dims["N"] >= TWO_IN_FLIGHT_FROM * max(dims["T"], 1)
 
 
@@ -388,7 +391,7 @@ def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_r
         scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": dims["N"]},
         constexprs=lambda dims, params, config: {"H": dims["H"], "PADDED": params["padded"],
                                                  "E_LANES": _grad_lanes(dims, bool(extra_outs)),
-                                                 "TWO_IN_FLIGHT": _two_in_flight(dims)},
+                                                 "TWO_IN_FLIGHT": two_in_flight(dims)},
         exact=False, rtol=1e-2, atol=1e-2, example_inputs=_unpermute_example(extra), partitioning=part,
         **_common(default_config=_tabled(name, _gather_default_config))))
 
