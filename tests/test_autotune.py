@@ -84,6 +84,22 @@ def test_key_changes_with_kernel_source():
     assert _key(decl)["source"] != _key(other)["source"]
 
 
+def test_key_changes_with_the_source_of_a_body_the_kernel_calls(tmp_path, monkeypatch):
+    """Two kernels whose wrappers read the same, calling bodies that differ, get different
+    keys: a tuned entry never outlives a change to a shared body."""
+    import dataclasses
+    import importlib
+    wrapper = ("import triton\nimport triton.language as tl\n\n\n@triton.jit\ndef _body(p):\n"
+               "    tl.store(p, tl.load(p) {op} 1)\n\n\n@triton.jit\ndef kernel(p):\n    _body(p)\n")
+    for name, op in (("body_plus", "+"), ("body_minus", "-")):
+        (tmp_path / f"{name}.py").write_text(wrapper.format(op=op))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plus, minus = (importlib.import_module(m).kernel for m in ("body_plus", "body_minus"))
+    decl = K.accumulate_decl()
+    assert _key(dataclasses.replace(decl, kernel=plus))["source"] != \
+        _key(dataclasses.replace(decl, kernel=minus))["source"]
+
+
 def test_value_outside_key_does_not_retune_and_key_values_do():
     decl = K.accumulate_decl(name="p2", params=("mode", "tag"), key_params=("mode",))
     autotune.tune(decl, [((64, 16), np.float32)], {"mode": 1, "tag": "a"})

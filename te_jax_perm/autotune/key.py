@@ -23,9 +23,11 @@ def kernel_source_hash(decl: KernelDecl) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _source_hash(kernel: Any) -> str:
-    # Every lowering of a tunable kernel computes its key: read the source once.
-    fn = getattr(kernel, "fn", kernel)
-    src = getattr(kernel, "src", None) or inspect.getsource(fn)
+    # Every lowering of a tunable kernel computes its key: read the source once. Triton's
+    # own cache key hashes the source of every jitted function the kernel calls too, so a
+    # change to a shared body (not only to the wrapper) invalidates tuned entries.
+    src = getattr(kernel, "cache_key", None) or getattr(kernel, "src", None) \
+        or inspect.getsource(getattr(kernel, "fn", kernel))
     return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
