@@ -63,6 +63,33 @@ def group_tile(group_sizes_ptr, M, D: tl.constexpr, G: tl.constexpr, G_P2: tl.co
 
 
 @triton.jit
+def tile_dot(a_ptr, a_rows, a_ok, rhs_ptr, g, is_group_tile, cols, col_ok, C: tl.constexpr, D: tl.constexpr,
+             TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             PRECISION: tl.constexpr):
+    """The fp32 [BM, BN] tile ``a[a_rows] @ B_g[:, cols]`` of a row tile (``group_tile``):
+    rows of ``a`` ([*, C]) where ``a_ok``, zeros elsewhere and on tiles past the groups (no
+    K step runs). ``rhs`` is [G, C, D], or [G, D, C] used transposed with TRANS_RHS."""
+    ks = tl.arange(0, BK)
+    a_ptrs = a_ptr + a_rows[:, None] * C + ks[None, :]
+    b_base = rhs_ptr + tl.where(is_group_tile, g, 0).to(tl.int64) * C * D
+    if TRANS_RHS:
+        b_ptrs = b_base + cols[None, :].to(tl.int64) * C + ks[:, None]
+        b_step = BK
+    else:
+        b_ptrs = b_base + ks[:, None].to(tl.int64) * D + cols[None, :]
+        b_step = BK * D
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.where(is_group_tile, C, 0), BK):
+        k_ok = (k + ks) < C
+        a = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BK
+        b_ptrs += b_step
+    return acc
+
+
+@triton.jit
 def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
                         C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                         TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -73,29 +100,12 @@ def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, 
     rhs is [G, D, C] and B_g = rhs[g].T (the input-gradient GEMM, no transposed copy).
     """
     g, is_group_tile, row0, row_end, tile_n = group_tile(group_sizes_ptr, M, D, G, G_P2, BM, BN, GROUP_M)
-    k_end = tl.where(is_group_tile, C, 0)
-
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < row_end
     cols = tile_n * BN + tl.arange(0, BN)
     col_ok = cols < D
-    ks = tl.arange(0, BK)
-    a_ptrs = lhs_ptr + rows[:, None].to(tl.int64) * C + ks[None, :]
-    b_base = rhs_ptr + tl.where(is_group_tile, g, 0).to(tl.int64) * C * D
-    if TRANS_RHS:
-        b_ptrs = b_base + cols[None, :].to(tl.int64) * C + ks[:, None]
-        b_step = BK
-    else:
-        b_ptrs = b_base + ks[:, None].to(tl.int64) * D + cols[None, :]
-        b_step = BK * D
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, k_end, BK):
-        k_ok = (k + ks) < C
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BK
-        b_ptrs += b_step
+    acc = tile_dot(lhs_ptr, rows.to(tl.int64), row_ok, rhs_ptr, g, is_group_tile, cols, col_ok, C, D, TRANS_RHS,
+                   BM, BN, BK, PRECISION)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

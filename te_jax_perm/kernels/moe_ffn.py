@@ -23,7 +23,7 @@ are written as zeros; group sizes are clamped as the grouped GEMM clamps them. W
 import triton
 import triton.language as tl
 
-from te_jax_perm.kernels.grouped_gemm import group_tile, wgrad_tile
+from te_jax_perm.kernels.grouped_gemm import group_tile, tile_dot, wgrad_tile
 
 
 @triton.jit
@@ -43,7 +43,6 @@ def _gemm_body(a_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                PRECISION: tl.constexpr):
     g, is_group_tile, row0, row_end, tile_n = group_tile(group_sizes_ptr, M, D, G, G_P2, BM, BN, GROUP_M)
-    k_end = tl.where(is_group_tile, C, 0)
     rows = row0 + tl.arange(0, BM)
     row_ok = rows < row_end
     # Only group tiles have owners: a fill tile's rows may be named by a stale table, but
@@ -59,23 +58,8 @@ def _gemm_body(a_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_
         src_ok = row_ok
     cols = tile_n * BN + tl.arange(0, BN)
     col_ok = cols < D
-    ks = tl.arange(0, BK)
-    a_ptrs = a_ptr + src[:, None] * C + ks[None, :]
-    b_base = rhs_ptr + tl.where(is_group_tile, g, 0).to(tl.int64) * C * D
-    if TRANS_RHS:
-        b_ptrs = b_base + cols[None, :].to(tl.int64) * C + ks[:, None]
-        b_step = BK
-    else:
-        b_ptrs = b_base + ks[:, None].to(tl.int64) * D + cols[None, :]
-        b_step = BK * D
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, k_end, BK):
-        k_ok = (k + ks) < C
-        a = tl.load(a_ptrs, mask=src_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BK
-        b_ptrs += b_step
+    acc = tile_dot(a_ptr, src, src_ok, rhs_ptr, g, is_group_tile, cols, col_ok, C, D, TRANS_RHS, BM, BN, BK,
+                   PRECISION)
     if WEIGHTED:
         # probs [T, G]: the row's token and its group's expert. A select, not a product, for
         # rows without an owner, so that a non-finite value there cannot survive as NaN.
