@@ -39,7 +39,7 @@ from te_jax_perm.ops.grouped_gemm.api import KERNEL_DTYPES
 from te_jax_perm.ops.moe_ffn import decl as D
 from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS, activate, row_probs
 from te_jax_perm.ops.permute import decl as P
-from te_jax_perm.ops.permute.api import local_budget, padded_rows, unread_pad
+from te_jax_perm.ops.permute.api import dispatch_rows, local_budget, unread_pad
 from te_jax_perm.ops.row_id_map.api import dispatch_map
 from te_jax_perm.ops.row_id_map.reference import padded_counts_of
 
@@ -102,13 +102,7 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
             raise TypeError(f"{name} has dtype {arr.dtype}; expected float16, bfloat16 or float32")
     dt = jnp.result_type(x.dtype, w_in.dtype, w_out.dtype)
     num_out_tokens = _checks.check_static_int("num_out_tokens", num_out_tokens, 0)
-    if align_size is not None:
-        align_size = _checks.check_static_int("align_size", align_size, 1)
-    rows = num_out_tokens if align_size is None else padded_rows(num_out_tokens, e, align_size)
-    if rows > _checks.INT32_MAX:
-        raise ValueError(f"align_size = {align_size} with num_out_tokens = {num_out_tokens} and E = {e} makes "
-                         f"{rows} rows; expected at most 2**31 - 1 rows (row indices are int32): choose a smaller "
-                         "align_size")
+    align_size, rows = dispatch_rows(num_out_tokens, e, align_size)
     if t == 0 or rows == 0 or f == 0:
         return jnp.zeros(x.shape, dt)  # no row reaches an expert
     backend = resolve_backend(backend)

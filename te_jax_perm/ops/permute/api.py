@@ -232,6 +232,20 @@ def padded_rows(num_out_tokens: int, num_experts: int, align_size: int) -> int:
     return ((num_out_tokens + num_experts * (align_size - 1)) // align_size) * align_size
 
 
+def dispatch_rows(num_out_tokens: int, num_experts: int, align_size: int | None) -> tuple[int | None, int]:
+    """``(align_size, rows)``: the checked static ``align_size`` (``None`` unpadded) and the
+    rows of the dispatch buffer (:func:`padded_rows` when padded); raises, naming both
+    arguments, when the rows would not have int32 indices."""
+    if align_size is not None:
+        align_size = _checks.check_static_int("align_size", align_size, 1)
+    rows = num_out_tokens if align_size is None else padded_rows(num_out_tokens, num_experts, align_size)
+    if rows > _checks.INT32_MAX:
+        raise ValueError(f"align_size = {align_size} with num_out_tokens = {num_out_tokens} and E = {num_experts} "
+                         f"makes a padded output of {rows} rows; expected at most 2**31 - 1 rows (row indices are "
+                         "int32): choose a smaller align_size")
+    return align_size, rows
+
+
 def local_budget(num_out_tokens: int, shards: int, rows: int, num_experts: int, align_size: int | None) -> int:
     """Row budget of one of ``shards`` token shards whose buffer holds ``rows`` rows.
 
@@ -403,13 +417,7 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
                              "(the routing_map shape)")
         _checks.check_probs_dtype("probs", probs)
         probs = probs.reshape(-1, e)
-    if align_size is not None:
-        align_size = _checks.check_static_int("align_size", align_size, 1)
-    rows = num_out_tokens if align_size is None else padded_rows(num_out_tokens, e, align_size)
-    if rows > _checks.INT32_MAX:
-        raise ValueError(f"align_size = {align_size} with num_out_tokens = {num_out_tokens} and E = {e} makes a padded "
-                         f"output of {rows} rows; expected at most 2**31 - 1 rows (row indices are int32): choose a "
-                         "smaller align_size")
+    align_size, rows = dispatch_rows(num_out_tokens, e, align_size)
     # kept: rows per expert of the whole output (summed over token shards when sharded).
     out, permuted_probs, row_id_map, kept = _dispatch(x, rm, probs, num_out_tokens, align_size, rows,
                                                       resolve_backend(backend))
