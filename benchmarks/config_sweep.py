@@ -1,7 +1,7 @@
 """Every candidate config of the row-moving and row-id-map kernels, timed on the GPU.
 
     python3 -m benchmarks.config_sweep --out DIR [--part movers,rowmap] [--shapes ...] [--budget-s 400]
-    python3 -m benchmarks.config_sweep --out DIR --table SWEEP.json ...   # the movers' default table
+    python3 -m benchmarks.config_sweep --table [SWEEP.json ...]   # the movers' default table
 
 ``movers``: at each benchmark shape, every op direction's main kernel (dispatch's
 ``permute_probs``, combine's ``unpermute_weighted``, and their backwards) on the operands
@@ -13,7 +13,8 @@ data, within the declared tolerance for those that sum); one that disagrees neve
 every block size and warp count. Kernel times from one CUPTI profile per group
 (``benchmarks/kernel_timer.py``). Writes ``DIR/sweep_<part>.json``; ``--table`` turns mover
 sweeps into the shipped tables of default configs, one per device the sweeps ran on
-(``te_jax_perm/ops/permute/mover_defaults_sm90.json``).
+(``te_jax_perm/ops/permute/mover_defaults_sm90.json``); with no files, from the sweeps
+listed in ``benchmarks/results/mover_table_sweeps.txt``.
 """
 from __future__ import annotations
 
@@ -229,6 +230,16 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
     return rows
 
 
+TABLE_SWEEPS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "mover_table_sweeps.txt")
+
+
+def table_sweeps(listing: str = TABLE_SWEEPS) -> list[str]:
+    """The sweep files a listing names (one per line beside it, ``#`` comments), in order."""
+    with open(listing) as f:
+        names = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    return [os.path.join(os.path.dirname(listing), n) for n in names]
+
+
 def default_tables(sweeps: list[str], tables: dict | None = None) -> dict:
     """``tables`` (device kind -> table, as shipped) with the table of every device the
     ``sweeps`` were measured on rebuilt from them (:func:`default_table`); other devices'
@@ -391,13 +402,13 @@ def sweep_rowmap(budget_s: float, calls: int, log) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="directory for the sweep JSON (required unless --table)")
     ap.add_argument("--part", default="movers,rowmap")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--table", nargs="*", default=None, metavar="SWEEP_JSON",
-                    help="rebuild the movers' default table of each device these sweep files were "
-                         "measured on, in te_jax_perm/ops/permute/mover_defaults_sm90.json (other devices' "
-                         "tables kept), and exit")
+                    help="rebuild the movers' default table of each device these sweep files (default: "
+                         "those listed in benchmarks/results/mover_table_sweeps.txt) were measured on, in "
+                         "te_jax_perm/ops/permute/mover_defaults_sm90.json (other devices' tables kept), and exit")
     ap.add_argument("--kernels", default="", help="comma-separated kernel names: the four movers (the default) and row_owner")
     ap.add_argument("--tokens", default="", help="comma-separated token counts replacing each shape's T "
                     "(small-T sweeps, e.g. 16,64,256)")
@@ -408,11 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.table is not None:
         from te_jax_perm.ops.permute import decl as movers
-        tables = default_tables(args.table, movers.shipped_tables())
+        tables = default_tables(args.table or table_sweeps(), movers.shipped_tables())
         with open(movers.DEFAULTS_TABLE, "w") as f:
             json.dump(tables, f, indent=1)
             f.write("\n")
         return 0
+    if not args.out:
+        ap.error("--out is required to sweep")
     import jax
     os.makedirs(args.out, exist_ok=True)
 

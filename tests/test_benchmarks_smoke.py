@@ -204,6 +204,16 @@ def test_default_tables_rebuild_only_the_swept_devices(tmp_path):
                                                      "H200": {"k": {"8": {"8": "c"}}}}
 
 
+def test_shipped_mover_table_is_what_the_listed_sweeps_build():
+    """The shipped default table is exactly what ``config_sweep --table`` builds from the
+    sweeps its listing names: no entry edited by hand, no listed sweep missing."""
+    from benchmarks.config_sweep import default_tables, table_sweeps
+    from te_jax_perm.ops.permute import decl as movers
+    paths = table_sweeps()
+    assert paths and all(os.path.exists(p) for p in paths), paths
+    assert default_tables(paths) == movers.shipped_tables()
+
+
 def test_gpu_driver_hostile_memcheck_selects_existing_tests():
     """Every test the hostile-input memcheck names exists (a renamed test would otherwise
     drop out of it silently), and the selection keeps tests on the kernel backend."""

@@ -94,10 +94,17 @@ def test_permute_ignores_counts_that_disagree_with_the_map(kernel_backend, count
         np.testing.assert_array_equal(np.asarray(pp), e_pp)
 
 
-def test_duplicate_destinations_have_one_writer_on_every_backend(kernel_backend):
+@pytest.mark.parametrize("n", [5, 8], ids=["grad_row_per_entry", "grad_row_once"])
+def test_duplicate_destinations_have_one_writer_on_every_backend(kernel_backend, n):
     """A map sending two tokens to one row: the later token writes it, on every backend,
-    forward and backward (combine gradient rows and weights), and no row is left unwritten."""
-    t, e, h, n = 4, 2, 8, 5
+    forward and backward (combine gradient rows and weights), and no row is left unwritten;
+    with fewer than two rows per token and with more (where the combine backward loads each
+    gradient row once for all its rows)."""
+    t, e, h = 4, 2, 8
+    assert D.unpermute_bwd_weighted.decl.constexprs(
+        {"T": t, "H": h, "N": n, "E": e}, {"padded": False},
+        D.unpermute_bwd_weighted.decl.default_config({"T": t, "H": h, "N": n, "E": e, "W": 2 * e + 1, "R": n},
+                                                     {"padded": False}))["GRAD_ONCE"] == (n >= 2 * t)
     rid = np.full((t, 2 * e + 1), -1, np.int32)
     for tok, (dests, experts) in enumerate([([0, 1], [0, 1]), ([0, 2], [0, 1]), ([3, -1], [1, -1]), ([1, 4], [0, 1])]):
         k = sum(d >= 0 for d in dests)
@@ -128,7 +135,7 @@ def test_gathers_add_every_entry_of_a_hostile_map(backend, padded, n):
     (One backend per test: the kernel backend's run is also a hostile case under the GPU
     memcheck, where the xla backend's eager loops would only take time.)"""
     t, e, h = 9, 4, 24
-    assert D.two_in_flight({"N": n, "T": t}) == (n >= 18)
+    assert D.several_rows_per_token({"N": n, "T": t}) == (n >= 18)
     rids = np.stack([_hostile_map(seed, t, e, n)[0] for seed in (6, 7)])
     pad = _hostile_map(6, t, e, n)[1]
     rng = np.random.default_rng(6)

@@ -274,8 +274,14 @@ def _scatter_constexprs(prob_grads: bool):
     def constexprs(dims, params, config):
         # H is compiled in (16-byte vector rows, see kernels/permute.py); it is an exact key dim.
         fill_h = max(16, min(next_pow2(dims["H"]), 8192 // FILL_ROWS))
-        return {"H": dims["H"], "PADDED": params["padded"], "FILL_ROWS": FILL_ROWS, "FILL_H": fill_h,
-                "E_LANES": _grad_lanes(dims, prob_grads)}
+        out = {"H": dims["H"], "PADDED": params["padded"], "FILL_ROWS": FILL_ROWS, "FILL_H": fill_h,
+               "E_LANES": _grad_lanes(dims, prob_grads)}
+        if prob_grads:
+            # The combine backward loads a token's gradient row once for all its rows when one
+            # tile holds the row and there are rows to share it (at top-1 holding it only
+            # costs registers).
+            out["GRAD_ONCE"] = config.kw["BLOCK_H"] >= dims["H"] and several_rows_per_token(dims)
+        return out
     return constexprs
 
 
@@ -365,14 +371,11 @@ unpermute_bwd_weighted = declare(KernelDecl(
               params_check=_scatter_check)))
 
 
-# Rows per token (N / T) from which a gather keeps two row loads in flight per program
-# (kernels/permute.py): faster at top-4 and top-8, 4-5% slower at top-1.
-TWO_IN_FLIGHT_FROM = 2
-
-
-def two_in_flight(dims) -> bool:
-    """Whether a gather of these dims keeps two row loads in flight per program."""
-    return dims["N"] >= TWO_IN_FLIGHT_FROM * max(dims["T"], 1)
+def several_rows_per_token(dims) -> bool:
+    """Whether the expert-sorted side has at least two rows per token (``N >= 2T``): where a
+    gather keeps two row loads in flight per program (faster at top-4 and top-8, 4-5% slower
+    at top-1) and the combine backward loads a gradient row once for all its rows."""
+    return dims["N"] >= 2 * max(dims["T"], 1)
 
 
 def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_rows_reference):
@@ -391,7 +394,7 @@ def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_r
         scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": dims["N"]},
         constexprs=lambda dims, params, config: {"H": dims["H"], "PADDED": params["padded"],
                                                  "E_LANES": _grad_lanes(dims, bool(extra_outs)),
-                                                 "TWO_IN_FLIGHT": two_in_flight(dims)},
+                                                 "TWO_IN_FLIGHT": several_rows_per_token(dims)},
         exact=False, rtol=1e-2, atol=1e-2, example_inputs=_unpermute_example(extra), partitioning=part,
         **_common(default_config=_tabled(name, _gather_default_config))))
 
