@@ -46,9 +46,6 @@ OFF_LIST_SHAPES: tuple[MoEShape, ...] = (
     MoEShape("Llama-4-Scout", 8192, 5120, 16, 1),
 )
 
-# Shapes whose whole-layer speedup over xla has a target (>= 3x).
-LAYER_TARGET_MODELS = ("DeepSeek-V3", "Qwen3-235B-A22B")
-
 # CPU smoke: small enough for the Triton interpreter (T<=64, H<=96), odd sizes included.
 CPU_SHAPES: tuple[MoEShape, ...] = (
     MoEShape("small", 16, 64, 4, 2, ep=2, dtype="float32"),

@@ -21,30 +21,68 @@ def test_sort_rows_vjp_is_the_inverse_gather():
 def test_cpu_smoke_run_writes_json_and_png(tmp_path):
     assert layer_bench.main(["--out", str(tmp_path), "--mode", "cpu", "--steps", "1", "--shapes", "T37"]) == 0
     res = json.loads((tmp_path / "layer.json").read_text())
-    assert res["smoke"] is True and res["targets"] == []
+    assert res["smoke"] is True and res["targets"] == [] and res["copy_GBps"] > 0
     assert (tmp_path / "layer.png").stat().st_size > 10_000
     (row,) = res["layers"]
     assert row["shape"] == "smoke/T37/H16/F32/E4/k3"
-    assert row["ours_vs_pure_jax_max_rel_diff"] < 1e-5       # the two permutations compute one function
-    for key in ("ours_ms", "pure_jax_ms", "gemm_limit_ms", "step_over_gemm_limit", "pure_jax_over_ours"):
+    for name in ("ours", "fused"):   # the permutations compute one function
+        assert row[f"{name}_vs_pure_jax_max_rel_diff"] < 1e-5, name
+        assert row[f"{name}_over_gemm_limit"] == row[f"{name}_ms"] / row["gemm_limit_ms"]
+        assert row[f"{name}_over_roofline"] == row[f"{name}_ms"] / row["roofline_ms"]
+        assert row[f"pure_jax_over_{name}"] == row["pure_jax_ms"] / row[f"{name}_ms"]
+    for key in ("ours_ms", "fused_ms", "pure_jax_ms", "gemm_limit_ms", "roofline_ms"):
         assert row[key] > 0, key
-    assert row["step_over_gemm_limit"] == row["ours_ms"] / row["gemm_limit_ms"]
+    # Peak memory from XLA's buffer assignment: at least the parameters and the input.
+    params_bytes = 4 * (16 * 4 + 4 * 16 * 2 * 32 + 4 * 32 * 16) + 4 * 37 * 16
+    for name in ("ours", "fused", "pure_jax"):
+        assert row[f"{name}_peak_gib"] * 2**30 >= params_bytes, name
     assert len(res["gemm_table"]) == len(layer_bench.CPU_GEMMS)
-    assert all("xla_fwd_ms" in r and "dense_fwd_bwd_ms" in r for r in res["gemm_table"])
+    assert all("xla_fwd_ms" in r and "dense_fwd_bwd_ms" in r and r["roofline_fwd_ms"] >= r["dense_fwd_ms"]
+               for r in res["gemm_table"])
     log = (tmp_path / "layer.log").read_text()
     assert "SMOKE" in log and "TARGET" not in log
 
 
-def test_verdicts_judge_only_the_target_models():
-    rows = [{"model": "DeepSeek-V3", "shape": "d", "step_over_gemm_limit": 1.4, "ours_ms": 2.0, "pure_jax_ms": 3.0,
-             "pure_jax_over_ours": 1.5},
-            {"model": "Mixtral-8x7B", "shape": "m", "step_over_gemm_limit": 3.0, "ours_ms": 2.0, "pure_jax_ms": 1.0,
-             "pure_jax_over_ours": 0.5}]
+def test_layer_bytes_and_roofline():
+    """Six GEMMs, each operand read once and each result written once, weights included;
+    the roofline is the slower of the FLOP time and those bytes at the copy bandwidth."""
+    from examples import moe_permute as example
+    cfg = example.MoEConfig(tokens=4, hidden=3, ffn=5, experts=7, topk=2, dtype="bfloat16")
+    m, h, f, e = 8, 3, 5, 7
+    w_in, w_out = e * h * 2 * f, e * f * h
+    want = 2 * ((m * h + w_in + m * 2 * f) + (m * f + w_out + m * h) + (m * h + w_out + m * f)
+                + (m * 2 * f + w_in + m * h) + (m * f + m * h + w_out) + (m * h + m * 2 * f + w_in))
+    assert layer_bench.layer_gemm_bytes(cfg) == want
+    assert layer_bench.roofline_ms(2.0, 3e9, 1000.0) == 3.0     # 3 GB at 1000 GB/s: bytes bound
+    assert layer_bench.roofline_ms(5.0, 3e9, 1000.0) == 5.0     # FLOP bound
+
+
+def test_verdicts_hold_each_model_to_its_limit():
+    rows = [{"model": "DeepSeek-V3", "shape": "d", "ours_ms": 2.6, "roofline_ms": 2.0, "gemm_limit_ms": 1.0,
+             "ours_over_roofline": 1.3, "ours_over_gemm_limit": 2.6, "pure_jax_ms": 2.86, "pure_jax_over_ours": 1.1,
+             "fused_error": "RESOURCE_EXHAUSTED: out of memory"},
+            {"model": "Mixtral-8x7B", "shape": "m", "ours_ms": 2.0, "gemm_limit_ms": 1.5, "roofline_ms": 1.5,
+             "ours_over_gemm_limit": 1.33, "ours_over_roofline": 1.33, "pure_jax_ms": 2.1, "pure_jax_over_ours": 1.05,
+             "fused_ms": 1.8, "fused_over_gemm_limit": 1.2, "fused_over_roofline": 1.2, "pure_jax_over_fused": 1.17}]
     lines = layer_bench.verdicts(rows)
-    assert lines[0].startswith("TARGET PASS d: step / GEMM limit 1.40")
-    assert lines[1].startswith("TARGET PASS d: ours")
-    assert lines[2].startswith("TARGET FAIL m: ours")    # slower than pure JAX fails at any shape
-    assert len(lines) == 3                               # no GEMM-limit verdict for Mixtral
+    assert lines == [
+        "TARGET PASS d ours: step / roofline 1.30 (2.60 / 2.00 ms; target <= 1.3)",
+        "TARGET PASS d ours: 2.60 ms vs pure-JAX permutation 2.86 ms (1.10x; target >= 1.1)",
+        "TARGET FAIL d fused: did not run (RESOURCE_EXHAUSTED: out of memory)",
+        "TARGET FAIL m ours: step / gemm limit 1.33 (2.00 / 1.50 ms; target <= 1.25)",
+        "TARGET FAIL m ours: 2.00 ms vs pure-JAX permutation 2.10 ms (1.05x; target >= 1.1)",
+        "TARGET PASS m fused: step / gemm limit 1.20 (1.80 / 1.50 ms; target <= 1.25)",
+        "TARGET PASS m fused: 1.80 ms vs pure-JAX permutation 2.10 ms (1.17x; target >= 1.1)"]
+
+
+def test_gemm_verdicts_against_dense_speed_and_roofline():
+    rows = [{"M": 8, "K": 4, "N": 4, "G": 8, "triton_fwd_ms": 1.0, "dense_fwd_ms": 0.9,
+             "triton_fwd_bwd_ms": 3.0, "dense_fwd_bwd_ms": 2.4},
+            {"M": 8, "K": 4, "N": 4, "G": 256, "triton_fwd_ms": 1.3, "dense_fwd_ms": 0.5, "roofline_fwd_ms": 1.0}]
+    assert layer_bench.gemm_verdicts(rows) == [
+        "TARGET PASS grouped GEMM M=8 K=4 N=4 G=8 fwd: 0.90x the dense speed (1.000 vs 0.900 ms; target >= 0.9)",
+        "TARGET FAIL grouped GEMM M=8 K=4 N=4 G=8 fwd_bwd: 0.80x the dense speed (3.000 vs 2.400 ms; target >= 0.85)",
+        "TARGET FAIL grouped GEMM M=8 K=4 N=4 G=256 fwd: 1.300 ms / roofline 1.000 ms = 1.30 (target <= 1.2)"]
 
 
 def test_profile_counts_our_kernels_by_name():
