@@ -15,7 +15,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from te_jax_perm.core import compat, triton_backend
+from te_jax_perm.core import triton_backend
 from tests.example_kernels import gather_rows, histogram
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -179,18 +179,18 @@ def test_cuda_extra_pins_a_working_set(python):
     jax_req, triton_req = by_name["jax"], by_name["triton"]
     assert "cuda13" in jax_req.extras or "cuda12" in jax_req.extras
     # Every jax the extra admits registers the typed-FFI call...
-    assert all(v >= compat.FFI_MIN_JAXLIB for v in map(Version, ["0.10.1", "0.11.2"]) if v in jax_req.specifier)
+    assert all(v >= triton_backend.FFI_MIN_JAXLIB for v in map(Version, ["0.10.1", "0.11.2"]) if v in jax_req.specifier)
     assert Version("0.10.0") not in jax_req.specifier
     # ... and every triton it admits is one the backend was run with on a GPU.
     for v in ["3.6.0", "3.6.5", "3.7.0", "3.9.0", "3.5.0"]:
-        assert (Version(v) in triton_req.specifier) == (Version(v) in compat.TRITON_TESTED_SPEC), v
+        assert (Version(v) in triton_req.specifier) == (Version(v) in triton_backend.TRITON_TESTED_SPEC), v
 
 
 def test_problems_name_the_fix(monkeypatch):
     versions = {"triton": "3.6.0", "jax": "0.11.2", "jaxlib": "0.11.2"}
-    monkeypatch.setattr(compat, "installed", lambda p: Version(versions[p]) if p in versions else None)
-    assert compat.problems() == []
+    monkeypatch.setattr(triton_backend, "installed", lambda p: Version(versions[p]) if p in versions else None)
+    assert triton_backend.problems() == []
     versions["jaxlib"] = "0.10.0"
-    assert any("jaxlib 0.10.0" in p and "pip install" in p for p in compat.problems())
+    assert any("jaxlib 0.10.0" in p and "pip install" in p for p in triton_backend.problems())
     del versions["triton"]
-    assert any("the triton package is not installed" in p for p in compat.problems())
+    assert any("the triton package is not installed" in p for p in triton_backend.problems())

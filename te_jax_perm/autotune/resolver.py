@@ -19,7 +19,6 @@ from te_jax_perm.core import env, hooks
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import Call, bind_call
 
-ENV_VAR = env.AUTOTUNE
 TUNABLE_BACKENDS = ("interpret", "triton")
 _enabled: list[bool] = []
 _options = TuneOptions()
@@ -67,7 +66,7 @@ def resolve(decl: KernelDecl, avals: Sequence[Any], params: Mapping[str, Any], b
 
 
 def resolve_call(call: Call) -> Config | None:
-    """The installed :class:`~te_jax_perm.core.hooks.ConfigResolver`."""
+    """The config resolver the autotuner installs in ``core.hooks``."""
     decl = call.decl
     if call.backend not in TUNABLE_BACKENDS or not decl.configs:
         return None

@@ -17,7 +17,6 @@ from jax.interpreters import batching, mlir
 from te_jax_perm.core import backends, checks, sharding
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import bind_call, configure, select_config
-from te_jax_perm.core.shapes import check_static_params
 
 _RESERVED = ("backend", "config")
 
@@ -51,7 +50,6 @@ class KernelPrimitive:
     def __call__(self, *operands: jax.Array, backend: str | None = None, config: Config | None = None,
                  **params: Any) -> tuple[jax.Array, ...]:
         decl = self.decl
-        check_static_params(decl, params)
         operands = tuple(jnp.asarray(o) for o in operands)
         chosen = backends.resolve_backend(backend)
         call = bind_call(decl, [o.aval for o in operands], params, chosen)

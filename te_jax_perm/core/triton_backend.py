@@ -1,23 +1,25 @@
-"""``triton`` backend: the Triton kernel as one XLA custom call on CUDA.
+"""``triton`` backend: the Triton kernel as one XLA custom call on CUDA, and the versions
+of jax and Triton it works with.
 
 The kernel is compiled by Triton itself (``core/triton_compile.py``) and called through
-jaxlib's typed-FFI Triton call ``triton_kernel_call_ffi`` (jaxlib 0.10.1 and later), which
-XLA can capture in a command buffer (a CUDA graph), so a jitted step of many small kernels
-runs without a host launch per kernel. The call passes the arguments
-:func:`~te_jax_perm.core.kernel_args.kernel_arguments` orders and declares the launch's
-alias plan, so XLA never hands an output the memory of another input.
+jaxlib's typed-FFI Triton call ``triton_kernel_call_ffi``, which XLA can capture in a
+command buffer (a CUDA graph), so a jitted step of many small kernels runs without a host
+launch per kernel. The call declares the launch's alias plan, so XLA never hands an output
+the memory of another input.
 """
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import zlib
 from typing import Any, Sequence
 
 import jax
 import jax.ffi
 import numpy as np
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
-from te_jax_perm.core import compat
 from te_jax_perm.core.aliasing import preallocate
 from te_jax_perm.core.backends import BackendUnavailableError
 from te_jax_perm.core.kernel_args import kernel_arguments, scalar_type
@@ -25,6 +27,39 @@ from te_jax_perm.core.launch import Launch
 from te_jax_perm.core.triton_compile import CompiledKernel, compiled_for, launch_spec
 
 FFI_TARGET = "triton_kernel_call_ffi"
+
+# -- versions: one table, read by this backend's errors (each names the missing or
+# mismatched package and the command that fixes it) and by the test of the [cuda] pins.
+# jaxlib registers the typed-FFI Triton call ``triton_kernel_call_ffi`` from 0.10.1 on.
+FFI_MIN_JAXLIB = Version("0.10.1")
+JAX_SPEC = SpecifierSet(f">={FFI_MIN_JAXLIB}")
+TRITON_SPEC = SpecifierSet(">=3.6")
+# The Triton releases run on a GPU with this library (the [cuda] extra pins one of them).
+TRITON_TESTED_SPEC = SpecifierSet(">=3.6,<3.7")
+
+
+def installed(package: str) -> Version | None:
+    try:
+        return Version(importlib.metadata.version(package))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def problems() -> list[str]:
+    """What keeps the ``triton`` backend from working with the installed packages; each
+    entry says how to fix it."""
+    out = []
+    jaxlib, triton = installed("jaxlib"), installed("triton")
+    if triton is None:
+        out.append("the triton package is not installed: pip install 'te_jax_perm[cuda]'")
+    elif triton not in TRITON_SPEC:
+        out.append(f"triton {triton} is installed; the triton backend needs triton{TRITON_SPEC}: "
+                   "pip install 'te_jax_perm[cuda]'")
+    if jaxlib is None or jaxlib not in JAX_SPEC:
+        out.append(f"jaxlib {jaxlib or '(missing)'}: the triton backend needs jax{JAX_SPEC} with CUDA: "
+                   "pip install 'te_jax_perm[cuda]'")
+    return out
+
 
 # -- jaxlib version shims ----------------------------------------------------------------------
 # ``jax._src.lib.gpu_triton`` (a.k.a. triton_kernel_call_lib) exposes TritonKernel,
@@ -56,11 +91,11 @@ def _check_ffi(lib: Any) -> None:
     if callable(registrations):
         registered = FFI_TARGET in registrations()
     else:
-        jaxlib = compat.installed("jaxlib")
-        registered = jaxlib is not None and jaxlib >= compat.FFI_MIN_JAXLIB
+        jaxlib = installed("jaxlib")
+        registered = jaxlib is not None and jaxlib >= FFI_MIN_JAXLIB
     if not registered:
-        raise BackendUnavailableError("backend 'triton': " + "; ".join(compat.problems() or [
-            f"this jaxlib does not register {FFI_TARGET}: pip install 'jax[cuda13]>={compat.FFI_MIN_JAXLIB}'"]))
+        raise BackendUnavailableError("backend 'triton': " + "; ".join(problems() or [
+            f"this jaxlib does not register {FFI_TARGET}: pip install 'jax[cuda13]>={FFI_MIN_JAXLIB}'"]))
 
 
 def _triton_kernel(lib: Any, kernel: CompiledKernel) -> Any:
