@@ -1,19 +1,10 @@
 """Kernel declarations: the single source every primitive property is derived from.
 
-A :class:`KernelDecl` names a Triton kernel together with everything the framework needs
-to turn it into a JAX primitive: operands, outputs (and how each output buffer is
-initialised), static parameters, runtime scalar arguments, compile-time constants, the
-grid, candidate configs with their validity constraints, and a pure-JAX reference.
-
-Kernel calling convention (``core/kernel_args.py`` orders every launch's arguments)::
-
-    kernel(*operand_ptrs, *scalar_args, *prealloc_ptrs, *output_ptrs, **constexprs)
-
-``prealloc_ptrs[i]`` and ``output_ptrs[i]`` always point at the same memory: the
-preallocated buffer is an extra custom-call operand declared as aliased to output ``i``
-(XLA's Triton call passes an aliased output both as the operand and as the result).
-Kernels write through ``output_ptrs`` and never read ``prealloc_ptrs`` except for outputs
-declared ``init="zeros"``, which they may accumulate into.
+The kernel's calling convention is ``core/kernel_args.py``'s. ``prealloc_ptrs[i]`` and
+``output_ptrs[i]`` point at the same memory: the preallocated buffer is an extra
+custom-call operand declared aliased to output ``i`` (XLA's Triton call passes an aliased
+output both as the operand and as the result). Kernels write through ``output_ptrs`` and
+read ``prealloc_ptrs`` only for ``init="zeros"`` outputs, which they may accumulate into.
 """
 from __future__ import annotations
 
@@ -28,30 +19,20 @@ Params = Mapping[str, Any]
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
-    """An array operand.
-
-    ``dims`` names each axis symbolically (e.g. ``("T", "H")``); equal names must have
-    equal sizes across operands, which is how mismatched leading dims are caught.
-    ``dtypes`` is a tuple of allowed dtype *kinds* or names: ``"float"``, ``"int"``,
-    ``"bool"``, or a concrete name such as ``"int32"``; ``None`` allows any.
-    """
+    """An array operand. ``dims`` names each axis (``("T", "H")``): equal names must have equal
+    sizes across operands. ``dtypes``: allowed kinds (``"float"``, ``"int"``, ``"bool"``) or
+    names (``"int32"``); ``None`` allows any."""
 
     name: str
     dims: tuple[str, ...]
     dtypes: tuple[str, ...] | None = None
 
-    @property
-    def rank(self) -> int:
-        return len(self.dims)
-
 
 @dataclasses.dataclass(frozen=True)
 class Output:
-    """An output written by the kernel into a preallocated, alias-declared buffer.
-
-    ``init`` is ``"empty"`` when the kernel writes every element, ``"zeros"`` when it
-    accumulates or leaves elements untouched (e.g. padding rows).
-    """
+    """An output written into a preallocated, alias-declared buffer. ``init`` is ``"empty"``
+    when the kernel writes every element, ``"zeros"`` when it accumulates or leaves some
+    untouched (e.g. padding rows)."""
 
     name: str
     shape: Callable[[Dims, Params], tuple[int, ...]]
@@ -98,12 +79,9 @@ Constraint = Callable[[Dims, Params, Config], "str | None"]
 class Partitioning:
     """How a kernel's axes may be split across devices (``core/sharding.py`` applies it).
 
-    Attributes:
-      outputs: the axis names of each output, in output order; names shared with operand
-        axes (``Operand.dims``) denote the same axis, new names denote output-only axes.
-      local: axis names along which the kernel is shard-local: the outputs' shard ``i``
-        depends only on the operands' shard ``i``. Output shapes must follow from operand
-        dims (not from static params), so per-shard shapes come out right.
+    ``outputs``: each output's axis names (names shared with ``Operand.dims`` are the same
+    axis). ``local``: axes along which output shard ``i`` depends only on operand shard
+    ``i``; output shapes must then follow from operand dims (not static params).
     """
 
     outputs: tuple[tuple[str, ...], ...]
@@ -175,9 +153,6 @@ class KernelDecl:
         if self.key_dims is None:
             every = tuple(dict.fromkeys(d for op in self.operands for d in op.dims))
             object.__setattr__(self, "key_dims", every)
-
-    def output_names(self) -> tuple[str, ...]:
-        return tuple(o.name for o in self.outputs)
 
     def violated(self, dims: Dims, params: Params, config: Config) -> str | None:
         """First violated constraint's reason, or None if ``config`` is valid."""

@@ -72,20 +72,15 @@ def checks() -> bool:
 
 def check_all() -> None:
     """Raises on the first variable holding a value it does not accept."""
-    backend()
-    autotune()
-    sanitize()
-    checks()
+    for read in (backend, autotune, sanitize, checks):
+        read()
 
 
 @contextlib.contextmanager
 def triton_cache_dir_kept() -> Iterator[None]:
-    """Puts ``TRITON_CACHE_DIR`` back after the block.
-
-    jax-triton (imported by packages such as tokamax) blanks the variable at import,
-    after which every later ``triton.compile`` in the process fails with "Could not
-    create or locate cache dir" (and the autotuner's pool hands binaries over that cache).
-    """
+    """Puts ``TRITON_CACHE_DIR`` back after the block: jax-triton (imported by tokamax)
+    blanks it at import, after which every ``triton.compile`` fails with "Could not create
+    or locate cache dir" (and the autotuner's pool hands binaries over that cache)."""
     saved = os.environ.get("TRITON_CACHE_DIR")
     try:
         yield

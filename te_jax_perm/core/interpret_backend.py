@@ -1,11 +1,9 @@
 """``interpret`` backend: the real Triton kernel, run by Triton's interpreter on the CPU.
 
-The kernel runs inside a ``jax.experimental.buffer_callback`` custom call whose
-preallocated output operands carry the same declared ``input_output_aliases`` as the GPU
-custom call, so CPU tests exercise the exact aliasing contract of the ``triton`` backend.
-
-Launches can be observed (the hazard sanitizer does): observers see every buffer passed
-to the kernel, by operand name, and are told when each program starts.
+The kernel runs inside a ``buffer_callback`` custom call whose preallocated outputs carry
+the same declared aliases as the GPU's, so CPU tests exercise the ``triton`` backend's
+aliasing contract. Launch observers (``core.hooks``: the sanitizer) see every buffer
+passed to the kernel and each program's start.
 """
 from __future__ import annotations
 
@@ -44,10 +42,8 @@ _launch_lock = threading.RLock()
 def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any],
                        constexprs: Mapping[str, Any], *, name: str = "",
                        buffers: Sequence[BufferInfo] = ()) -> None:
-    """Runs ``kernel`` (a ``@triton.jit`` function) over ``grid`` with the interpreter.
-
-    ``args`` maps kernel parameter names to :class:`HostPointer` or Python scalars.
-    """
+    """Runs ``kernel`` (a ``@triton.jit`` function) over ``grid`` with the interpreter;
+    ``args`` maps its parameter names to :class:`HostPointer` or Python scalars."""
     from triton.runtime import interpreter as interp  # lazy: keep import cost off xla-only use
 
     interpret_numerics.install()   # the GPU's rounding, not the interpreter's
@@ -55,26 +51,22 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
     if any(g == 0 for g in grid3):
         return
     with _launch_lock, _nested_jit_calls(interp):
-        _launch_locked(interp, kernel, grid3, args, constexprs, name, buffers)
-
-
-def _launch_locked(interp, kernel, grid3, args, constexprs, name, buffers) -> None:
-    observers = hooks.launch_observers()
-    for ob in observers:
-        ob.launch_begin(name or kernel.fn.__name__, buffers, grid3)
-    try:
-        with _interpreted(interp, kernel.fn) as fn:
-            call_args = {k: interp._implicit_cvt(v) for k, v in args.items()}
-            call_args.update(constexprs)
-            interp.interpreter_builder.set_grid_dim(*grid3)
-            for x, y, z in itertools.product(*(range(g) for g in grid3)):
-                interp.interpreter_builder.set_grid_idx(x, y, z)
-                for ob in observers:
-                    ob.program_begin((x, y, z))
-                fn(**call_args)
-    finally:
+        observers = hooks.launch_observers()
         for ob in observers:
-            ob.launch_end()
+            ob.launch_begin(name or kernel.fn.__name__, buffers, grid3)
+        try:
+            with _interpreted(interp, kernel.fn) as fn:
+                call_args = {k: interp._implicit_cvt(v) for k, v in args.items()}
+                call_args.update(constexprs)
+                interp.interpreter_builder.set_grid_dim(*grid3)
+                for x, y, z in itertools.product(*(range(g) for g in grid3)):
+                    interp.interpreter_builder.set_grid_idx(x, y, z)
+                    for ob in observers:
+                        ob.program_begin((x, y, z))
+                    fn(**call_args)
+        finally:
+            for ob in observers:
+                ob.launch_end()
 
 
 _rewritten: dict[Any, Any] = {}
@@ -82,8 +74,7 @@ _rewritten: dict[Any, Any] = {}
 
 @contextlib.contextmanager
 def _interpreted(interp: Any, fn: Any) -> Iterator[Callable]:
-    """``fn``'s interpreter rewrite (made once per function), with the language patched for
-    its module within the block and restored after."""
+    """``fn``'s interpreter rewrite (made once), the language patched for it in the block."""
     if fn not in _rewritten:
         _rewritten[fn] = interp.InterpretedFunction(fn).rewrite()
     scope = interp._patch_lang(fn)
@@ -96,10 +87,8 @@ def _interpreted(interp: Any, fn: Any) -> Iterator[Callable]:
 
 @contextlib.contextmanager
 def _nested_jit_calls(interp: Any) -> Iterator[None]:
-    """Lets a kernel call other ``@triton.jit`` functions (its helpers, ``tl.sum``,
-    ``tl.cumsum``...): outside ``TRITON_INTERPRET=1`` those are ``JITFunction`` objects whose
-    ``__call__`` refuses to run, so for the launch each such call runs the function's
-    interpreter rewrite."""
+    """Lets a kernel call other ``@triton.jit`` functions (helpers, ``tl.sum``...): outside
+    ``TRITON_INTERPRET=1`` their ``__call__`` refuses to run, so it runs their rewrite."""
     from triton.runtime.jit import JITFunction
 
     original = JITFunction.__call__
@@ -128,6 +117,7 @@ def run_launch(launch: Launch, operands: Sequence[np.ndarray], preallocs: Sequen
 
 # The error the last failed launch raised: XLA hands it on as its own runtime error (text
 # only), so an eager call re-raises this object instead (a sanitizer's HazardError, say).
+# XLA's CPU runtime may run the callbacks on other threads: the list is read under a lock.
 _raised: list[BaseException] = []
 _raised_lock = threading.Lock()
 
@@ -138,12 +128,8 @@ def _take_raised() -> BaseException | None:
 
 
 def run_eagerly(fn: Callable[..., Any], args: Sequence[jax.Array]) -> Any:
-    """``fn(*args)`` for an eager call on the ``interpret`` backend, finished.
-
-    The interpreter dereferences host pointers, so where JAX's default backend is not the
-    CPU (a GPU machine) the call is placed on the first CPU device, its operands moved
-    there. An error a launch raised reaches the caller as itself, not as XLA's report of it.
-    """
+    """``fn(*args)`` for an eager ``interpret`` call, finished: on the first CPU device (the
+    interpreter dereferences host pointers), a launch's error raised as itself."""
     _take_raised()
     try:
         if jax.default_backend() == "cpu":

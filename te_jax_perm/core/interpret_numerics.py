@@ -1,24 +1,17 @@
-"""Conversion numerics of GPU Triton for Triton's CPU interpreter.
+"""GPU Triton's conversion numerics for Triton's CPU interpreter.
 
-Triton's interpreter converts fp32 to bf16 by dropping the low mantissa bits (rounding
-toward zero) and converts to and from fp8 with its own bit arithmetic; the GPU rounds to
-nearest-even and saturates fp8. A CPU test of the ``interpret`` backend then vouches for
-nothing on the GPU. :func:`install` replaces the interpreter's two conversion entry points
-(``cast_impl``, behind every ``fp_trunc``/``fp_ext``/int<->float conversion, and
-``create_fp_to_fp``, behind fp8 and explicit-rounding conversions) with conversions that
-follow what the GPU executes:
+The interpreter converts fp32 to bf16 by truncation and fp8 with its own bit arithmetic;
+the GPU rounds to nearest-even and saturates fp8, so without this a CPU test vouches for
+nothing on the GPU. :func:`install` replaces ``cast_impl`` and ``create_fp_to_fp`` (every
+float conversion; same names and signatures in Triton 3.6-3.9) with the GPU's:
 
-* float -> narrower float: correctly rounded from the exact source value, round to nearest
-  even (or toward zero where the kernel asks for ``"rtz"``); overflow gives inf, and for
-  fp8 (``float8e4nv``, ``float8e5``) saturates to the largest finite value (the GPU
-  converts to fp8 with ``.satfinite``), NaN stays NaN;
-* float -> wider float: exact;
-* int -> float: correctly rounded from the integer (exact below 2**53);
+* float -> narrower float: correctly rounded from the exact value, to nearest even (toward
+  zero for ``"rtz"``); overflow gives inf, saturating for fp8 (the GPU's ``.satfinite``);
+* float -> wider float: exact; int -> float: correctly rounded (exact below 2**53);
 * float -> int: truncation toward zero, saturating at the integer range, NaN -> 0.
 
-NaN payloads are not modelled: a NaN converts to a NaN. Conversions of other types (fp8
-variants not used on NVIDIA GPUs, int <-> int) keep the interpreter's own behaviour. The
-two entry points have had the same names and signatures from Triton 3.6 through 3.9.
+NaN payloads are not modelled. Other conversions (fp8 variants not used on NVIDIA GPUs,
+int <-> int) keep the interpreter's own behaviour. bf16 dots multiply values, not bits.
 """
 from __future__ import annotations
 
@@ -31,11 +24,8 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class FloatFormat:
-    """A binary float format: sign, ``ebits`` exponent bits, ``nmant`` mantissa bits.
-
-    ``finite_only`` formats (float8 e4m3fn) have no infinities and one NaN per sign
-    (all exponent and mantissa bits set); the others follow IEEE 754.
-    """
+    """Sign, ``ebits`` exponent and ``nmant`` mantissa bits; ``finite_only`` (float8 e4m3fn):
+    no infinities, one NaN per sign (all bits set); the others follow IEEE 754."""
 
     bits: int
     ebits: int
@@ -121,11 +111,10 @@ def round_float(x: np.ndarray, fmt: FloatFormat, *, toward_zero: bool = False, s
                 ) -> np.ndarray:
     """Raw ``fmt`` bits of float64 values ``x`` (the exact source values), rounded once.
 
-    Scaling by a power of two is exact in float64 and ``np.rint`` rounds half to even, so
-    ``rint(|x| / q) * q``, with ``q`` the spacing of ``fmt`` at ``|x|`` (held at the
-    smallest normal's spacing below it, which gives subnormals), is the correctly rounded
-    magnitude. Overflow gives inf (NaN for formats without inf), the largest finite value
-    when rounding toward zero, and with ``saturate`` also for infinite inputs.
+    Power-of-two scaling is exact and ``np.rint`` rounds half to even, so ``rint(|x|/q)*q``
+    with ``q`` the spacing of ``fmt`` at ``|x|`` (held at the smallest normal's spacing
+    below it: subnormals) is the correctly rounded magnitude. Overflow gives inf (NaN
+    without inf), the largest finite value toward zero, and with ``saturate`` for inf too.
     """
     x = np.asarray(x, np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -236,13 +225,9 @@ def _as_f32(t) -> np.ndarray:
 
 
 def patch_scalar_index(scope: Any) -> None:
-    """Scalars used as Python ints (loop bounds, ``range``) under NumPy >= 2.4.
-
-    The interpreter holds every scalar as a one-element array; Triton 3.6-3.8 turn it into
-    an index with ``int(array)``, which NumPy 2.4 refuses for arrays of one dimension
-    ("only 0-dimensional arrays can be converted to Python scalars"). ``scope`` is the
-    interpreter's language patch for one launch, which undoes this with everything else.
-    """
+    """Scalars used as Python ints (loop bounds, ``range``) under NumPy >= 2.4, which refuses
+    Triton 3.6-3.8's ``int(one-element array)``. ``scope`` is one launch's language patch,
+    which undoes this with everything else."""
     import triton.language as tl
 
     def first(self):

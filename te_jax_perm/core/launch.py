@@ -41,9 +41,9 @@ def bind_dims(decl: KernelDecl, avals: Sequence[Any]) -> dict[str, int]:
     where: dict[str, str] = {}
     for op, aval in zip(decl.operands, avals):
         shape = tuple(aval.shape)
-        if len(shape) != op.rank:
+        if len(shape) != len(op.dims):
             raise ValueError(f"{decl.name}: argument {op.name!r} has shape {shape} (rank {len(shape)}); "
-                             f"expected rank {op.rank} with axes {_fmt_expected(op, dims)}")
+                             f"expected rank {len(op.dims)} with axes {_fmt_expected(op, dims)}")
         dt = np.dtype(aval.dtype)
         if op.dtypes is not None and not any(_KIND[k](dt) if k in _KIND else dt.name == k for k in op.dtypes):
             raise TypeError(f"{decl.name}: argument {op.name!r} has dtype {dt.name}; "

@@ -1,31 +1,20 @@
 """Sharding rules: how a declared kernel runs under JAX's SPMD partitioner.
 
-A kernel declares, through :class:`~te_jax_perm.core.declaration.Partitioning`, the axis names of its outputs and which
-axis names are *local*: axes along which every device can run the kernel on its own shard
-and produce its own shard of the outputs, with no data from other shards. Every other axis
-must be replicated; when an operand arrives sharded along one, the partitioner gathers it
-first (that is the rule saying "replicate", not a hidden cost of ours).
+A kernel's :class:`~te_jax_perm.core.declaration.Partitioning` names its outputs' axes and
+the *local* axes, along which each device runs the kernel on its own shard with no data
+from other shards. Every other axis is replicated: an operand sharded along one is
+gathered first (that is the rule saying "replicate", not a hidden cost of ours).
 
-Two places use the rule, both at lowering time, so that ``vmap``, ``grad`` and ``jit`` see
-the ordinary primitive and only the emitted module changes:
+Both uses are at lowering time, so ``vmap``, ``grad`` and ``jit`` see the ordinary
+primitive: a plain call lowers through ``custom_partitioning`` with a Shardy rule and the
+GSPMD callbacks, its per-shard function binding the kernel again on local shapes (so the
+per-device module still holds our aliased custom call); a ``vmap``-ed call becomes one
+``vmapped`` primitive whose leading batch axis is local. With one device, or inside a fully
+manual ``shard_map``, there is no custom-partitioning call at all.
 
-* a plain call lowers through :func:`jax.experimental.custom_partitioning` with a Shardy
-  rule (``sharding_rule=``) and the GSPMD callbacks (``infer_sharding_from_operands``,
-  ``propagate_user_sharding``), whichever partitioner is active; the per-shard function
-  binds the kernel again on local shapes, so the per-device module still holds our aliased
-  custom call (or, for ``backend="xla"``, the reference).
-* a ``vmap``-ed call becomes one ``vmapped`` primitive whose leading batch axis is always
-  local - each batch row is an independent call - so a batch of routing groups sharded over
-  devices is processed group by group on the device that holds it.
-
-With one device, or inside a fully manual ``shard_map``, the wrapper lowers straight to the
-per-device function: there is no custom-partitioning call in single-device programs.
-
-The three axis rules of the library: the H axis (a row's slices move independently) and the
-vmap batch axis are shard-local kernel axes, declared here; the token axis of
-``token_dispatch``/``token_combine`` is not (a token's row depends on every earlier token),
-so a token-sharded call instead runs as independent local calls, one per shard, with the
-output rows divided across the shards - an op-level rule in ``te_jax_perm.ops.token_split``.
+The token axis of ``token_dispatch``/``token_combine`` is not a kernel-local axis (a
+token's row depends on every earlier token): its rule is op-level, in
+``te_jax_perm.ops.token_split``.
 """
 from __future__ import annotations
 
@@ -46,9 +35,6 @@ from te_jax_perm.core.declaration import Partitioning
 
 if TYPE_CHECKING:  # pragma: no cover
     from te_jax_perm.core.primitive import KernelPrimitive
-
-__all__ = ["Partitioning", "VmappedPrimitive", "dim_splits", "lower_partitioned", "partition_error", "partitioned",
-           "requires_devices", "sdy_rule"]
 
 BATCH_AXIS = "__vmap__"
 

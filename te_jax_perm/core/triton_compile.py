@@ -1,8 +1,6 @@
 """Compiling a launch's kernel with Triton's own compiler, cached per specialisation.
 
-Version shims for Triton live at the top of this module (and only here): the
-``ASTSource`` keyword names and the compiled kernel's metadata fields moved between Triton
-releases. The ``triton`` backend and the autotuner's compile workers both compile through
+The ``triton`` backend and the autotuner's compile workers both compile through
 :func:`compile_kernel`, so a tuned binary is exactly the one the backend launches.
 """
 from __future__ import annotations
@@ -57,11 +55,10 @@ def compile_kernel(kernel: Any, sig: Mapping[str, str], constexprs: Mapping[str,
 
 
 def specialisation(value: Any) -> str | None:
-    """How a runtime scalar is compiled, as Triton's own launcher does it: an integer equal
-    to 1 becomes a constant (``"one"``), one divisible by 16 carries that fact
-    (``"div16"``: with it, ``row * E`` offsets keep 16-byte alignment and loads vectorise);
-    anything else (and every float or bool) is a plain runtime value (``None``). The
-    values are the call's static scalars, so the binary can never meet another value."""
+    """How a runtime scalar is compiled, as Triton's launcher does it: an integer 1 becomes a
+    constant (``"one"``); one divisible by 16 carries that fact (``"div16"``: ``row * E``
+    offsets keep 16-byte alignment, loads vectorise); anything else is ``None``. The values
+    are the call's static scalars, so the binary never meets another value."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         return None
     if int(value) == 1:
@@ -94,8 +91,8 @@ def compiled_for(launch: Launch, compute_capability: int) -> CompiledKernel:
 @functools.lru_cache(maxsize=1024)
 def compile_cached(kernel: Any, sig: tuple, constexprs: tuple, aligned: tuple, num_warps: int, num_stages: int,
                    cc: int) -> CompiledKernel:
-    """:func:`compiled_for`'s cache, one entry per specialisation (``cache_info()`` counts
-    the compiles); ``aligned`` lists the argument positions known 16-byte divisible."""
+    """:func:`compiled_for`'s cache (``cache_info()`` counts the compiles); ``aligned``: the
+    argument positions known 16-byte divisible."""
     attrs = {position: DIVISIBILITY for position in aligned}
     compiled = compile_kernel(kernel, dict(sig), dict(constexprs), attrs, ("cuda", cc, 32), num_warps, num_stages)
     if _metadata(compiled, "profile_scratch_size", 0):
