@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 from te_jax_perm.autotune.cache import cache_dir, format_cache, set_cache_dir
-from te_jax_perm.autotune.key import make_key
+from te_jax_perm.autotune.cache import make_key
 from te_jax_perm.autotune.resolver import autotuning, enable, enabled, resolve
 from te_jax_perm.autotune.space import candidates
 from te_jax_perm.autotune.tuner import TuneOptions, TuneResult, stats, tune, tune_call

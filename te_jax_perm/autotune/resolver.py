@@ -13,7 +13,6 @@ from typing import Any, Iterator, Mapping, Sequence
 from absl import logging
 
 from te_jax_perm.autotune import cache
-from te_jax_perm.autotune.key import make_key
 from te_jax_perm.autotune.tuner import TuneOptions, stats, tune_call
 from te_jax_perm.core import env, hooks
 from te_jax_perm.core.declaration import Config, KernelDecl
@@ -71,7 +70,7 @@ def resolve_call(call: Call) -> Config | None:
     if call.backend not in TUNABLE_BACKENDS or not decl.configs:
         return None
     try:
-        key = make_key(decl, call.dims, call.params, call.dtypes, call.backend)
+        key = cache.make_key(decl, call.dims, call.params, call.dtypes, call.backend)
         entry = cache.load_valid(decl, key, call.dims, call.params)
         if entry is not None:
             stats["cache_hits"] += 1

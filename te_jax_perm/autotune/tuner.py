@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from typing import Any, Mapping, Sequence
 
+import jax
 import numpy as np
 from absl import logging
 
 from te_jax_perm.autotune import cache
-from te_jax_perm.autotune.inputs import initial_prealloc, make_inputs
-from te_jax_perm.autotune.key import make_key
-from te_jax_perm.autotune.pool import make_job
+from te_jax_perm.autotune.pool import get_pool, make_job
 from te_jax_perm.autotune.space import candidates, cap
-from te_jax_perm.autotune.trials import HostRunner, TrialResult, log_result, run_trials
+from te_jax_perm.autotune.trials import (GpuRunner, HostRunner, TrialResult, initial_prealloc, log_result, make_inputs,
+                                         run_trials)
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import Call, bind_call, configure
 
@@ -53,7 +54,6 @@ class TuneResult:
 
 
 def _avals(shapes: Sequence[Any]) -> list[Any]:
-    import jax
     return [s if hasattr(s, "shape") and hasattr(s, "dtype") else jax.ShapeDtypeStruct(*s) for s in shapes]
 
 
@@ -67,7 +67,7 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
 def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
     """Tunes one bound call (see :func:`tune`)."""
     decl, dims, params, backend = call.decl, call.dims, call.params, call.backend
-    key = make_key(decl, dims, params, call.dtypes, backend)
+    key = cache.make_key(decl, dims, params, call.dtypes, backend)
     if not options.force:
         entry = cache.load_valid(decl, key, dims, params)
         if entry is not None:
@@ -106,7 +106,6 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
     phases["reference_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if backend == "triton":
-        from te_jax_perm.autotune.gpu_trials import GpuRunner
         runner = GpuRunner(decl, inputs, preallocs, params)
         reps, warmup = options.reps or 15, 1 if options.warmup is None else options.warmup
     elif backend == "interpret":
@@ -170,7 +169,6 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
 
 
 def _compile_stage(call, valid, target, options, pool):
-    from te_jax_perm.autotune.pool import get_pool
     decl = call.decl
     pool = pool or get_pool()
     if options.compile_timeout_s is not None:
@@ -197,9 +195,6 @@ def device_target() -> tuple[str, int, int]:
 
 
 def _reference(decl: KernelDecl, inputs: Sequence[np.ndarray], params: Mapping[str, Any]) -> list[np.ndarray]:
-    import functools
-
-    import jax
     # Tuning may run inside a lowering rule: evaluate eagerly rather than stage into it. One
     # jitted call (not op-by-op dispatch, which compiles and syncs every op on GPU).
     with jax.ensure_compile_time_eval():
