@@ -13,9 +13,8 @@ from absl import logging
 
 from te_jax_perm.core import env, hooks
 from te_jax_perm.core.hooks import BufferInfo
-from te_jax_perm.sanitize import analysis, tracer
+from te_jax_perm.sanitize import tracer
 from te_jax_perm.sanitize.hazards import HazardError, Report
-from te_jax_perm.sanitize.regions import RegionMap
 
 ENV_VAR = env.SANITIZE
 
@@ -41,7 +40,7 @@ class _Hub:
 
     def launch_begin(self, kernel_name: str, buffers: Sequence[BufferInfo], grid: tuple[int, int, int]) -> None:
         raise_first = any(s.raise_first for s in self.sessions)
-        self.rec = tracer.LaunchRecord(kernel_name, RegionMap(buffers), tuple(grid), raise_first)
+        self.rec = tracer.LaunchRecord(kernel_name, buffers, tuple(grid), raise_first)
         tracer.begin(self.rec)
 
     def program_begin(self, pid: tuple[int, int, int]) -> None:
@@ -50,7 +49,7 @@ class _Hub:
     def launch_end(self) -> None:
         rec, self.rec = self.rec, None
         tracer.end(rec)
-        hazards, in_place, summary = analysis.analyse(rec)
+        hazards, in_place, summary = tracer.analyse(rec)
         hazards = rec.oob + hazards
         for s in self.sessions:
             s.report.launches.append(summary)
