@@ -120,13 +120,13 @@ def test_a_jaxlib_without_the_ffi_call_is_refused_by_name():
 def test_integer_scalars_are_specialised_like_tritons_launcher():
     """Divisible by 16: a divisibility attribute (vectorised accesses); 1: a constant that
     the call no longer passes; anything else: a plain runtime value."""
-    from te_jax_perm.core import triton_compile
+    from te_jax_perm.core import triton_backend
     from te_jax_perm.core.launch import bind_call, configure
 
     def spec(h):
         call = bind_call(gather_rows.decl, [jnp.ones((7, h), jnp.float32), jnp.zeros((5,), jnp.int32)], {}, "triton")
         launch = configure(call, gather_rows.decl.default_config(call.dims, call.params))
-        return triton_compile.launch_spec(launch)
+        return triton_backend.launch_spec(launch)
 
     sig, constexprs, attrs = spec(32)  # parameters: src_ptr, idx_ptr, H, out_prealloc, out
     assert sig["H"] == "i32" and (2,) in attrs and "H" not in constexprs
@@ -157,12 +157,12 @@ def test_zeroed_output_and_every_alias_in_a_differentiated_step():
 
 
 def test_kernels_are_compiled_once_per_specialisation():
-    from te_jax_perm.core import triton_compile
+    from te_jax_perm.core import triton_backend
     src, idx = jnp.ones((9, 40), jnp.float32), jnp.zeros((4,), jnp.int32)
     _lower_for_cuda(_gather, src, idx)
-    before = triton_compile.compile_cached.cache_info().misses
+    before = triton_backend.compile_cached.cache_info().misses
     lowered, lib = _lower_for_cuda(_gather, jnp.ones((11, 40), jnp.float32), jnp.zeros((6,), jnp.int32))
-    assert triton_compile.compile_cached.cache_info().misses == before  # same binary: H is a runtime scalar
+    assert triton_backend.compile_cached.cache_info().misses == before  # same binary: H is a runtime scalar
 
 
 # -- the [cuda] extra against the compatibility table -----------------------------------------

@@ -27,7 +27,7 @@ from absl import logging
 
 from te_jax_perm.core import env
 from te_jax_perm.core.launch import Launch
-from te_jax_perm.core.triton_compile import compile_kernel, launch_spec
+from te_jax_perm.core.triton_backend import compile_kernel, launch_spec
 
 DEFAULT_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 300.0
