@@ -47,8 +47,8 @@ def _activate() -> None:
     """
     from te_jax_perm.core import env
     env.check_all()
-    from te_jax_perm.autotune import resolver
-    resolver.install()
+    from te_jax_perm.autotune import tuner
+    tuner.install()
     if env.sanitize() is not None:
         from te_jax_perm.sanitize import session
         session.env_session()

@@ -230,7 +230,7 @@ def test_cached_winner_invalid_for_exact_dims_is_skipped(tmp_cache):
     entry["ranking"].insert(0, [Config.make(BS=64, BT=4).to_json(), 0.0])
     cache.store(k, entry)
     # A winner valid at the tuned T=64 may violate a constraint at another T; pick skips it.
-    from te_jax_perm.autotune.resolver import pick
+    from te_jax_perm.autotune.tuner import pick
     assert pick(decl, entry, {"T": 64, "H": 16}, {}) == Config.make(BS=64, BT=4)
     assert pick(decl, entry, {"T": 32, "H": 16}, {}) != Config.make(BS=64, BT=4)
 
