@@ -225,8 +225,8 @@ def _read(path: Path) -> tuple[Any, str | None]:
 
 
 def _entry_at(path: Path) -> tuple[Any, str | None]:
-    """``(entry, why it cannot be used)`` at ``path`` (this process's unwritten entries first),
-    its shape checked; raises ``FileNotFoundError`` when there is none."""
+    """``(entry, why its shape is wrong)`` at ``path``, this process's unwritten entries
+    first; raises ``FileNotFoundError`` when there is none."""
     if str(path) in _memory:
         return _memory[str(path)], None
     entry, why = _read(path)
@@ -234,7 +234,7 @@ def _entry_at(path: Path) -> tuple[Any, str | None]:
 
 
 def _lookup(key: Mapping[str, Any]) -> tuple[Path, Any, str | None]:
-    """``(path, entry, problem)``; ``entry`` is ``None`` when there is no entry at all."""
+    """``(path, entry, problem)``; ``entry`` is ``None`` when there is none."""
     path = entry_path(key)
     try:
         entry, why = _entry_at(path)
@@ -247,16 +247,15 @@ def _lookup(key: Mapping[str, Any]) -> tuple[Path, Any, str | None]:
 
 
 def load(key: Mapping[str, Any]) -> dict | None:
-    """The entry for ``key`` if one is stored and well formed (not checked against a
-    declaration: use :func:`load_valid` before using its configs)."""
+    """The entry for ``key`` if stored and well formed (:func:`load_valid` checks its configs)."""
     _, entry, why = _lookup(key)
     return None if why else entry
 
 
 def load_valid(decl: KernelDecl, key: Mapping[str, Any], dims: Mapping[str, int], params: Mapping[str, Any]
                ) -> dict | None:
-    """The entry for ``key`` if every config in it is one ``decl`` can run, else ``None``
-    (a bad entry is logged once, then treated as missing so that it is re-tuned)."""
+    """The entry for ``key`` if every config in it is one ``decl`` can run, else ``None`` (a
+    bad entry is logged once, then treated as missing, so it is re-tuned)."""
     path, entry, why = _lookup(key)
     if entry is None and why is None:
         return None
@@ -272,8 +271,7 @@ def load_valid(decl: KernelDecl, key: Mapping[str, Any], dims: Mapping[str, int]
 
 
 def store(key: Mapping[str, Any], entry: Mapping[str, Any]) -> Path:
-    path = entry_path(key)
-    full = {**entry, "key": key}
+    path, full = entry_path(key), {**entry, "key": key}
     try:
         _write(path, full)
     except OSError as e:
@@ -302,10 +300,9 @@ def _write(path: Path, entry: Mapping[str, Any]) -> None:
 
 
 def entries() -> Iterator[tuple[Path, Any, str | None]]:
-    """Every entry in the cache directory and in memory: ``(path, entry, problem)``, with
-    ``problem`` the reason a file cannot be used (its shape only, not its configs)."""
-    d = cache_dir()
-    paths = set()
+    """``(path, entry, problem)`` of every entry in the directory and in memory; ``problem``
+    judges the entry's shape only, not its configs."""
+    d, paths = cache_dir(), set()
     try:
         paths = {p for p in d.glob("*.json") if p.is_file()} if d.is_dir() else set()
     except OSError:
@@ -319,9 +316,8 @@ def entries() -> Iterator[tuple[Path, Any, str | None]]:
 
 
 def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
-    """A human-readable table of every cached result; malformed entries are listed as bad
-    with the reason. With ``decls`` (kernel name -> declaration) each entry's configs are
-    also checked against its kernel's declared configs."""
+    """A table of every cached result, bad ones with the reason; with ``decls`` (kernel name
+    -> declaration) each entry's configs are checked against its kernel's too."""
     decls = decls or {}
     lines = [f"autotune cache: {cache_dir()}"]
     if cache_dir().exists() and not cache_dir().is_dir():
@@ -351,8 +347,7 @@ def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
 
 def _literal_params(key: Mapping[str, Any]) -> dict:
     """The key's params (stored as ``repr``) back as values, where they are literals."""
-    out = {}
-    params = key.get("params")
+    out, params = {}, key.get("params")
     for name, text in (params.items() if isinstance(params, dict) else ()):
         try:
             out[name] = ast.literal_eval(text)

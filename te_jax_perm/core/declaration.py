@@ -90,63 +90,39 @@ class Partitioning:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class KernelDecl:
-    """Everything about one kernel, declared once.
+    """Everything about one kernel, declared once. Callables take the bound ``dims`` and the
+    static ``params`` (and a ``config`` where it matters)."""
 
-    Attributes:
-      name: unique kernel name (used in custom-call scopes, logs, caches).
-      kernel: the ``@triton.jit`` function.
-      operands: array operands, in kernel-argument order.
-      outputs: outputs, in kernel-argument order.
-      params: names of static (hashable, trace-time) parameters.
-      scalars: ``(dims, params) -> {name: int}``: runtime scalar kernel arguments, in
-        kernel-argument order. Values here must not change the compiled binary.
-      constexprs: ``(dims, params, config) -> {name: value}``: compile-time constants
-        (beyond the config's own), e.g. dtype-dependent flags.
-      grid: ``(dims, params, config) -> tuple[int, ...]``.
-      reference: ``(*operands, **params) -> tuple of outputs``: pure JAX.
-      configs: the autotuning search space.
-      default_config: ``(dims, params) -> Config`` used when nothing is tuned.
-      constraints: each returns ``None`` when a config is valid for the shapes, or a
-        reason string when it must be pruned.
-      key_dims: dims whose value changes the best config (bucketed by ``key_bucket``);
-        by default every dim of the operands, so a result tuned at one shape is never
-        reused at another. Name fewer only for dims the best config does not depend on.
-      key_params: static params that change the compiled code or grid shape.
-      exact: outputs must match the reference bit-exactly (pure data movement).
-      params_check: optional ``(dims, params) -> None`` raising ``ValueError``: checks of
-        the static facts, run once per call when it is bound (``core/launch.py``).
-      validate: optional ``(operands, dims, params) -> None`` raising ``ValueError``:
-        checks of the operands' values (NumPy arrays), run by the public call when every
-        operand is concrete, and on traced ones when the program runs under
-        ``TE_JAX_PERM_CHECKS=1`` (``core/checks.py``).
-      partitioning: optional :class:`Partitioning`: output axis names and the axes along
-        which the kernel is shard-local under jit/SPMD; ``None`` replicates.
-      example_inputs: optional ``(dims, params, dtypes, rng) -> tuple of np.ndarray``
-        making valid operands (e.g. in-range indices) for autotuning trials; ``dtypes``
-        maps operand names to ``np.dtype``, ``rng`` is a ``np.random.Generator``.
-    """
-
-    name: str
-    kernel: Any
-    operands: tuple[Operand, ...]
+    name: str                                  # unique: custom-call scopes, logs, caches
+    kernel: Any                                # the @triton.jit function
+    operands: tuple[Operand, ...]              # in kernel-argument order, as are outputs
     outputs: tuple[Output, ...]
-    reference: Callable[..., Sequence[Any]]
+    reference: Callable[..., Sequence[Any]]    # (*operands, **params) -> outputs, pure JAX
     grid: Callable[[Dims, Params, Config], tuple[int, ...]]
-    default_config: Callable[[Dims, Params], Config]
-    params: tuple[str, ...] = ()
+    default_config: Callable[[Dims, Params], Config]   # used when nothing is tuned
+    params: tuple[str, ...] = ()               # static (hashable, trace-time) parameters
+    # Runtime scalar arguments in kernel order; their values must not change the binary.
     scalars: Callable[[Dims, Params], Mapping[str, int]] = lambda dims, params: {}
+    # Compile-time constants beyond the config's own (e.g. dtype-dependent flags).
     constexprs: Callable[[Dims, Params, Config], Mapping[str, Any]] = lambda dims, params, config: {}
-    configs: tuple[Config, ...] = ()
-    constraints: tuple[Constraint, ...] = ()
+    configs: tuple[Config, ...] = ()           # the autotuning search space
+    constraints: tuple[Constraint, ...] = ()   # each: None when valid, else why to prune
+    # Dims whose value changes the best config (bucketed by key_bucket); by default every
+    # operand dim, so a result tuned at one shape is never reused at another.
     key_dims: tuple[str, ...] | None = None
-    key_params: tuple[str, ...] = ()
+    key_params: tuple[str, ...] = ()           # params that change the compiled code or grid
     key_bucket: Callable[[str, int], int] = lambda dim_name, size: size
-    exact: bool = True
+    exact: bool = True                         # bit-exact against the reference (data movement)
     rtol: float = 1e-2
     atol: float = 1e-2
+    # Raises ValueError on bad static facts, once per bound call (core/launch.py).
     params_check: Callable[[Dims, Params], None] | None = None
+    # (operands, dims, params) raising ValueError on bad values (NumPy arrays): run when all
+    # operands are concrete, on traced ones under TE_JAX_PERM_CHECKS=1 (core/checks.py).
     validate: Callable[..., None] | None = None
-    partitioning: Partitioning | None = None  # None: every axis replicated
+    partitioning: Partitioning | None = None   # None: every axis replicated
+    # (dims, params, dtypes by operand name, np.random.Generator) -> valid operands (e.g.
+    # in-range indices) for autotuning trials.
     example_inputs: Callable[..., Sequence[Any]] | None = None
 
     def __post_init__(self):

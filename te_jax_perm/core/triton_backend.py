@@ -211,6 +211,10 @@ def compute_capability() -> int:
     return int(kernel_call_lib().get_compute_capability(0))
 
 
+# Triton scalar type -> Python type: nanobind's strict casters reject NumPy scalars and int subclasses.
+_PYTHON = {"i1": bool, "i32": int, "i64": int, "fp32": float}
+
+
 # -- the call ----------------------------------------------------------------------------------
 def kernel_call_proto(launch: Launch, lib: Any) -> bytes:
     """The serialized, compressed kernel call of ``launch`` (the custom call's payload). Its
@@ -221,7 +225,7 @@ def kernel_call_proto(launch: Launch, lib: Any) -> bytes:
     kernel = _triton_kernel(lib, compiled_for(launch, int(lib.get_compute_capability(0))))
     sig = launch_spec(launch)[0]
     params = [lib.create_array_parameter(0, 16) if a.is_pointer
-              else lib.create_scalar_parameter(_python_scalar(a.value), scalar_type(a.value))
+              else lib.create_scalar_parameter(_PYTHON[scalar_type(a.value)](a.value), scalar_type(a.value))
               for a in kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)
               if sig[a.name] != "constexpr"]
     call = lib.TritonKernelCall(kernel, *launch.grid3, params)
@@ -243,12 +247,3 @@ def triton_call(launch: Launch, operands: Sequence[jax.Array],
     with jax.named_scope(f"te_jax_perm.{launch.decl.name}"):
         call = jax.ffi.ffi_call(FFI_TARGET, result_types, input_output_aliases=plan.input_output_aliases)
         return list(call(*operands, *preallocs, opaque=payload))
-
-
-def _python_scalar(v: Any) -> Any:
-    # nanobind's strict casters reject NumPy scalars and int subclasses.
-    if isinstance(v, (bool, np.bool_)):
-        return bool(v)
-    if isinstance(v, (int, np.integer)):
-        return int(v)
-    return float(v)
