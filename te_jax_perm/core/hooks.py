@@ -33,6 +33,14 @@ class BufferInfo:
     dtype: np.dtype
     shape: tuple[int, ...]
 
+    @property
+    def itemsize(self) -> int:
+        return max(1, np.dtype(self.dtype).itemsize)
+
+    @property
+    def elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
 
 _lock = threading.RLock()
 _resolver: list[ConfigResolver | None] = [None]

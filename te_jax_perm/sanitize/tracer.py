@@ -35,31 +35,14 @@ MAX_PER_CLASS = 16
 
 
 # -- regions -----------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Region:
-    name: str
-    role: str            # "input" or "output"
-    start: int
-    nbytes: int
-    dtype: np.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def itemsize(self) -> int:
-        return max(1, np.dtype(self.dtype).itemsize)
-
-    @property
-    def elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-
 class RegionMap:
-    """The launch's regions, with address -> region attribution."""
+    """The launch's regions (buffers whose role is "input" or "output"), with address ->
+    region attribution."""
 
     def __init__(self, buffers: Sequence[BufferInfo]):
         outputs = {b.name: b for b in buffers if b.role == "output"}
         out_mem = {(b.address, b.nbytes) for b in outputs.values() if b.nbytes}
-        regions: list[Region] = []
+        regions: list[BufferInfo] = []
         for b in buffers:
             if b.role == "prealloc":
                 out = outputs.get(b.name.removesuffix(".prealloc"))
@@ -67,22 +50,21 @@ class RegionMap:
                     continue
             if b.role == "input" and (b.address, b.nbytes) in out_mem:
                 continue
-            role = "input" if b.role == "input" else "output"
-            regions.append(Region(b.name, role, int(b.address), int(b.nbytes), np.dtype(b.dtype), tuple(b.shape)))
+            regions.append(dataclasses.replace(b, role="input" if b.role == "input" else "output"))
         self.regions = regions
         # Base address -> region, preferring non-empty regions when addresses coincide
         # (an empty buffer may sit at any address).
         self.by_base: dict[int, int] = {}
         for i in sorted(range(len(regions)), key=lambda i: (regions[i].nbytes == 0, regions[i].role == "input")):
-            self.by_base.setdefault(regions[i].start, i)
+            self.by_base.setdefault(regions[i].address, i)
         live = [i for i, r in enumerate(regions) if r.nbytes > 0]
-        live.sort(key=lambda i: regions[i].start)
+        live.sort(key=lambda i: regions[i].address)
         self._live = np.asarray(live, dtype=np.int64)
-        self._starts = np.asarray([regions[i].start for i in live], dtype=np.int64)
-        self._ends = np.asarray([regions[i].start + regions[i].nbytes for i in live], dtype=np.int64)
-        order = sorted(range(len(regions)), key=lambda i: regions[i].start)
+        self._starts = np.asarray([regions[i].address for i in live], dtype=np.int64)
+        self._ends = np.asarray([regions[i].address + regions[i].nbytes for i in live], dtype=np.int64)
+        order = sorted(range(len(regions)), key=lambda i: regions[i].address)
         self._all_idx = np.asarray(order, dtype=np.int64)
-        self._all_starts = np.asarray([regions[i].start for i in order], dtype=np.int64)
+        self._all_starts = np.asarray([regions[i].address for i in order], dtype=np.int64)
 
     def attribute(self, addrs: np.ndarray) -> int:
         """Region a pointer tensor whose provenance is unknown derives from.
@@ -160,7 +142,7 @@ class LaunchRecord:
         if tag is None:
             tag = self.regions.attribute(a)
         reg = self.regions.regions[tag]
-        off = a - reg.start
+        off = a - reg.address
         bad = (off < 0) | (off + size > reg.nbytes)
         if bad.any():
             eoff = np.floor_divide(off[bad], reg.itemsize)
@@ -307,7 +289,7 @@ def _keys(rec: LaunchRecord, region: int, kind: str, nprog: int) -> np.ndarray:
     return np.unique(np.concatenate(parts))
 
 
-def _by_pair(first: np.ndarray, second: np.ndarray, byte: np.ndarray, reg: Region
+def _by_pair(first: np.ndarray, second: np.ndarray, byte: np.ndarray, reg: BufferInfo
              ) -> Iterator[tuple[int, int, tuple[int, int], int]]:
     """Groups conflicting bytes by program pair: (first, second, element range, count)."""
     elem = byte // reg.itemsize
@@ -348,7 +330,7 @@ def analyse(rec: LaunchRecord) -> tuple[list[Hazard], list[Hazard], LaunchSummar
     stores = {i: _keys(rec, i, "store", nprog) for i in range(len(regions))}
     loads = {i: _keys(rec, i, "load", nprog) for i in range(len(regions))}
 
-    def emit(kind: str, reg: Region, pairs, access: str, input_name: str | None = None) -> None:
+    def emit(kind: str, reg: BufferInfo, pairs, access: str, input_name: str | None = None) -> None:
         nonlocal truncated
         into = in_place if kind == IN_PLACE else hazards
         for n, (p, q, elems, count) in enumerate(pairs):
