@@ -25,7 +25,7 @@ from te_jax_perm.autotune.pool import get_pool, make_job
 from te_jax_perm.autotune.space import candidates, cap
 from te_jax_perm.autotune.trials import (GpuRunner, HostRunner, TrialResult, initial_prealloc, log_result, make_inputs,
                                          run_trials)
-from te_jax_perm.core import env, hooks
+from te_jax_perm.core import env
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import Call, bind_call, configure
 
@@ -281,7 +281,3 @@ def resolve_call(call: Call) -> Config | None:
                         type(e).__name__, e)
         return None
 
-
-def install() -> None:
-    """Makes :func:`resolve_call` the config resolver (``te_jax_perm`` does this at import)."""
-    hooks.set_config_resolver(resolve_call)

@@ -25,16 +25,14 @@ class EnvironmentValueError(ValueError):
     """An environment variable of this library holds a value it does not accept."""
 
 
-def _lookup(var: str, table: Mapping[str, object], accepted: tuple[str, ...] | None = None) -> object:
+def _lookup(var: str, table: Mapping[str, object]) -> object:
     raw = os.environ.get(var)
-    if raw is None or raw == "":
+    if not raw:
         return None
-    key = raw.lower()
-    if key not in table:
-        shown = accepted or tuple(table)
+    if raw.lower() not in table:
         raise EnvironmentValueError(f"{var}={raw!r} is not a value it accepts; use one of "
-                                    f"{', '.join(shown)} (or leave it unset)")
-    return table[key]
+                                    f"{', '.join(table)} (or leave it unset)")
+    return table[raw.lower()]
 
 
 def backend() -> str | None:
