@@ -15,9 +15,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 from te_jax_perm.autotune.cache import cache_dir, format_cache, make_key, set_cache_dir
-from te_jax_perm.autotune.space import candidates
-from te_jax_perm.autotune.tuner import (TuneOptions, TuneResult, autotuning, enable, enabled, resolve, stats, tune,
-                                        tune_call)
+from te_jax_perm.autotune.tuner import (TuneOptions, TuneResult, autotuning, candidates, enable, enabled, resolve,
+                                        stats, tune, tune_call)
 
 
 def tune_ahead(kernel: Any, shapes_and_params: Iterable[tuple[Sequence[Any], Mapping[str, Any]]],
