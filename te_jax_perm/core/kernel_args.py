@@ -46,12 +46,7 @@ def kernel_arguments(launch: "Launch", operands: Sequence[Any], preallocs: Seque
              + [(SCALAR, name, v) for name, v in launch.scalars.items()]
              + [(PREALLOC, o.name + ".prealloc", v) for o, v in zip(decl.outputs, preallocs)]
              + [(OUTPUT, o.name, v) for o, v in zip(decl.outputs, outputs)])
-    names = parameter_names(decl)
-    return tuple(KernelArg(n, role, source, v) for n, (role, source, v) in zip(names, slots))
-
-
-def parameter_names(decl: KernelDecl) -> list[str]:
-    return list(decl.kernel.arg_names)
+    return tuple(KernelArg(n, role, source, v) for n, (role, source, v) in zip(decl.kernel.arg_names, slots))
 
 
 def check_signature(decl: KernelDecl, scalars: Mapping[str, Any], constexprs: Mapping[str, Any]
@@ -60,7 +55,7 @@ def check_signature(decl: KernelDecl, scalars: Mapping[str, Any], constexprs: Ma
     calling convention by name, not just count: arguments are passed by position, so a
     scalar moved to a constexpr would shift every later argument (a pointer landing in a
     size slot) while the count still matched."""
-    names = parameter_names(decl)
+    names = list(decl.kernel.arg_names)
     n_ops, n_outs = len(decl.operands), len(decl.outputs)
     positional = n_ops + len(scalars) + 2 * n_outs
     got_scalars = names[n_ops:n_ops + len(scalars)]
@@ -104,5 +99,5 @@ def signature(launch: "Launch") -> dict[str, str]:
     """Kernel parameter name -> Triton type (``*bf16``, ``i32``, ``constexpr``) for compiling."""
     args = kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)
     sig = {a.name: ("*" + triton_type(a.value.dtype)) if a.is_pointer else scalar_type(a.value) for a in args}
-    sig.update({name: "constexpr" for name in launch.constexprs})
-    return {name: sig[name] for name in parameter_names(launch.decl)}  # the kernel's order
+    # Constexprs follow the runtime arguments, in the kernel's order (check_signature).
+    return {**sig, **{name: "constexpr" for name in launch.constexprs}}

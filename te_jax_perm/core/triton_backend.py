@@ -70,10 +70,6 @@ def problems() -> list[str]:
 DIVISIBILITY = [["tt.divisibility", 16]]
 
 
-def _metadata(compiled: Any, field: str, default: Any) -> Any:
-    return getattr(compiled.metadata, field, default)
-
-
 @dataclasses.dataclass(frozen=True)
 class CompiledKernel:
     """What XLA's Triton call needs of a compiled kernel."""
@@ -143,15 +139,15 @@ def compile_cached(kernel: Any, sig: tuple, constexprs: tuple, aligned: tuple, n
     argument positions known 16-byte divisible."""
     attrs = {position: DIVISIBILITY for position in aligned}
     compiled = compile_kernel(kernel, dict(sig), dict(constexprs), attrs, ("cuda", cc, 32), num_warps, num_stages)
-    if _metadata(compiled, "profile_scratch_size", 0):
+    if getattr(compiled.metadata, "profile_scratch_size", 0):
         raise NotImplementedError(f"{kernel.fn.__name__}: compiled with Triton's profiling instrumentation "
                                   "(profile scratch memory), which XLA's Triton call cannot provide; unset "
                                   "the Triton instrumentation options")
     return CompiledKernel(
-        name=compiled.metadata.name, num_warps=num_warps, num_ctas=_metadata(compiled, "num_ctas", 1),
+        name=compiled.metadata.name, num_warps=num_warps, num_ctas=getattr(compiled.metadata, "num_ctas", 1),
         shared_mem_bytes=compiled.metadata.shared, ptx=compiled.asm["ptx"], compute_capability=cc,
-        global_scratch_size=_metadata(compiled, "global_scratch_size", 0) or 0,
-        global_scratch_align=_metadata(compiled, "global_scratch_align", 1) or 1)
+        global_scratch_size=getattr(compiled.metadata, "global_scratch_size", 0) or 0,
+        global_scratch_align=getattr(compiled.metadata, "global_scratch_align", 1) or 1)
 
 
 # -- jaxlib version shims ----------------------------------------------------------------------
