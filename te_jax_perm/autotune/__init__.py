@@ -1,14 +1,9 @@
-"""Safe autotuning for declared kernels.
+"""Safe autotuning for declared kernels (docs/autotuning.md).
 
 Tuning never corrupts data (aliased buffers are saved and restored around identical
 trials), never crashes the process (candidates compile in a crash-isolated worker pool),
 never picks a wrong config (outputs are checked against the declared reference), and
 never re-tunes for a value outside the declared key (results persist per key on disk).
-
-Use ``TE_JAX_PERM_AUTOTUNE=1`` / :func:`enable` / :func:`autotuning` to tune on a cache
-miss while tracing, :func:`tune` or :func:`tune_ahead` to tune explicitly, and
-:func:`print_cache` (or ``python -m te_jax_perm.autotune --print_cache``) to inspect.
-Cached results are used whenever present: importing ``te_jax_perm`` installs the resolver.
 """
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Tuning trials: their inputs, identical runs of each candidate, and the reference check.
 
-Every candidate starts from the same buffer contents: the buffers a launch may write are
-exactly the alias plan's ``written_inputs`` (the plan that gives the lowering its
-``input_output_aliases``); they are saved before the first trial, restored before every
-launch, and once more after the last, so tuning leaves the caller's buffers as one real
-launch would find them. Every candidate's outputs are compared with the declared
-reference, so a fast but wrong (e.g. racy) config is rejected.
+The buffers a launch may write are exactly the alias plan's ``written_inputs`` (the plan
+that gives the lowering its aliases); they are saved before the first trial, restored
+before every launch and once after the last, so every candidate starts from the same
+contents and tuning leaves the caller's buffers as one real launch would. Outputs are
+compared with the declared reference, so a fast but wrong (e.g. racy) config is rejected.
 """
 from __future__ import annotations
 

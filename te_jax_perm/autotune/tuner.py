@@ -66,10 +66,8 @@ class TuneResult:
 
 def candidates(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, Any]
                ) -> tuple[list[Config], list[tuple[Config, str]]]:
-    """Returns ``(valid, pruned)``; ``pruned`` pairs each config with the reason.
-
-    The default config is always a candidate (if valid), so tuning can only improve on it.
-    """
+    """``(valid, pruned)``, ``pruned`` with each reason; the default config is always a
+    candidate (if valid), so tuning can only improve on it."""
     space = list(dict.fromkeys(decl.configs))
     default = decl.default_config(dims, params)
     if default not in space:

@@ -89,12 +89,9 @@ def partitioned(kp: "KernelPrimitive", fn: Callable, out_ranks: Sequence[int], i
 
 # -- what a partitioning callback sees and raises ---------------------------------------------
 def dim_splits(mesh, sharding, ndim: int) -> list[tuple[Any, int]]:
-    """Per dimension of an operand: ``(mesh axes, pieces)``, the PartitionSpec entry that
-    splits it (``None`` when unsplit) and the number of pieces it is split into.
-
-    For a sharding a PartitionSpec cannot name (Shardy splits a dimension that a mesh axis
-    does not divide along part of that axis), the entry is ``None`` and ``pieces`` still
-    counts the split, so a caller can say which size does not divide."""
+    """Per dimension of an operand: ``(PartitionSpec entry splitting it or None, pieces)``.
+    Where no PartitionSpec can name the split (Shardy splits a dimension a mesh axis does
+    not divide along part of it), the entry is ``None`` and ``pieces`` still counts it."""
     if isinstance(sharding, NamedSharding):
         return [(ax, _axes_size(mesh, ax)) for ax in _spec_axes(sharding, ndim)]
     try:
