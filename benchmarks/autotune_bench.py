@@ -31,12 +31,12 @@ def _np_dtype(name: str) -> np.dtype:
 
 def compile_time(launches, target, max_configs: int, workers: int) -> dict:
     """Compiles the same jobs in-process (sequentially) and in the pool; fresh caches for both."""
-    from te_jax_perm.autotune import space
+    from te_jax_perm.autotune import tuner
     from te_jax_perm.autotune.pool import CompilePool, compile_job, make_job
     from te_jax_perm.core import configure
     jobs, warm = [], []
     for ln in launches:
-        valid, _ = space.candidates(ln.decl, ln.dims, ln.params)
+        valid, _ = tuner.candidates(ln.decl, ln.dims, ln.params)
         for c in valid:
             jobs.append(make_job(configure(ln, c), target))
         # Warm-up jobs (distinct binaries: num_warps=1) so neither side pays LLVM start-up in the figure.

@@ -47,8 +47,9 @@ def _activate() -> None:
     """
     from te_jax_perm.core import env
     env.check_all()
-    from te_jax_perm.autotune import resolver
-    resolver.install()
+    from te_jax_perm.autotune.tuner import resolve_call
+    from te_jax_perm.core import hooks
+    hooks.set_config_resolver(resolve_call)
     if env.sanitize() is not None:
         from te_jax_perm.sanitize import session
         session.env_session()

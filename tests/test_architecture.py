@@ -248,7 +248,7 @@ def test_resolver_and_call_observers_plug_in_through_hooks(on_cpu):
     with hooks.observe_calls(seen.append), hooks.using_config_resolver(lambda call: forced):
         jax.jit(lambda s, i: gather_rows(s, i, backend="interpret")).lower(src, idx)
     assert [c.decl.name for c in seen] == ["example_gather_rows"] and dict(seen[0].dims)["H"] == 40
-    from te_jax_perm.autotune.resolver import resolve_call
+    from te_jax_perm.autotune.tuner import resolve_call
     assert hooks.config_resolver() is resolve_call  # restored: installed at package import
 
 

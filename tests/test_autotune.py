@@ -12,8 +12,8 @@ import pytest
 
 from tests import _autotune_kernels as K
 from te_jax_perm import autotune
-from te_jax_perm.autotune import cache, key as keymod
-from te_jax_perm.autotune.inputs import initial_prealloc
+from te_jax_perm.autotune import cache
+from te_jax_perm.autotune.trials import initial_prealloc
 from te_jax_perm.autotune.trials import HostRunner, run_trials
 from te_jax_perm.core import Config, declare
 from te_jax_perm.core.aliasing import alias_plan
@@ -38,7 +38,7 @@ def test_pruning_drops_invalid_configs_before_trials():
 
 
 def _key(decl, dims=None, params=None, dtype=np.float32, backend="interpret"):
-    return keymod.make_key(decl, dims or {"T": 64, "H": 16}, params or {}, [dtype], backend)
+    return cache.make_key(decl, dims or {"T": 64, "H": 16}, params or {}, [dtype], backend)
 
 
 def test_key_holds_exactly_the_declared_values(monkeypatch):
@@ -58,10 +58,10 @@ def test_key_holds_exactly_the_declared_values(monkeypatch):
     assert _key(pdecl, params={"mode": 1, "tag": "b"}) == pk
     assert _key(pdecl, params={"mode": 2, "tag": "a"}) != pk
     # Environment: versions and device.
-    monkeypatch.setattr(keymod, "versions", lambda: {"jax": "0", "triton": "0"})
+    monkeypatch.setattr(cache, "versions", lambda: {"jax": "0", "triton": "0"})
     assert _key(decl) != base
     monkeypatch.undo()
-    monkeypatch.setattr(keymod, "device_kind", lambda b: "H100")
+    monkeypatch.setattr(cache, "device_kind", lambda b: "H100")
     assert _key(decl) != base
 
 
@@ -71,7 +71,7 @@ def test_a_declaration_without_key_dims_keys_every_dim():
     from tests.example_kernels import gather_rows
     decl = gather_rows.decl
     assert decl.key_dims == ("N", "H", "R")
-    at = lambda n, h, r: keymod.make_key(decl, {"N": n, "H": h, "R": r}, {}, [np.float32, np.int32], "interpret")
+    at = lambda n, h, r: cache.make_key(decl, {"N": n, "H": h, "R": r}, {}, [np.float32, np.int32], "interpret")
     assert at(16, 64, 8) == at(16, 64, 8)
     assert len({str(at(16, 64, 8)), str(at(4, 1000, 8)), str(at(16, 64, 9)), str(at(17, 64, 8))}) == 4
     assert K.accumulate_decl().key_dims == ("T", "H")      # an explicit key is kept
@@ -214,7 +214,7 @@ def test_resolver_tunes_on_miss_when_enabled_and_uses_cache_when_disabled(on_cpu
         (y,) = jax.jit(lambda a: prim(a, backend="interpret"))(x)
     assert autotune.stats["tunes"] == 1 and autotune.stats["trials"] >= 8
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))  # out(=0) += x applied exactly once
-    entry = cache.load(keymod.make_key(decl, {"T": 48, "H": 10}, {}, [np.float32], "interpret"))
+    entry = cache.load(cache.make_key(decl, {"T": 48, "H": 10}, {}, [np.float32], "interpret"))
     best = autotune.resolve(decl, [x], {}, "interpret")
     assert best is not None and best.to_json() == entry["best"]
     with autotune.autotuning(False):  # disabled: the cached winner is still used, nothing re-tuned
@@ -225,12 +225,12 @@ def test_resolver_tunes_on_miss_when_enabled_and_uses_cache_when_disabled(on_cpu
 def test_cached_winner_invalid_for_exact_dims_is_skipped(tmp_cache):
     decl = K.accumulate_decl(name="bucket", constraints=(K.tiles_own_rows, K.not_wider_than_rows))
     autotune.tune(decl, [((64, 16), np.float32)])
-    k = keymod.make_key(decl, {"T": 64, "H": 16}, {}, [np.float32], "interpret")
+    k = cache.make_key(decl, {"T": 64, "H": 16}, {}, [np.float32], "interpret")
     entry = cache.load(k)
     entry["ranking"].insert(0, [Config.make(BS=64, BT=4).to_json(), 0.0])
     cache.store(k, entry)
     # A winner valid at the tuned T=64 may violate a constraint at another T; pick skips it.
-    from te_jax_perm.autotune.resolver import pick
+    from te_jax_perm.autotune.tuner import pick
     assert pick(decl, entry, {"T": 64, "H": 16}, {}) == Config.make(BS=64, BT=4)
     assert pick(decl, entry, {"T": 32, "H": 16}, {}) != Config.make(BS=64, BT=4)
 
@@ -246,7 +246,7 @@ def test_gpu_trials_restore_donated_buffers_and_need_no_torch(tmp_path):
         import numpy as np
         from tests import _autotune_kernels as K
         from te_jax_perm import autotune
-        from te_jax_perm.autotune.gpu_trials import GpuRunner
+        from te_jax_perm.autotune.trials import GpuRunner
         from te_jax_perm.autotune.trials import run_trials
         decl = K.accumulate_decl()
         rng = np.random.default_rng(0)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from te_jax_perm.autotune.space import cap
+from te_jax_perm.autotune.tuner import cap
 from te_jax_perm.core import Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,7 @@ import pytest
 
 from tests import _autotune_kernels as K
 from te_jax_perm import autotune
-from te_jax_perm.autotune import cache, key as keymod
+from te_jax_perm.autotune import cache
 from te_jax_perm.core import Config, declare
 
 # The interpret backend runs on host buffers: on a GPU machine too, these run on the CPU.
@@ -29,7 +29,7 @@ def _cfg(**kw):
 
 def _setup(name):
     decl = K.accumulate_decl(name=name, default_config=lambda d, p: Config.make(BS=16, BT=2))
-    key = keymod.make_key(decl, {"T": SHAPE[0], "H": SHAPE[1]}, {}, [np.float32], "interpret")
+    key = cache.make_key(decl, {"T": SHAPE[0], "H": SHAPE[1]}, {}, [np.float32], "interpret")
     return decl, declare(decl), key
 
 
@@ -170,7 +170,7 @@ def _shipped_copy_key():
     from te_jax_perm.autotune.__main__ import shipped_decls
     decl = shipped_decls()[SHIPPED]
     dims = {"N": 64, "H": 4096}
-    return decl, keymod.make_key(decl, dims, PARAMS, [np.float32, np.int32], "interpret"), dims
+    return decl, cache.make_key(decl, dims, PARAMS, [np.float32, np.int32], "interpret"), dims
 
 
 def test_print_cache_survives_any_file_and_names_the_bad_ones(tmp_cache):

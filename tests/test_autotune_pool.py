@@ -88,7 +88,7 @@ def test_tune_survives_a_compile_abort_and_skips_that_config(monkeypatch):
 def test_parent_loads_worker_binary_without_recompiling(pool, monkeypatch):
     """The backend's compile of a config the pool compiled is a Triton cache hit."""
     import jax
-    from te_jax_perm.core import bind_call, configure, triton_compile
+    from te_jax_perm.core import bind_call, configure, triton_backend
     decl = K.accumulate_decl()
     launch = configure(bind_call(decl, [jax.ShapeDtypeStruct((64, 16), np.float32)], {}, "triton"),
                        Config.make(BS=16, BT=8, num_warps=2))
@@ -100,5 +100,5 @@ def test_parent_loads_worker_binary_without_recompiling(pool, monkeypatch):
     def no_compile(*a, **k):
         raise AssertionError("parent recompiled instead of loading the worker's binary")
     monkeypatch.setattr(ASTSource, "make_ir", no_compile)
-    triton_compile.compile_cached.cache_clear()
-    assert triton_compile.compiled_for(launch, TARGET[1]).name
+    triton_backend.compile_cached.cache_clear()
+    assert triton_backend.compiled_for(launch, TARGET[1]).name

@@ -218,7 +218,7 @@ def test_default_backend_on_this_platform():
 def test_empty_outputs_are_poisoned_on_cpu_so_unwritten_elements_show():
     if ON_GPU:
         pytest.skip("GPU buffers are uninitialised, not poisoned")
-    from te_jax_perm.core.uninitialized import uninitialized
+    from te_jax_perm.core.aliasing import uninitialized
     vals = jax.jit(lambda: (uninitialized((3,), jnp.float32), uninitialized((2,), jnp.int32),
                             uninitialized((2,), jnp.bfloat16)))()
     assert np.isnan(np.asarray(vals[0])).all()

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
-from te_jax_perm.core.interpret_numerics import FORMATS, decode, encode, round_float
+from te_jax_perm.core.interpret_backend import FORMATS, decode, encode, round_float
 from tests.conftest import routing
 
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -244,11 +244,11 @@ def test_lower_level_errors():
 def _sm90_ptx(decl, dims, params, dtypes):
     """PTX of ``decl``'s kernel at its default config for sm_90, compiled here (no GPU
     needed) exactly as the ``triton`` backend compiles it (same specialisation)."""
-    from te_jax_perm.core import bind_call, configure, triton_compile
+    from te_jax_perm.core import bind_call, configure, triton_backend
     avals = [jax.ShapeDtypeStruct(tuple(dims[d] for d in op.dims), dtypes[op.name]) for op in decl.operands]
     call = bind_call(decl, avals, params, "triton")
     try:
-        return triton_compile.compiled_for(configure(call, decl.default_config(call.dims, call.params)), 90).ptx
+        return triton_backend.compiled_for(configure(call, decl.default_config(call.dims, call.params)), 90).ptx
     except Exception as e:  # no CUDA toolchain in this triton build
         if "ptxas" in str(e).lower() or "cuda" in str(e).lower():
             pytest.skip(f"cannot compile for sm_90 here: {e}")

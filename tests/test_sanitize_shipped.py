@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import te_jax_perm.ops
-from te_jax_perm.autotune.space import candidates
+from te_jax_perm.autotune.tuner import candidates
 from te_jax_perm.core import KernelPrimitive, hooks
 from te_jax_perm.sanitize import sanitize
 from tests.conftest import routing

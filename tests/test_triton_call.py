@@ -15,7 +15,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from te_jax_perm.core import compat, triton_backend
+from te_jax_perm.core import triton_backend
 from tests.example_kernels import gather_rows, histogram
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -120,13 +120,13 @@ def test_a_jaxlib_without_the_ffi_call_is_refused_by_name():
 def test_integer_scalars_are_specialised_like_tritons_launcher():
     """Divisible by 16: a divisibility attribute (vectorised accesses); 1: a constant that
     the call no longer passes; anything else: a plain runtime value."""
-    from te_jax_perm.core import triton_compile
+    from te_jax_perm.core import triton_backend
     from te_jax_perm.core.launch import bind_call, configure
 
     def spec(h):
         call = bind_call(gather_rows.decl, [jnp.ones((7, h), jnp.float32), jnp.zeros((5,), jnp.int32)], {}, "triton")
         launch = configure(call, gather_rows.decl.default_config(call.dims, call.params))
-        return triton_compile.launch_spec(launch)
+        return triton_backend.launch_spec(launch)
 
     sig, constexprs, attrs = spec(32)  # parameters: src_ptr, idx_ptr, H, out_prealloc, out
     assert sig["H"] == "i32" and (2,) in attrs and "H" not in constexprs
@@ -157,12 +157,12 @@ def test_zeroed_output_and_every_alias_in_a_differentiated_step():
 
 
 def test_kernels_are_compiled_once_per_specialisation():
-    from te_jax_perm.core import triton_compile
+    from te_jax_perm.core import triton_backend
     src, idx = jnp.ones((9, 40), jnp.float32), jnp.zeros((4,), jnp.int32)
     _lower_for_cuda(_gather, src, idx)
-    before = triton_compile.compile_cached.cache_info().misses
+    before = triton_backend.compile_cached.cache_info().misses
     lowered, lib = _lower_for_cuda(_gather, jnp.ones((11, 40), jnp.float32), jnp.zeros((6,), jnp.int32))
-    assert triton_compile.compile_cached.cache_info().misses == before  # same binary: H is a runtime scalar
+    assert triton_backend.compile_cached.cache_info().misses == before  # same binary: H is a runtime scalar
 
 
 # -- the [cuda] extra against the compatibility table -----------------------------------------
@@ -179,18 +179,18 @@ def test_cuda_extra_pins_a_working_set(python):
     jax_req, triton_req = by_name["jax"], by_name["triton"]
     assert "cuda13" in jax_req.extras or "cuda12" in jax_req.extras
     # Every jax the extra admits registers the typed-FFI call...
-    assert all(v >= compat.FFI_MIN_JAXLIB for v in map(Version, ["0.10.1", "0.11.2"]) if v in jax_req.specifier)
+    assert all(v >= triton_backend.FFI_MIN_JAXLIB for v in map(Version, ["0.10.1", "0.11.2"]) if v in jax_req.specifier)
     assert Version("0.10.0") not in jax_req.specifier
     # ... and every triton it admits is one the backend was run with on a GPU.
     for v in ["3.6.0", "3.6.5", "3.7.0", "3.9.0", "3.5.0"]:
-        assert (Version(v) in triton_req.specifier) == (Version(v) in compat.TRITON_TESTED_SPEC), v
+        assert (Version(v) in triton_req.specifier) == (Version(v) in triton_backend.TRITON_TESTED_SPEC), v
 
 
 def test_problems_name_the_fix(monkeypatch):
     versions = {"triton": "3.6.0", "jax": "0.11.2", "jaxlib": "0.11.2"}
-    monkeypatch.setattr(compat, "installed", lambda p: Version(versions[p]) if p in versions else None)
-    assert compat.problems() == []
+    monkeypatch.setattr(triton_backend, "installed", lambda p: Version(versions[p]) if p in versions else None)
+    assert triton_backend.problems() == []
     versions["jaxlib"] = "0.10.0"
-    assert any("jaxlib 0.10.0" in p and "pip install" in p for p in compat.problems())
+    assert any("jaxlib 0.10.0" in p and "pip install" in p for p in triton_backend.problems())
     del versions["triton"]
-    assert any("the triton package is not installed" in p for p in compat.problems())
+    assert any("the triton package is not installed" in p for p in triton_backend.problems())

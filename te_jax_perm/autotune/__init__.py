@@ -1,24 +1,17 @@
-"""Safe autotuning for declared kernels.
+"""Safe autotuning for declared kernels (docs/autotuning.md).
 
 Tuning never corrupts data (aliased buffers are saved and restored around identical
 trials), never crashes the process (candidates compile in a crash-isolated worker pool),
 never picks a wrong config (outputs are checked against the declared reference), and
 never re-tunes for a value outside the declared key (results persist per key on disk).
-
-Use ``TE_JAX_PERM_AUTOTUNE=1`` / :func:`enable` / :func:`autotuning` to tune on a cache
-miss while tracing, :func:`tune` or :func:`tune_ahead` to tune explicitly, and
-:func:`print_cache` (or ``python -m te_jax_perm.autotune --print_cache``) to inspect.
-Cached results are used whenever present: importing ``te_jax_perm`` installs the resolver.
 """
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
-from te_jax_perm.autotune.cache import cache_dir, format_cache, set_cache_dir
-from te_jax_perm.autotune.key import make_key
-from te_jax_perm.autotune.resolver import autotuning, enable, enabled, resolve
-from te_jax_perm.autotune.space import candidates
-from te_jax_perm.autotune.tuner import TuneOptions, TuneResult, stats, tune, tune_call
+from te_jax_perm.autotune.cache import cache_dir, format_cache, make_key, set_cache_dir
+from te_jax_perm.autotune.tuner import (TuneOptions, TuneResult, autotuning, candidates, enable, enabled, resolve,
+                                        stats, tune, tune_call)
 
 
 def tune_ahead(kernel: Any, shapes_and_params: Iterable[tuple[Sequence[Any], Mapping[str, Any]]],

@@ -100,7 +100,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
     from absl import logging
     from te_jax_perm import autotune
     from te_jax_perm.autotune import workloads
-    from te_jax_perm.autotune.key import key_digest
+    from te_jax_perm.autotune.cache import key_digest
     from te_jax_perm.progress import Progress
     backend = backend or ("triton" if jax.default_backend() == "gpu" else "interpret")
     np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.dtype(ml_dtypes.bfloat16)

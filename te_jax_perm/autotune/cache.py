@@ -1,31 +1,175 @@
-"""On-disk tuning results: one JSON file per key, written atomically.
+"""The tuning key, and the results stored under it: one JSON file per key, written atomically.
+
+The key holds exactly what can change the best config: the declaration's bucketed
+``key_dims``, its ``key_params``, the operand dtypes and the kernel source, plus backend,
+device kind and the Triton/jax versions. A dim or param it does not list never re-tunes.
 
 The directory is ``set_cache_dir(...)``, else ``$TE_JAX_PERM_AUTOTUNE_CACHE``, else
-``~/.cache/te_jax_perm/autotune``. Writers go through a temp file plus ``os.replace``, so
-concurrent processes only ever see complete files (last writer wins, both are valid).
-When the directory cannot be written, results are kept in memory for the rest of the
-process (with one warning) rather than thrown away.
+``~/.cache/te_jax_perm/autotune``. Writes go through a temp file and ``os.replace``, so
+concurrent processes only see complete files (last writer wins, both valid). When the
+directory cannot be written, results are kept in memory for the process (one warning).
 
-Files are checked before use (:func:`load_valid`, see ``entry_check``): an unreadable or
-malformed entry, or one with a config the declaration cannot produce, is reported once,
-ignored, and re-tuned when tuning is on.
+A cache file is data from disk: hand-edited, truncated, written by another version, or
+corrupted. An entry is used only when it has the shape the tuner writes and every config
+in it is one the declaration can produce (a declared config or its default, with the same
+constant names, values and types: ``BLOCK=32.0`` is not ``BLOCK=32``); anything else would
+put an unknown constexpr, a zero tile or a float into the compiled kernel. A bad entry is
+reported once, ignored, and re-tuned when tuning is on.
 """
 from __future__ import annotations
 
+import ast
+import functools
+import hashlib
+import inspect
 import json
+import math
 import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
 from absl import logging
 
-from te_jax_perm.autotune import entry_check
-from te_jax_perm.autotune.key import key_digest
 from te_jax_perm.core import env
-from te_jax_perm.core.declaration import KernelDecl
+from te_jax_perm.core.declaration import Config, KernelDecl
 
+
+# -- the key -----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _source_hash(kernel: Any) -> str:
+    # Every lowering of a tunable kernel computes its key: read the source once. Triton's
+    # own cache key hashes the source of every jitted function the kernel calls too, so a
+    # change to a shared body (not only to the wrapper) invalidates tuned entries.
+    src = getattr(kernel, "cache_key", None) or getattr(kernel, "src", None) \
+        or inspect.getsource(getattr(kernel, "fn", kernel))
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def versions() -> dict[str, str]:
+    import jax
+    import triton
+    return {"jax": jax.__version__, "triton": triton.__version__}
+
+
+def device_kind(backend: str) -> str:
+    if backend == "interpret":
+        return "cpu-interpreter"
+    import jax
+    return jax.devices()[0].device_kind
+
+
+def make_key(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, Any],
+             dtypes: Sequence[Any], backend: str) -> dict[str, Any]:
+    """The key as a JSON-able dict; ``dtypes`` are the operand dtypes in order."""
+    return {
+        "kernel": decl.name,
+        "backend": backend,
+        "dims": {d: int(decl.key_bucket(d, int(dims[d]))) for d in decl.key_dims},
+        "params": {p: repr(params[p]) for p in decl.key_params},
+        "dtypes": {op.name: np.dtype(dt).name for op, dt in zip(decl.operands, dtypes)},
+        "device": device_kind(backend),
+        "versions": versions(),
+        "source": _source_hash(decl.kernel),
+    }
+
+
+def key_digest(key: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
+# -- checking an entry -------------------------------------------------------------------------
+_CONFIG_FIELDS = {"constants", "num_warps", "num_stages"}
+# Fields the tuner writes as lists of records (counted by --print_cache).
+LIST_FIELDS = ("ranking", "rejected", "failed", "pruned", "skipped", "not_run")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def canonical(cfg_json: Any) -> str:
+    """One string per config, distinguishing ``32`` from ``32.0`` and ``True``."""
+    return json.dumps(cfg_json, sort_keys=True)
+
+
+def config_schema_problem(cfg_json: Any) -> str | None:
+    """Why ``cfg_json`` is not a config as :meth:`Config.to_json` writes it, or ``None``."""
+    if not isinstance(cfg_json, dict) or set(cfg_json) != _CONFIG_FIELDS:
+        return f"config {cfg_json!r} does not have exactly the fields {sorted(_CONFIG_FIELDS)}"
+    consts = cfg_json["constants"]
+    if not isinstance(consts, dict) or not all(isinstance(k, str) for k in consts):
+        return f"config constants {consts!r} are not a mapping of names"
+    bad = {k: v for k, v in consts.items() if not isinstance(v, (int, str))}   # bool is an int
+    if bad:
+        return f"config constants {bad!r} are not integers, booleans or strings"
+    for field, low in (("num_warps", 1), ("num_stages", 0)):
+        v = cfg_json[field]
+        if not _is_int(v) or v < low:
+            return f"config {field}={v!r} is not an integer >= {low}"
+    return None
+
+
+def _declared_space(decl: KernelDecl, dims_list: Iterable[Mapping[str, int] | None], params: Mapping[str, Any]
+                    ) -> set[str] | None:
+    """Canonical configs ``decl`` can run: its configs plus its default at each of
+    ``dims_list``; ``None`` when no default could be computed there (dims and params read
+    from a file may not suit it), so that configs outside the declared list cannot be judged."""
+    space, defaults = {canonical(c.to_json()) for c in decl.configs}, 0
+    for dims in dims_list:
+        try:
+            space.add(canonical(decl.default_config(dims, params).to_json()))
+            defaults += 1
+        except Exception:  # noqa: BLE001 - no default at these dims
+            continue
+    return space if defaults else None
+
+
+def entry_problem(entry: Any, decl: KernelDecl | None = None, dims_list: Iterable[Mapping[str, int] | None] = (),
+                  params: Mapping[str, Any] | None = None) -> str | None:
+    """Why ``entry`` must not be used, or ``None``: its shape; with ``decl``, each config must
+    be one ``decl`` can produce (declared, or its default at one of ``dims_list``)."""
+    if not isinstance(entry, dict):
+        return f"the file holds {type(entry).__name__}, not a JSON object"
+    if not isinstance(entry.get("key"), dict):
+        return "it has no key object"
+    for field in LIST_FIELDS:
+        if field in entry and not isinstance(entry[field], list):
+            return f"{field!r} is {type(entry[field]).__name__}, not a list"
+    ranking = entry.get("ranking", [])
+    configs = []
+    for item in ranking:
+        if not isinstance(item, list) or len(item) != 2:
+            return f"ranking item {item!r} is not a [config, seconds] pair"
+        cfg, t = item
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            return f"ranking time {t!r} is not a finite number of seconds"
+        configs.append(cfg)
+    if entry.get("best") is not None:
+        configs.append(entry["best"])
+    dims = entry.get("tuned_dims")
+    if dims is not None and (not isinstance(dims, dict) or not all(_is_int(v) for v in dims.values())):
+        return f"tuned_dims {dims!r} is not a mapping of integer dims"
+    space = None if decl is None else _declared_space(decl, dims_list, params or {})
+    for cfg in configs:
+        why = config_schema_problem(cfg)
+        if why:
+            return why
+        if decl is not None:
+            names = {frozenset(c.kw) for c in decl.configs}
+            if names and frozenset(cfg["constants"]) not in names and (space is None or canonical(cfg) not in space):
+                unknown = sorted(set(cfg["constants"]) - set().union(*names))
+                return (f"config {Config.from_json(cfg)} has constants {sorted(cfg['constants'])}"
+                        + (f" (unknown: {unknown})" if unknown else "") + f", not those {decl.name} declares")
+        if space is not None and canonical(cfg) not in space:
+            return f"config {Config.from_json(cfg)} is not one of {decl.name}'s declared configs or its default"
+    return None
+
+
+# -- the directory -----------------------------------------------------------------------------
 _dir_override: str | None = None
 # Entries tuned in this process whose file could not be written, by path.
 _memory: dict[str, dict] = {}
@@ -81,16 +225,16 @@ def _read(path: Path) -> tuple[Any, str | None]:
 
 
 def _entry_at(path: Path) -> tuple[Any, str | None]:
-    """``(entry, why it cannot be used)`` at ``path`` (this process's unwritten entries first),
-    its shape checked; raises ``FileNotFoundError`` when there is none."""
+    """``(entry, why its shape is wrong)`` at ``path``, this process's unwritten entries
+    first; raises ``FileNotFoundError`` when there is none."""
     if str(path) in _memory:
         return _memory[str(path)], None
     entry, why = _read(path)
-    return entry, why or entry_check.entry_problem(entry)
+    return entry, why or entry_problem(entry)
 
 
 def _lookup(key: Mapping[str, Any]) -> tuple[Path, Any, str | None]:
-    """``(path, entry, problem)``; ``entry`` is ``None`` when there is no entry at all."""
+    """``(path, entry, problem)``; ``entry`` is ``None`` when there is none."""
     path = entry_path(key)
     try:
         entry, why = _entry_at(path)
@@ -103,22 +247,20 @@ def _lookup(key: Mapping[str, Any]) -> tuple[Path, Any, str | None]:
 
 
 def load(key: Mapping[str, Any]) -> dict | None:
-    """The entry for ``key`` if one is stored and well formed (not checked against a
-    declaration: use :func:`load_valid` before using its configs)."""
+    """The entry for ``key`` if stored and well formed (:func:`load_valid` checks its configs)."""
     _, entry, why = _lookup(key)
     return None if why else entry
 
 
 def load_valid(decl: KernelDecl, key: Mapping[str, Any], dims: Mapping[str, int], params: Mapping[str, Any]
                ) -> dict | None:
-    """The entry for ``key`` if every config in it is one ``decl`` can run, else ``None``
-    (a bad entry is logged once, then treated as missing so that it is re-tuned)."""
+    """The entry for ``key`` if every config in it is one ``decl`` can run, else ``None`` (a
+    bad entry is logged once, then treated as missing, so it is re-tuned)."""
     path, entry, why = _lookup(key)
     if entry is None and why is None:
         return None
     if why is None:
-        space = entry_check.declared_space(decl, (dims, entry.get("tuned_dims")), params)
-        why = entry_check.entry_problem(entry, decl, space)
+        why = entry_problem(entry, decl, (dims, entry.get("tuned_dims")), params)
     if why is None:
         return entry
     if (str(path), why) not in _reported:
@@ -129,8 +271,7 @@ def load_valid(decl: KernelDecl, key: Mapping[str, Any], dims: Mapping[str, int]
 
 
 def store(key: Mapping[str, Any], entry: Mapping[str, Any]) -> Path:
-    path = entry_path(key)
-    full = {**entry, "key": key}
+    path, full = entry_path(key), {**entry, "key": key}
     try:
         _write(path, full)
     except OSError as e:
@@ -159,10 +300,9 @@ def _write(path: Path, entry: Mapping[str, Any]) -> None:
 
 
 def entries() -> Iterator[tuple[Path, Any, str | None]]:
-    """Every entry in the cache directory and in memory: ``(path, entry, problem)``, with
-    ``problem`` the reason a file cannot be used (its shape only, not its configs)."""
-    d = cache_dir()
-    paths = set()
+    """``(path, entry, problem)`` of every entry in the directory and in memory; ``problem``
+    judges the entry's shape only, not its configs."""
+    d, paths = cache_dir(), set()
     try:
         paths = {p for p in d.glob("*.json") if p.is_file()} if d.is_dir() else set()
     except OSError:
@@ -176,9 +316,8 @@ def entries() -> Iterator[tuple[Path, Any, str | None]]:
 
 
 def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
-    """A human-readable table of every cached result; malformed entries are listed as bad
-    with the reason. With ``decls`` (kernel name -> declaration) each entry's configs are
-    also checked against its kernel's declared configs."""
+    """A table of every cached result, bad ones with the reason; with ``decls`` (kernel name
+    -> declaration) each entry's configs are checked against its kernel's too."""
     decls = decls or {}
     lines = [f"autotune cache: {cache_dir()}"]
     if cache_dir().exists() and not cache_dir().is_dir():
@@ -188,8 +327,7 @@ def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
         where = "in memory: " if str(p) in _memory else ""
         decl = decls.get(e["key"].get("kernel")) if why is None else None
         if decl is not None:
-            space = entry_check.declared_space(decl, (e.get("tuned_dims"),), _literal_params(e["key"]))
-            why = entry_check.entry_problem(e, decl, space)
+            why = entry_problem(e, decl, (e.get("tuned_dims"),), _literal_params(e["key"]))
         if why:
             bad += 1
             lines.append(f"BAD  [{where}{p.name}]: {why}")
@@ -209,10 +347,7 @@ def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
 
 def _literal_params(key: Mapping[str, Any]) -> dict:
     """The key's params (stored as ``repr``) back as values, where they are literals."""
-    import ast
-
-    out = {}
-    params = key.get("params")
+    out, params = {}, key.get("params")
     for name, text in (params.items() if isinstance(params, dict) else ()):
         try:
             out[name] = ast.literal_eval(text)

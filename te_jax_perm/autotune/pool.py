@@ -1,13 +1,10 @@
 """A long-lived pool of spawned compile workers that survives crashing compiles.
 
-Each worker imports Triton once and then loops on jobs, so isolation costs no import
-time per config. A worker that dies (``abort()``, segfault) or overruns the timeout fails
-only its current job; it is replaced and the remaining jobs continue. Workers share the
-parent's ``TRITON_CACHE_DIR``, so the parent loads their binaries as cache hits.
-
-A job is a picklable :class:`CompileJob`; the same :func:`compile_job` runs in a worker and
-in-process (the baseline the pool's compile time is measured against), so both compile
-exactly the same thing.
+Each worker imports Triton once and then loops on jobs, so isolation costs no import time
+per config. A worker that dies (``abort()``, segfault) or overruns the timeout fails only
+its current job and is replaced. Workers share the parent's ``TRITON_CACHE_DIR``, so the
+parent loads their binaries as cache hits. The same :func:`compile_job` runs in a worker
+and in-process (the baseline the pool's compile time is measured against).
 """
 from __future__ import annotations
 
@@ -27,7 +24,7 @@ from absl import logging
 
 from te_jax_perm.core import env
 from te_jax_perm.core.launch import Launch
-from te_jax_perm.core.triton_compile import compile_kernel, launch_spec
+from te_jax_perm.core.triton_backend import compile_kernel, launch_spec
 
 DEFAULT_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 300.0
@@ -46,8 +43,7 @@ class CompileJob:
 
 
 def make_job(launch: Launch, target: tuple[str, int, int]) -> CompileJob:
-    """The compile of ``launch``'s kernel with its config, with pointers assumed 16-byte
-    aligned (XLA's allocations are), as the ``triton`` backend compiles it too."""
+    """The compile of ``launch``'s kernel exactly as the ``triton`` backend compiles it."""
     fn = launch.decl.kernel.fn
     sig, constexprs, attrs = launch_spec(launch)
     config = launch.config
@@ -211,13 +207,10 @@ class CompilePool:
             self._replace(w, kill=True)
 
     def _receive(self, w: _Worker, jobs: Sequence[CompileJob], results: list) -> bool:
-        """Reads one message; True when it finished ``w``'s job."""
+        """Reads the result of busy ``w``'s job (its "ready" came before the job); True when read."""
         try:
             kind, payload = w.conn.recv()
         except (EOFError, OSError):
-            return False
-        if kind == "ready":
-            w.ready = True
             return False
         idx, w.job = w.job, None
         if kind == "ok":

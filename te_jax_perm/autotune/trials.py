@@ -1,36 +1,102 @@
-"""Identical trials: every candidate starts from the same buffer contents.
+"""Tuning trials: their inputs, identical runs of each candidate, and the reference check.
 
-The buffers a launch may write are exactly the alias plan's ``written_inputs`` (the same
-plan that gives the lowering its ``input_output_aliases``); they are saved before the
-first trial, restored before every launch, and restored once more after the last, so
-tuning leaves the caller's buffers as one real launch would find them.
+The buffers a launch may write are exactly the alias plan's ``written_inputs`` (the plan
+that gives the lowering its aliases); they are saved before the first trial, restored
+before every launch and once after the last, so every candidate starts from the same
+contents and tuning leaves the caller's buffers as one real launch would. Outputs are
+compared with the declared reference, so a fast but wrong (e.g. racy) config is rejected.
 """
 from __future__ import annotations
 
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+import jax
 import numpy as np
 from absl import logging
 
-from te_jax_perm.autotune.validate import mismatch
 from te_jax_perm.core.aliasing import alias_plan
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.interpret_backend import run_launch
 from te_jax_perm.core.launch import bind_call, configure
 
 
-class Runner(Protocol):
-    """Launches one config on a fixed set of buffers: operands then preallocated outputs."""
+# -- inputs ------------------------------------------------------------------------------------
+def make_inputs(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, Any],
+                dtypes: Sequence[Any], seed: int = 0) -> list[np.ndarray]:
+    """Fresh random operands of the traced shapes and dtypes: ``decl.example_inputs``, else
+    integers drawn from ``[0, smallest dim)``, valid indices into any axis of any operand."""
+    rng = np.random.default_rng(seed)
+    named = {op.name: np.dtype(dt) for op, dt in zip(decl.operands, dtypes)}
+    if decl.example_inputs is not None:
+        arrays = [np.asarray(a) for a in decl.example_inputs(dims, params, named, rng)]
+    else:
+        hi = max(1, min(dims.values())) if dims else 1
+        arrays = []
+        for op, dt in zip(decl.operands, dtypes):
+            shape = tuple(dims[d] for d in op.dims)
+            dt = np.dtype(dt)
+            if dt == np.bool_:
+                arrays.append(rng.integers(0, 2, shape).astype(bool))
+            elif np.issubdtype(dt, np.integer):
+                arrays.append(rng.integers(0, hi, shape).astype(dt))
+            else:
+                arrays.append(rng.standard_normal(shape).astype(np.float32).astype(dt))
+    for op, a, dt in zip(decl.operands, arrays, dtypes):
+        want = tuple(dims[d] for d in op.dims)
+        if a.shape != want or a.dtype != np.dtype(dt):
+            raise ValueError(f"{decl.name}: example_inputs gave {op.name!r} shape {a.shape} dtype {a.dtype}; "
+                             f"expected {want} {np.dtype(dt)}")
+    return arrays
 
-    def save(self, indices: Sequence[int]) -> None: ...
-    def restore(self) -> None: ...
-    def launch(self, config: Config) -> float: ...  # seconds
-    def outputs(self) -> list[np.ndarray]: ...
+
+def initial_prealloc(zeroed: bool, shape: tuple[int, ...], dtype: Any, seed: int = 1) -> np.ndarray:
+    """An output buffer's contents before a launch (``zeroed`` from the alias plan); random
+    bytes otherwise, so a config that skips elements it must write fails its check."""
+    dtype = np.dtype(dtype)
+    if zeroed:
+        return np.zeros(shape, dtype)
+    raw = np.random.default_rng(seed).integers(0, 256, int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    return raw.view(dtype).reshape(shape).copy()
 
 
+# -- the reference check -----------------------------------------------------------------------
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _floating(dtype: np.dtype) -> bool:
+    return np.issubdtype(dtype, np.floating) or dtype.name.startswith(("bfloat", "float"))
+
+
+def mismatch(decl: KernelDecl, got: Sequence[Any], want: Sequence[Any], xp: Any = np) -> str | None:
+    """None when ``got`` matches; otherwise which output differs and how. ``xp`` is the
+    array module the outputs live in (``numpy`` on the host, ``jax.numpy`` on a device,
+    where a large output is compared without a copy to the host)."""
+    for o, g, w in zip(decl.outputs, got, want):
+        g, w = xp.asarray(g), xp.asarray(w)
+        dtype = np.dtype(w.dtype)
+        if g.shape != w.shape or np.dtype(g.dtype) != dtype:
+            return f"{o.name}: shape/dtype {g.shape} {g.dtype} != reference {w.shape} {w.dtype}"
+        if decl.exact or not _floating(dtype):
+            if _floating(dtype):  # bitwise: NaN payloads and signed zeros count
+                g, w = g.view(_UINT[dtype.itemsize]), w.view(_UINT[dtype.itemsize])
+            n = int(xp.sum(g != w))
+            if n:
+                return f"{o.name}: {n} of {g.size} elements differ bitwise from the reference"
+        else:
+            gf, wf = g.astype(np.float32), w.astype(np.float32)
+            ok = xp.isclose(gf, wf, rtol=decl.rtol, atol=decl.atol, equal_nan=True)
+            bad = int(xp.sum(~ok))
+            if bad:
+                i = tuple(int(x) for x in np.unravel_index(int(xp.argmin(ok.astype(np.int8))), ok.shape))
+                return (f"{o.name}: {bad} of {g.size} elements outside rtol={decl.rtol} "
+                        f"atol={decl.atol}; e.g. at {i}: {float(gf[i])} vs {float(wf[i])}")
+    return None
+
+
+# -- running the trials ------------------------------------------------------------------------
 @dataclasses.dataclass
 class TrialResult:
     config: Config
@@ -40,15 +106,17 @@ class TrialResult:
     rejected: str | None = None    # outputs differ from the reference
 
 
-def run_trials(decl: KernelDecl, runner: Runner, configs: Sequence[Config], expected: Sequence[np.ndarray],
+def run_trials(decl: KernelDecl, runner: Any, configs: Sequence[Config], expected: Sequence[np.ndarray],
                reps: int = 1, warmup: int = 0,
                on_result: Callable[[TrialResult], None] | None = None,
                deadline: float | None = None, phases: dict | None = None) -> list[TrialResult]:
     """Times each config, checking its outputs on the first and the last timed launch.
 
-    A runner with its own ``mismatch(expected)`` (the GPU one compares on device) checks
-    there instead of copying outputs to the host. Past ``deadline`` (``time.monotonic``)
-    the remaining configs are not run (the first always is). ``phases`` accumulates launch and validation seconds."""
+    ``runner`` (:class:`HostRunner`, :class:`GpuRunner`) launches configs on fixed buffers,
+    operands then preallocs: ``save(indices)``, ``restore()``, ``launch(config)`` (seconds)
+    and ``outputs()``; one with ``mismatch(expected)`` compares there (the GPU's, on device).
+    Past ``deadline`` (``time.monotonic``) the remaining configs are not run (the first
+    always is). ``phases`` accumulates launch and validation seconds."""
     phases = phases if phases is not None else {}
     check = getattr(runner, "mismatch", None) or (lambda exp: mismatch(decl, runner.outputs(), exp))
     runner.save(alias_plan(decl).written_inputs)
@@ -127,3 +195,79 @@ def log_result(decl: KernelDecl, r: TrialResult, done: int, total: int, best: Tr
     else:
         logging.info("autotune %s: [%d/%d] timed %s: %.3g ms; best so far %s", decl.name, done, total, r.config,
                      1e3 * r.time_s, best.config if best else None)
+
+
+class GpuRunner:
+    """``triton`` trials: each candidate a jitted ``triton_call`` of its launch on device
+    buffers, the very custom call (compiled kernel, arguments, aliases) a lowered program
+    runs. The preallocated outputs are donated to each trial and written in place, as in
+    production; this runner keeps their initial contents and restores them before every
+    launch itself (never relying on XLA to copy a buffer for it).
+
+    Time per launch is taken on the device: a chain of ``chain`` dependent launches (each
+    writes the buffers the next is handed) minus a single launch, over ``chain - 1``, so the
+    host's dispatch and synchronisation cost cancels out.
+    """
+
+    def __init__(self, decl: KernelDecl, inputs: Sequence[np.ndarray], preallocs: Sequence[np.ndarray],
+                 params: Mapping[str, Any], chain: int = 16):
+        self.decl, self.chain = decl, chain
+        self.call = bind_call(decl, inputs, params, "triton")
+        self.n_in = len(inputs)
+        self.operands = [jax.device_put(a) for a in inputs]
+        self.buffers = [jax.device_put(a) for a in preallocs]  # the outputs' current contents
+        self.saved: dict[int, Any] = {}
+        self._exes: dict[tuple[Config, int], Callable] = {}
+        self._expected: tuple[int, list[Any]] | None = None
+
+    def save(self, indices: Sequence[int]) -> None:
+        """Keeps the contents of the written buffers (operand indices: preallocs follow operands)."""
+        self.saved = {i: self._copy(self.buffers[i - self.n_in]) for i in indices}
+
+    def restore(self) -> None:
+        for i, snap in self.saved.items():
+            self.buffers[i - self.n_in] = self._copy(snap)
+        jax.block_until_ready(self.buffers)
+
+    def _copy(self, a: Any) -> Any:
+        return jax.numpy.copy(a)
+
+    def _exe(self, config: Config, n: int) -> Callable:
+        """``n`` dependent launches of ``config``, its buffers donated; compiled once."""
+        if (config, n) not in self._exes:
+            from te_jax_perm.core.triton_backend import triton_call
+            launch = configure(self.call, config)
+
+            def run(operands, buffers):
+                for _ in range(n):
+                    buffers = triton_call(launch, operands, buffers)
+                return buffers
+
+            jit = jax.jit(run, donate_argnums=1)
+            self._exes[(config, n)] = jit.lower(self.operands, self.buffers).compile()
+        return self._exes[(config, n)]
+
+    def _timed(self, exe: Callable, buffers: list) -> tuple[float, list]:
+        t0 = time.perf_counter()
+        out = exe(self.operands, buffers)
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0, list(out)
+
+    def launch(self, config: Config) -> float:
+        """One launch on the current buffers (its outputs are kept for checking); returns the
+        device time of a launch, from a chain of launches on a copy of the same buffers."""
+        single, chained = self._exe(config, 1), self._exe(config, self.chain)
+        spare = [self._copy(b) for b in self.buffers]
+        jax.block_until_ready(spare)
+        t1, self.buffers = self._timed(single, self.buffers)
+        tn, _ = self._timed(chained, spare)
+        return max(tn - t1, 0.0) / (self.chain - 1)
+
+    def mismatch(self, expected: Sequence[np.ndarray]) -> str | None:
+        """The reference comparison on the device: a 100+ MB output is compared where it lies."""
+        if self._expected is None or self._expected[0] != id(expected):
+            self._expected = (id(expected), [jax.device_put(w) for w in expected])
+        return mismatch(self.decl, self.buffers, self._expected[1], xp=jax.numpy)
+
+    def outputs(self) -> list[np.ndarray]:
+        return [np.asarray(b) for b in self.buffers]

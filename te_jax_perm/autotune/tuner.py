@@ -1,21 +1,33 @@
 """Tuning one kernel for one launch shape: prune, compile in isolation, time identical
-trials, reject wrong outputs, and persist the result under the tuning key."""
+trials, reject wrong outputs, and persist the result under the tuning key.
+
+Pruning happens before anything compiles, so an invalid (e.g. racy) tiling can never be
+timed, let alone picked; every pruned config is logged (verbosity 1) with the reason.
+
+The config resolver (``core.hooks``) uses cached winners always (``te_jax_perm`` installs
+it when imported, so a warm cache needs no opt-in) and tunes on a miss when enabled
+(``TE_JAX_PERM_AUTOTUNE=1``, :func:`enable` or :func:`autotuning`); otherwise a miss gets
+the default config. Any tuner failure is logged and falls back to the default: tuning
+never breaks a call.
+"""
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
+import jax
 import numpy as np
 from absl import logging
 
 from te_jax_perm.autotune import cache
-from te_jax_perm.autotune.inputs import initial_prealloc, make_inputs
-from te_jax_perm.autotune.key import make_key
-from te_jax_perm.autotune.pool import make_job
-from te_jax_perm.autotune.space import candidates, cap
-from te_jax_perm.autotune.trials import HostRunner, TrialResult, log_result, run_trials
+from te_jax_perm.autotune.pool import get_pool, make_job
+from te_jax_perm.autotune.trials import (GpuRunner, HostRunner, TrialResult, initial_prealloc, log_result, make_inputs,
+                                         run_trials)
+from te_jax_perm.core import env
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import Call, bind_call, configure
 
@@ -52,8 +64,45 @@ class TuneResult:
         return Config.from_json(b) if b else None
 
 
+def candidates(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, Any]
+               ) -> tuple[list[Config], list[tuple[Config, str]]]:
+    """``(valid, pruned)``, ``pruned`` with each reason; the default config is always a
+    candidate (if valid), so tuning can only improve on it."""
+    space = list(dict.fromkeys(decl.configs))
+    default = decl.default_config(dims, params)
+    if default not in space:
+        space.append(default)
+    valid, pruned = [], []
+    for cfg in space:
+        why = decl.violated(dims, params, cfg)
+        if why:
+            pruned.append((cfg, why))
+            logging.vlog(1, "autotune %s: pruned %s for %s: %s", decl.name, cfg, dict(dims), why)
+        else:
+            valid.append(cfg)
+    return valid, pruned
+
+
+def cap(valid: Sequence[Config], default: Config, limit: int | None, name: str = ""
+        ) -> tuple[list[Config], list[Config]]:
+    """At most ``limit`` of ``valid``: the default first (so a run stopped early still has
+    the baseline), then evenly spaced picks over the declared order (which sweeps the
+    tile/warp grid), so a capped search still spans the space. Returns ``(kept, skipped)``."""
+    valid = list(valid)
+    rest = [c for c in valid if c != default]
+    head = [default] if default in valid else []
+    if limit is None or len(valid) <= limit:
+        return head + rest, []
+    n = max(0, limit - len(head))
+    picks = sorted({round(i * (len(rest) - 1) / max(1, n - 1)) for i in range(n)}) if n and rest else []
+    kept = head + [rest[i] for i in picks]
+    skipped = [c for c in rest if c not in kept]
+    logging.vlog(1, "autotune %s: %d candidates over the cap of %d, skipped: %s", name, len(skipped), limit,
+                 ", ".join(str(c) for c in skipped))
+    return kept, skipped
+
+
 def _avals(shapes: Sequence[Any]) -> list[Any]:
-    import jax
     return [s if hasattr(s, "shape") and hasattr(s, "dtype") else jax.ShapeDtypeStruct(*s) for s in shapes]
 
 
@@ -67,7 +116,7 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
 def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
     """Tunes one bound call (see :func:`tune`)."""
     decl, dims, params, backend = call.decl, call.dims, call.params, call.backend
-    key = make_key(decl, dims, params, call.dtypes, backend)
+    key = cache.make_key(decl, dims, params, call.dtypes, backend)
     if not options.force:
         entry = cache.load_valid(decl, key, dims, params)
         if entry is not None:
@@ -106,7 +155,6 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
     phases["reference_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if backend == "triton":
-        from te_jax_perm.autotune.gpu_trials import GpuRunner
         runner = GpuRunner(decl, inputs, preallocs, params)
         reps, warmup = options.reps or 15, 1 if options.warmup is None else options.warmup
     elif backend == "interpret":
@@ -170,7 +218,6 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
 
 
 def _compile_stage(call, valid, target, options, pool):
-    from te_jax_perm.autotune.pool import get_pool
     decl = call.decl
     pool = pool or get_pool()
     if options.compile_timeout_s is not None:
@@ -197,12 +244,80 @@ def device_target() -> tuple[str, int, int]:
 
 
 def _reference(decl: KernelDecl, inputs: Sequence[np.ndarray], params: Mapping[str, Any]) -> list[np.ndarray]:
-    import functools
-
-    import jax
     # Tuning may run inside a lowering rule: evaluate eagerly rather than stage into it. One
     # jitted call (not op-by-op dispatch, which compiles and syncs every op on GPU).
     with jax.ensure_compile_time_eval():
         ref = jax.jit(functools.partial(decl.reference, **params))
         outs = ref(*[jax.numpy.asarray(a) for a in inputs])
         return [np.asarray(o) for o in outs]
+
+
+# -- the config resolver -----------------------------------------------------------------------
+TUNABLE_BACKENDS = ("interpret", "triton")
+_enabled: list[bool] = []
+_options = TuneOptions()
+
+
+def enabled() -> bool:
+    if _enabled:
+        return _enabled[-1]
+    return env.autotune()
+
+
+def enable(on: bool = True, options: TuneOptions | None = None) -> None:
+    """Turns tuning-on-miss on or off for this process (overrides the env var)."""
+    global _options
+    _enabled[:] = [on]
+    if options is not None:
+        _options = options
+
+
+@contextlib.contextmanager
+def autotuning(on: bool = True) -> Iterator[None]:
+    """Within the context, kernels traced with no explicit config are tuned on a cache miss."""
+    _enabled.append(on)
+    try:
+        yield
+    finally:
+        _enabled.pop()
+
+
+def pick(decl: KernelDecl, entry: Mapping[str, Any], dims: Mapping[str, int], params: Mapping[str, Any]
+         ) -> Config | None:
+    """The fastest cached config that is valid for these exact dims (a key bucket spans
+    several shapes, and a constraint may rule the winner out for some of them)."""
+    for cfg_json, _t in entry.get("ranking", []):
+        cfg = Config.from_json(cfg_json)
+        if decl.violated(dims, params, cfg) is None:
+            return cfg
+    return None
+
+
+def resolve(decl: KernelDecl, avals: Sequence[Any], params: Mapping[str, Any], backend: str) -> Config | None:
+    """The config a call of ``decl`` on operands shaped like ``avals`` would use (``None``:
+    the default)."""
+    return resolve_call(bind_call(decl, avals, params, backend))
+
+
+def resolve_call(call: Call) -> Config | None:
+    """The config resolver the autotuner installs in ``core.hooks``."""
+    decl = call.decl
+    if call.backend not in TUNABLE_BACKENDS or not decl.configs:
+        return None
+    try:
+        key = cache.make_key(decl, call.dims, call.params, call.dtypes, call.backend)
+        entry = cache.load_valid(decl, key, call.dims, call.params)
+        if entry is not None:
+            stats["cache_hits"] += 1
+        elif enabled():
+            entry = tune_call(call, _options).entry
+        if entry is None:
+            return None
+        cfg = pick(decl, entry, call.dims, call.params)
+        logging.vlog(1, "autotune %s: using %s for %s", decl.name, cfg, dict(call.dims))
+        return cfg
+    except Exception as e:  # noqa: BLE001 - never let tuning fail the user's computation
+        logging.warning("autotune %s: tuning failed (%s: %s); using the default config", decl.name,
+                        type(e).__name__, e)
+        return None
+

@@ -1,10 +1,6 @@
-"""The real ops at real MoE model sizes, and the kernel launches they make.
-
-``record_launches`` lowers a function and records every declared kernel call in it (a call
-observer in ``core.hooks``), which gives the tuner and the compile-time benchmark the exact
-bound call (declaration, operand avals, params, backend) of each launch without
-duplicating op logic.
-"""
+"""The real ops at real MoE model sizes, and the kernel calls they make (recorded by a call
+observer, so the tuner and the benchmarks get each launch's exact bound call without
+duplicating op logic)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -25,9 +21,8 @@ SMALL_SHAPES = (("small", 96, 8, 2, (64,)),)
 
 
 def record_launches(fn: Callable, args: Sequence[Any]) -> list[Call]:
-    """Lowers ``jax.jit(fn)(*args)`` and returns each kernel call it contains, in order.
-
-    The installed resolver still runs (so lowering under autotuning also tunes)."""
+    """Each kernel call in ``jax.jit(fn)(*args)``, in order; the installed resolver still runs
+    (lowering under autotuning also tunes)."""
     import jax
     seen: list[Call] = []
     with hooks.observe_calls(seen.append):

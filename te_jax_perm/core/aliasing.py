@@ -1,8 +1,8 @@
-"""The alias plan: which custom-call operands are preallocated output buffers.
+"""The alias plan, and the preallocated output buffers it aliases.
 
-Both the lowerings (``input_output_aliases`` / ``operand_output_aliases``) and the
-autotuner (which buffers to save and restore between trials, how to fill them) read this
-one plan, so they cannot drift apart. It is also the one reader of ``Output.init``.
+The lowerings (``input_output_aliases``) and the autotuner (which buffers to save and
+restore between trials, how to fill them) read this one plan, so they cannot drift apart.
+It is also the one reader of ``Output.init``.
 """
 from __future__ import annotations
 
@@ -11,10 +11,14 @@ import functools
 from typing import Sequence
 
 import jax
+import jax.extend  # noqa: F401  (jax.extend is not imported by `import jax`)
+import jax.ffi
 import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
 from te_jax_perm.core.declaration import KernelDecl
-from te_jax_perm.core.uninitialized import uninitialized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +44,42 @@ def alias_plan(decl: KernelDecl) -> AliasPlan:
 
 
 def preallocate(plan: AliasPlan, out_avals: Sequence[jax.core.ShapedArray]) -> list[jax.Array]:
-    """Output buffers to pass as aliased operands.
-
-    Zeroed outputs start as zeros; the others are uninitialised on GPU (no memset: the
-    kernel writes every element) and poisoned on CPU, so a kernel that breaks its "writes
-    every element" promise fails its tests (core/uninitialized.py).
-    """
+    """Output buffers to pass as aliased operands: zeroed ones as zeros, the others
+    :func:`uninitialized`."""
     return [jnp.zeros(aval.shape, aval.dtype) if zeroed else uninitialized(aval.shape, aval.dtype)
             for zeroed, aval in zip(plan.zeroed, out_avals)]
+
+
+# -- uninitialised buffers -------------------------------------------------------------------
+# ``jnp.empty`` is zero-filled, a full extra write of every output: at real MoE sizes the
+# dispatch output is ~k times its input, so the memset alone would cap dispatch near half
+# the copy bandwidth. On GPUs XLA's ``AllocateBuffer`` custom call yields a buffer without
+# touching it. On CPU the buffer is poisoned instead, so a kernel that leaves an element of
+# an ``init="empty"`` output unwritten gives visibly wrong results in tests, not lucky zeros.
+uninitialized_p = Primitive("te_jax_perm_uninitialized")
+uninitialized_p.def_abstract_eval(lambda *, shape, dtype: jax.core.ShapedArray(shape, dtype))
+uninitialized_p.def_impl(lambda *, shape, dtype: jnp.zeros(shape, dtype))
+
+
+def _poison(shape, dtype) -> jax.Array:
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return jnp.ones(shape, dtype)
+    # All-ones bytes: NaN for floats, -1 for signed ints - never a plausible result.
+    bits = jnp.full(shape + (dtype.itemsize,), 0xFF, jnp.uint8)
+    return jax.lax.bitcast_convert_type(bits if dtype.itemsize > 1 else bits[..., 0], dtype)
+
+
+def _lower_poison(ctx, *, shape, dtype):
+    return mlir.lower_fun(lambda: _poison(shape, dtype), multiple_results=False)(ctx)
+
+
+# The result type comes from ctx.avals_out.
+mlir.register_lowering(uninitialized_p, lambda ctx, **_: jax.ffi.ffi_lowering("AllocateBuffer", api_version=1)(ctx),
+                       platform="cuda")
+mlir.register_lowering(uninitialized_p, _lower_poison)
+
+
+def uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:
+    """A buffer of ``shape``/``dtype`` whose contents are unspecified."""
+    return uninitialized_p.bind(shape=tuple(int(s) for s in shape), dtype=np.dtype(dtype))

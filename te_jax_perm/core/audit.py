@@ -1,9 +1,8 @@
-"""Alias audit: find every custom call of ours in a lowered program and check its aliases.
+"""Alias audit: every custom call of ours in a lowered program, with its aliases checked.
 
-A custom call is "ours" when its location carries the ``te_jax_perm.<kernel>`` name
-scope that every backend puts around the call it emits. A result is safe when it is
-declared aliased (``output_operand_aliases``) to an operand that is a preallocated buffer
-of the same shape and dtype, so XLA cannot give that output the memory of another input.
+A custom call is ours when its location carries the ``te_jax_perm.<kernel>`` name scope
+every backend emits. A result is safe when declared aliased (``output_operand_aliases``)
+to an operand of its shape and dtype, so XLA cannot give it another input's memory.
 """
 from __future__ import annotations
 
@@ -67,11 +66,8 @@ class AliasAudit:
 
 
 def audit_aliases(fn: Callable, *args: Any, **kwargs: Any) -> AliasAudit:
-    """Lowers ``fn(*args, **kwargs)`` and reports every custom call with its aliasing.
-
-    ``fn`` may be jitted or not. Our calls are identified by their name scope, so the
-    report also lists foreign custom calls (marked ``(foreign)``) without judging them.
-    """
+    """Lowers ``fn(*args, **kwargs)`` (jitted or not) and reports every custom call with its
+    aliasing; foreign ones are listed as ``(foreign)``, not judged."""
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     module = jitted.lower(*args, **kwargs).compiler_ir("stablehlo")
     calls: list[CustomCallReport] = []

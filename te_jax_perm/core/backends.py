@@ -16,7 +16,6 @@ import jax
 from te_jax_perm.core import env
 
 BACKENDS = env.BACKEND_VALUES
-ENV_VAR = env.BACKEND
 
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar("te_jax_perm_backend", default=None)
 
@@ -46,10 +45,7 @@ def use_backend(name: str) -> Iterator[str]:
 
 
 def default_backend() -> str:
-    chosen = env.backend()
-    if chosen is not None:
-        return chosen
-    return "triton" if jax.default_backend() == "gpu" else "xla"
+    return env.backend() or ("triton" if jax.default_backend() == "gpu" else "xla")
 
 
 def resolve_backend(name: str | None = None) -> str:
@@ -66,10 +62,9 @@ def ensure_available(name: str) -> None:
                 "backend 'triton' needs a CUDA GPU visible to JAX (jax.default_backend() is "
                 f"{jax.default_backend()!r}); install a CUDA jax (pip install 'jax[cuda13]') or use "
                 "backend 'interpret' (CPU, Triton interpreter) or 'xla'")
-        from te_jax_perm.core import compat
-        problems = compat.problems()
-        if problems:
-            raise BackendUnavailableError("backend 'triton': " + "; ".join(problems))
+        from te_jax_perm.core.triton_backend import problems
+        if problems():
+            raise BackendUnavailableError("backend 'triton': " + "; ".join(problems()))
     if name in ("triton", "interpret") and importlib.util.find_spec("triton") is None:
         raise BackendUnavailableError(f"backend {name!r} needs the triton package: pip install triton")
     if name == "interpret" and jax.default_backend() != "cpu" and not _has_cpu():

@@ -1,12 +1,9 @@
 """Value checks: at once for concrete arrays, when the program runs for traced ones.
 
-Shapes and dtypes are checked while tracing. Values are checked where they are known:
-concrete (non-traced) arrays at once, before anything casts them; traced ones only in the
-checked mode (``TE_JAX_PERM_CHECKS=1``), on the device's values when the program runs,
-through ``jax.debug.callback``: it runs under ``jit``, ``grad`` and ``vmap``, on CPU and
-GPU, and needs no ``checkify`` wrapper around the user's function. A failed run-time check
-raises :class:`CheckError` in the callback, which JAX reports as an error of the
-computation (a ``JaxRuntimeError`` whose message holds ours).
+Traced values are checked only under ``TE_JAX_PERM_CHECKS=1``, through
+``jax.debug.callback``: it runs under ``jit``, ``grad`` and ``vmap``, on CPU and GPU, with
+no ``checkify`` wrapper around the user's function. A failure there raises
+:class:`CheckError`, which JAX reports as a ``JaxRuntimeError`` holding our message.
 """
 from __future__ import annotations
 
@@ -29,11 +26,8 @@ def concrete(x: Any) -> np.ndarray | None:
 
 
 def check_values(problem: Callable[..., "str | None"], *arrays: Any) -> None:
-    """Raises :class:`CheckError` with ``problem(*values)`` when it returns a message.
-
-    ``problem`` takes NumPy arrays and returns ``None`` when they are fine. Concrete arrays
-    are checked now; when any is traced, only in the checked mode, when the program runs.
-    """
+    """Raises :class:`CheckError` with ``problem(*values)`` (NumPy arrays in, ``None`` when
+    fine) if it returns a message: now for concrete arrays, else when the program runs."""
     values = [concrete(a) for a in arrays]
     if all(v is not None for v in values):
         _raise_problem(problem, *values)

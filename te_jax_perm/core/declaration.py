@@ -1,19 +1,10 @@
 """Kernel declarations: the single source every primitive property is derived from.
 
-A :class:`KernelDecl` names a Triton kernel together with everything the framework needs
-to turn it into a JAX primitive: operands, outputs (and how each output buffer is
-initialised), static parameters, runtime scalar arguments, compile-time constants, the
-grid, candidate configs with their validity constraints, and a pure-JAX reference.
-
-Kernel calling convention (``core/kernel_args.py`` orders every launch's arguments)::
-
-    kernel(*operand_ptrs, *scalar_args, *prealloc_ptrs, *output_ptrs, **constexprs)
-
-``prealloc_ptrs[i]`` and ``output_ptrs[i]`` always point at the same memory: the
-preallocated buffer is an extra custom-call operand declared as aliased to output ``i``
-(XLA's Triton call passes an aliased output both as the operand and as the result).
-Kernels write through ``output_ptrs`` and never read ``prealloc_ptrs`` except for outputs
-declared ``init="zeros"``, which they may accumulate into.
+The kernel's calling convention is ``core/kernel_args.py``'s. ``prealloc_ptrs[i]`` and
+``output_ptrs[i]`` point at the same memory: the preallocated buffer is an extra
+custom-call operand declared aliased to output ``i`` (XLA's Triton call passes an aliased
+output both as the operand and as the result). Kernels write through ``output_ptrs`` and
+read ``prealloc_ptrs`` only for ``init="zeros"`` outputs, which they may accumulate into.
 """
 from __future__ import annotations
 
@@ -28,30 +19,20 @@ Params = Mapping[str, Any]
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
-    """An array operand.
-
-    ``dims`` names each axis symbolically (e.g. ``("T", "H")``); equal names must have
-    equal sizes across operands, which is how mismatched leading dims are caught.
-    ``dtypes`` is a tuple of allowed dtype *kinds* or names: ``"float"``, ``"int"``,
-    ``"bool"``, or a concrete name such as ``"int32"``; ``None`` allows any.
-    """
+    """An array operand. ``dims`` names each axis (``("T", "H")``): equal names must have equal
+    sizes across operands. ``dtypes``: allowed kinds (``"float"``, ``"int"``, ``"bool"``) or
+    names (``"int32"``); ``None`` allows any."""
 
     name: str
     dims: tuple[str, ...]
     dtypes: tuple[str, ...] | None = None
 
-    @property
-    def rank(self) -> int:
-        return len(self.dims)
-
 
 @dataclasses.dataclass(frozen=True)
 class Output:
-    """An output written by the kernel into a preallocated, alias-declared buffer.
-
-    ``init`` is ``"empty"`` when the kernel writes every element, ``"zeros"`` when it
-    accumulates or leaves elements untouched (e.g. padding rows).
-    """
+    """An output written into a preallocated, alias-declared buffer. ``init`` is ``"empty"``
+    when the kernel writes every element, ``"zeros"`` when it accumulates or leaves some
+    untouched (e.g. padding rows)."""
 
     name: str
     shape: Callable[[Dims, Params], tuple[int, ...]]
@@ -98,12 +79,9 @@ Constraint = Callable[[Dims, Params, Config], "str | None"]
 class Partitioning:
     """How a kernel's axes may be split across devices (``core/sharding.py`` applies it).
 
-    Attributes:
-      outputs: the axis names of each output, in output order; names shared with operand
-        axes (``Operand.dims``) denote the same axis, new names denote output-only axes.
-      local: axis names along which the kernel is shard-local: the outputs' shard ``i``
-        depends only on the operands' shard ``i``. Output shapes must follow from operand
-        dims (not from static params), so per-shard shapes come out right.
+    ``outputs``: each output's axis names (names shared with ``Operand.dims`` are the same
+    axis). ``local``: axes along which output shard ``i`` depends only on operand shard
+    ``i``; output shapes must then follow from operand dims (not static params).
     """
 
     outputs: tuple[tuple[str, ...], ...]
@@ -112,72 +90,45 @@ class Partitioning:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class KernelDecl:
-    """Everything about one kernel, declared once.
+    """Everything about one kernel, declared once. Callables take the bound ``dims`` and the
+    static ``params`` (and a ``config`` where it matters)."""
 
-    Attributes:
-      name: unique kernel name (used in custom-call scopes, logs, caches).
-      kernel: the ``@triton.jit`` function.
-      operands: array operands, in kernel-argument order.
-      outputs: outputs, in kernel-argument order.
-      params: names of static (hashable, trace-time) parameters.
-      scalars: ``(dims, params) -> {name: int}``: runtime scalar kernel arguments, in
-        kernel-argument order. Values here must not change the compiled binary.
-      constexprs: ``(dims, params, config) -> {name: value}``: compile-time constants
-        (beyond the config's own), e.g. dtype-dependent flags.
-      grid: ``(dims, params, config) -> tuple[int, ...]``.
-      reference: ``(*operands, **params) -> tuple of outputs``: pure JAX.
-      configs: the autotuning search space.
-      default_config: ``(dims, params) -> Config`` used when nothing is tuned.
-      constraints: each returns ``None`` when a config is valid for the shapes, or a
-        reason string when it must be pruned.
-      key_dims: dims whose value changes the best config (bucketed by ``key_bucket``);
-        by default every dim of the operands, so a result tuned at one shape is never
-        reused at another. Name fewer only for dims the best config does not depend on.
-      key_params: static params that change the compiled code or grid shape.
-      exact: outputs must match the reference bit-exactly (pure data movement).
-      params_check: optional ``(dims, params) -> None`` raising ``ValueError``: checks of
-        the static facts, run once per call when it is bound (``core/launch.py``).
-      validate: optional ``(operands, dims, params) -> None`` raising ``ValueError``:
-        checks of the operands' values (NumPy arrays), run by the public call when every
-        operand is concrete, and on traced ones when the program runs under
-        ``TE_JAX_PERM_CHECKS=1`` (``core/checks.py``).
-      partitioning: optional :class:`Partitioning`: output axis names and the axes along
-        which the kernel is shard-local under jit/SPMD; ``None`` replicates.
-      example_inputs: optional ``(dims, params, dtypes, rng) -> tuple of np.ndarray``
-        making valid operands (e.g. in-range indices) for autotuning trials; ``dtypes``
-        maps operand names to ``np.dtype``, ``rng`` is a ``np.random.Generator``.
-    """
-
-    name: str
-    kernel: Any
-    operands: tuple[Operand, ...]
+    name: str                                  # unique: custom-call scopes, logs, caches
+    kernel: Any                                # the @triton.jit function
+    operands: tuple[Operand, ...]              # in kernel-argument order, as are outputs
     outputs: tuple[Output, ...]
-    reference: Callable[..., Sequence[Any]]
+    reference: Callable[..., Sequence[Any]]    # (*operands, **params) -> outputs, pure JAX
     grid: Callable[[Dims, Params, Config], tuple[int, ...]]
-    default_config: Callable[[Dims, Params], Config]
-    params: tuple[str, ...] = ()
+    default_config: Callable[[Dims, Params], Config]   # used when nothing is tuned
+    params: tuple[str, ...] = ()               # static (hashable, trace-time) parameters
+    # Runtime scalar arguments in kernel order; their values must not change the binary.
     scalars: Callable[[Dims, Params], Mapping[str, int]] = lambda dims, params: {}
+    # Compile-time constants beyond the config's own (e.g. dtype-dependent flags).
     constexprs: Callable[[Dims, Params, Config], Mapping[str, Any]] = lambda dims, params, config: {}
-    configs: tuple[Config, ...] = ()
-    constraints: tuple[Constraint, ...] = ()
+    configs: tuple[Config, ...] = ()           # the autotuning search space
+    constraints: tuple[Constraint, ...] = ()   # each: None when valid, else why to prune
+    # Dims whose value changes the best config (bucketed by key_bucket); by default every
+    # operand dim, so a result tuned at one shape is never reused at another.
     key_dims: tuple[str, ...] | None = None
-    key_params: tuple[str, ...] = ()
+    key_params: tuple[str, ...] = ()           # params that change the compiled code or grid
     key_bucket: Callable[[str, int], int] = lambda dim_name, size: size
-    exact: bool = True
+    exact: bool = True                         # bit-exact against the reference (data movement)
     rtol: float = 1e-2
     atol: float = 1e-2
+    # Raises ValueError on bad static facts, once per bound call (core/launch.py).
     params_check: Callable[[Dims, Params], None] | None = None
+    # (operands, dims, params) raising ValueError on bad values (NumPy arrays): run when all
+    # operands are concrete, on traced ones under TE_JAX_PERM_CHECKS=1 (core/checks.py).
     validate: Callable[..., None] | None = None
-    partitioning: Partitioning | None = None  # None: every axis replicated
+    partitioning: Partitioning | None = None   # None: every axis replicated
+    # (dims, params, dtypes by operand name, np.random.Generator) -> valid operands (e.g.
+    # in-range indices) for autotuning trials.
     example_inputs: Callable[..., Sequence[Any]] | None = None
 
     def __post_init__(self):
         if self.key_dims is None:
             every = tuple(dict.fromkeys(d for op in self.operands for d in op.dims))
             object.__setattr__(self, "key_dims", every)
-
-    def output_names(self) -> tuple[str, ...]:
-        return tuple(o.name for o in self.outputs)
 
     def violated(self, dims: Dims, params: Params, config: Config) -> str | None:
         """First violated constraint's reason, or None if ``config`` is valid."""

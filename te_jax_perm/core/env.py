@@ -25,16 +25,14 @@ class EnvironmentValueError(ValueError):
     """An environment variable of this library holds a value it does not accept."""
 
 
-def _lookup(var: str, table: Mapping[str, object], accepted: tuple[str, ...] | None = None) -> object:
+def _lookup(var: str, table: Mapping[str, object]) -> object:
     raw = os.environ.get(var)
-    if raw is None or raw == "":
+    if not raw:
         return None
-    key = raw.lower()
-    if key not in table:
-        shown = accepted or tuple(table)
+    if raw.lower() not in table:
         raise EnvironmentValueError(f"{var}={raw!r} is not a value it accepts; use one of "
-                                    f"{', '.join(shown)} (or leave it unset)")
-    return table[key]
+                                    f"{', '.join(table)} (or leave it unset)")
+    return table[raw.lower()]
 
 
 def backend() -> str | None:
@@ -72,20 +70,15 @@ def checks() -> bool:
 
 def check_all() -> None:
     """Raises on the first variable holding a value it does not accept."""
-    backend()
-    autotune()
-    sanitize()
-    checks()
+    for read in (backend, autotune, sanitize, checks):
+        read()
 
 
 @contextlib.contextmanager
 def triton_cache_dir_kept() -> Iterator[None]:
-    """Puts ``TRITON_CACHE_DIR`` back after the block.
-
-    jax-triton (imported by packages such as tokamax) blanks the variable at import,
-    after which every later ``triton.compile`` in the process fails with "Could not
-    create or locate cache dir" (and the autotuner's pool hands binaries over that cache).
-    """
+    """Puts ``TRITON_CACHE_DIR`` back after the block: jax-triton (imported by tokamax)
+    blanks it at import, after which every ``triton.compile`` fails with "Could not create
+    or locate cache dir" (and the autotuner's pool hands binaries over that cache)."""
     saved = os.environ.get("TRITON_CACHE_DIR")
     try:
         yield

@@ -1,16 +1,16 @@
-"""Extension points of ``core``: config resolution and launch observation.
+"""Extension points of ``core``: config resolution and call and launch observation.
 
-``core`` imports nothing above it; the packages that extend it register here instead:
-the autotuner installs the config resolver (``te_jax_perm`` does it at import, so cached
-tuning results are always used), the sanitizer adds a launch observer while a session is
-open. Tools that only want to see which kernels a function calls add a call observer.
+``core`` imports nothing above it, so the packages that extend it register here: the
+autotuner installs the config resolver (at ``import te_jax_perm``, so cached tuning
+results are always used), the sanitizer adds a launch observer while a session is open,
+and tools that want to see which kernels a function calls add a call observer.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
@@ -18,15 +18,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from te_jax_perm.core.declaration import Config
     from te_jax_perm.core.launch import Call
 
-
-class ConfigResolver(Protocol):
-    """Picks the config of a call that names none (e.g. the tuned one); ``None``: no opinion,
-    the declaration's default is used."""
-
-    def __call__(self, call: "Call") -> "Config | None": ...
-
-
-CallObserver = Callable[["Call"], None]
+# (call) -> the config of a call that names none (e.g. the tuned one), or None: the default.
+ConfigResolver = Callable[["Call"], "Config | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,22 +33,23 @@ class BufferInfo:
     dtype: np.dtype
     shape: tuple[int, ...]
 
+    @property
+    def itemsize(self) -> int:
+        return max(1, np.dtype(self.dtype).itemsize)
 
-class LaunchObserver(Protocol):
-    """Sees each launch the ``interpret`` backend runs, program by program."""
-
-    def launch_begin(self, kernel_name: str, buffers: Sequence[BufferInfo], grid: tuple[int, int, int]) -> None: ...
-    def program_begin(self, pid: tuple[int, int, int]) -> None: ...
-    def launch_end(self) -> None: ...
+    @property
+    def elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
 
 
 _lock = threading.RLock()
 _resolver: list[ConfigResolver | None] = [None]
-_call_observers: list[CallObserver] = []
-_launch_observers: list[LaunchObserver] = []
+_call_observers: list[Callable[["Call"], None]] = []
+# Each has launch_begin(kernel_name, buffers, grid3), program_begin(pid) and launch_end();
+# the ``interpret`` backend calls them around every launch and program.
+_launch_observers: list[Any] = []
 
 
-# -- config resolution ------------------------------------------------------------------------
 def set_config_resolver(resolver: ConfigResolver | None) -> ConfigResolver | None:
     """Installs ``resolver`` (``None`` removes it); returns the one it replaces."""
     with _lock:
@@ -78,7 +72,7 @@ def using_config_resolver(resolver: ConfigResolver | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def observe_calls(observer: CallObserver) -> Iterator[CallObserver]:
+def observe_calls(observer: Callable[["Call"], None]) -> Iterator[Callable[["Call"], None]]:
     """Within the context, ``observer`` sees every call whose config is being chosen
     (at lowering time), in order."""
     with _lock:
@@ -101,17 +95,16 @@ def resolve_config(call: "Call") -> "Config | None":
     return resolver(call) if resolver is not None else None
 
 
-# -- launch observation -----------------------------------------------------------------------
-def add_launch_observer(observer: LaunchObserver) -> None:
+def add_launch_observer(observer: Any) -> None:
     with _lock:
         _launch_observers.append(observer)
 
 
-def remove_launch_observer(observer: LaunchObserver) -> None:
+def remove_launch_observer(observer: Any) -> None:
     with _lock:
         _launch_observers.remove(observer)
 
 
-def launch_observers() -> tuple[LaunchObserver, ...]:
+def launch_observers() -> tuple[Any, ...]:
     with _lock:
         return tuple(_launch_observers)

@@ -1,15 +1,29 @@
 """``interpret`` backend: the real Triton kernel, run by Triton's interpreter on the CPU.
 
-The kernel runs inside a ``jax.experimental.buffer_callback`` custom call whose
-preallocated output operands carry the same declared ``input_output_aliases`` as the GPU
-custom call, so CPU tests exercise the exact aliasing contract of the ``triton`` backend.
+The kernel runs inside a ``buffer_callback`` custom call whose preallocated outputs carry
+the same declared aliases as the GPU's, so CPU tests exercise the ``triton`` backend's
+aliasing contract. Launch observers (``core.hooks``: the sanitizer) see every buffer
+passed to the kernel and each program's start.
 
-Launches can be observed (the hazard sanitizer does): observers see every buffer passed
-to the kernel, by operand name, and are told when each program starts.
+GPU Triton's conversion numerics: the interpreter converts fp32 to bf16 by truncation and
+fp8 with its own bit arithmetic; the GPU rounds to nearest-even and saturates fp8, so
+without this a CPU test vouches for nothing on the GPU. :func:`install_numerics` replaces
+``cast_impl`` and ``create_fp_to_fp`` (every float conversion; same names and signatures in
+Triton 3.6-3.9) with the GPU's:
+
+* float -> narrower float: correctly rounded from the exact value, to nearest even (toward
+  zero for ``"rtz"``); overflow gives inf, saturating for fp8 (the GPU's ``.satfinite``);
+* float -> wider float: exact; int -> float: correctly rounded (exact below 2**53);
+* float -> int: truncation toward zero, saturating at the integer range, NaN -> 0.
+
+NaN payloads are not modelled. Other conversions (fp8 variants not used on NVIDIA GPUs,
+int <-> int) keep the interpreter's own behaviour. bf16 dots multiply values, not bits.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import itertools
 import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -17,7 +31,6 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import jax
 import numpy as np
 
-from te_jax_perm.core import interpret_numerics
 from te_jax_perm.core import hooks
 from te_jax_perm.core.aliasing import preallocate
 from te_jax_perm.core.hooks import BufferInfo
@@ -44,37 +57,31 @@ _launch_lock = threading.RLock()
 def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any],
                        constexprs: Mapping[str, Any], *, name: str = "",
                        buffers: Sequence[BufferInfo] = ()) -> None:
-    """Runs ``kernel`` (a ``@triton.jit`` function) over ``grid`` with the interpreter.
-
-    ``args`` maps kernel parameter names to :class:`HostPointer` or Python scalars.
-    """
+    """Runs ``kernel`` (a ``@triton.jit`` function) over ``grid`` with the interpreter;
+    ``args`` maps its parameter names to :class:`HostPointer` or Python scalars."""
     from triton.runtime import interpreter as interp  # lazy: keep import cost off xla-only use
 
-    interpret_numerics.install()   # the GPU's rounding, not the interpreter's
+    install_numerics()   # the GPU's rounding, not the interpreter's
     grid3 = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
     if any(g == 0 for g in grid3):
         return
     with _launch_lock, _nested_jit_calls(interp):
-        _launch_locked(interp, kernel, grid3, args, constexprs, name, buffers)
-
-
-def _launch_locked(interp, kernel, grid3, args, constexprs, name, buffers) -> None:
-    observers = hooks.launch_observers()
-    for ob in observers:
-        ob.launch_begin(name or kernel.fn.__name__, buffers, grid3)
-    try:
-        with _interpreted(interp, kernel.fn) as fn:
-            call_args = {k: interp._implicit_cvt(v) for k, v in args.items()}
-            call_args.update(constexprs)
-            interp.interpreter_builder.set_grid_dim(*grid3)
-            for x, y, z in itertools.product(*(range(g) for g in grid3)):
-                interp.interpreter_builder.set_grid_idx(x, y, z)
-                for ob in observers:
-                    ob.program_begin((x, y, z))
-                fn(**call_args)
-    finally:
+        observers = hooks.launch_observers()
         for ob in observers:
-            ob.launch_end()
+            ob.launch_begin(name or kernel.fn.__name__, buffers, grid3)
+        try:
+            with _interpreted(interp, kernel.fn) as fn:
+                call_args = {k: interp._implicit_cvt(v) for k, v in args.items()}
+                call_args.update(constexprs)
+                interp.interpreter_builder.set_grid_dim(*grid3)
+                for x, y, z in itertools.product(*(range(g) for g in grid3)):
+                    interp.interpreter_builder.set_grid_idx(x, y, z)
+                    for ob in observers:
+                        ob.program_begin((x, y, z))
+                    fn(**call_args)
+        finally:
+            for ob in observers:
+                ob.launch_end()
 
 
 _rewritten: dict[Any, Any] = {}
@@ -82,12 +89,11 @@ _rewritten: dict[Any, Any] = {}
 
 @contextlib.contextmanager
 def _interpreted(interp: Any, fn: Any) -> Iterator[Callable]:
-    """``fn``'s interpreter rewrite (made once per function), with the language patched for
-    its module within the block and restored after."""
+    """``fn``'s interpreter rewrite (made once), the language patched for it in the block."""
     if fn not in _rewritten:
         _rewritten[fn] = interp.InterpretedFunction(fn).rewrite()
     scope = interp._patch_lang(fn)
-    interpret_numerics.patch_scalar_index(scope)
+    patch_scalar_index(scope)
     try:
         yield _rewritten[fn]
     finally:
@@ -96,10 +102,8 @@ def _interpreted(interp: Any, fn: Any) -> Iterator[Callable]:
 
 @contextlib.contextmanager
 def _nested_jit_calls(interp: Any) -> Iterator[None]:
-    """Lets a kernel call other ``@triton.jit`` functions (its helpers, ``tl.sum``,
-    ``tl.cumsum``...): outside ``TRITON_INTERPRET=1`` those are ``JITFunction`` objects whose
-    ``__call__`` refuses to run, so for the launch each such call runs the function's
-    interpreter rewrite."""
+    """Lets a kernel call other ``@triton.jit`` functions (helpers, ``tl.sum``...): outside
+    ``TRITON_INTERPRET=1`` their ``__call__`` refuses to run, so it runs their rewrite."""
     from triton.runtime.jit import JITFunction
 
     original = JITFunction.__call__
@@ -128,6 +132,7 @@ def run_launch(launch: Launch, operands: Sequence[np.ndarray], preallocs: Sequen
 
 # The error the last failed launch raised: XLA hands it on as its own runtime error (text
 # only), so an eager call re-raises this object instead (a sanitizer's HazardError, say).
+# XLA's CPU runtime may run the callbacks on other threads: the list is read under a lock.
 _raised: list[BaseException] = []
 _raised_lock = threading.Lock()
 
@@ -138,12 +143,8 @@ def _take_raised() -> BaseException | None:
 
 
 def run_eagerly(fn: Callable[..., Any], args: Sequence[jax.Array]) -> Any:
-    """``fn(*args)`` for an eager call on the ``interpret`` backend, finished.
-
-    The interpreter dereferences host pointers, so where JAX's default backend is not the
-    CPU (a GPU machine) the call is placed on the first CPU device, its operands moved
-    there. An error a launch raised reaches the caller as itself, not as XLA's report of it.
-    """
+    """``fn(*args)`` for an eager ``interpret`` call, finished: on the first CPU device (the
+    interpreter dereferences host pointers), a launch's error raised as itself."""
     _take_raised()
     try:
         if jax.default_backend() == "cpu":
@@ -181,3 +182,220 @@ def interpret_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Ar
         outs = buffer_callback(callback, result_types, input_output_aliases=plan.input_output_aliases)(
             *operands, *preallocs)
     return list(outs)
+
+
+# -- GPU numerics ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FloatFormat:
+    """Sign, ``ebits`` exponent and ``nmant`` mantissa bits; ``finite_only`` (float8 e4m3fn):
+    no infinities, one NaN per sign (all bits set); the others follow IEEE 754."""
+
+    bits: int
+    ebits: int
+    nmant: int
+    finite_only: bool = False
+
+    @property
+    def bias(self) -> int:
+        return (1 << (self.ebits - 1)) - 1
+
+    @property
+    def emask(self) -> int:
+        return (1 << self.ebits) - 1
+
+    @property
+    def max(self) -> float:
+        if self.finite_only:   # the top exponent is normal; only its all-ones mantissa is NaN
+            return (2.0 - 2.0 ** (1 - self.nmant)) * 2.0 ** (self.emask - self.bias)
+        return (2.0 - 2.0 ** -self.nmant) * 2.0 ** (self.emask - 1 - self.bias)
+
+    @property
+    def storage(self) -> np.dtype:
+        return np.dtype(f"uint{self.bits}")
+
+
+# Triton element type name -> format, for the float types handled here.
+FORMATS = {
+    "fp16": FloatFormat(16, 5, 10),
+    "bf16": FloatFormat(16, 8, 7),
+    "fp32": FloatFormat(32, 8, 23),
+    "fp8e4nv": FloatFormat(8, 4, 3, finite_only=True),
+    "fp8e5": FloatFormat(8, 5, 2),
+}
+# Formats the GPU converts into with saturation to the largest finite value.
+_SATURATING = ("fp8e4nv", "fp8e5")
+
+_installed: dict[str, Any] = {}
+
+
+def _name(tt: Any) -> str:
+    return getattr(tt, "name", "")
+
+
+# The interpreter runs kernels on threads where XLA may have set flush-to-zero and
+# denormals-are-zero, which would flush subnormal floats in any float arithmetic or
+# float-to-float cast. Decoding and encoding therefore go through integer fields, and
+# the float64 arithmetic in between only ever sees normal float64 numbers.
+def decode(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    """float64 values of raw ``fmt`` bit patterns (exact)."""
+    u = bits.view(fmt.storage).astype(np.int64)
+    sign = (u >> (fmt.bits - 1)) & 1
+    e = (u >> fmt.nmant) & fmt.emask
+    m = u & ((1 << fmt.nmant) - 1)
+    mag = np.ldexp((m + np.where(e > 0, 1 << fmt.nmant, 0)).astype(np.float64),
+                   np.maximum(e, 1) - fmt.bias - fmt.nmant)
+    if fmt.finite_only:
+        mag = np.where((e == fmt.emask) & (m == (1 << fmt.nmant) - 1), np.nan, mag)
+    else:
+        mag = np.where(e == fmt.emask, np.where(m == 0, np.inf, np.nan), mag)
+    return np.where(sign == 1, -mag, mag)
+
+
+def encode(x: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    """Raw ``fmt`` bits of float64 values that ``fmt`` represents exactly (or inf/NaN)."""
+    x = np.asarray(x, np.float64)
+    sign = np.signbit(x).astype(np.int64) << (fmt.bits - 1)
+    a = np.abs(x)
+    finite = np.isfinite(a)
+    af = np.where(finite, a, 0.0)
+    _, k = np.frexp(af)
+    normal = af >= 2.0 ** (1 - fmt.bias)
+    e = np.where(normal, k - 1 + fmt.bias, 0)
+    m = np.where(normal, np.ldexp(af, fmt.nmant - (k - 1)) - (1 << fmt.nmant),
+                 np.ldexp(af, fmt.bias - 1 + fmt.nmant)).astype(np.int64)
+    mmask = (1 << fmt.nmant) - 1
+    special_m = np.where(np.isnan(a), mmask if fmt.finite_only else 1 << (fmt.nmant - 1), 0)
+    e = np.where(finite, e, fmt.emask)
+    m = np.where(finite, m, special_m)
+    return (sign | (e << fmt.nmant) | m).astype(fmt.storage)
+
+
+def round_float(x: np.ndarray, fmt: FloatFormat, *, toward_zero: bool = False, saturate: bool = False
+                ) -> np.ndarray:
+    """Raw ``fmt`` bits of float64 values ``x`` (the exact source values), rounded once.
+
+    Power-of-two scaling is exact and ``np.rint`` rounds half to even, so ``rint(|x|/q)*q``
+    with ``q`` the spacing of ``fmt`` at ``|x|`` (held at the smallest normal's spacing
+    below it: subnormals) is the correctly rounded magnitude. Overflow gives inf (NaN
+    without inf), the largest finite value toward zero, and with ``saturate`` for inf too.
+    """
+    x = np.asarray(x, np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        a = np.abs(x)
+        _, k = np.frexp(np.where(np.isfinite(a), a, 0.0))
+        q = np.ldexp(1.0, np.maximum(k - 1, 1 - fmt.bias) - fmt.nmant)
+        r = (np.trunc if toward_zero else np.rint)(a / q) * q
+        inf, over = np.isinf(a), np.isfinite(a) & (r > fmt.max)
+        huge = np.nan if fmt.finite_only else np.inf
+        if saturate:
+            r = np.where(over | inf, fmt.max, r)
+        elif toward_zero:
+            r = np.where(over, fmt.max, np.where(inf, huge, r))
+        else:
+            r = np.where(over | inf, huge, r)
+        r = np.where(np.isnan(a), np.nan, r)
+        return encode(np.copysign(r, x), fmt)
+
+
+def _float_to_int(v: np.ndarray, dst: np.dtype) -> np.ndarray:
+    """Truncation toward zero, saturating at ``dst``'s range; NaN -> 0."""
+    info = np.iinfo(dst)
+    lo, hi = float(info.min), float(info.max)   # hi rounds up to 2**63 / 2**64 for 64-bit types
+    with np.errstate(invalid="ignore"):
+        t = np.trunc(v)
+        out = np.where((t >= lo) & (t < hi), t, 0).astype(dst)
+        out = np.where(t >= hi, np.array(info.max, dst), out)
+        return np.where(t < lo, np.array(info.min, dst), out)
+
+
+def convert(data: np.ndarray, src_tt: Any, dst_tt: Any, storage: np.dtype, *, toward_zero: bool = False
+            ) -> np.ndarray | None:
+    """The GPU's conversion of interpreter data ``data`` from ``src_tt`` to ``dst_tt``, in
+    ``dst_tt``'s storage dtype; ``None`` when this module does not handle the pair."""
+    src, dst = _name(src_tt), _name(dst_tt)
+    sfmt, dfmt = FORMATS.get(src), FORMATS.get(dst)
+    if sfmt is None and dfmt is None:
+        return None
+    if (src.startswith("fp") and sfmt is None) or (dst.startswith("fp") and dfmt is None):
+        return None   # float64, or an fp8 variant not used on NVIDIA GPUs
+    if sfmt is not None:
+        vals = decode(data, sfmt)
+    elif np.issubdtype(data.dtype, np.integer) or data.dtype == np.bool_:
+        vals = data.astype(np.float64)   # exact below 2**53
+    else:
+        return None
+    if dfmt is not None:
+        out = round_float(vals, dfmt, toward_zero=toward_zero, saturate=dst in _SATURATING)
+    elif np.issubdtype(storage, np.integer):
+        out = _float_to_int(vals, np.dtype(storage))
+    else:
+        return None
+    return out.view(storage)
+
+
+def install_numerics() -> None:
+    """Makes the interpreter convert as the GPU does (idempotent, for this process)."""
+    if _installed:
+        return
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    rtz = ir.ROUNDING_MODE.RTZ
+    orig_cast, orig_fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
+
+    @functools.wraps(orig_cast)
+    def cast_impl(self, src, dst_type):
+        out = convert(src.data, src.dtype.scalar, dst_type.scalar, interp._get_np_dtype(dst_type))
+        if out is None:
+            return orig_cast(self, src, dst_type)
+        return interp.TensorHandle(out, dst_type.scalar)
+
+    @functools.wraps(orig_fp_to_fp)
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        toward_zero = rounding_mode == rtz
+        if toward_zero and _name(dst_type.scalar) in _SATURATING:
+            return orig_fp_to_fp(self, src, dst_type, rounding_mode)   # not a GPU conversion
+        out = convert(src.data, src.dtype.scalar, dst_type.scalar, interp._get_np_dtype(dst_type),
+                      toward_zero=toward_zero)
+        if out is None:
+            return orig_fp_to_fp(self, src, dst_type, rounding_mode)
+        return interp.TensorHandle(out, dst_type.scalar)
+
+    orig_dot = builder.create_dot
+
+    @functools.wraps(orig_dot)
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        # The interpreter keeps bf16 as uint16 storage and would multiply the raw bit
+        # patterns; tensor cores multiply the bf16 values exactly and accumulate in fp32.
+        if _name(a.dtype.scalar) == "bf16" or _name(b.dtype.scalar) == "bf16":
+            a32, b32 = (_as_f32(x) for x in (a, b))
+            out = np.matmul(a32, b32, dtype=np.float32).astype(d.data.dtype) + d.data
+            return interp.TensorHandle(out, d.dtype.scalar)
+        return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    _installed.update(cast_impl=orig_cast, create_fp_to_fp=orig_fp_to_fp, create_dot=orig_dot)
+    builder.cast_impl = cast_impl
+    builder.create_fp_to_fp = create_fp_to_fp
+    builder.create_dot = create_dot
+
+
+def _as_f32(t) -> np.ndarray:
+    # bf16 widens to fp32 exactly by putting its 16 bits in the high half.
+    if _name(t.dtype.scalar) == "bf16":
+        return (t.data.astype(np.uint32) << 16).view(np.float32)
+    return t.data.astype(np.float32)
+
+
+def patch_scalar_index(scope: Any) -> None:
+    """Scalars used as Python ints (loop bounds, ``range``) under NumPy >= 2.4, which refuses
+    Triton 3.6-3.8's ``int(one-element array)``. ``scope`` is one launch's language patch,
+    which undoes this with everything else."""
+    import triton.language as tl
+
+    def first(self):
+        return np.asarray(self.handle.data).reshape(-1)[0]
+
+    scope.set_attr(tl.core.tensor, "__index__", lambda self: int(first(self)))
+    # Same rule as the interpreter's own (only a scalar has a truth value), read as a scalar.
+    scope.set_attr(tl.core.tensor, "__bool__", lambda self: bool(first(self)) if self.handle.data.size == 1 else True)

@@ -1,13 +1,9 @@
-"""The one place that orders a kernel's arguments.
-
-Calling convention (every backend and the autotuner)::
+"""The one place that orders a kernel's arguments, by the calling convention::
 
     kernel(*operand_ptrs, *scalar_args, *prealloc_ptrs, *output_ptrs, **constexprs)
 
-:func:`kernel_arguments` pairs each runtime kernel parameter, by the kernel's own
-parameter names, with its value for one :class:`~te_jax_perm.core.launch.Launch`; the
-backends and the tuner pass whatever stands for a buffer there (a host pointer, a device
-tensor, an XLA operand, a Triton type) and never build the list themselves.
+The backends and the tuner pass whatever stands for a buffer (a host pointer, a device
+array, an XLA operand, an aval) to :func:`kernel_arguments` and never build the list.
 """
 from __future__ import annotations
 
@@ -38,11 +34,8 @@ class KernelArg:
 
 def kernel_arguments(launch: "Launch", operands: Sequence[Any], preallocs: Sequence[Any],
                      outputs: Sequence[Any]) -> tuple[KernelArg, ...]:
-    """Every runtime argument of ``launch``'s kernel, in the kernel's parameter order.
-
-    ``operands``, ``preallocs`` and ``outputs`` stand for the buffers (one per declared
-    operand / output); scalars come from the launch. Constexprs are ``launch.constexprs``.
-    """
+    """Every runtime argument of ``launch``'s kernel, in its parameter order: one value per
+    declared operand / output in each of ``operands``, ``preallocs``, ``outputs``."""
     decl = launch.decl
     if len(operands) != len(decl.operands) or len(preallocs) != len(decl.outputs) \
             or len(outputs) != len(decl.outputs):
@@ -53,24 +46,16 @@ def kernel_arguments(launch: "Launch", operands: Sequence[Any], preallocs: Seque
              + [(SCALAR, name, v) for name, v in launch.scalars.items()]
              + [(PREALLOC, o.name + ".prealloc", v) for o, v in zip(decl.outputs, preallocs)]
              + [(OUTPUT, o.name, v) for o, v in zip(decl.outputs, outputs)])
-    names = parameter_names(decl)
-    return tuple(KernelArg(n, role, source, v) for n, (role, source, v) in zip(names, slots))
-
-
-def parameter_names(decl: KernelDecl) -> list[str]:
-    return list(decl.kernel.arg_names)
+    return tuple(KernelArg(n, role, source, v) for n, (role, source, v) in zip(decl.kernel.arg_names, slots))
 
 
 def check_signature(decl: KernelDecl, scalars: Mapping[str, Any], constexprs: Mapping[str, Any]
                     ) -> dict[str, Any]:
-    """The kernel's parameters must follow the calling convention by name, not just count.
-    Returns ``constexprs`` in the kernel's parameter order.
-
-    Arguments are passed by position, so a scalar that one side moved to a constexpr would
-    otherwise shift every later argument by one (a pointer landing in a size slot) while the
-    count still matched.
-    """
-    names = parameter_names(decl)
+    """``constexprs`` in the kernel's parameter order; raises unless the kernel follows the
+    calling convention by name, not just count: arguments are passed by position, so a
+    scalar moved to a constexpr would shift every later argument (a pointer landing in a
+    size slot) while the count still matched."""
+    names = list(decl.kernel.arg_names)
     n_ops, n_outs = len(decl.operands), len(decl.outputs)
     positional = n_ops + len(scalars) + 2 * n_outs
     got_scalars = names[n_ops:n_ops + len(scalars)]
@@ -114,5 +99,5 @@ def signature(launch: "Launch") -> dict[str, str]:
     """Kernel parameter name -> Triton type (``*bf16``, ``i32``, ``constexpr``) for compiling."""
     args = kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)
     sig = {a.name: ("*" + triton_type(a.value.dtype)) if a.is_pointer else scalar_type(a.value) for a in args}
-    sig.update({name: "constexpr" for name in launch.constexprs})
-    return {name: sig[name] for name in parameter_names(launch.decl)}  # the kernel's order
+    # Constexprs follow the runtime arguments, in the kernel's order (check_signature).
+    return {**sig, **{name: "constexpr" for name in launch.constexprs}}

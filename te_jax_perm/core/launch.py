@@ -1,13 +1,10 @@
 """One kernel call, and one launch of it: every fact derived once from the declaration.
 
-A :class:`Call` is a declared kernel applied to operands of given shapes and dtypes with
-given static parameters, on a backend: its symbolic dims bound, its parameters checked,
-its output shapes and dtypes derived. It is what a config is chosen for (the autotuner's
-key and trials read it). A :class:`Launch` is a call with its config: grid, runtime scalars
-and compile-time constants, checked against the config's constraints and the kernel's
-signature. Both are frozen and built where a call is lowered, then passed down to the
-backend, the tuner and the sanitizer, which never re-derive any of it. :func:`select_config`
-picks a call's config: the caller's, the installed resolver's, or the declared default.
+A :class:`Call` binds a declaration to operand shapes/dtypes, static params and a backend
+(dims bound and checked, output avals derived); configs are chosen for it. A
+:class:`Launch` adds the config: grid, runtime scalars, constexprs, checked against the
+constraints and the kernel's signature. Both are frozen, built where a call is lowered and
+passed down to the backend, the tuner and the sanitizer, which never re-derive any of it.
 """
 from __future__ import annotations
 
@@ -22,8 +19,65 @@ from absl import logging
 
 from te_jax_perm.core import hooks
 from te_jax_perm.core.aliasing import AliasPlan, alias_plan
-from te_jax_perm.core.declaration import Config, Dims, KernelDecl, Params
-from te_jax_perm.core.shapes import bind_dims
+from te_jax_perm.core.declaration import Config, Dims, KernelDecl, Operand, Params
+
+
+# -- operand and parameter checks -------------------------------------------------------------
+_KIND = {
+    # jnp.issubdtype: NumPy does not count ml_dtypes floats (bfloat16) as np.floating.
+    "float": lambda dt: jax.numpy.issubdtype(dt, jax.numpy.floating) or dt.name.startswith("float8"),
+    "int": lambda dt: np.issubdtype(dt, np.integer),
+    "bool": lambda dt: dt == np.bool_,
+}
+
+
+def bind_dims(decl: KernelDecl, avals: Sequence[Any]) -> dict[str, int]:
+    """Each operand's symbolic dims bound to sizes; errors name the kernel, the argument,
+    the shape seen and the shape expected."""
+    if len(avals) != len(decl.operands):
+        raise TypeError(f"{decl.name}: expected {len(decl.operands)} operands "
+                        f"({', '.join(o.name for o in decl.operands)}), got {len(avals)}")
+    dims: dict[str, int] = {}
+    where: dict[str, str] = {}
+    for op, aval in zip(decl.operands, avals):
+        shape = tuple(aval.shape)
+        if len(shape) != len(op.dims):
+            raise ValueError(f"{decl.name}: argument {op.name!r} has shape {shape} (rank {len(shape)}); "
+                             f"expected rank {len(op.dims)} with axes {_fmt_expected(op, dims)}")
+        dt = np.dtype(aval.dtype)
+        if op.dtypes is not None and not any(_KIND[k](dt) if k in _KIND else dt.name == k for k in op.dtypes):
+            raise TypeError(f"{decl.name}: argument {op.name!r} has dtype {dt.name}; "
+                            f"expected one of {list(op.dtypes)}")
+        for name, size in zip(op.dims, shape):
+            if name in dims and dims[name] != size:
+                raise ValueError(
+                    f"{decl.name}: argument {op.name!r} has shape {shape}; expected "
+                    f"{_fmt_expected(op, dims)} (axis {name}={dims[name]} from {where[name]!r})")
+            dims.setdefault(name, int(size))
+            where.setdefault(name, op.name)
+    return dims
+
+
+def _fmt_expected(op: Operand, dims: Mapping[str, int]) -> str:
+    return "(" + ", ".join(f"{d}={dims[d]}" if d in dims else d for d in op.dims) + ")"
+
+
+def check_static_params(decl: KernelDecl, params: Mapping[str, Any]) -> None:
+    """Exactly the declared params, each a hashable Python value (it sets shapes or the grid)."""
+    missing = set(decl.params) - set(params)
+    extra = set(params) - set(decl.params)
+    if missing or extra:
+        raise TypeError(f"{decl.name}: static params mismatch: missing {sorted(missing)}, "
+                        f"unexpected {sorted(extra)}")
+    for k, v in params.items():
+        if isinstance(v, (jax.core.Tracer, jax.Array)):
+            raise TypeError(f"{decl.name}: parameter {k!r} must be a static Python value "
+                            f"(it sets output shapes or the grid), got a traced/array value "
+                            f"{getattr(v, 'aval', type(v))}; pass a Python int or mark it static")
+        try:
+            hash(v)
+        except TypeError as e:
+            raise TypeError(f"{decl.name}: parameter {k!r} must be hashable, got {type(v)}") from e
 
 
 def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -57,17 +111,14 @@ def _shaped(aval: Any) -> jax.core.ShapedArray:
 
 def bind_call(decl: KernelDecl, avals: Sequence[Any], params: Params, backend: str) -> Call:
     """The :class:`Call` of ``decl`` on operands shaped like ``avals`` (anything with
-    ``.shape`` and ``.dtype``). Raises, naming the argument, when they do not fit the
-    declaration or ``params`` fail its ``params_check``."""
-    shaped = tuple(_shaped(a) for a in avals)
-    try:
-        items = tuple(sorted(params.items()))
-        hash(items)
-    except TypeError:  # an unhashable param: derive without the cache (check_static_params rejects these in ops)
-        return _bind(decl, shaped, tuple(sorted(params.items(), key=lambda kv: kv[0])), backend)
-    return _bind_cached(decl, shaped, items, backend)
+    ``.shape`` and ``.dtype``). Raises, naming the argument, when they or ``params`` do not
+    fit the declaration."""
+    check_static_params(decl, params)
+    return _bind(decl, tuple(_shaped(a) for a in avals), tuple(sorted(params.items())), backend)
 
 
+# Abstract evaluation, lowering and the tuner all bind the same call: derive it once.
+@functools.lru_cache(maxsize=4096)
 def _bind(decl: KernelDecl, avals: tuple, param_items: tuple, backend: str) -> Call:
     params = dict(param_items)
     dims = bind_dims(decl, avals)
@@ -77,10 +128,6 @@ def _bind(decl: KernelDecl, avals: tuple, param_items: tuple, backend: str) -> C
     out_avals = tuple(jax.core.ShapedArray(tuple(int(s) for s in o.shape(dims, params)),
                                            np.dtype(o.dtype(dtypes, params))) for o in decl.outputs)
     return Call(decl, backend, avals, _frozen(params), _frozen(dims), out_avals)
-
-
-# Abstract evaluation, lowering and the tuner all bind the same call: derive it once.
-_bind_cached = functools.lru_cache(maxsize=4096)(_bind)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

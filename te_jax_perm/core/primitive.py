@@ -6,7 +6,7 @@ operands with declared ``input_output_aliases`` (see :mod:`te_jax_perm.core.alia
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.extend  # noqa: F401  (jax.extend is not imported by `import jax`)
@@ -17,7 +17,6 @@ from jax.interpreters import batching, mlir
 from te_jax_perm.core import backends, checks, sharding
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import bind_call, configure, select_config
-from te_jax_perm.core.shapes import check_static_params
 
 _RESERVED = ("backend", "config")
 
@@ -31,11 +30,14 @@ class KernelPrimitive:
             raise ValueError(f"{decl.name}: parameter names {sorted(clash)} are reserved")
         self.decl = decl
         self.prim = self._primitive(f"te_jax_perm_{decl.name}", self._lower)
-        batching.primitive_batchers[self.prim] = self._batch
         # Sharding (core/sharding.py): `prim` lowers through custom_partitioning, whose
-        # per-shard function binds `local` (same kernel, lowered directly); vmap binds `vmapped`.
+        # per-shard function binds `local` (same kernel, lowered directly). vmap binds
+        # `vmapped`, one sequential loop over the batch whose batch axis shards with no
+        # collectives: correct for every kernel, and unbatched operands are shared, not
+        # broadcast, so it moves no more bytes than the loop it replaces.
         self.local = self._primitive(f"te_jax_perm_{decl.name}_local", self._lower_local)
         self.vmapped = sharding.VmappedPrimitive(self)
+        batching.primitive_batchers[self.prim] = self.vmapped.bind
         sharding.requires_devices(self.prim)
 
     def _primitive(self, name: str, lower: Callable) -> Primitive:
@@ -51,7 +53,6 @@ class KernelPrimitive:
     def __call__(self, *operands: jax.Array, backend: str | None = None, config: Config | None = None,
                  **params: Any) -> tuple[jax.Array, ...]:
         decl = self.decl
-        check_static_params(decl, params)
         operands = tuple(jnp.asarray(o) for o in operands)
         chosen = backends.resolve_backend(backend)
         call = bind_call(decl, [o.aval for o in operands], params, chosen)
@@ -106,15 +107,6 @@ class KernelPrimitive:
             from te_jax_perm.core.triton_backend import triton_call
             return triton_call
         raise ValueError(f"unknown backend {backend!r}")
-
-    def _batch(self, args: Sequence[jax.Array], dims: Sequence[Any], **kw):
-        """vmap as a sequential loop over the batch: correct for every kernel.
-
-        The loop is one ``vmapped`` primitive (core/sharding.py) whose batch axis shards with
-        no collectives. Unbatched operands are shared by every iteration rather than
-        broadcast, so a vmapped call moves no more bytes than the loop it replaces.
-        """
-        return self.vmapped.bind(args, dims, **kw)
 
 
 def _validation_problem(decl: KernelDecl, dims, params, *operands) -> str | None:

@@ -1,31 +1,20 @@
 """Sharding rules: how a declared kernel runs under JAX's SPMD partitioner.
 
-A kernel declares, through :class:`~te_jax_perm.core.declaration.Partitioning`, the axis names of its outputs and which
-axis names are *local*: axes along which every device can run the kernel on its own shard
-and produce its own shard of the outputs, with no data from other shards. Every other axis
-must be replicated; when an operand arrives sharded along one, the partitioner gathers it
-first (that is the rule saying "replicate", not a hidden cost of ours).
+A kernel's :class:`~te_jax_perm.core.declaration.Partitioning` names its outputs' axes and
+the *local* axes, along which each device runs the kernel on its own shard with no data
+from other shards. Every other axis is replicated: an operand sharded along one is
+gathered first (that is the rule saying "replicate", not a hidden cost of ours).
 
-Two places use the rule, both at lowering time, so that ``vmap``, ``grad`` and ``jit`` see
-the ordinary primitive and only the emitted module changes:
+Both uses are at lowering time, so ``vmap``, ``grad`` and ``jit`` see the ordinary
+primitive: a plain call lowers through ``custom_partitioning`` with a Shardy rule and the
+GSPMD callbacks, its per-shard function binding the kernel again on local shapes (so the
+per-device module still holds our aliased custom call); a ``vmap``-ed call becomes one
+``vmapped`` primitive whose leading batch axis is local. With one device, or inside a fully
+manual ``shard_map``, there is no custom-partitioning call at all.
 
-* a plain call lowers through :func:`jax.experimental.custom_partitioning` with a Shardy
-  rule (``sharding_rule=``) and the GSPMD callbacks (``infer_sharding_from_operands``,
-  ``propagate_user_sharding``), whichever partitioner is active; the per-shard function
-  binds the kernel again on local shapes, so the per-device module still holds our aliased
-  custom call (or, for ``backend="xla"``, the reference).
-* a ``vmap``-ed call becomes one ``vmapped`` primitive whose leading batch axis is always
-  local - each batch row is an independent call - so a batch of routing groups sharded over
-  devices is processed group by group on the device that holds it.
-
-With one device, or inside a fully manual ``shard_map``, the wrapper lowers straight to the
-per-device function: there is no custom-partitioning call in single-device programs.
-
-The three axis rules of the library: the H axis (a row's slices move independently) and the
-vmap batch axis are shard-local kernel axes, declared here; the token axis of
-``token_dispatch``/``token_combine`` is not (a token's row depends on every earlier token),
-so a token-sharded call instead runs as independent local calls, one per shard, with the
-output rows divided across the shards - an op-level rule in ``te_jax_perm.ops.token_split``.
+The token axis of ``token_dispatch``/``token_combine`` is not a kernel-local axis (a
+token's row depends on every earlier token): its rule is op-level, in
+``te_jax_perm.ops.token_split``.
 """
 from __future__ import annotations
 
@@ -42,22 +31,24 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from te_jax_perm.core.declaration import Partitioning
+from te_jax_perm.core.declaration import Partitioning  # noqa: F401  (ops import it from here)
 
 if TYPE_CHECKING:  # pragma: no cover
     from te_jax_perm.core.primitive import KernelPrimitive
-
-__all__ = ["Partitioning", "VmappedPrimitive", "dim_splits", "lower_partitioned", "partition_error", "partitioned",
-           "requires_devices", "sdy_rule"]
 
 BATCH_AXIS = "__vmap__"
 
 
 # -- rules ----------------------------------------------------------------------------------
-def _axis_names(kp: "KernelPrimitive", out_ranks: Sequence[int], in_batched: Sequence[bool] | None):
-    """(operand axis names, output axis names, local names) for a (possibly vmapped) call."""
-    decl = kp.decl
-    part: Partitioning | None = decl.partitioning
+def _spec_axes(sharding, ndim: int) -> list[Any]:
+    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+    return list((spec + (None,) * ndim)[:ndim])
+
+
+def partitioned(kp: "KernelPrimitive", fn: Callable, out_ranks: Sequence[int], in_batched: Sequence[bool] | None):
+    """``fn`` (per-device, local shapes) wrapped in custom_partitioning per ``kp``'s named axes
+    (a vmapped call's batch axis leading and local)."""
+    decl, part = kp.decl, kp.decl.partitioning
     ops = [tuple(o.dims) for o in decl.operands]
     if part is None:
         outs = [tuple(f"{o.name}.{i}" for i in range(r)) for o, r in zip(decl.outputs, out_ranks)]
@@ -66,79 +57,41 @@ def _axis_names(kp: "KernelPrimitive", out_ranks: Sequence[int], in_batched: Seq
         if len(part.outputs) != len(decl.outputs):
             raise ValueError(f"{decl.name}: partitioning names {len(part.outputs)} outputs, "
                              f"the kernel has {len(decl.outputs)}")
-        outs = [tuple(o) for o in part.outputs]
-        local = tuple(part.local)
+        outs, local = [tuple(o) for o in part.outputs], tuple(part.local)
     if in_batched is not None:
         ops = [((BATCH_AXIS,) + d) if b else d for d, b in zip(ops, in_batched)]
         outs = [(BATCH_AXIS,) + d for d in outs]
         local = (BATCH_AXIS,) + local
-    return ops, outs, local
+    factors: dict[str, str] = {}   # axis name -> Shardy factor
+    rule = " -> ".join(", ".join(" ".join(factors.setdefault(n, f"f{len(factors)}") for n in d) for d in side)
+                       for side in (ops, outs))
 
-
-def sdy_rule(ops: Sequence[tuple[str, ...]], outs: Sequence[tuple[str, ...]], local: Sequence[str]):
-    """Shardy rule string and need-replication factors for named axes."""
-    names: dict[str, str] = {}
-
-    def factor(n: str) -> str:
-        return names.setdefault(n, f"f{len(names)}")
-
-    def value(dims):
-        return " ".join(factor(n) for n in dims)
-
-    rule = ", ".join(value(d) for d in ops) + " -> " + ", ".join(value(d) for d in outs)
-    replicate = tuple(f for n, f in names.items() if n not in local)
-    return rule, replicate
-
-
-def _spec_axes(sharding, ndim: int) -> list[Any]:
-    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-    return list((spec + (None,) * ndim)[:ndim])
-
-
-def _choose(ops, local, arg_shapes) -> dict[str, Any]:
-    """Mesh axes of each local axis name: taken from the first operand sharded along it."""
-    chosen: dict[str, Any] = {}
-    for dims, a in zip(ops, arg_shapes):
-        for n, ax in zip(dims, _spec_axes(a.sharding, len(dims))):
-            if n in local and n not in chosen and ax is not None:
-                chosen[n] = ax
-    return chosen
-
-
-def _shardings(mesh, dims_list, chosen):
-    return [NamedSharding(mesh, PartitionSpec(*(chosen.get(n) for n in dims))) for dims in dims_list]
-
-
-def partitioned(fn, ops, outs, local):
-    """``fn`` (per-device, local shapes) wrapped in custom_partitioning per the named axes."""
-    rule, replicate = sdy_rule(ops, outs, local)
-
-    def infer(mesh, arg_shapes, result_shape):
-        chosen = _choose(ops, local, arg_shapes)
-        return tuple(_shardings(mesh, outs, chosen))
+    def shardings(mesh, arg_shapes, dims_list):
+        chosen: dict[str, Any] = {}   # mesh axes of each local axis: the first operand's split along it
+        for dims, a in zip(ops, arg_shapes):
+            for n, ax in zip(dims, _spec_axes(a.sharding, len(dims))):
+                if n in local and ax is not None:
+                    chosen.setdefault(n, ax)
+        return tuple(NamedSharding(mesh, PartitionSpec(*(chosen.get(n) for n in dims))) for dims in dims_list)
 
     def propagate(mesh, user_shape):
         # Multi-output kernels get a tuple of ShapeDtypeStructs.
         return tuple(u.sharding for u in user_shape) if isinstance(user_shape, tuple) else user_shape.sharding
 
-    def partition(mesh, arg_shapes, result_shape):
-        chosen = _choose(ops, local, arg_shapes)
-        return mesh, fn, tuple(_shardings(mesh, outs, chosen)), tuple(_shardings(mesh, ops, chosen))
-
     wrapped = custom_partitioning(fn)
-    wrapped.def_partition(partition, infer_sharding_from_operands=infer, propagate_user_sharding=propagate,
-                          sharding_rule=rule, need_replication_factors=replicate)
+    wrapped.def_partition(
+        lambda mesh, args, result: (mesh, fn, shardings(mesh, args, outs), shardings(mesh, args, ops)),
+        infer_sharding_from_operands=lambda mesh, args, result: shardings(mesh, args, outs),
+        propagate_user_sharding=propagate, sharding_rule=rule,
+        need_replication_factors=tuple(f for n, f in factors.items() if n not in local))
     return wrapped
 
 
 # -- what a partitioning callback sees and raises ---------------------------------------------
 def dim_splits(mesh, sharding, ndim: int) -> list[tuple[Any, int]]:
-    """Per dimension of an operand: ``(mesh axes, pieces)``, the PartitionSpec entry that
-    splits it (``None`` when unsplit) and the number of pieces it is split into.
-
-    For a sharding a PartitionSpec cannot name (Shardy splits a dimension that a mesh axis
-    does not divide along part of that axis), the entry is ``None`` and ``pieces`` still
-    counts the split, so a caller can say which size does not divide."""
+    """Per dimension of an operand: ``(PartitionSpec entry splitting it or None, pieces)``.
+    Where no PartitionSpec can name the split (Shardy splits a dimension a mesh axis does
+    not divide along part of it), the entry is ``None`` and ``pieces`` still counts it."""
     if isinstance(sharding, NamedSharding):
         return [(ax, _axes_size(mesh, ax)) for ax in _spec_axes(sharding, ndim)]
     try:
@@ -218,24 +171,17 @@ def _multi_device(ctx) -> bool:
     return False
 
 
-def _callback_fallback(name: str, ctx, backend: str) -> bool:
-    """The interpret backend runs the kernel in a host callback; callbacks inside a
+def _lower(kp: "KernelPrimitive", ctx, args, body: Callable, in_batched: Sequence[bool] | None, backend: str):
+    """Lowers ``body`` (the per-device function) through custom_partitioning per ``kp``'s axis
+    names. Not for the interpret backend under a multi-device jit: callbacks inside a
     custom_partitioning per-shard module index the wrong executable's callback table (a JAX
     limitation: it crashes), so there it lowers unpartitioned: correct, but XLA gathers."""
-    if backend != "interpret" or not _multi_device(ctx):
-        return False
-    logging.warning("%s: backend 'interpret' under a multi-device jit runs unpartitioned "
-                    "(operands are gathered); use shard_map, or backend 'xla'/'triton', to "
-                    "keep it shard-local", name)
-    return True
-
-
-def _lower(kp: "KernelPrimitive", ctx, args, body: Callable, in_batched: Sequence[bool] | None, backend: str):
-    """Lowers ``body`` (the per-device function) through custom_partitioning per ``kp``'s
-    axis names, or unpartitioned where the interpret backend cannot be partitioned."""
-    if not _callback_fallback(kp.decl.name, ctx, backend):
-        ranks = [len(a.shape) - (in_batched is not None) for a in ctx.avals_out]
-        body = partitioned(body, *_axis_names(kp, ranks, in_batched))
+    if backend == "interpret" and _multi_device(ctx):
+        logging.warning("%s: backend 'interpret' under a multi-device jit runs unpartitioned "
+                        "(operands are gathered); use shard_map, or backend 'xla'/'triton', to "
+                        "keep it shard-local", kp.decl.name)
+    else:
+        body = partitioned(kp, body, [len(a.shape) - (in_batched is not None) for a in ctx.avals_out], in_batched)
     return mlir.lower_fun(lambda *xs: list(body(*xs)), multiple_results=True)(ctx, *args)
 
 
@@ -259,47 +205,43 @@ class VmappedPrimitive:
         batching.primitive_batchers[self.prim] = self._batch
         requires_devices(self.prim)
 
-    def _item_avals(self, avals, in_batched):
-        return [jax.core.ShapedArray(a.shape[1:], a.dtype) if b else a for a, b in zip(avals, in_batched)]
-
     def abstract_eval(self, *avals, in_batched, **kw):
         n = next(a.shape[0] for a, b in zip(avals, in_batched) if b)
-        outs = self.kp.abstract_eval(*self._item_avals(avals, in_batched), **kw)
-        return [jax.core.ShapedArray((n,) + tuple(o.shape), o.dtype) for o in outs]
-
-    def _loop(self, *args, in_batched, **kw):
-        xs = tuple(a for a, b in zip(args, in_batched) if b)
-
-        def body(items):
-            it = iter(items)
-            full = [next(it) if b else a for a, b in zip(args, in_batched)]
-            return tuple(self.kp.local.bind(*full, **kw))
-
-        return tuple(jax.lax.map(body, xs))
+        items = [jax.core.ShapedArray(a.shape[1:], a.dtype) if b else a for a, b in zip(avals, in_batched)]
+        return [jax.core.ShapedArray((n,) + tuple(o.shape), o.dtype) for o in self.kp.abstract_eval(*items, **kw)]
 
     def _lower(self, ctx, *args, in_batched, **kw):
-        return _lower(self.kp, ctx, args, lambda *xs: self._loop(*xs, in_batched=in_batched, **kw), in_batched,
-                      kw.get("backend"))
+        loop = lambda *xs: _map(lambda *full: self.kp.local.bind(*full, **kw), xs, in_batched)  # noqa: E731
+        return _lower(self.kp, ctx, args, loop, in_batched, kw.get("backend"))
 
     def bind(self, args: Sequence[jax.Array], dims: Sequence[Any], **kw):
         in_batched = tuple(d is not None for d in dims)
-        moved = [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
-        outs = self.prim.bind(*moved, in_batched=in_batched, **kw)
+        outs = self.prim.bind(*_to_front(args, dims), in_batched=in_batched, **kw)
         return list(outs), [0] * len(outs)
 
     def _batch(self, args, dims, *, in_batched, **kw):
         """Nested vmap: a sequential loop over the outer axis (its partitioning is not local)."""
-        outer = [i for i, d in enumerate(dims) if d is not None]
-        moved = [jnp.moveaxis(args[i], dims[i], 0) for i in outer]
-
-        def body(xs):
-            full = list(args)
-            for i, x in zip(outer, xs):
-                full[i] = x
-            return tuple(self.prim.bind(*full, in_batched=in_batched, **kw))
-
-        outs = jax.lax.map(body, tuple(moved))
+        outs = _map(lambda *full: self.prim.bind(*full, in_batched=in_batched, **kw), _to_front(args, dims),
+                    [d is not None for d in dims])
         return list(outs), [0] * len(outs)
+
+
+def _to_front(args, dims) -> list:
+    return [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
+
+
+def _map(bind: Callable, args: Sequence[Any], batched: Sequence[bool]) -> tuple:
+    """``bind`` per item of the leading axis of the ``batched`` args; the others are shared by
+    every item rather than broadcast, so the loop moves no more bytes than its calls."""
+    idx = [i for i, b in enumerate(batched) if b]
+
+    def body(xs):
+        full = list(args)
+        for i, x in zip(idx, xs):
+            full[i] = x
+        return tuple(bind(*full))
+
+    return tuple(jax.lax.map(body, tuple(args[i] for i in idx)))
 
 
 def requires_devices(prim) -> None:

@@ -1,30 +1,154 @@
-"""``triton`` backend: the Triton kernel as one XLA custom call on CUDA.
+"""``triton`` backend: the Triton kernel as one XLA custom call on CUDA, and the versions
+of jax and Triton it works with.
 
-The kernel is compiled by Triton itself (``core/triton_compile.py``) and called through
-jaxlib's typed-FFI Triton call ``triton_kernel_call_ffi`` (jaxlib 0.10.1 and later), which
-XLA can capture in a command buffer (a CUDA graph), so a jitted step of many small kernels
-runs without a host launch per kernel. The call passes the arguments
-:func:`~te_jax_perm.core.kernel_args.kernel_arguments` orders and declares the launch's
-alias plan, so XLA never hands an output the memory of another input.
+The kernel is compiled by Triton's own compiler, cached per specialisation; the autotuner's
+compile workers compile through the same :func:`compile_kernel`, so a tuned binary is
+exactly the one the backend launches. It is called through jaxlib's typed-FFI Triton call
+``triton_kernel_call_ffi``, which XLA can capture in a command buffer (a CUDA graph), so a
+jitted step of many small kernels runs without a host launch per kernel. The call
+declares the launch's alias plan, so XLA never hands an output another input's memory.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib.metadata
 import zlib
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.ffi
 import numpy as np
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
-from te_jax_perm.core import compat
 from te_jax_perm.core.aliasing import preallocate
 from te_jax_perm.core.backends import BackendUnavailableError
-from te_jax_perm.core.kernel_args import kernel_arguments, scalar_type
+from te_jax_perm.core.kernel_args import SCALAR, kernel_arguments, scalar_type, signature
 from te_jax_perm.core.launch import Launch
-from te_jax_perm.core.triton_compile import CompiledKernel, compiled_for, launch_spec
 
 FFI_TARGET = "triton_kernel_call_ffi"
+
+# -- versions: one table, read by this backend's errors (each names the missing or
+# mismatched package and the command that fixes it) and by the test of the [cuda] pins.
+# jaxlib registers the typed-FFI Triton call ``triton_kernel_call_ffi`` from 0.10.1 on.
+FFI_MIN_JAXLIB = Version("0.10.1")
+JAX_SPEC = SpecifierSet(f">={FFI_MIN_JAXLIB}")
+TRITON_SPEC = SpecifierSet(">=3.6")
+# The Triton releases run on a GPU with this library (the [cuda] extra pins one of them).
+TRITON_TESTED_SPEC = SpecifierSet(">=3.6,<3.7")
+
+
+def installed(package: str) -> Version | None:
+    try:
+        return Version(importlib.metadata.version(package))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def problems() -> list[str]:
+    """What keeps the ``triton`` backend from working with the installed packages; each
+    entry says how to fix it."""
+    out = []
+    jaxlib, triton = installed("jaxlib"), installed("triton")
+    if triton is None:
+        out.append("the triton package is not installed: pip install 'te_jax_perm[cuda]'")
+    elif triton not in TRITON_SPEC:
+        out.append(f"triton {triton} is installed; the triton backend needs triton{TRITON_SPEC}: "
+                   "pip install 'te_jax_perm[cuda]'")
+    if jaxlib is None or jaxlib not in JAX_SPEC:
+        out.append(f"jaxlib {jaxlib or '(missing)'}: the triton backend needs jax{JAX_SPEC} with CUDA: "
+                   "pip install 'te_jax_perm[cuda]'")
+    return out
+
+
+# -- Triton version shims ----------------------------------------------------------------------
+# Triton >= 3.3 takes per-argument attributes keyed by argument-index tuples
+# ({(i,): [["tt.divisibility", 16]]}); every release this library supports (3.6 and later)
+# does, as does the metadata below (``name``, ``shared``, ``num_warps``, ``num_ctas``,
+# ``global_scratch_size``/``_align``; ``profile_scratch_size`` from 3.5 on).
+DIVISIBILITY = [["tt.divisibility", 16]]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledKernel:
+    """What XLA's Triton call needs of a compiled kernel."""
+
+    name: str                 # the PTX entry point
+    num_warps: int
+    num_ctas: int
+    shared_mem_bytes: int
+    ptx: str
+    compute_capability: int
+    global_scratch_size: int   # bytes of on-device scratch the kernel needs (0: none)
+    global_scratch_align: int
+
+
+def compile_kernel(kernel: Any, sig: Mapping[str, str], constexprs: Mapping[str, Any],
+                   attrs: Mapping[tuple[int, ...], Any], target: tuple[str, Any, int],
+                   num_warps: int, num_stages: int) -> Any:
+    """``triton.compile`` of ``kernel`` (a ``@triton.jit`` function); returns Triton's
+    compiled kernel (``.asm``, ``.metadata``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    source = ASTSource(fn=kernel, signature=dict(sig), constexprs=dict(constexprs), attrs=dict(attrs))
+    return triton.compile(source, target=GPUTarget(*target), options={"num_warps": num_warps,
+                                                                       "num_stages": num_stages})
+
+
+def specialisation(value: Any) -> str | None:
+    """How a runtime scalar is compiled, as Triton's launcher does it: an integer 1 becomes a
+    constant (``"one"``); one divisible by 16 carries that fact (``"div16"``: ``row * E``
+    offsets keep 16-byte alignment, loads vectorise); anything else is ``None``. The values
+    are the call's static scalars, so the binary never meets another value."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return None
+    if int(value) == 1:
+        return "one"
+    return "div16" if int(value) % 16 == 0 else None
+
+
+def launch_spec(launch: Launch) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int, ...], Any]]:
+    """(signature, constexprs, attrs) of ``launch``: pointers are 16-byte aligned (XLA's
+    allocations are) and integer scalars are specialised (:func:`specialisation`)."""
+    sig, constexprs, attrs = signature(launch), dict(launch.constexprs), {}
+    # Constexprs follow every runtime argument, so argument i is kernel parameter i.
+    for i, a in enumerate(kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)):
+        kind = "div16" if a.is_pointer else specialisation(a.value) if a.role == SCALAR else None
+        if kind == "one":
+            sig[a.name], constexprs[a.name] = "constexpr", 1
+        elif kind == "div16":
+            attrs[(i,)] = DIVISIBILITY
+    return sig, constexprs, attrs
+
+
+def compiled_for(launch: Launch, compute_capability: int) -> CompiledKernel:
+    """The compiled kernel of ``launch`` for a CUDA device of ``compute_capability`` (e.g.
+    90), compiled once per (kernel, signature, constexprs, warps, stages, device)."""
+    sig, constexprs, attrs = launch_spec(launch)
+    return compile_cached(launch.decl.kernel, tuple(sig.items()), tuple(constexprs.items()), tuple(attrs),
+                          launch.config.num_warps, launch.config.num_stages, int(compute_capability))
+
+
+@functools.lru_cache(maxsize=1024)
+def compile_cached(kernel: Any, sig: tuple, constexprs: tuple, aligned: tuple, num_warps: int, num_stages: int,
+                   cc: int) -> CompiledKernel:
+    """:func:`compiled_for`'s cache (``cache_info()`` counts the compiles); ``aligned``: the
+    argument positions known 16-byte divisible."""
+    attrs = {position: DIVISIBILITY for position in aligned}
+    compiled = compile_kernel(kernel, dict(sig), dict(constexprs), attrs, ("cuda", cc, 32), num_warps, num_stages)
+    if getattr(compiled.metadata, "profile_scratch_size", 0):
+        raise NotImplementedError(f"{kernel.fn.__name__}: compiled with Triton's profiling instrumentation "
+                                  "(profile scratch memory), which XLA's Triton call cannot provide; unset "
+                                  "the Triton instrumentation options")
+    return CompiledKernel(
+        name=compiled.metadata.name, num_warps=num_warps, num_ctas=getattr(compiled.metadata, "num_ctas", 1),
+        shared_mem_bytes=compiled.metadata.shared, ptx=compiled.asm["ptx"], compute_capability=cc,
+        global_scratch_size=getattr(compiled.metadata, "global_scratch_size", 0) or 0,
+        global_scratch_align=getattr(compiled.metadata, "global_scratch_align", 1) or 1)
+
 
 # -- jaxlib version shims ----------------------------------------------------------------------
 # ``jax._src.lib.gpu_triton`` (a.k.a. triton_kernel_call_lib) exposes TritonKernel,
@@ -56,11 +180,11 @@ def _check_ffi(lib: Any) -> None:
     if callable(registrations):
         registered = FFI_TARGET in registrations()
     else:
-        jaxlib = compat.installed("jaxlib")
-        registered = jaxlib is not None and jaxlib >= compat.FFI_MIN_JAXLIB
+        jaxlib = installed("jaxlib")
+        registered = jaxlib is not None and jaxlib >= FFI_MIN_JAXLIB
     if not registered:
-        raise BackendUnavailableError("backend 'triton': " + "; ".join(compat.problems() or [
-            f"this jaxlib does not register {FFI_TARGET}: pip install 'jax[cuda13]>={compat.FFI_MIN_JAXLIB}'"]))
+        raise BackendUnavailableError("backend 'triton': " + "; ".join(problems() or [
+            f"this jaxlib does not register {FFI_TARGET}: pip install 'jax[cuda13]>={FFI_MIN_JAXLIB}'"]))
 
 
 def _triton_kernel(lib: Any, kernel: CompiledKernel) -> Any:
@@ -83,17 +207,21 @@ def compute_capability() -> int:
     return int(kernel_call_lib().get_compute_capability(0))
 
 
+# Triton scalar type -> Python type: nanobind's strict casters reject NumPy scalars and int subclasses.
+_PYTHON = {"i1": bool, "i32": int, "i64": int, "fp32": float}
+
+
 # -- the call ----------------------------------------------------------------------------------
 def kernel_call_proto(launch: Launch, lib: Any) -> bytes:
     """The serialized, compressed kernel call of ``launch`` (the custom call's payload). Its
     parameters follow the kernel's order: every pointer (operands, preallocs, then outputs,
     which XLA hands over after the operands) 16-byte aligned, never zeroed by the call
     (zeroed outputs arrive zeroed as their preallocated operands); scalars by value, except
-    those compiled in as constants (:func:`~te_jax_perm.core.triton_compile.launch_spec`)."""
+    those compiled in as constants (:func:`launch_spec`)."""
     kernel = _triton_kernel(lib, compiled_for(launch, int(lib.get_compute_capability(0))))
     sig = launch_spec(launch)[0]
     params = [lib.create_array_parameter(0, 16) if a.is_pointer
-              else lib.create_scalar_parameter(_python_scalar(a.value), scalar_type(a.value))
+              else lib.create_scalar_parameter(_PYTHON[scalar_type(a.value)](a.value), scalar_type(a.value))
               for a in kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)
               if sig[a.name] != "constexpr"]
     call = lib.TritonKernelCall(kernel, *launch.grid3, params)
@@ -115,12 +243,3 @@ def triton_call(launch: Launch, operands: Sequence[jax.Array],
     with jax.named_scope(f"te_jax_perm.{launch.decl.name}"):
         call = jax.ffi.ffi_call(FFI_TARGET, result_types, input_output_aliases=plan.input_output_aliases)
         return list(call(*operands, *preallocs, opaque=payload))
-
-
-def _python_scalar(v: Any) -> Any:
-    # nanobind's strict casters reject NumPy scalars and int subclasses.
-    if isinstance(v, (bool, np.bool_)):
-        return bool(v)
-    if isinstance(v, (int, np.integer)):
-        return int(v)
-    return float(v)

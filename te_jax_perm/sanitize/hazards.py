@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
 
 Pid = tuple[int, int, int]
 
@@ -17,33 +16,17 @@ KINDS = (OOB, WRITE_WRITE, READ_WRITE, IN_PLACE, INPUT_WRITE)
 
 @dataclasses.dataclass(frozen=True)
 class Hazard:
-    """One hazard found in one launch.
+    """One hazard found in one launch."""
 
-    Element offsets are in units of ``buffer``'s own dtype and half-open: ``elements``
-    is ``(first, last + 1)`` over the ``count`` offending elements.
-
-    Attributes:
-      kind: one of :data:`KINDS`.
-      kernel: the declared kernel name.
-      buffer: operand/output name the access belongs to (for ``in_place``: the output).
-      programs: the program ids involved: ``(pid,)`` for ``out_of_bounds`` and
-        ``input_write``; ``(reader_or_first_writer, writer)`` for overlap kinds.
-      access: ``"load"``, ``"store"`` or ``"atomic"``.
-      elements: half-open element-offset range of the offending elements.
-      count: number of offending elements.
-      buffer_elements: number of elements in ``buffer``.
-      input: for ``in_place``: the input hypothetically sharing ``buffer``'s memory.
-    """
-
-    kind: str
-    kernel: str
-    buffer: str
-    programs: tuple[Pid, ...]
-    access: str
-    elements: tuple[int, int]
-    count: int
+    kind: str                   # one of KINDS
+    kernel: str                 # the declared kernel name
+    buffer: str                 # operand/output the access belongs to (in_place: the output)
+    programs: tuple[Pid, ...]   # (pid,) for out_of_bounds/input_write; (reader or first writer, writer)
+    access: str                 # "load", "store" or "atomic"
+    elements: tuple[int, int]   # half-open range of the offending elements, in buffer's own dtype
+    count: int                  # number of offending elements
     buffer_elements: int
-    input: str | None = None
+    input: str | None = None    # in_place: the input hypothetically sharing buffer's memory
 
     def text(self) -> str:
         lo, hi = self.elements
@@ -88,14 +71,11 @@ class HazardError(RuntimeError):
 
 @dataclasses.dataclass
 class Report:
-    """Every hazard and launch the sanitizer saw.
-
-    ``hazards`` are bugs of the launches as they ran (a report is truthy when there are
-    any). ``in_place`` holds the :data:`IN_PLACE` findings: hazards that *would* occur if
-    an input shared memory with an output of the same shape and dtype. They are verdicts,
-    not bugs: the framework never lets XLA alias an input to an output (outputs live in
-    declared preallocated buffers), but a caller wanting in-place use must heed them.
-    """
+    """Every hazard and launch the sanitizer saw; truthy when ``hazards`` (bugs of the
+    launches as they ran) has any. ``in_place`` holds :data:`IN_PLACE` verdicts, hazards that
+    *would* occur if an input shared memory with an output of its shape and dtype: not bugs,
+    as XLA never aliases an input to a declared preallocated output, but a caller wanting
+    in-place use must heed them."""
 
     hazards: list[Hazard] = dataclasses.field(default_factory=list)
     in_place: list[Hazard] = dataclasses.field(default_factory=list)
@@ -131,6 +111,3 @@ class Report:
         return "\n".join(lines)
 
     __str__ = text
-
-    def extend(self, hazards: Iterable[Hazard]) -> None:
-        self.hazards.extend(hazards)

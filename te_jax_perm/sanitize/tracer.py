@@ -1,26 +1,87 @@
-"""Records every memory access the Triton interpreter makes during an observed launch.
+"""Records every memory access the Triton interpreter makes during an observed launch,
+and finds the launch's cross-program hazards.
 
-The interpreter hands whole address arrays (``uint64`` NumPy arrays) to its builder's
-load/store/atomic methods; while a launch is recorded those methods are wrapped on the
-``InterpreterBuilder`` class (restored when the last recorded launch ends). Pointer
-provenance is tracked by tagging pointer tensors with the region of the kernel argument
-they were derived from, so an overrun is charged to the buffer it overran even when it
-lands inside a neighbouring buffer. Out-of-bounds lanes are reported and then masked off,
+The interpreter hands whole address arrays to its builder's load/store/atomic methods;
+while a launch is recorded those methods are wrapped on ``InterpreterBuilder`` (restored
+when the last recorded launch ends). Pointer tensors are tagged with the region of the
+kernel argument they derive from, so an overrun is charged to the buffer it overran even
+where it lands in a neighbouring one. Out-of-bounds lanes are reported, then masked off,
 so a buggy kernel cannot corrupt host memory while being sanitized.
+
+A prealloc and its output are one memory (the declared alias), so they form one region
+named by the output; a prealloc XLA did *not* place on its output stays a region of its
+own, ``<output>.prealloc``. An input placed on exactly an output's memory joins that
+output's region: its loads are then loads of the output's bytes, which is in-place use.
+
+The analysis encodes every accessed byte as ``byte * P + pid`` (``P`` programs), so one
+``np.unique`` gives each region's (byte, program) pairs sorted by byte: two programs
+storing a byte are adjacent entries, and a load of a byte another program stores is
+found by ``searchsorted`` into the stores.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from te_jax_perm.sanitize.hazards import OOB, Hazard, HazardError, Pid
-from te_jax_perm.sanitize.regions import RegionMap
+from te_jax_perm.core.hooks import BufferInfo
+from te_jax_perm.sanitize.hazards import (IN_PLACE, INPUT_WRITE, OOB, READ_WRITE, WRITE_WRITE, Hazard, HazardError,
+                                          LaunchSummary, Pid)
 
 _TAG = "te_jax_perm.region"
+# Per launch and hazard class, at most this many (program pair) hazards are recorded.
+MAX_PER_CLASS = 16
 
 
+# -- regions -----------------------------------------------------------------------------------
+class RegionMap:
+    """The launch's regions (buffers whose role is "input" or "output"), with address ->
+    region attribution."""
+
+    def __init__(self, buffers: Sequence[BufferInfo]):
+        outputs = {b.name: b for b in buffers if b.role == "output"}
+        out_mem = {(b.address, b.nbytes) for b in outputs.values() if b.nbytes}
+        regions: list[BufferInfo] = []
+        for b in buffers:
+            if b.role == "prealloc":
+                out = outputs.get(b.name.removesuffix(".prealloc"))
+                if out is not None and out.address == b.address:
+                    continue
+            if b.role == "input" and (b.address, b.nbytes) in out_mem:
+                continue
+            regions.append(dataclasses.replace(b, role="input" if b.role == "input" else "output"))
+        self.regions = regions
+        # Base address -> region, preferring non-empty regions when addresses coincide
+        # (an empty buffer may sit at any address).
+        self.by_base: dict[int, int] = {}
+        for i in sorted(range(len(regions)), key=lambda i: (regions[i].nbytes == 0, regions[i].role == "input")):
+            self.by_base.setdefault(regions[i].address, i)
+        live = [i for i, r in enumerate(regions) if r.nbytes > 0]
+        live.sort(key=lambda i: regions[i].address)
+        self._live = np.asarray(live, dtype=np.int64)
+        self._starts = np.asarray([regions[i].address for i in live], dtype=np.int64)
+        self._ends = np.asarray([regions[i].address + regions[i].nbytes for i in live], dtype=np.int64)
+        order = sorted(range(len(regions)), key=lambda i: regions[i].address)
+        self._all_idx = np.asarray(order, dtype=np.int64)
+        self._all_starts = np.asarray([regions[i].address for i in order], dtype=np.int64)
+
+    def attribute(self, addrs: np.ndarray) -> int:
+        """Region a pointer tensor whose provenance is unknown derives from.
+
+        The region holding most of the lanes; if none holds any, the nearest region base
+        at or below the lowest address (where an overrunning pointer came from).
+        """
+        if self._starts.size:
+            j = np.searchsorted(self._starts, addrs, side="right") - 1
+            inside = (j >= 0) & (addrs < self._ends[np.maximum(j, 0)])
+            if inside.any():
+                return int(self._live[np.bincount(j[inside]).argmax()])
+        k = int(np.searchsorted(self._all_starts, addrs.min(), side="right")) - 1
+        return int(self._all_idx[max(k, 0)])
+
+
+# -- recording ---------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Access:
     pid: int            # linear program index
@@ -33,9 +94,9 @@ class Access:
 class LaunchRecord:
     """Accesses of one launch, per program."""
 
-    def __init__(self, kernel: str, regions: RegionMap, grid: Pid, raise_first: bool):
+    def __init__(self, kernel: str, buffers: Sequence[BufferInfo], grid: Pid, raise_first: bool):
         self.kernel = kernel
-        self.regions = regions
+        self.regions = RegionMap(buffers)
         self.grid = grid
         self.raise_first = raise_first
         self.pid: Pid = (0, 0, 0)
@@ -81,7 +142,7 @@ class LaunchRecord:
         if tag is None:
             tag = self.regions.attribute(a)
         reg = self.regions.regions[tag]
-        off = a - reg.start
+        off = a - reg.address
         bad = (off < 0) | (off + size > reg.nbytes)
         if bad.any():
             eoff = np.floor_divide(off[bad], reg.itemsize)
@@ -110,14 +171,6 @@ def _current() -> LaunchRecord | None:
     return _active[-1] if _active else None
 
 
-def _pointer_tag(rec: LaunchRecord, handle, pointer_type: type) -> int | None:
-    """Region tag of ``handle`` if it is a pointer tensor (a root kernel argument is tagged
-    on first use by its base address), else ``None``."""
-    if isinstance(getattr(handle, "dtype", None), pointer_type) and hasattr(handle, "attr"):
-        return rec.tag_of(handle)
-    return None
-
-
 def _deriving(orig: Callable) -> Callable:
     """Wraps a builder method so that every pointer tensor it returns carries the region tag
     of the pointer tensors it was computed from (splat, broadcast, addptr, reshape, select,
@@ -131,10 +184,13 @@ def _deriving(orig: Callable) -> Callable:
         rec = _current()
         if rec is None:
             return out
-        outs = out if isinstance(out, tuple) else (out,)
-        ptr_outs = [o for o in outs if isinstance(getattr(o, "dtype", None), tl.pointer_type) and hasattr(o, "attr")]
+        def is_pointer(h) -> bool:
+            return isinstance(getattr(h, "dtype", None), tl.pointer_type) and hasattr(h, "attr")
+
+        ptr_outs = [o for o in (out if isinstance(out, tuple) else (out,)) if is_pointer(o)]
         if ptr_outs:
-            tags = {t for a in (*args, *kwargs.values()) if (t := _pointer_tag(rec, a, tl.pointer_type)) is not None}
+            # A root kernel argument is tagged on first use, by its base address.
+            tags = {t for a in (*args, *kwargs.values()) if is_pointer(a) and (t := rec.tag_of(a)) is not None}
             if len(tags) == 1:
                 (tag,) = tags
                 for o in ptr_outs:
@@ -218,3 +274,103 @@ def end(rec: LaunchRecord) -> None:
     _active.remove(rec)
     if not _active:
         _uninstall(InterpreterBuilder)
+
+
+# -- analysis ----------------------------------------------------------------------------------
+def _keys(rec: LaunchRecord, region: int, kind: str, nprog: int) -> np.ndarray:
+    """Sorted unique ``byte * nprog + pid`` of one region's accesses of one kind."""
+    parts = []
+    for a in rec.accesses:
+        if a.region == region and a.kind == kind:
+            b = (a.offsets[:, None] + np.arange(a.size, dtype=np.int64)).reshape(-1)
+            parts.append(b * nprog + a.pid)
+    if not parts:
+        return np.zeros(0, np.int64)
+    return np.unique(np.concatenate(parts))
+
+
+def _by_pair(first: np.ndarray, second: np.ndarray, byte: np.ndarray, reg: BufferInfo
+             ) -> Iterator[tuple[int, int, tuple[int, int], int]]:
+    """Groups conflicting bytes by program pair: (first, second, element range, count)."""
+    elem = byte // reg.itemsize
+    pair = np.stack([first, second], axis=1)
+    uniq, inv = np.unique(pair, axis=0, return_inverse=True)
+    inv = inv.reshape(-1)
+    for k, (p, q) in enumerate(uniq):
+        e = elem[inv == k]
+        yield int(p), int(q), (int(e.min()), int(e.max()) + 1), int(np.unique(e).size)
+
+
+def _cross_reads(loads: np.ndarray, stores: np.ndarray, nprog: int):
+    """Loads of bytes that some *other* program stores: (reader, writer, byte) arrays."""
+    sb, sp = stores // nprog, stores % nprog
+    lb, lp = loads // nprog, loads % nprog
+    lo = np.searchsorted(sb, lb, side="left")
+    hi = np.searchsorted(sb, lb, side="right")
+    n = hi - lo
+    if sb.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    first = sp[np.minimum(lo, sb.size - 1)]
+    second = sp[np.minimum(lo + 1, sb.size - 1)]
+    writer = np.where(first != lp, first, second)
+    hit = (n > 1) | ((n == 1) & (first != lp))
+    return lp[hit], writer[hit], lb[hit]
+
+
+def analyse(rec: LaunchRecord) -> tuple[list[Hazard], list[Hazard], LaunchSummary]:
+    """Hazards of the launch as run, ``in_place`` findings for hypothetical aliasing, and
+    the launch summary."""
+    regions = rec.regions.regions
+    gx, gy, gz = rec.grid
+    nprog = gx * gy * gz
+    hazards: list[Hazard] = []
+    in_place: list[Hazard] = []
+    truncated = 0
+    loaded, stored, atomic = {}, {}, {}
+    stores = {i: _keys(rec, i, "store", nprog) for i in range(len(regions))}
+    loads = {i: _keys(rec, i, "load", nprog) for i in range(len(regions))}
+
+    def emit(kind: str, reg: BufferInfo, pairs, access: str, input_name: str | None = None) -> None:
+        nonlocal truncated
+        into = in_place if kind == IN_PLACE else hazards
+        for n, (p, q, elems, count) in enumerate(pairs):
+            if n >= MAX_PER_CLASS:
+                truncated += 1
+                continue
+            progs = (rec.pid_of(p),) if q < 0 else (rec.pid_of(p), rec.pid_of(q))
+            into.append(Hazard(kind, rec.kernel, reg.name, progs, access, elems, count, reg.elements, input_name))
+
+    for i, reg in enumerate(regions):
+        st, ld = stores[i], loads[i]
+        stored[reg.name] = int(np.unique(st // nprog).size)
+        loaded[reg.name] = int(np.unique(ld // nprog).size)
+        atomic[reg.name] = int(np.unique(_keys(rec, i, "atomic", nprog) // nprog).size)
+        if st.size and reg.role == "input":
+            sb, sp = st // nprog, st % nprog
+            emit(INPUT_WRITE, reg, _by_pair(sp, np.full_like(sp, -1), sb, reg), "store")
+        sb, sp = st // nprog, st % nprog
+        dup = np.flatnonzero(sb[1:] == sb[:-1])
+        if dup.size:
+            emit(WRITE_WRITE, reg, _by_pair(sp[dup], sp[dup + 1], sb[dup], reg), "store")
+        r, w, b = _cross_reads(ld, st, nprog)
+        if r.size:
+            emit(READ_WRITE, reg, _by_pair(r, w, b, reg), "load")
+
+    # Hypothetical in-place use: input i placed on output j's memory (same shape/dtype),
+    # so input i's loads become loads of output j's bytes.
+    checked, unsafe = [], []
+    for i, src in enumerate(regions):
+        if src.role != "input":
+            continue
+        for j, dst in enumerate(regions):
+            if dst.role != "output" or dst.shape != src.shape or dst.dtype != src.dtype:
+                continue
+            checked.append((src.name, dst.name))
+            r, w, b = _cross_reads(loads[i], stores[j], nprog)
+            if r.size:
+                unsafe.append((src.name, dst.name))
+                emit(IN_PLACE, dst, _by_pair(r, w, b, dst), "load", src.name)
+
+    summary = LaunchSummary(rec.kernel, rec.grid, loaded, stored, atomic, tuple(checked), tuple(unsafe),
+                            len(hazards) + len(rec.oob), truncated)
+    return hazards, in_place, summary
