@@ -31,7 +31,6 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from te_jax_perm.core.declaration import Partitioning  # noqa: F401  (ops import it from here)
 
 if TYPE_CHECKING:  # pragma: no cover
     from te_jax_perm.core.primitive import KernelPrimitive

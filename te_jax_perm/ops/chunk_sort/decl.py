@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
-from te_jax_perm.core.sharding import Partitioning
+from te_jax_perm.core import Config, KernelDecl, Operand, Output, Partitioning, declare
 from te_jax_perm.kernels import chunk_sort as K
 from te_jax_perm.ops.chunk_sort.reference import (chunk_maps_reference, chunk_sort_map_reference,
                                                   chunk_sort_plan_reference, gather_rows_reference)

@@ -17,8 +17,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
-from te_jax_perm.core.sharding import Partitioning
+from te_jax_perm.core import Config, KernelDecl, Operand, Output, Partitioning, declare
 from te_jax_perm.kernels import permute as K
 from te_jax_perm.ops.permute import reference as R
 from te_jax_perm.ops.row_id_map.reference import pad_offsets_of, row_id_map_reference
