@@ -448,3 +448,26 @@ def test_tma_configs_compile_to_tma_for_sm90(decl):
         assert k.shared_mem_bytes <= 227 * 1024, (cfg, k.shared_mem_bytes)
     default = _sm90_compiled(decl, dims, "bfloat16", decl.default_config(dims, {"elem_bytes": 2}))
     assert "cp.async.bulk.tensor" not in default.ptx and default.global_scratch_size == 0
+
+
+def test_benchmark_tma_comparison_runs_and_checks_each_config(on_cpu):
+    """benchmarks/grouped_gemm_bench.py's TMA comparison, on the interpreter: every config
+    timed beside the default for the forward and the input gradient, its output checked
+    against the default's; and its short list is admitted at every benchmark shape."""
+    from benchmarks.grouped_gemm_bench import SHAPES, tma_comparison, tma_configs
+    for _, m, k, n, g in SHAPES:
+        for decl, dims in ((D.grouped_gemm.decl, {"M": m, "C": k, "D": n, "G": g}),
+                           (D.grouped_gemm_rhs_t.decl, {"M": m, "C": n, "D": k, "G": g})):
+            assert not [c for c in tma_configs() if decl.violated(dims, {"elem_bytes": 2}, c)], (decl.name, dims)
+    assert len(tma_configs(True, [100, 132])) == 2 * len(D.TMA_CONFIGS)
+    rng = np.random.default_rng(5)
+    lhs = jnp.asarray(rng.standard_normal((40, 32)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((2, 32, 48)) / 6, jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal((40, 48)), jnp.bfloat16)
+    r = tma_comparison(lhs, rhs, dout, jnp.asarray([25, 9], jnp.int32), [_tma(2), _tma(3, bn=32)],
+                       backend="interpret", reps=1)
+    for what in ("fwd", "dgrad"):
+        assert r[f"{what}_default_ms"] > 0 and len(r[f"tma_{what}_ms"]) == 2, r
+        assert all(isinstance(t, float) for t in r[f"tma_{what}_ms"].values()), r
+        assert r[f"best_tma_{what}_over_default"] > 0
+    assert len(r["tma_max_abs_diff"]) == 4 and max(r["tma_max_abs_diff"].values()) < 0.1, r
