@@ -433,20 +433,24 @@ def _sm90_compiled(decl, dims, dtype, cfg):
         raise
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("decl", [D.grouped_gemm.decl, D.grouped_gemm_rhs_t.decl], ids=lambda d: d.name)
-def test_tma_configs_compile_to_tma_for_sm90(decl):
-    """At DeepSeek-V3's up-projection in bf16, the TMA configs compile for sm_90 to tensor-map
-    loads and stores from descriptors built on the device (which need global scratch), within
-    Hopper's shared memory; the default config has none of it."""
-    dims = {"M": 65536, "C": 7168, "D": 4096, "G": 256}
-    for cfg in [c for c in D.TMA_CONFIGS if c.num_warps == 8 and c.num_stages == 3]:
-        k = _sm90_compiled(decl, dims, "bfloat16", cfg)
+def test_tma_configs_compile_to_tma_for_sm90(decl, dtype):
+    """At DeepSeek-V3's up-projection, the TMA configs that ``tma_fits`` admits compile for
+    sm_90 to tensor-map loads and stores from descriptors built on the device (which need
+    global scratch), within Hopper's 227 KiB of shared memory; the default config has none
+    of it."""
+    dims, params = {"M": 65536, "C": 7168, "D": 4096, "G": 256}, {"elem_bytes": np.dtype(dtype).itemsize}
+    admitted = [c for c in D.TMA_CONFIGS if not decl.violated(dims, params, c)]
+    assert admitted
+    for cfg in [c for c in admitted if c.num_warps == 8]:  # warps do not change shared memory
+        k = _sm90_compiled(decl, dims, dtype, cfg)
         assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", k.ptx), cfg  # loads
         assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", k.ptx), cfg  # the store
         assert "tensormap.replace" in k.ptx and k.global_scratch_size > 0, cfg
         assert "wgmma.mma_async" in k.ptx, cfg
         assert k.shared_mem_bytes <= 227 * 1024, (cfg, k.shared_mem_bytes)
-    default = _sm90_compiled(decl, dims, "bfloat16", decl.default_config(dims, {"elem_bytes": 2}))
+    default = _sm90_compiled(decl, dims, dtype, decl.default_config(dims, params))
     assert "cp.async.bulk.tensor" not in default.ptx and default.global_scratch_size == 0
 
 

@@ -34,10 +34,11 @@ def group_bounds(gs_ptr, M, G: tl.constexpr, G_P2: tl.constexpr):
 def row_schedule(group_sizes_ptr, M, G: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr):
     """The row tiles of a grouped GEMM, as vectors over the groups: ``(g_idx, starts, ends,
     tiles, tile_ends)``, group ``g`` owning row tiles ``[tile_ends[g] - tiles[g],
-    tile_ends[g])``, each inside the group's rows."""
+    tile_ends[g])``, each inside the group's rows; then ``total_tiles`` (the groups' tiles)
+    and ``used_rows`` (the rows they cover)."""
     g_idx, starts, ends = group_bounds(group_sizes_ptr, M, G, G_P2)
     tiles = (ends - starts + BM - 1) // BM
-    return g_idx, starts, ends, tiles, tl.cumsum(tiles, 0)
+    return g_idx, starts, ends, tiles, tl.cumsum(tiles, 0), tl.sum(tiles, 0), tl.max(ends, 0)
 
 
 @triton.jit
@@ -51,13 +52,12 @@ def swizzled_tile(t, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, G: tl.constexpr, BM: tl.constexpr):
+def tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, total_tiles, used_rows, G: tl.constexpr,
+              BM: tl.constexpr):
     """Row tile ``tile_m`` of a ``row_schedule``: ``(g, is_group_tile, row0, row_end)``.
     Group tiles come first, each inside one group (rows ``[row0, row_end)`` of group ``g``);
     the tiles after them cover the rows no group owns (``is_group_tile`` false, ``g`` then
     names no group), which the kernel zero-fills."""
-    total_tiles = tl.sum(tiles, 0)
-    used_rows = tl.max(ends, 0)
     g = tl.sum((tile_ends <= tile_m).to(tl.int32), 0)
     is_group_tile = g < G
     sel = g_idx == g
@@ -78,8 +78,9 @@ def group_tile(group_sizes_ptr, M, D: tl.constexpr, G: tl.constexpr, G_P2: tl.co
     one program per tile: ``(g, is_group_tile, row0, row_end, tile_n)`` (``tile_rows``)."""
     num_n: tl.constexpr = (D + BN - 1) // BN
     tile_m, tile_n = swizzled_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
-    g_idx, starts, ends, tiles, tile_ends = row_schedule(group_sizes_ptr, M, G, G_P2, BM)
-    g, is_group_tile, row0, row_end = tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, G, BM)
+    g_idx, starts, ends, tiles, tile_ends, total_tiles, used_rows = row_schedule(group_sizes_ptr, M, G, G_P2, BM)
+    g, is_group_tile, row0, row_end = tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, total_tiles,
+                                                used_rows, G, BM)
     return g, is_group_tile, row0, row_end, tile_n
 
 
@@ -156,12 +157,13 @@ def tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C: tl.constexpr, D:
     (``C`` and ``D`` times the element size), which the declaration checks.
     """
     num_n: tl.constexpr = (D + BN - 1) // BN
-    g_idx, starts, ends, tiles, tile_ends = row_schedule(group_sizes_ptr, M, G, G_P2, BM)
+    g_idx, starts, ends, tiles, tile_ends, total_tiles, used_rows = row_schedule(group_sizes_ptr, M, G, G_P2, BM)
     # The group tiles, then the tiles that zero-fill the rows past the groups.
-    num_m = tl.sum(tiles, 0) + (M - tl.max(ends, 0) + BM - 1) // BM
+    num_m = total_tiles + (M - used_rows + BM - 1) // BM
     for t in range(tl.program_id(0).to(tl.int64), num_m * num_n, PROGRAMS):
         tile_m, tile_n = swizzled_tile(t, num_m, num_n, GROUP_M)
-        g, is_group_tile, row0, row_end = tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, G, BM)
+        g, is_group_tile, row0, row_end = tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, total_tiles,
+                                                    used_rows, G, BM)
         row0 = row0.to(tl.int32)
         col0 = (tile_n * BN).to(tl.int32)
         # A fill tile runs no K step; its B descriptor (group 0) is built but never read.
