@@ -4,7 +4,28 @@ For each MoE expert-GEMM shape (rows M = tokens x top-k grouped by expert, K -> 
 expert), times in one process: a dense bf16 matmul of the same FLOPs (the limit), our
 grouped GEMM forward (default config and a few alternatives), its backward (input and
 weight gradients), tokamax's ragged_dot where importable, and lax.ragged_dot where it fits.
-Writes grouped_gemm.json into --out.
+With --tma (the default), also the forward and the input gradient on their default config
+and on each persistent TMA config (``decl.TMA_CONFIGS``, Hopper's tensor-memory path) side
+by side, each TMA result checked against the default's. Writes grouped_gemm.json into --out.
+
+Usage:
+
+    python3 benchmarks/grouped_gemm_bench.py --out=OUT [--shapes=NAME,...] [--budget_s=300]
+        [--nosweep] [--notma] [--tma_all] [--programs=132,...]
+
+--shapes     only these shapes (names as in SHAPES; default all)
+--budget_s   stop starting new shapes after this many seconds
+--nosweep    skip the alternative pointer-path tile configs of the forward (sweep_fwd_ms)
+--notma      skip the TMA comparison
+--tma_all    time every TMA config of the tuning space the shape admits, not the short list
+--programs   persistent program counts to time each TMA config at (default: the config's
+             own, 132: one per SM of an H100 SXM or an H200)
+
+Per shape, the TMA comparison writes ``fwd_default_ms`` / ``dgrad_default_ms`` (the default
+config, named in ``default_config``), ``tma_fwd_ms`` / ``tma_dgrad_ms`` ({config: ms, or the
+error it raised}), ``tma_max_abs_diff`` ({config: largest difference from the default's
+output}) and ``best_tma_fwd_over_default`` / ``best_tma_dgrad_over_default`` (below 1: a
+TMA config is faster).
 """
 from __future__ import annotations
 
@@ -26,6 +47,10 @@ from te_jax_perm.ops.grouped_gemm.reference import grouped_gemm_reference
 _OUT = flags.DEFINE_string("out", "/tmp/grouped_gemm_bench", "Directory for grouped_gemm.json.")
 _BUDGET = flags.DEFINE_float("budget_s", 300.0, "Stop starting new shapes after this many seconds.")
 _SWEEP = flags.DEFINE_bool("sweep", True, "Also time alternative tile configs of the forward kernel.")
+_SHAPES = flags.DEFINE_list("shapes", [], "Only these shapes (names of SHAPES); default all.")
+_TMA = flags.DEFINE_bool("tma", True, "Time the forward and input gradient on their TMA configs beside the default.")
+_TMA_ALL = flags.DEFINE_bool("tma_all", False, "Every TMA config of the tuning space, not the short list.")
+_PROGRAMS = flags.DEFINE_list("programs", [], "Persistent program counts for the TMA configs (default: theirs).")
 
 # (name, M, K, N, G): up-projection uses N = 2 x ffn (gate and up fused), down-projection K = ffn.
 SHAPES = [
@@ -37,6 +62,8 @@ SHAPES = [
     ("g8_16384x4096x4096", 16384, 4096, 4096, 8),
     ("g32_32768x4096x2048", 32768, 4096, 2048, 32),
 ]
+# The TMA configs timed by default: (BM, BN, warps, stages) of decl.TMA_CONFIGS.
+TMA_SHORT = {(128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 8, 3)}
 SWEEP = [Config.make(num_warps=w, num_stages=s, BM=bm, BN=bn, BK=bk, GROUP_M=8)
          for (bm, bn, bk, w, s) in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
                                     (64, 256, 64, 8, 4), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3)]]
@@ -52,6 +79,49 @@ def _time_ms(fn, *args, reps: int = 10) -> float:
     return float(np.median(times) * 1e3)
 
 
+def tma_configs(every: bool = False, programs: list[int] | tuple[int, ...] = ()) -> list[Config]:
+    """The TMA configs to time: the short list (every one of ``decl.TMA_CONFIGS`` with
+    ``every``), each at every count of ``programs`` (default: its own PROGRAMS)."""
+    picked = [c for c in D.TMA_CONFIGS
+              if every or (c.kw["BM"], c.kw["BN"], c.num_warps, c.num_stages) in TMA_SHORT]
+    if not programs:
+        return picked
+    return [Config.make(c.num_warps, c.num_stages, **{**c.kw, "PROGRAMS": p}) for c in picked for p in programs]
+
+
+def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.Array, configs: list[Config],
+                   backend: str = "triton", reps: int = 5) -> dict:
+    """The forward and the input gradient, each on its default config and on each of
+    ``configs`` the shape admits: times, and each config's largest difference from the
+    default's output (bf16 operands)."""
+    m, k = lhs.shape
+    g, _, n = rhs.shape
+    r = {}
+    for what, prim, a, dims in (("fwd", D.grouped_gemm, lhs, {"M": m, "C": k, "D": n, "G": g}),
+                                ("dgrad", D.grouped_gemm_rhs_t, dout, {"M": m, "C": n, "D": k, "G": g})):
+        def run(cfg, prim=prim):
+            return jax.jit(lambda a, b, s: prim(a, b, s, backend=backend, config=cfg, elem_bytes=2)[0])
+
+        default = prim.decl.default_config(dims, {"elem_bytes": 2})
+        r.setdefault("default_config", {})[what] = str(default)
+        r[f"{what}_default_ms"] = _time_ms(run(default), a, rhs, sizes, reps=reps)
+        want = run(default)(a, rhs, sizes).astype(jnp.float32)
+        times, diffs = r.setdefault(f"tma_{what}_ms", {}), r.setdefault("tma_max_abs_diff", {})
+        for cfg in configs:
+            if prim.decl.violated(dims, {"elem_bytes": 2}, cfg):
+                continue
+            try:
+                f = run(cfg)
+                diffs[f"{what} {cfg}"] = float(jnp.max(jnp.abs(f(a, rhs, sizes).astype(jnp.float32) - want)))
+                times[str(cfg)] = _time_ms(f, a, rhs, sizes, reps=reps)
+            except Exception as e:  # a config that fails to compile or launch is a finding, not a crash
+                times[str(cfg)] = repr(e)[:300]
+        ok = [t for t in times.values() if isinstance(t, float)]
+        if ok:
+            r[f"best_tma_{what}_over_default"] = min(ok) / r[f"{what}_default_ms"]
+    return r
+
+
 def _group_sizes(m: int, g: int, rng) -> np.ndarray:
     # Routing-like sizes: a multinomial draw over equally likely experts.
     return rng.multinomial(m, np.full(g, 1.0 / g)).astype(np.int32)
@@ -59,6 +129,9 @@ def _group_sizes(m: int, g: int, rng) -> np.ndarray:
 
 def main(argv):
     del argv
+    unknown = set(_SHAPES.value) - {s[0] for s in SHAPES}
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {sorted(unknown)}; the shapes are {[s[0] for s in SHAPES]}")
     os.makedirs(_OUT.value, exist_ok=True)
     rng = np.random.default_rng(0)
     results = {"device": str(jax.devices()[0].device_kind), "shapes": {}}
@@ -69,6 +142,8 @@ def main(argv):
         logging.info("tokamax not importable (%s); skipping it", e)
     t_start = time.time()
     for name, m, k, n, g in SHAPES:
+        if _SHAPES.value and name not in _SHAPES.value:
+            continue
         if time.time() - t_start > _BUDGET.value:
             logging.warning("budget spent; skipping %s", name)
             continue
@@ -99,6 +174,9 @@ def main(argv):
                     r["sweep_fwd_ms"][str(cfg)] = _time_ms(f, lhs, rhs, sizes, reps=5)
                 except Exception as e:  # a config that fails to compile is a finding, not a crash
                     r["sweep_fwd_ms"][str(cfg)] = repr(e)[:200]
+        if _TMA.value:
+            r.update(tma_comparison(lhs, rhs, dout, sizes, tma_configs(_TMA_ALL.value,
+                                                                       [int(p) for p in _PROGRAMS.value])))
         if tokamax is not None:
             try:
                 tf = jax.jit(lambda a, b, s: tokamax.ragged_dot(a, b, s))

@@ -1,13 +1,17 @@
 """grouped_matmul: values and VJP against lax.ragged_dot and a NumPy per-group reference,
 with empty groups, rows past the groups, and the padded groups token_dispatch produces; the
-Triton grouped GEMM (each backend, each config of its space) with the group sizes clamped as
-documented."""
+Triton grouped GEMM (each backend, each config of its space, the persistent TMA configs in
+Triton's interpreter and compiled for sm_90) with the group sizes clamped as documented."""
+import contextlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import te_jax_perm
+from te_jax_perm.core import Config, hooks
 from te_jax_perm.ops.grouped_gemm import decl as D
 from te_jax_perm.ops.grouped_gemm.api import default_impl, grouped_gemm_triton, grouped_matmul, tokamax_available
 from te_jax_perm.ops.grouped_gemm.reference import clamped_group_sizes, grouped_matmul_reference
@@ -275,9 +279,9 @@ def test_every_config_of_the_space_is_correct_on_the_kernel_backend(kernel_backe
     ref = grouped_matmul_reference(lhs, rhs, sizes)
     seen = set()
     for cfg in D.grouped_gemm.decl.configs:
-        key = (cfg.kw["BM"], cfg.kw["BN"], cfg.kw["BK"])
+        key = cfg.constants
         if key in seen or D.grouped_gemm.decl.violated({"M": 150, "C": 64, "D": 128, "G": 3}, {"elem_bytes": 4}, cfg):
-            continue  # warps/stages don't change the tiling; pruned configs never run
+            continue  # warps/stages don't change the tiling or the path; pruned configs never run
         seen.add(key)
         (out,) = D.grouped_gemm(lhs, rhs, sizes, backend=kernel_backend, config=cfg, elem_bytes=4)
         np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-2, atol=5e-2, err_msg=str(cfg))
@@ -305,3 +309,193 @@ def test_default_configs_meet_their_own_constraints(elem_bytes, m, c, d):
                        (D.grouped_gemm_wgrad.decl, {"M": m, "K": c, "N": d, "G": 8})):
         cfg = decl.default_config(dims, params)
         assert [why for check in decl.constraints if (why := check(dims, params, cfg))] == [], (decl.name, cfg)
+
+
+# -- the persistent TMA configs ---------------------------------------------------------------
+def _tma(programs: int, bm: int = 16, bn: int = 16, bk: int = 16) -> Config:
+    """A TMA config with tiles small enough for the interpreter: several tiles per group, so
+    that a tile of one group ending inside the next would overwrite rows already written."""
+    return Config.make(num_warps=4, num_stages=2, BM=bm, BN=bn, BK=bk, GROUP_M=2, TMA=True, PROGRAMS=programs)
+
+
+@contextlib.contextmanager
+def _tma_for_row_tile_gemms(cfg: Config):
+    """Every forward and input-gradient launch traced inside runs ``cfg`` (the weight
+    gradient keeps its default)."""
+    names = {D.grouped_gemm.decl.name, D.grouped_gemm_rhs_t.decl.name}
+    with hooks.using_config_resolver(lambda call: cfg if call.decl.name in names else None):
+        jax.clear_caches()  # the resolver runs at lowering time
+        try:
+            yield
+        finally:
+            jax.clear_caches()
+
+
+@pytest.fixture
+def descriptor_count(monkeypatch):
+    """Counts the tensor descriptors the interpreter builds (3 per tile on the TMA path)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+    made = []
+    orig = InterpreterBuilder.create_make_tensor_descriptor
+
+    def counting(self, *args, **kwargs):
+        made.append(1)
+        return orig(self, *args, **kwargs)
+    monkeypatch.setattr(InterpreterBuilder, "create_make_tensor_descriptor", counting)
+    return made
+
+
+def _row_tiles(m: int, sizes, bm: int) -> int:
+    """The TMA schedule's row tiles: each group's, then those of the rows past the groups."""
+    clamped = np.asarray(clamped_group_sizes(jnp.asarray(sizes, jnp.int32), m))
+    return int(sum(-(-int(n) // bm) for n in clamped) + -(-(m - int(clamped.sum())) // bm))
+
+
+@pytest.mark.parametrize("programs", [1, 2, 5])
+@pytest.mark.parametrize("m,k,n,sizes", CASES + [(52, 24, 40, [20, 12, 3, 17])])
+def test_tma_configs_values_and_vjp_match_numpy(on_cpu, descriptor_count, m, k, n, sizes, programs):
+    """The TMA path in Triton's interpreter, forward and VJP (its input gradient on the TMA
+    path too), hostile group sizes included. The output buffers start poisoned, so a tile
+    the schedule skips fails; with 2 and 5 programs a group's last, partial tile runs after
+    the next group's first (another program), so a descriptor that did not end at the group's
+    last row would overwrite rows already written. Exactly one descriptor triple per tile:
+    the schedule has no tile twice and none past the rows."""
+    rng = np.random.default_rng(m * 7 + k)
+    lhs = rng.standard_normal((m, k)).astype(np.float32)
+    rhs = rng.standard_normal((len(sizes), k, n)).astype(np.float32)
+    dout = rng.standard_normal((m, n)).astype(np.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    with _tma_for_row_tile_gemms(_tma(programs)):
+        out, vjp = jax.vjp(lambda a, b: grouped_gemm_triton(a, b, gs, backend="interpret"), lhs, rhs)
+        dlhs, drhs = vjp(dout)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), grouped_matmul_reference(lhs, rhs, sizes), **tol)
+    ref_dlhs, ref_drhs = _reference_grads(lhs, rhs, sizes, dout)
+    np.testing.assert_allclose(np.asarray(dlhs), ref_dlhs, **tol)
+    np.testing.assert_allclose(np.asarray(drhs), ref_drhs, **tol)
+    # Forward ([m, n]: n/16 column tiles) and input gradient ([m, k]: k/16), 3 descriptors a tile.
+    assert len(descriptor_count) == 3 * _row_tiles(m, sizes, 16) * (-(-n // 16) + -(-k // 16))
+
+
+def test_tma_configs_of_the_space_in_bf16_under_jit(on_cpu, descriptor_count):
+    """Every TMA config of the tuning space, as the tuner would run it (132 programs, full
+    tiles), bf16 with traced sizes: the rows past the groups come out zero, not poison."""
+    rng = np.random.default_rng(11)
+    lhs = jnp.asarray(rng.standard_normal((200, 64)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((3, 64, 256)) / 8, jnp.bfloat16)
+    sizes = [90, 0, 70]
+    ref = grouped_matmul_reference(np.asarray(lhs, np.float32), np.asarray(rhs, np.float32), sizes)
+    dims, params = {"M": 200, "C": 64, "D": 256, "G": 3}, {"elem_bytes": 2}
+    ran = set()
+    for cfg in D.TMA_CONFIGS:
+        if cfg.constants in ran or D.grouped_gemm.decl.violated(dims, params, cfg):
+            continue
+        ran.add(cfg.constants)
+        f = jax.jit(lambda a, b, s, cfg=cfg: D.grouped_gemm(a, b, s, backend="interpret", config=cfg,
+                                                            elem_bytes=2)[0])
+        out = np.asarray(f(lhs, rhs, jnp.asarray(sizes, jnp.int32)), np.float32)
+        np.testing.assert_allclose(out, ref, rtol=2e-2, atol=5e-2, err_msg=str(cfg))
+        assert not out[160:].any(), cfg
+    assert len(ran) == 4 and descriptor_count  # BM x BN, each on the TMA path
+
+
+def test_tma_configs_are_pruned_where_descriptors_cannot_run():
+    """Rows that are not 16-byte multiples (an odd bf16 width), or a TMA config without
+    programs, are pruned before they compile; the pointer configs run there."""
+    decl, cfg = D.grouped_gemm.decl, D.TMA_CONFIGS[0]
+    assert decl.violated({"M": 64, "C": 64, "D": 128, "G": 2}, {"elem_bytes": 2}, cfg) is None
+    assert "C=36" in decl.violated({"M": 64, "C": 36, "D": 128, "G": 2}, {"elem_bytes": 2}, cfg)
+    assert "D=20" in D.grouped_gemm_rhs_t.decl.violated({"M": 64, "C": 64, "D": 20, "G": 2}, {"elem_bytes": 2}, cfg)
+    no_programs = Config.make(num_warps=4, num_stages=2, BM=64, BN=128, BK=64, GROUP_M=8, TMA=True, PROGRAMS=0)
+    assert "PROGRAMS" in decl.violated({"M": 64, "C": 64, "D": 128, "G": 2}, {"elem_bytes": 2}, no_programs)
+    # fp32 128x256 tiles: 4 stages plus the output tile overflow shared memory.
+    big = Config.make(num_warps=8, num_stages=4, BM=128, BN=256, BK=64, GROUP_M=8, TMA=True, PROGRAMS=132)
+    assert "shared memory" in (decl.violated({"M": 64, "C": 64, "D": 256, "G": 2}, {"elem_bytes": 4}, big) or "")
+    for default in (decl.default_config({"M": 4096, "C": 4096, "D": 4096, "G": 8}, {"elem_bytes": 2}),
+                    D.grouped_gemm_rhs_t.decl.default_config({"M": 4096, "C": 4096, "D": 4096, "G": 8},
+                                                             {"elem_bytes": 2})):
+        assert "TMA" not in default.kw  # the default stays the pointer path until measured
+
+
+def _sm90_compiled(decl, dims, dtype, cfg):
+    """``decl``'s kernel at ``cfg``, compiled here for sm_90 as the ``triton`` backend would."""
+    from te_jax_perm.core import bind_call, configure, triton_compile
+    shapes = {"lhs": ("M", "C"), "rhs": tuple(op.dims for op in decl.operands if op.name == "rhs")[0],
+              "group_sizes": ("G",)}
+    avals = [jax.ShapeDtypeStruct(tuple(dims[d] for d in shapes[op.name]), "int32" if op.name == "group_sizes"
+                                  else dtype) for op in decl.operands]
+    call = bind_call(decl, avals, {"elem_bytes": np.dtype(dtype).itemsize}, "triton")
+    try:
+        return triton_compile.compiled_for(configure(call, cfg), 90)
+    except Exception as e:  # no CUDA toolchain in this triton build
+        if "ptxas" in str(e).lower() or "cuda" in str(e).lower():
+            pytest.skip(f"cannot compile for sm_90 here: {e}")
+        raise
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("decl", [D.grouped_gemm.decl, D.grouped_gemm_rhs_t.decl], ids=lambda d: d.name)
+def test_tma_configs_compile_to_tma_for_sm90(decl, dtype):
+    """At DeepSeek-V3's up-projection, the TMA configs that ``tma_fits`` admits compile for
+    sm_90 to tensor-map loads and stores from descriptors built on the device (which need
+    global scratch), within Hopper's 227 KiB of shared memory; the default config has none
+    of it."""
+    dims, params = {"M": 65536, "C": 7168, "D": 4096, "G": 256}, {"elem_bytes": np.dtype(dtype).itemsize}
+    admitted = [c for c in D.TMA_CONFIGS if not decl.violated(dims, params, c)]
+    assert admitted
+    for cfg in [c for c in admitted if c.num_warps == 8]:  # warps do not change shared memory
+        k = _sm90_compiled(decl, dims, dtype, cfg)
+        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", k.ptx), cfg  # loads
+        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", k.ptx), cfg  # the store
+        assert "tensormap.replace" in k.ptx and k.global_scratch_size > 0, cfg
+        assert "wgmma.mma_async" in k.ptx, cfg
+        assert k.shared_mem_bytes <= 227 * 1024, (cfg, k.shared_mem_bytes)
+    default = _sm90_compiled(decl, dims, dtype, decl.default_config(dims, params))
+    assert "cp.async.bulk.tensor" not in default.ptx and default.global_scratch_size == 0
+
+
+def test_benchmark_tma_comparison_runs_and_checks_each_config(on_cpu):
+    """benchmarks/grouped_gemm_bench.py's TMA comparison, on the interpreter: every config
+    timed beside the default for the forward and the input gradient, its output checked
+    against the default's; and its short list is admitted at every benchmark shape."""
+    from benchmarks.grouped_gemm_bench import SHAPES, tma_comparison, tma_configs
+    for _, m, k, n, g in SHAPES:
+        for decl, dims in ((D.grouped_gemm.decl, {"M": m, "C": k, "D": n, "G": g}),
+                           (D.grouped_gemm_rhs_t.decl, {"M": m, "C": n, "D": k, "G": g})):
+            assert not [c for c in tma_configs() if decl.violated(dims, {"elem_bytes": 2}, c)], (decl.name, dims)
+    assert len(tma_configs(True, [100, 132])) == 2 * len(D.TMA_CONFIGS)
+    rng = np.random.default_rng(5)
+    lhs = jnp.asarray(rng.standard_normal((40, 32)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((2, 32, 48)) / 6, jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal((40, 48)), jnp.bfloat16)
+    r = tma_comparison(lhs, rhs, dout, jnp.asarray([25, 9], jnp.int32), [_tma(2), _tma(3, bn=32)],
+                       backend="interpret", reps=1)
+    for what in ("fwd", "dgrad"):
+        assert r[f"{what}_default_ms"] > 0 and len(r[f"tma_{what}_ms"]) == 2, r
+        assert all(isinstance(t, float) for t in r[f"tma_{what}_ms"].values()), r
+        assert r[f"best_tma_{what}_over_default"] > 0
+    assert len(r["tma_max_abs_diff"]) == 4 and max(r["tma_max_abs_diff"].values()) < 0.1, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [132, 3])
+@pytest.mark.parametrize("sizes", [[300, 0, 1000, 700, 48], [0, 2048, 0, 0, 0], [-5, 2**31 - 1, 2**31 - 1, 7, 9]])
+def test_gpu_tma_configs_match_reference(sizes, programs):
+    """The TMA configs compiled for this GPU (descriptors built on the device, in the global
+    scratch memory XLA's Triton call provides), bf16 with NaN garbage past the groups and
+    hostile sizes: forward and VJP, the input gradient on its TMA config too."""
+    m = 2304
+    lhs, rhs, gs, dout = _problem(m, 256, 384, sizes, "bfloat16", seed=6)
+    dims = {"M": m, "C": 256, "D": 384, "G": len(sizes)}
+    cfg = next(c for c in D.TMA_CONFIGS if not D.grouped_gemm.decl.violated(dims, {"elem_bytes": 2}, c)
+               and not D.grouped_gemm_rhs_t.decl.violated({**dims, "C": 384, "D": 256}, {"elem_bytes": 2}, c))
+    cfg = Config.make(cfg.num_warps, cfg.num_stages, **{**cfg.kw, "PROGRAMS": programs})
+    clean = jnp.nan_to_num(lhs)
+    with _tma_for_row_tile_gemms(cfg):
+        out = jax.jit(lambda a, b: grouped_gemm_triton(a, b, gs))(lhs, rhs)
+        dlhs, drhs = jax.jit(lambda a, b, d: jax.vjp(lambda a, b: grouped_gemm_triton(a, b, gs), a, b)[1](d))(
+            lhs, rhs, jnp.asarray(dout, jnp.bfloat16))
+    _close(out, grouped_matmul_reference(clean, rhs, gs), "bfloat16", f"{cfg} forward")
+    want_dlhs, want_drhs = _reference_grads(clean, rhs, gs, np.asarray(jnp.asarray(dout, jnp.bfloat16), np.float32))
+    _close(dlhs, want_dlhs, "bfloat16", f"{cfg} dlhs")
+    _close(drhs, want_drhs, "bfloat16", f"{cfg} drhs")

@@ -3,11 +3,16 @@
 Rows of ``lhs`` are grouped contiguously (group ``g`` owns rows ``[start_g, end_g)``, the
 layout ``token_dispatch`` produces); every group multiplies its rows by its own matrix.
 Group sizes are device values, so the tile schedule is computed inside the kernel: each
-program maps its tile index to a group by a prefix sum over the (clamped) group sizes.
+tile index maps to a group by a prefix sum over the (clamped) group sizes. The forward and
+input-gradient kernel runs one program per tile with pointer loads, or (``TMA``) a fixed
+number of programs that loop over the tiles and move them by tensor descriptors built on
+the device, one per tile's group (TMA on Hopper).
 
 Bounds: sizes are clamped to ``[0, M]`` and row ends to ``M`` before anything is
 addressed, so no value of ``group_sizes`` (negative, huge, or summing past ``M``) makes a
 program touch rows outside ``lhs``/``out``; rows past the last group are written as zeros.
+Pointer tiles mask their rows at the group's end; TMA tiles get the same from descriptors
+whose row extent ends there.
 """
 import triton
 import triton.language as tl
@@ -26,29 +31,33 @@ def group_bounds(gs_ptr, M, G: tl.constexpr, G_P2: tl.constexpr):
 
 
 @triton.jit
-def group_tile(group_sizes_ptr, M, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's [BM, BN] output tile of a grouped GEMM over ``M`` rows and ``D`` columns:
-    ``(g, is_group_tile, row0, row_end, tile_n)``. Group tiles come first, each inside one
-    group (rows ``[row0, row_end)`` of group ``g``); the tiles after them cover the rows no
-    group owns (``is_group_tile`` false, ``g`` then names no group), which the kernel zero-fills."""
-    pid = tl.program_id(0)
-    num_n: tl.constexpr = (D + BN - 1) // BN
-    num_m = tl.num_programs(0) // num_n
-    # Consecutive programs walk GROUP_M row tiles before moving along N, so a B_g column
-    # block is reused from L2 by several row tiles.
-    per_band = GROUP_M * num_n
-    band = pid // per_band
-    first_m = band * GROUP_M
-    band_m = tl.minimum(num_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % per_band) % band_m
-    tile_n = (pid % per_band) // band_m
-
+def row_schedule(group_sizes_ptr, M, G: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr):
+    """The row tiles of a grouped GEMM, as vectors over the groups: ``(g_idx, starts, ends,
+    tiles, tile_ends)``, group ``g`` owning row tiles ``[tile_ends[g] - tiles[g],
+    tile_ends[g])``, each inside the group's rows; then ``total_tiles`` (the groups' tiles)
+    and ``used_rows`` (the rows they cover)."""
     g_idx, starts, ends = group_bounds(group_sizes_ptr, M, G, G_P2)
     tiles = (ends - starts + BM - 1) // BM
-    tile_ends = tl.cumsum(tiles, 0)
-    total_tiles = tl.sum(tiles, 0)
-    used_rows = tl.max(ends, 0)
+    return g_idx, starts, ends, tiles, tl.cumsum(tiles, 0), tl.sum(tiles, 0), tl.max(ends, 0)
+
+
+@triton.jit
+def swizzled_tile(t, num_m, num_n, GROUP_M: tl.constexpr):
+    """(tile_m, tile_n) of tile ``t``: consecutive tiles walk GROUP_M row tiles before moving
+    along N, so a B_g column block is reused from L2 by several row tiles."""
+    per_band = GROUP_M * num_n
+    first_m = (t // per_band) * GROUP_M
+    band_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (t % per_band) % band_m, (t % per_band) // band_m
+
+
+@triton.jit
+def tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, total_tiles, used_rows, G: tl.constexpr,
+              BM: tl.constexpr):
+    """Row tile ``tile_m`` of a ``row_schedule``: ``(g, is_group_tile, row0, row_end)``.
+    Group tiles come first, each inside one group (rows ``[row0, row_end)`` of group ``g``);
+    the tiles after them cover the rows no group owns (``is_group_tile`` false, ``g`` then
+    names no group), which the kernel zero-fills."""
     g = tl.sum((tile_ends <= tile_m).to(tl.int32), 0)
     is_group_tile = g < G
     sel = g_idx == g
@@ -59,6 +68,19 @@ def group_tile(group_sizes_ptr, M, D: tl.constexpr, G: tl.constexpr, G_P2: tl.co
     row0 = tl.where(is_group_tile, g_start + (tile_m - g_first_tile) * BM,
                     used_rows + (tile_m - total_tiles) * BM)
     row_end = tl.where(is_group_tile, g_end, M)
+    return g, is_group_tile, row0, row_end
+
+
+@triton.jit
+def group_tile(group_sizes_ptr, M, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's [BM, BN] output tile of a grouped GEMM over ``M`` rows and ``D`` columns,
+    one program per tile: ``(g, is_group_tile, row0, row_end, tile_n)`` (``tile_rows``)."""
+    num_n: tl.constexpr = (D + BN - 1) // BN
+    tile_m, tile_n = swizzled_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
+    g_idx, starts, ends, tiles, tile_ends, total_tiles, used_rows = row_schedule(group_sizes_ptr, M, G, G_P2, BM)
+    g, is_group_tile, row0, row_end = tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, total_tiles,
+                                                used_rows, G, BM)
     return g, is_group_tile, row0, row_end, tile_n
 
 
@@ -93,21 +115,76 @@ def tile_dot(a_ptr, a_rows, a_ok, rhs_ptr, g, is_group_tile, cols, col_ok, C: tl
 def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
                         C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                         TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+                        BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+                        TMA: tl.constexpr, PROGRAMS: tl.constexpr):
     """out[rows of g] = lhs[rows of g] @ B_g for every group g; other rows get zeros.
 
     lhs is [M, C]. Without TRANS_RHS, rhs is [G, C, D] and B_g = rhs[g]; with TRANS_RHS,
     rhs is [G, D, C] and B_g = rhs[g].T (the input-gradient GEMM, no transposed copy).
+    With TMA, the launch's PROGRAMS programs loop over the tiles and move them by tensor
+    descriptors (``tma_tiles``); otherwise each program computes one tile with pointer loads
+    (and PROGRAMS is unused).
     """
-    g, is_group_tile, row0, row_end, tile_n = group_tile(group_sizes_ptr, M, D, G, G_P2, BM, BN, GROUP_M)
-    rows = row0 + tl.arange(0, BM)
-    row_ok = rows < row_end
-    cols = tile_n * BN + tl.arange(0, BN)
-    col_ok = cols < D
-    acc = tile_dot(lhs_ptr, rows.to(tl.int64), row_ok, rhs_ptr, g, is_group_tile, cols, col_ok, C, D, TRANS_RHS,
-                   BM, BN, BK, PRECISION)
-    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if TMA:
+        tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C, D, G, G_P2, TRANS_RHS, BM, BN, BK, GROUP_M,
+                  PRECISION, PROGRAMS)
+    else:
+        g, is_group_tile, row0, row_end, tile_n = group_tile(group_sizes_ptr, M, D, G, G_P2, BM, BN, GROUP_M)
+        rows = row0 + tl.arange(0, BM)
+        row_ok = rows < row_end
+        cols = tile_n * BN + tl.arange(0, BN)
+        col_ok = cols < D
+        acc = tile_dot(lhs_ptr, rows.to(tl.int64), row_ok, rhs_ptr, g, is_group_tile, cols, col_ok, C, D,
+                       TRANS_RHS, BM, BN, BK, PRECISION)
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+              G_P2: tl.constexpr, TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PROGRAMS: tl.constexpr):
+    """``grouped_gemm_kernel``'s tiles, Hopper's way: the PROGRAMS programs stride over every
+    tile of the schedule (computed here from ``group_sizes``, exactly as many row tiles as
+    the groups and the rows past them need), and every tile moves through tensor
+    descriptors (TMA on sm_90+).
+
+    Bounds are the descriptors': a group tile's ``lhs`` and ``out`` descriptors end at the
+    group's last row, so its rows past the group load as zeros and their stores are dropped
+    (the next group's rows are never written), and ``B_g``'s is that group's matrix alone, so
+    a K or N block past its edge reads zeros, never the next group's weights. Every extent
+    is clamped (``group_bounds``) before a descriptor is built. Needs 16-byte row strides
+    (``C`` and ``D`` times the element size), which the declaration checks.
+    """
+    num_n: tl.constexpr = (D + BN - 1) // BN
+    g_idx, starts, ends, tiles, tile_ends, total_tiles, used_rows = row_schedule(group_sizes_ptr, M, G, G_P2, BM)
+    # The group tiles, then the tiles that zero-fill the rows past the groups.
+    num_m = total_tiles + (M - used_rows + BM - 1) // BM
+    for t in range(tl.program_id(0).to(tl.int64), num_m * num_n, PROGRAMS):
+        tile_m, tile_n = swizzled_tile(t, num_m, num_n, GROUP_M)
+        g, is_group_tile, row0, row_end = tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, total_tiles,
+                                                    used_rows, G, BM)
+        row0 = row0.to(tl.int32)
+        col0 = (tile_n * BN).to(tl.int32)
+        # A fill tile runs no K step; its B descriptor (group 0) is built but never read.
+        b_base = rhs_ptr + tl.where(is_group_tile, g, 0).to(tl.int64) * C * D
+        a_desc = tl.make_tensor_descriptor(lhs_ptr, shape=[row_end.to(tl.int32), C], strides=[C, 1],
+                                           block_shape=[BM, BK])
+        if TRANS_RHS:
+            b_desc = tl.make_tensor_descriptor(b_base, shape=[D, C], strides=[C, 1], block_shape=[BN, BK])
+        else:
+            b_desc = tl.make_tensor_descriptor(b_base, shape=[C, D], strides=[D, 1], block_shape=[BK, BN])
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.where(is_group_tile, C, 0), BK):
+            a = a_desc.load([row0, k])
+            if TRANS_RHS:
+                b = tl.trans(b_desc.load([col0, k]))
+            else:
+                b = b_desc.load([k, col0])
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[row_end.to(tl.int32), D], strides=[D, 1],
+                                             block_shape=[BM, BN])
+        out_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit

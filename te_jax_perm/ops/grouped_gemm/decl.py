@@ -2,6 +2,11 @@
 transposed in place) and the weight gradient (each group's rows reduced). One launch each,
 its tile schedule computed on the device from ``group_sizes``: nothing is densified.
 
+The forward and the input gradient have two kinds of config in one tuning space: one
+program per tile with pointer loads (``MM_CONFIGS``, the default), and ``TMA=True`` configs
+(``TMA_CONFIGS``), whose ``PROGRAMS`` programs loop over the tiles and move them by tensor
+descriptors (TMA on Hopper), for rows of 16-byte multiples (``tma_fits``).
+
 Their references are :mod:`te_jax_perm.ops.grouped_gemm.reference`'s; the public API and VJP
 are in :mod:`te_jax_perm.ops.grouped_gemm.api`.
 """
@@ -17,6 +22,7 @@ from te_jax_perm.ops.grouped_gemm.reference import (grouped_gemm_reference, grou
 FLOATS = ("float16", "bfloat16", "float32")
 # Hopper has 227 KiB of shared memory per block; leave room for the epilogue.
 _SMEM_BYTES = 200 * 1024
+_HOPPER_SMEM_BYTES = 227 * 1024
 
 
 def _smem_fits(tile_elems: int, stages: int, elem_bytes: int) -> bool:
@@ -28,6 +34,29 @@ def mm_fits(dims, params, config: Config) -> str | None:
     need = (kw["BM"] * kw["BK"] + kw["BK"] * kw["BN"])
     if not _smem_fits(need, config.num_stages, params["elem_bytes"]):
         return f"{need} elements x {config.num_stages} stages exceed shared memory"
+    return None
+
+
+def tma_fits(dims, params, config: Config) -> str | None:
+    """A ``TMA=True`` config needs a program count, rows whose byte strides are multiples
+    of 16 (a tensor descriptor's rule, for ``lhs``, ``rhs`` and ``out``) and shared memory
+    for its pipeline stages plus the output tile it stores from; other configs leave
+    ``PROGRAMS`` unset."""
+    kw = config.kw
+    if not kw.get("TMA", False):
+        return "PROGRAMS is set only by TMA configs" if kw.get("PROGRAMS", 0) else None
+    if kw.get("PROGRAMS", 0) < 1:
+        return "a TMA config needs PROGRAMS >= 1 (its persistent program count)"
+    eb = params["elem_bytes"]
+    for name, n in (("C", dims["C"]), ("D", dims["D"]), ("BK", kw["BK"]), ("BN", kw["BN"])):
+        if n * eb % 16:
+            return f"tensor descriptors need rows and blocks of 16-byte multiples; {name}={n} elements of {eb} bytes"
+    # The output tile is stored from shared memory; sm_90 builds with 4-byte operands were
+    # measured taking up to one more output tile beside it.
+    out_tiles = 2 if eb == 4 else 1
+    need = (config.num_stages * (kw["BM"] * kw["BK"] + kw["BK"] * kw["BN"]) + out_tiles * kw["BM"] * kw["BN"]) * eb
+    if need > _HOPPER_SMEM_BYTES:
+        return f"{need} bytes of pipeline stages and output tile exceed shared memory"
     return None
 
 
@@ -77,6 +106,12 @@ def mm_grid(dims, params, config: Config) -> tuple[int]:
     return ((triton.cdiv(dims["M"], config.kw["BM"]) + dims["G"] + 1) * triton.cdiv(dims["D"], config.kw["BN"]),)
 
 
+def gemm_grid(dims, params, config: Config) -> tuple[int]:
+    """Programs of the grouped GEMM: ``mm_grid``'s one per tile, or a TMA config's
+    ``PROGRAMS`` (the kernel strides over the tiles by that count)."""
+    return (config.kw["PROGRAMS"],) if config.kw.get("TMA", False) else mm_grid(dims, params, config)
+
+
 def wgrad_grid(dims, params, config: Config) -> tuple[int]:
     """Programs of a weight gradient ``[G, K, N]``: one per [BK, BN] block of each group."""
     return (dims["G"] * triton.cdiv(dims["K"], config.kw["BK"]) * triton.cdiv(dims["N"], config.kw["BN"]),)
@@ -87,6 +122,10 @@ def wgrad_grid(dims, params, config: Config) -> tuple[int]:
 MM_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BM=bm, BN=bn, BK=bk, GROUP_M=8)
                    for bm in (64, 128) for bn in (128, 256) for bk in (64, 128)
                    for w in (4, 8) for s in (3, 4))
+# The grouped GEMM's TMA configs, beside MM_CONFIGS in its tuning space. 132 programs:
+# one per SM of an H100 SXM or an H200.
+TMA_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BM=bm, BN=bn, BK=64, GROUP_M=8, TMA=True, PROGRAMS=132)
+                    for bm in (64, 128) for bn in (128, 256) for w in (4, 8) for s in (3, 4))
 WGRAD_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BK=bk, BN=bn, BR=br)
                       for bk in (64, 128) for bn in (128, 256) for br in (32, 64)
                       for w in (4, 8) for s in (3, 4))
@@ -116,12 +155,15 @@ def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
         outputs=(Output("out", lambda dims, params: (dims["M"], dims["D"]),
                         lambda dtypes, params: dtypes["lhs"]),),
         reference=lambda lhs, rhs, group_sizes, elem_bytes: (reference(lhs, rhs, group_sizes),),
-        grid=mm_grid,
+        grid=gemm_grid,
+        # Configs without TMA (the default's, MM_CONFIGS shared with moe_ffn) leave both unset.
         constexprs=lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"],
                                                   "G_P2": groups_p2(dims), "TRANS_RHS": trans_rhs,
-                                                  "PRECISION": precision(params)},
-        configs=MM_CONFIGS,
-        constraints=(mm_fits,),
+                                                  "PRECISION": precision(params),
+                                                  "TMA": config.kw.get("TMA", False),
+                                                  "PROGRAMS": config.kw.get("PROGRAMS", 0)},
+        configs=MM_CONFIGS + TMA_CONFIGS,
+        constraints=(mm_fits, tma_fits),
         key_dims=("M", "C", "D", "G"),
         default_config=mm_default,
         **_SHARED,
