@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
-from te_jax_perm.core.sharding import Partitioning
+from te_jax_perm.core import Partitioning
 from te_jax_perm.ops.tiling import next_pow2
 
 

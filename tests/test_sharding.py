@@ -24,7 +24,7 @@ if MULTI:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from te_jax_perm.core import declare
-    from te_jax_perm.core.sharding import Partitioning
+    from te_jax_perm.core import Partitioning
     from tests.example_kernels import gather_rows
 
     MESH = Mesh(np.array(jax.devices()), ("d",))

@@ -208,15 +208,16 @@ def _install(cls) -> None:
     def recorded(name: str, kind: str, ptr_at: int, mask_at: int) -> Callable:
         """``name`` recording its pointer argument's unmasked lanes as ``kind``, with the
         lanes out of bounds (already reported) masked off. Arguments after the mask (cache
-        policies, which differ across Triton versions) pass through untouched."""
-        def wrapper(self, *args):
+        policies, which differ across Triton versions and come by keyword from tensor
+        descriptor loads) pass through untouched."""
+        def wrapper(self, *args, **kwargs):
             rec = _current()
             if rec is not None:
                 mask = args[mask_at]
                 new = rec.record(args[ptr_at], mask.data, kind)
                 if new is not None:
                     args = args[:mask_at] + (TensorHandle(new, mask.dtype),) + args[mask_at + 1:]
-            return orig[name](self, *args)
+            return orig[name](self, *args, **kwargs)
         return wrapper
 
     def scoped(name: str, attr: str, value: Callable) -> Callable:
