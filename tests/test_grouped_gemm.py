@@ -419,14 +419,14 @@ def test_tma_configs_are_pruned_where_descriptors_cannot_run():
 
 def _sm90_compiled(decl, dims, dtype, cfg):
     """``decl``'s kernel at ``cfg``, compiled here for sm_90 as the ``triton`` backend would."""
-    from te_jax_perm.core import bind_call, configure, triton_compile
+    from te_jax_perm.core import bind_call, configure, triton_backend
     shapes = {"lhs": ("M", "C"), "rhs": tuple(op.dims for op in decl.operands if op.name == "rhs")[0],
               "group_sizes": ("G",)}
     avals = [jax.ShapeDtypeStruct(tuple(dims[d] for d in shapes[op.name]), "int32" if op.name == "group_sizes"
                                   else dtype) for op in decl.operands]
     call = bind_call(decl, avals, {"elem_bytes": np.dtype(dtype).itemsize}, "triton")
     try:
-        return triton_compile.compiled_for(configure(call, cfg), 90)
+        return triton_backend.compiled_for(configure(call, cfg), 90)
     except Exception as e:  # no CUDA toolchain in this triton build
         if "ptxas" in str(e).lower() or "cuda" in str(e).lower():
             pytest.skip(f"cannot compile for sm_90 here: {e}")
