@@ -209,17 +209,29 @@ def wgrad_tile(group_sizes_ptr, M, K: tl.constexpr, N: tl.constexpr, G: tl.const
 
 
 @triton.jit
-def grouped_gemm_wgrad_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
-                              K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-                              BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                              PRECISION: tl.constexpr):
-    """out[g] = lhs[rows of g].T @ dout[rows of g]: the weight gradient, [G, K, N].
+def row_tokens(owner_ptr, rows, live, T, G: tl.constexpr):
+    """(token int64, owned) of each of ``rows`` through an owner table (``moe_ffn``'s rows:
+    ``owner[r] = t*G + j + 1``, 0 for none): owned where ``live`` and the owner names a token
+    in ``[0, T)``; token 0 where not owned (an address that is never read)."""
+    own = tl.load(owner_ptr + rows, mask=live, other=0)
+    tok = (tl.maximum(own, 1) - 1) // G
+    owned = live & (own > 0) & (tok < T)
+    return tl.where(owned, tok, 0).to(tl.int64), owned
 
-    One program owns one [BK, BN] block of one group's matrix and reduces over that
-    group's rows, so no two programs write the same element and empty groups get zeros.
-    """
+
+@triton.jit
+def wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr,
+               K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+               GATHER_LHS: tl.constexpr, WEIGHTED_DOUT: tl.constexpr,
+               BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
+    """out[g] = lhs[rows of g].T @ dout[rows of g] for this program's [BK, BN] block
+    (``wgrad_tile``), reduced over that group's rows. With GATHER_LHS, ``lhs`` is [T, K]
+    and row r reads token ``row_tokens(r)``'s row; with WEIGHTED_DOUT, ``dout`` is [T, N]
+    and row r reads its token's row times ``probs[token, g]`` ([T, G]), rounded to the
+    operand dtype. Rows without an owner read zeros. (``owner``, ``probs`` and ``T`` are
+    unread with both off.)"""
+    # g < G always: the grid has G * (K blocks) * (N blocks) programs.
     g, tile_k, tile_n, r_start, r_end = wgrad_tile(group_sizes_ptr, M, K, N, G, G_P2, BK, BN)
-
     kcols = tile_k * BK + tl.arange(0, BK)
     k_ok = kcols < K
     ncols = tile_n * BN + tl.arange(0, BN)
@@ -229,10 +241,34 @@ def grouped_gemm_wgrad_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_preallo
     for r in range(r_start, r_end, BR):
         rows = r + rs
         r_ok = rows < r_end
-        x = tl.load(lhs_ptr + rows[:, None].to(tl.int64) * K + kcols[None, :],
-                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        dy = tl.load(dout_ptr + rows[:, None].to(tl.int64) * N + ncols[None, :],
-                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        if GATHER_LHS or WEIGHTED_DOUT:
+            tok, owned = row_tokens(owner_ptr, rows, r_ok, T, G)
+        if GATHER_LHS:
+            x = tl.load(lhs_ptr + tok[:, None] * K + kcols[None, :], mask=owned[:, None] & k_ok[None, :], other=0.0)
+        else:
+            x = tl.load(lhs_ptr + rows[:, None].to(tl.int64) * K + kcols[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        if WEIGHTED_DOUT:
+            dy = tl.load(dout_ptr + tok[:, None] * N + ncols[None, :], mask=owned[:, None] & n_ok[None, :], other=0.0)
+            p = tl.load(probs_ptr + tok * G + g, mask=owned, other=0.0).to(tl.float32)
+            dy = (dy.to(tl.float32) * p[:, None]).to(dout_ptr.dtype.element_ty)
+        else:
+            dy = tl.load(dout_ptr + rows[:, None].to(tl.int64) * N + ncols[None, :],
+                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(x), dy, acc, input_precision=PRECISION)
     out_ptrs = out_ptr + g.to(tl.int64) * K * N + kcols[:, None].to(tl.int64) * N + ncols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def grouped_gemm_wgrad_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
+                              K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+                              BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                              PRECISION: tl.constexpr):
+    """out[g] = lhs[rows of g].T @ dout[rows of g]: the weight gradient, [G, K, N].
+
+    One program owns one [BK, BN] block of one group's matrix and reduces over that
+    group's rows, so no two programs write the same element and empty groups get zeros.
+    """
+    wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, lhs_ptr, lhs_ptr, M, 0, out_ptr, K, N, G, G_P2,
+               False, False, BK, BN, BR, PRECISION)

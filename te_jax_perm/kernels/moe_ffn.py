@@ -1,10 +1,11 @@
 """Triton sources of the fused MoE expert GEMMs (``moe_ffn``).
 
 The GEMMs run over the ``M`` expert-sorted rows a dispatch would produce (grouped by expert,
-``group_sizes`` rows each, the grouped GEMM's tile schedule: ``group_tile`` / ``wgrad_tile``
+``group_sizes`` rows each, the grouped GEMM's tile schedule: ``group_tile`` / ``wgrad_body``
 of :mod:`te_jax_perm.kernels.grouped_gemm`), but the token rows are never copied into them:
 ``owner[r]``, the row's one writing map entry ``t*E + j + 1`` (0 for none, as ``row_owner``
-computes it), names the token ``t = (owner[r] - 1) // E`` whose row the GEMM reads or writes.
+computes it), names the token ``t = (owner[r] - 1) // E`` whose row the GEMM reads or writes
+(``row_tokens``).
 
 * ``moe_gather_gemm_kernel``: ``out[r] = x[token(r)] @ B_g``, the first expert GEMM (and,
   with ``TRANS_RHS``, the second one's input gradient, ``dy[token(r)] @ w[g].T``).
@@ -23,17 +24,7 @@ are written as zeros; group sizes are clamped as the grouped GEMM clamps them. W
 import triton
 import triton.language as tl
 
-from te_jax_perm.kernels.grouped_gemm import group_tile, tile_dot, wgrad_tile
-
-
-@triton.jit
-def _row_tokens(owner_ptr, rows, live, T, G: tl.constexpr):
-    """(token int64, owned) of each of ``rows``: owned where ``live`` and the row's owner
-    names a token in ``[0, T)``; token 0 where not owned (an address that is never read)."""
-    own = tl.load(owner_ptr + rows, mask=live, other=0)
-    tok = (tl.maximum(own, 1) - 1) // G
-    owned = live & (own > 0) & (tok < T)
-    return tl.where(owned, tok, 0).to(tl.int64), owned
+from te_jax_perm.kernels.grouped_gemm import group_tile, row_tokens, tile_dot, wgrad_body
 
 
 @triton.jit
@@ -49,7 +40,7 @@ def _gemm_body(a_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_
     # they belong to no group (and ``g`` names none), so they read and weigh nothing. (A
     # bound rather than ``row_ok & is_group_tile``: Triton's interpreter gives a block ANDed
     # with a scalar the wrong mask dtype.)
-    tok, owned = _row_tokens(owner_ptr, rows, rows < tl.where(is_group_tile, row_end, 0), T, G)
+    tok, owned = row_tokens(owner_ptr, rows, rows < tl.where(is_group_tile, row_end, 0), T, G)
     if GATHER:
         src = tok
         src_ok = owned
@@ -91,45 +82,11 @@ def moe_weighted_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs
 
 
 @triton.jit
-def _wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr,
-                K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-                GATHER_LHS: tl.constexpr, WEIGHTED_DOUT: tl.constexpr,
-                BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
-    # g < G always: the grid has G * (K blocks) * (N blocks) programs.
-    g, tile_k, tile_n, r_start, r_end = wgrad_tile(group_sizes_ptr, M, K, N, G, G_P2, BK, BN)
-    kcols = tile_k * BK + tl.arange(0, BK)
-    k_ok = kcols < K
-    ncols = tile_n * BN + tl.arange(0, BN)
-    n_ok = ncols < N
-    rs = tl.arange(0, BR)
-    acc = tl.zeros((BK, BN), dtype=tl.float32)
-    for r in range(r_start, r_end, BR):
-        rows = r + rs
-        r_ok = rows < r_end
-        tok, owned = _row_tokens(owner_ptr, rows, r_ok, T, G)
-        if GATHER_LHS:
-            x = tl.load(lhs_ptr + tok[:, None] * K + kcols[None, :], mask=owned[:, None] & k_ok[None, :], other=0.0)
-        else:
-            x = tl.load(lhs_ptr + rows[:, None].to(tl.int64) * K + kcols[None, :],
-                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        if WEIGHTED_DOUT:
-            dy = tl.load(dout_ptr + tok[:, None] * N + ncols[None, :], mask=owned[:, None] & n_ok[None, :], other=0.0)
-            p = tl.load(probs_ptr + tok * G + g, mask=owned, other=0.0).to(tl.float32)
-            dy = (dy.to(tl.float32) * p[:, None]).to(dout_ptr.dtype.element_ty)
-        else:
-            dy = tl.load(dout_ptr + rows[:, None].to(tl.int64) * N + ncols[None, :],
-                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(tl.trans(x), dy, acc, input_precision=PRECISION)
-    out_ptrs = out_ptr + g.to(tl.int64) * K * N + kcols[:, None].to(tl.int64) * N + ncols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
 def moe_gather_wgrad_kernel(x_ptr, dout_ptr, group_sizes_ptr, owner_ptr, M, T, out_prealloc_ptr, out_ptr,
                             K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                             BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
     """out [G, K, N]: out[g] = x[token(rows of g)].T @ dout[rows of g] (x [T, K], dout [M, N])."""
-    _wgrad_body(x_ptr, dout_ptr, group_sizes_ptr, owner_ptr, x_ptr, M, T, out_ptr, K, N, G, G_P2,
+    wgrad_body(x_ptr, dout_ptr, group_sizes_ptr, owner_ptr, x_ptr, M, T, out_ptr, K, N, G, G_P2,
                 True, False, BK, BN, BR, PRECISION)
 
 
@@ -140,5 +97,5 @@ def moe_weighted_wgrad_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, pro
                               PRECISION: tl.constexpr):
     """out [G, K, N]: out[g] = lhs[rows of g].T @ (probs[token, g] * dout[token]) over the
     rows of g (lhs [M, K], dout [T, N], probs [T, G])."""
-    _wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr, K, N, G, G_P2,
+    wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr, K, N, G, G_P2,
                 False, True, BK, BN, BR, PRECISION)
