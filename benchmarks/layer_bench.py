@@ -344,7 +344,6 @@ def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, ste
     dense_step, dense_args = dense_ffn_step(cfg)
     row["gemm_limit_ms"] = _median_ms(dense_step, dense_args, steps)
     if copy_gbps:
-        row["copy_GBps"] = copy_gbps
         row["roofline_ms"] = roofline_ms(row["gemm_limit_ms"], row["gemm_bytes_per_step"], copy_gbps)
     for name in VARIANTS:
         if f"{name}_ms" in row:
