@@ -179,14 +179,14 @@ def _deriving(orig: Callable) -> Callable:
     buffers (a select between them) stay untagged and are attributed by address."""
     import triton.language as tl
 
+    def is_pointer(h) -> bool:
+        return isinstance(getattr(h, "dtype", None), tl.pointer_type) and hasattr(h, "attr")
+
     def wrapper(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
         rec = _current()
         if rec is None:
             return out
-        def is_pointer(h) -> bool:
-            return isinstance(getattr(h, "dtype", None), tl.pointer_type) and hasattr(h, "attr")
-
         ptr_outs = [o for o in (out if isinstance(out, tuple) else (out,)) if is_pointer(o)]
         if ptr_outs:
             # A root kernel argument is tagged on first use, by its base address.
