@@ -269,3 +269,24 @@ def test_gpu_driver_hostile_memcheck_verdicts():
     assert verdict(1, "1 failed in 2.0s\n" + summary) == "fail"
     assert verdict(0, "1 passed in 1.0s\n" + summary) == "pass"
     assert verdict(99, "1 passed in 1.0s\n========= ERROR SUMMARY: 2 errors") == "memcheck"
+
+
+def test_peer_targets_compare_kernel_times_and_time_per_byte(tmp_path):
+    from benchmarks import peer
+
+    def row(op, impl, us, nbytes, pct):
+        return {"shape": "S", "op": op, "impl": impl, "kernel_us": us, "bytes": nbytes, "pct_copy": pct}
+
+    rows = [row("token_combine.fwd", "ours", 10.0, 1000, 95.0), row("token_combine.fwd", "te", 9.0, 1000, 99.0),
+            row("token_combine.bwd", "ours", 25.0, 2000, 80.0), row("token_combine.bwd", "te", 30.0, 2000, 70.0)]
+    lines = peer.targets(rows)
+    assert lines[0].startswith("TARGET FAIL S token_combine.fwd: ours 10.0 µs <= te 9.0 µs (ratio 0.90x; "
+                               "95.0% and 99.0% of the device copy)")
+    assert lines[1].startswith("TARGET PASS S token_combine.bwd: ours 25.0 µs <= te 30.0 µs")
+    # 25 µs for 2000 bytes against 10 µs for 1000: 1.25x the forward's time per byte.
+    assert lines[2].startswith("TARGET FAIL S token_combine.bwd: time per byte <= 1.1x forward's (1.25x;")
+    path = tmp_path / "peer.json"
+    path.write_text(json.dumps({"meta": {}, "rows": rows, "targets": []}))
+    assert peer.main(["--summary", str(path)]) == 0
+    assert json.loads(path.read_text())["targets"] == lines
+    assert (tmp_path / "peer_summary.txt").read_text() == "\n".join(lines) + "\n"
