@@ -29,14 +29,14 @@ Performance notes (H100-class, bandwidth bound):
   values, so a new token count never needs a new binary.
 * A program handles its ROWS tokens as one ``[ROWS, BLOCK_H]`` tile: all ROWS row loads
   are issued before any store, and each map column ``j`` is one ``[ROWS]`` vector load.
-* Gathers fetch the map entries of step ``j + 1`` before step ``j``'s row traffic, so the
-  dependent index load overlaps the row load instead of serialising with it; step 0's
-  entry loads beside the routed count (``_first``), not after it (top-1's dispatch
-  backward 4% faster on an H100).
-* Scatters load a token's entries in blocks of ``K_LANES`` map columns (``_first_block``:
-  all of top-8 at once, beside the count), then the block's owners and weights as
-  vectors, before any row moves: a row's store never waits on a chain of dependent index
-  loads (entry, then owner, then weight).
+* The map entries of step ``j + 1`` are fetched before step ``j``'s row traffic, so the
+  dependent index load overlaps the row load/store instead of serialising with it; step
+  0's entry loads beside the routed count (``_first``), not after it (top-1's dispatch
+  backward 4% faster on an H100). Scatters fetch one column ahead rather than a whole
+  block of columns as one vector: taking a column out of a ``[ROWS, K]`` block is a
+  reduction across lanes for every row, and with entries, owners and weights loaded as
+  eight-column blocks the combine backward ran up to 17% and the dispatch forward up to
+  70% slower on an H100 (no faster anywhere by more than 2%).
 * The combine backward loads a token's gradient row once for all its rows (``GRAD_ONCE``)
   where one tile holds the row and there are at least two rows per token: 1-2.5% faster
   at top-2 to top-8 on an H100; at top-1 there is nothing to share.
@@ -92,48 +92,29 @@ def _first(rid_row, pad_ptr, E, N, tm, PADDED: tl.constexpr):
 
 
 @triton.jit
-def _first_block(rid_row, pad_ptr, E, N, tm, K: tl.constexpr, PADDED: tl.constexpr):
-    """:func:`_first` for map columns ``[0, K)`` at once: the counts (``[ROWS]``) and the
-    entries (``[ROWS, K]`` each). The loads are masked to the row's E columns, not to the
-    count, so none of them waits for the count's value."""
-    j = tl.arange(0, K)[None, :]
-    in_row = tm[:, None] & (j < E)
-    dest = tl.load(rid_row[:, None] + j, mask=in_row, other=-1)
-    e = tl.load(rid_row[:, None] + E + j, mask=in_row, other=-1)
-    cnt = tl.minimum(tl.maximum(tl.load(rid_row + 2 * E, mask=tm, other=0), 0), E)
-    dest, e, ok = _checked(dest, e, pad_ptr, E, N, in_row & (j < cnt[:, None]), PADDED)
-    return cnt, dest, e, ok
-
-
-@triton.jit
-def _next_block(rid_row, pad_ptr, E, N, tm, cnt, j, PADDED: tl.constexpr):
-    """The entries of map columns ``j`` (``[1, K]``, past the first block), as :func:`_dest`."""
-    return _dest(rid_row[:, None], pad_ptr, j, E, N, tm[:, None] & (j < cnt[:, None]), PADDED)
-
-
-@triton.jit
-def _pick(block, lanes, jj):
-    """Column ``jj`` of a ``[ROWS, K]`` block of entry values, as ``[ROWS]``."""
-    return tl.sum(tl.where(lanes == jj, block, tl.zeros_like(block)), axis=1)
-
-
-@triton.jit
 def row_owner_kernel(rid_ptr, pad_ptr, T, E, N, owner_prealloc, owner_ptr, PADDED: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     # A [BLOCK_T, BLOCK_K] tile of map entries per step: every entry's loads and atomic are
     # independent, so they are all in flight at once (one step covers top-k up to BLOCK_K).
-    # The first step's entries load beside the routed count rather than after it: the kernel
-    # is latency bound, and one dependent load fewer is most of its time at top-k <= BLOCK_K.
+    # The first step's entries load beside the routed count rather than after it (masked to
+    # the row's E columns, so in bounds whatever the count says): the kernel is latency
+    # bound, and one dependent load fewer is most of its time at top-k <= BLOCK_K.
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
     rid_row = rid_ptr + t64 * (2 * E + 1)
-    cnt, dest, _e, ok = _first_block(rid_row, pad_ptr, E, N, tm, BLOCK_K, PADDED)
     j = tl.arange(0, BLOCK_K)[None, :]
+    in_row = tm[:, None] & (j < E)
+    dest = tl.load(rid_row[:, None] + j, mask=in_row, other=-1)
+    e = tl.load(rid_row[:, None] + E + j, mask=in_row, other=-1)
+    cnt = tl.minimum(tl.maximum(tl.load(rid_row + 2 * E, mask=tm, other=0), 0), E)
+    dest, _e, ok = _checked(dest, e, pad_ptr, E, N, in_row & (j < cnt[:, None]), PADDED)
     tl.atomic_max(owner_ptr + dest, (t64[:, None] * E + j + 1).to(tl.int32), mask=ok)
     for j0 in range(BLOCK_K, tl.max(cnt, axis=0), BLOCK_K):
-        dest, _e, ok = _next_block(rid_row, pad_ptr, E, N, tm, cnt, j0 + j, PADDED)
-        tl.atomic_max(owner_ptr + dest, (t64[:, None] * E + j0 + j + 1).to(tl.int32), mask=ok)
+        j = j0 + tl.arange(0, BLOCK_K)[None, :]
+        live = tm[:, None] & (j < cnt[:, None])
+        dest, _e, ok = _dest(rid_row[:, None], pad_ptr, j, E, N, live, PADDED)
+        tl.atomic_max(owner_ptr + dest, (t64[:, None] * E + j + 1).to(tl.int32), mask=ok)
 
 
 @triton.jit
@@ -158,7 +139,7 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
                   T, E, N_OUT, out_ptr, pout_ptr, dw_ptr, H: tl.constexpr,
                   HAS_PROBS: tl.constexpr, WEIGHTED: tl.constexpr, PADDED: tl.constexpr,
                   BLOCK_H: tl.constexpr, ROWS: tl.constexpr, FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr,
-                  E_LANES: tl.constexpr, K_LANES: tl.constexpr, GRAD_ONCE: tl.constexpr):
+                  E_LANES: tl.constexpr, GRAD_ONCE: tl.constexpr):
     pid = tl.program_id(0)
     n_tok = tl.cdiv(T, ROWS)
     # This program's columns: one slice, or (weighted: a dot product over the row) all of H.
@@ -174,64 +155,64 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
         tm = t < T
         t64 = t.to(tl.int64)
         rid_row = rid_ptr + t64 * (2 * E + 1)
-        # The tokens' entries move in blocks of K_LANES map columns (one block up to top-8):
-        # a block's destinations, owners and weights load as vectors before any of its rows
-        # move, so no row waits on a chain of index loads, and the next block's entries load
-        # while this block's rows move.
-        lanes = tl.arange(0, K_LANES)[None, :]
-        cnt, dests, es, oks = _first_block(rid_row, pad_ptr, E, N_OUT, tm, K_LANES, PADDED)
+        # The routed count bounds loops and columns.
+        cnt, dest0, e0, ok0 = _first(rid_row, pad_ptr, E, N_OUT, tm, PADDED)
         kmax = tl.max(cnt, axis=0)
+        own0 = _owns(owner_ptr, dest0, t64, 0, E, ok0)
         if WEIGHTED:
-            # Combine backward: each destination needs its own dot product with the gradient
-            # row. Only the row's owner writes it and gets the weight's gradient; weights
-            # without an owned entry get zero (a map that sends two entries to one row gives
-            # the other entry's weight none).
+            # Combine backward: one pass per map column, since each destination needs its dot.
+            # Only the row's owner writes it and gets the weight's gradient; weights without an
+            # owned entry get zero (a map that sends two entries to one row gives the other
+            # entry's weight none). The next column's entry and owner load while this
+            # column's rows move.
             _zero_token_rows(dw_ptr, t64, tm, E, E_LANES)
             if GRAD_ONCE:
                 # One tile holds the whole row: the gradient row loads once for all columns.
                 g_row = tl.load(x_ptr + t64[:, None] * H + tl.arange(0, BLOCK_H)[None, :],
                                 mask=tm[:, None] & (tl.arange(0, BLOCK_H) < H)[None, :], other=0.0).to(tl.float32)
-            for j0 in range(0, kmax, K_LANES):
-                owns = _owns(owner_ptr, dests, t64[:, None], j0 + lanes, E, oks)
-                ws = tl.load(w_ptr + t64[:, None] * E + es, mask=owns, other=0).to(tl.float32)
-                n_dests, n_es, n_oks = _next_block(rid_row, pad_ptr, E, N_OUT, tm, cnt, j0 + K_LANES + lanes, PADDED)
-                dws = tl.zeros([ROWS, K_LANES], dtype=tl.float32)
-                for jj in range(0, tl.minimum(K_LANES, kmax - j0)):
-                    dest = _pick(dests, lanes, jj)
-                    own = _pick(owns.to(tl.int32), lanes, jj) != 0
-                    w = _pick(ws, lanes, jj)
-                    acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
-                    for h0 in range(h_lo, h_hi, BLOCK_H):
-                        off = h0 + tl.arange(0, BLOCK_H)
-                        hm = (off < H)[None, :]
-                        if GRAD_ONCE:
-                            g = g_row
-                        else:
-                            g = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=own[:, None] & hm, other=0.0)
-                            g = g.to(tl.float32)
-                        yv = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=own[:, None] & hm, other=0.0)
-                        tl.store(out_ptr + dest[:, None] * H + off[None, :],
-                                 (g * w[:, None]).to(out_ptr.dtype.element_ty), mask=own[:, None] & hm)
-                        acc += g * yv.to(tl.float32)
-                    dws = tl.where(lanes == jj, tl.sum(acc, axis=1)[:, None], dws)
-                tl.store(dw_ptr + t64[:, None] * E + es, dws.to(dw_ptr.dtype.element_ty), mask=owns)
-                dests, es, oks = n_dests, n_es, n_oks
-        else:
-            for j0 in range(0, kmax, K_LANES):
-                owns = _owns(owner_ptr, dests, t64[:, None], j0 + lanes, E, oks)
-                n_dests, n_es, n_oks = _next_block(rid_row, pad_ptr, E, N_OUT, tm, cnt, j0 + K_LANES + lanes, PADDED)
-                if HAS_PROBS and first_slice:
-                    tl.store(pout_ptr + dests, tl.load(probs_ptr + t64[:, None] * E + es, mask=owns), mask=owns)
-                # Read the tokens' slice once per block and write it to all their experts.
+            nxt = dest0
+            ne = e0
+            nown = own0
+            for j in range(kmax):
+                dest = nxt
+                e = ne
+                own = nown
+                nxt, ne, nok = _dest(rid_row, pad_ptr, j + 1, E, N_OUT, tm & (j + 1 < cnt), PADDED)
+                nown = _owns(owner_ptr, nxt, t64, j + 1, E, nok)
+                w = tl.load(w_ptr + t64 * E + e, mask=own, other=0).to(tl.float32)
+                acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
                 for h0 in range(h_lo, h_hi, BLOCK_H):
                     off = h0 + tl.arange(0, BLOCK_H)
                     hm = (off < H)[None, :]
-                    v = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=tm[:, None] & hm)
-                    for jj in range(0, tl.minimum(K_LANES, kmax - j0)):
-                        dest = _pick(dests, lanes, jj)
-                        own = _pick(owns.to(tl.int32), lanes, jj) != 0
-                        tl.store(out_ptr + dest[:, None] * H + off[None, :], v, mask=own[:, None] & hm)
-                dests, es, oks = n_dests, n_es, n_oks
+                    if GRAD_ONCE:
+                        g = g_row
+                    else:
+                        g = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=own[:, None] & hm, other=0.0)
+                        g = g.to(tl.float32)
+                    yv = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=own[:, None] & hm, other=0.0)
+                    acc += g * yv.to(tl.float32)
+                    tl.store(out_ptr + dest[:, None] * H + off[None, :],
+                             (g * w[:, None]).to(out_ptr.dtype.element_ty), mask=own[:, None] & hm)
+                tl.store(dw_ptr + t64 * E + e, tl.sum(acc, axis=1).to(dw_ptr.dtype.element_ty), mask=own)
+        else:
+            if HAS_PROBS and first_slice:
+                for j in range(kmax):
+                    dest, e, ok = _dest(rid_row, pad_ptr, j, E, N_OUT, tm & (j < cnt), PADDED)
+                    own = _owns(owner_ptr, dest, t64, j, E, ok)
+                    tl.store(pout_ptr + dest, tl.load(probs_ptr + t64 * E + e, mask=own), mask=own)
+            # Read the tokens' slice once and write it to all their experts.
+            for h0 in range(h_lo, h_hi, BLOCK_H):
+                off = h0 + tl.arange(0, BLOCK_H)
+                hm = (off < H)[None, :]
+                v = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=tm[:, None] & hm)
+                nxt = dest0
+                nown = own0
+                for j in range(kmax):
+                    dest = nxt
+                    own = nown
+                    nxt, _e, nok = _dest(rid_row, pad_ptr, j + 1, E, N_OUT, tm & (j + 1 < cnt), PADDED)
+                    nown = _owns(owner_ptr, nxt, t64, j + 1, E, nok)
+                    tl.store(out_ptr + dest[:, None] * H + off[None, :], v, mask=own[:, None] & hm)
     else:
         rows = (pid - n_tok) * FILL_ROWS + tl.arange(0, FILL_ROWS)
         rm = rows < N_OUT
@@ -251,22 +232,20 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
 def permute_kernel(x_ptr, rid_ptr, pad_ptr, owner_ptr, T, E, N_OUT,
                    out_prealloc, out_ptr, H: tl.constexpr,
                    PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-                   FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr, E_LANES: tl.constexpr,
-                   K_LANES: tl.constexpr):
+                   FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr, E_LANES: tl.constexpr):
     _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, x_ptr, x_ptr, x_ptr,
                   T, E, N_OUT, out_ptr, out_ptr, out_ptr, H,
-                  False, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H, E_LANES, K_LANES, False)
+                  False, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H, E_LANES, False)
 
 
 @triton.jit
 def permute_probs_kernel(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, T, E, N_OUT,
                          out_prealloc, pout_prealloc, out_ptr, pout_ptr, H: tl.constexpr,
                          PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-                         FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr, E_LANES: tl.constexpr,
-                         K_LANES: tl.constexpr):
+                         FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr, E_LANES: tl.constexpr):
     _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, x_ptr, x_ptr,
                   T, E, N_OUT, out_ptr, pout_ptr, out_ptr, H,
-                  True, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H, E_LANES, K_LANES, False)
+                  True, False, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H, E_LANES, False)
 
 
 @triton.jit
@@ -274,10 +253,10 @@ def unpermute_bwd_weighted_kernel(g_ptr, rid_ptr, pad_ptr, owner_ptr, w_ptr, y_p
                                   out_prealloc, dw_prealloc, out_ptr, dw_ptr, H: tl.constexpr,
                                   PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
                                   FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr, E_LANES: tl.constexpr,
-                                  K_LANES: tl.constexpr, GRAD_ONCE: tl.constexpr):
+                                  GRAD_ONCE: tl.constexpr):
     _scatter_body(g_ptr, rid_ptr, pad_ptr, owner_ptr, w_ptr, w_ptr, y_ptr,
                   T, E, N_OUT, out_ptr, out_ptr, dw_ptr, H,
-                  False, True, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H, E_LANES, K_LANES, GRAD_ONCE)
+                  False, True, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H, E_LANES, GRAD_ONCE)
 
 
 @triton.jit

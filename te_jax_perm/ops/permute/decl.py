@@ -269,16 +269,12 @@ def _scatter_fill_grid(dims, rows: int, config, split: bool = True) -> tuple[int
     return (-(-dims["T"] // config.kw["ROWS"]) + -(-rows // FILL_ROWS), _slices(dims, config) if split else 1)
 
 
-# Map columns per step of row_owner and of the scatters: 8 covers top-8 routing in one step.
-MAP_BLOCK_K = 8
-
-
 def _scatter_constexprs(prob_grads: bool):
     def constexprs(dims, params, config):
         # H is compiled in (16-byte vector rows, see kernels/permute.py); it is an exact key dim.
         fill_h = max(16, min(next_pow2(dims["H"]), 8192 // FILL_ROWS))
         out = {"H": dims["H"], "PADDED": params["padded"], "FILL_ROWS": FILL_ROWS, "FILL_H": fill_h,
-               "E_LANES": _grad_lanes(dims, prob_grads), "K_LANES": MAP_BLOCK_K}
+               "E_LANES": _grad_lanes(dims, prob_grads)}
         if prob_grads:
             # The combine backward loads a token's gradient row once for all its rows when one
             # tile holds the row and there are rows to share it (at top-1 holding it only
@@ -301,6 +297,8 @@ def _scatter_check(dims, params) -> None:
         raise ValueError(f"owner has {dims['R']} rows; expected one per output row ({rows})")
 
 
+# Map columns per row_owner step: 8 covers top-8 routing in one step.
+OWNER_BLOCK_K = 8
 
 
 def _owner_default_config(dims, params) -> Config:
@@ -321,7 +319,7 @@ row_owner = declare(KernelDecl(
     params=("num_out_rows", "padded"), reference=R.row_owner_reference,
     grid=lambda dims, params, config: (-(-dims["T"] // config.kw["BLOCK_T"]),),
     scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": params["num_out_rows"]},
-    constexprs=lambda dims, params, config: {"PADDED": params["padded"], "BLOCK_K": MAP_BLOCK_K},
+    constexprs=lambda dims, params, config: {"PADDED": params["padded"], "BLOCK_K": OWNER_BLOCK_K},
     configs=tuple(Config.make(num_warps=w, BLOCK_T=bt) for bt in (8, 16, 32, 64) for w in (1, 2, 4)),
     default_config=_owner_default_config,
     key_dims=("T", "E"), key_bucket=_key_bucket, key_params=("padded",), params_check=_owner_check,
