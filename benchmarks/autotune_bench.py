@@ -67,13 +67,9 @@ def compile_time(launches, target, max_configs: int, workers: int) -> dict:
 
 def time_jitted(fn, args, reps: int = 30) -> dict:
     import jax
-    f = jax.jit(fn)
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
+
+    from benchmarks.timing import wall_ms
+    ts = [ms / 1e3 for ms in wall_ms(jax.jit(fn), args, reps)]
     return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "reps": reps}
 
 

@@ -1,9 +1,11 @@
 """Grouped GEMM on the GPU: our Triton kernel vs tokamax vs lax.ragged_dot vs the dense limit.
 
-For each MoE expert-GEMM shape (rows M = tokens x top-k grouped by expert, K -> N per
-expert), times in one process: a dense bf16 matmul of the same FLOPs (the limit), our
-grouped GEMM forward (default config and a few alternatives), its backward (input and
-weight gradients), tokamax's ragged_dot where importable, and lax.ragged_dot where it fits.
+For each grouped-GEMM shape of ``benchmarks/gemm_problems.py`` (MoE expert GEMMs: rows M =
+tokens x top-k grouped by expert, K -> N per expert; the layer benchmark's GEMM table takes
+its shapes from there too), times in one process: a dense bf16 matmul of the same FLOPs (the
+limit), our grouped GEMM forward (default config and a few alternatives), its backward
+(input and weight gradients), tokamax's ragged_dot where importable, and lax.ragged_dot
+where it fits.
 With --tma (the default), also the forward and the input gradient on their default config
 and on each persistent TMA config (``decl.TMA_CONFIGS``, Hopper's tensor-memory path) side
 by side, each TMA result checked against the default's. Writes grouped_gemm.json into --out.
@@ -13,7 +15,7 @@ Usage:
     python3 benchmarks/grouped_gemm_bench.py --out=OUT [--shapes=NAME,...] [--budget_s=300]
         [--nosweep] [--notma] [--tma_all] [--programs=132,...]
 
---shapes     only these shapes (names as in SHAPES; default all)
+--shapes     only the shapes whose names contain one of these (default all)
 --budget_s   stop starting new shapes after this many seconds
 --nosweep    skip the alternative pointer-path tile configs of the forward (sweep_fwd_ms)
 --notma      skip the TMA comparison
@@ -31,13 +33,21 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+from typing import Any, Sequence
 
 from absl import flags, logging
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+# Run as a script: the repository root, for the benchmarks package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import gemm_problems
+from benchmarks.gemm_problems import GemmShape
+from benchmarks.shapes import by_substrings
+from benchmarks.timing import median_wall_ms
 from te_jax_perm import cli
 from te_jax_perm.core import Config
 from te_jax_perm.ops.grouped_gemm import decl as D
@@ -47,36 +57,18 @@ from te_jax_perm.ops.grouped_gemm.reference import grouped_gemm_reference
 _OUT = flags.DEFINE_string("out", "/tmp/grouped_gemm_bench", "Directory for grouped_gemm.json.")
 _BUDGET = flags.DEFINE_float("budget_s", 300.0, "Stop starting new shapes after this many seconds.")
 _SWEEP = flags.DEFINE_bool("sweep", True, "Also time alternative tile configs of the forward kernel.")
-_SHAPES = flags.DEFINE_list("shapes", [], "Only these shapes (names of SHAPES); default all.")
+_SHAPES = flags.DEFINE_list("shapes", [], "Only the shapes whose names contain one of these; default all.")
 _TMA = flags.DEFINE_bool("tma", True, "Time the forward and input gradient on their TMA configs beside the default.")
 _TMA_ALL = flags.DEFINE_bool("tma_all", False, "Every TMA config of the tuning space, not the short list.")
 _PROGRAMS = flags.DEFINE_list("programs", [], "Persistent program counts for the TMA configs (default: theirs).")
 
-# (name, M, K, N, G): up-projection uses N = 2 x ffn (gate and up fused), down-projection K = ffn.
-SHAPES = [
-    ("deepseek_v3_up_T8192", 65536, 7168, 4096, 256),
-    ("deepseek_v3_down_T8192", 65536, 2048, 7168, 256),
-    ("qwen3_up_T8192", 65536, 4096, 3072, 128),
-    ("qwen3_down_T8192", 65536, 1536, 4096, 128),
-    ("mixtral_up_T8192", 16384, 4096, 28672, 8),
-    ("g8_16384x4096x4096", 16384, 4096, 4096, 8),
-    ("g32_32768x4096x2048", 32768, 4096, 2048, 32),
-]
 # The TMA configs timed by default: (BM, BN, warps, stages) of decl.TMA_CONFIGS.
 TMA_SHORT = {(128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 8, 3)}
 SWEEP = [Config.make(num_warps=w, num_stages=s, BM=bm, BN=bn, BK=bk, GROUP_M=8)
          for (bm, bn, bk, w, s) in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
                                     (64, 256, 64, 8, 4), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3)]]
-
-
-def _time_ms(fn, *args, reps: int = 10) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e3)
+# The forward's result is checked against the reference on this many rows, all in group 0.
+CHECK_ROWS = 4096
 
 
 def tma_configs(every: bool = False, programs: list[int] | tuple[int, ...] = ()) -> list[Config]:
@@ -89,7 +81,7 @@ def tma_configs(every: bool = False, programs: list[int] | tuple[int, ...] = ())
     return [Config.make(c.num_warps, c.num_stages, **{**c.kw, "PROGRAMS": p}) for c in picked for p in programs]
 
 
-def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.Array, configs: list[Config],
+def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.Array, configs: Sequence[Config],
                    backend: str = "triton", reps: int = 5) -> dict:
     """The forward and the input gradient, each on its default config and on each of
     ``configs`` the shape admits: times, and each config's largest difference from the
@@ -104,7 +96,7 @@ def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.A
 
         default = prim.decl.default_config(dims, {"elem_bytes": 2})
         r.setdefault("default_config", {})[what] = str(default)
-        r[f"{what}_default_ms"] = _time_ms(run(default), a, rhs, sizes, reps=reps)
+        r[f"{what}_default_ms"] = median_wall_ms(run(default), (a, rhs, sizes), reps)
         want = run(default)(a, rhs, sizes).astype(jnp.float32)
         times, diffs = r.setdefault(f"tma_{what}_ms", {}), r.setdefault("tma_max_abs_diff", {})
         for cfg in configs:
@@ -113,7 +105,7 @@ def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.A
             try:
                 f = run(cfg)
                 diffs[f"{what} {cfg}"] = float(jnp.max(jnp.abs(f(a, rhs, sizes).astype(jnp.float32) - want)))
-                times[str(cfg)] = _time_ms(f, a, rhs, sizes, reps=reps)
+                times[str(cfg)] = median_wall_ms(f, (a, rhs, sizes), reps)
             except Exception as e:  # a config that fails to compile or launch is a finding, not a crash
                 times[str(cfg)] = repr(e)[:300]
         ok = [t for t in times.values() if isinstance(t, float)]
@@ -122,77 +114,79 @@ def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.A
     return r
 
 
-def _group_sizes(m: int, g: int, rng) -> np.ndarray:
-    # Routing-like sizes: a multinomial draw over equally likely experts.
-    return rng.multinomial(m, np.full(g, 1.0 / g)).astype(np.int32)
+def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, sweep: Sequence[Config] = (),
+              tma: Sequence[Config] | None = (), tokamax: Any = None) -> dict[str, Any]:
+    """One shape's times, bf16: the dense dot, our forward (checked against the reference)
+    and backward on ``backend``; the forward on each of ``sweep``'s configs; the default and
+    ``tma`` configs compared (:func:`tma_comparison`; skipped when ``tma`` is None); the
+    ``tokamax`` module's ragged_dot where given; lax.ragged_dot where its dense copy fits."""
+    m, k, n, g = shape.M, shape.K, shape.N, shape.G
+    ops = gemm_problems.operands(shape, jnp.bfloat16, cotangent=True)
+    lhs, rhs, sizes, dout = ops.lhs, ops.rhs, ops.group_sizes, ops.dout
+    few = min(reps, 5)
+    r: dict[str, Any] = {"M": m, "K": k, "N": n, "G": g}
+    r["dense_ms"] = median_wall_ms(jax.jit(gemm_problems.dense_dot), (lhs, ops.dense_rhs), reps)
+    fwd = jax.jit(lambda a, b, s: grouped_gemm_triton(a, b, s, backend=backend))
+    r["ours_fwd_ms"] = median_wall_ms(fwd, (lhs, rhs, sizes), reps)
+    rows = min(m, CHECK_ROWS)
+    one_group = jnp.zeros_like(sizes).at[0].set(rows)
+    ref = jax.jit(grouped_gemm_reference)(lhs[:rows], rhs, one_group)
+    ours = fwd(lhs[:rows], rhs, one_group)
+    r["check_max_abs_err"] = float(jnp.max(jnp.abs(ours.astype(jnp.float32) - ref.astype(jnp.float32))))
+    fb = jax.jit(lambda a, b, s, d: jax.vjp(lambda x, y: grouped_gemm_triton(x, y, s, backend=backend), a, b)[1](d))
+    r["ours_bwd_ms"] = median_wall_ms(fb, (lhs, rhs, sizes, dout), reps)
+    if sweep:
+        r["sweep_fwd_ms"] = {}
+        for cfg in sweep:
+            if D.grouped_gemm.decl.violated({"M": m, "C": k, "D": n, "G": g}, {"elem_bytes": 2}, cfg):
+                continue
+            f = jax.jit(lambda a, b, s, cfg=cfg: D.grouped_gemm(a, b, s, backend=backend, config=cfg,
+                                                                elem_bytes=2)[0])
+            try:
+                r["sweep_fwd_ms"][str(cfg)] = median_wall_ms(f, (lhs, rhs, sizes), few)
+            except Exception as e:  # a config that fails to compile is a finding, not a crash
+                r["sweep_fwd_ms"][str(cfg)] = repr(e)[:200]
+    if tma is not None:
+        r.update(tma_comparison(lhs, rhs, dout, sizes, tma, backend=backend, reps=few))
+    if tokamax is not None:
+        try:
+            tf = jax.jit(lambda a, b, s: tokamax.ragged_dot(a, b, s))
+            r["tokamax_fwd_ms"] = median_wall_ms(tf, (lhs, rhs, sizes), reps)
+            tb = jax.jit(lambda a, b, s, d: jax.vjp(lambda x, y: tokamax.ragged_dot(x, y, s), a, b)[1](d))
+            r["tokamax_bwd_ms"] = median_wall_ms(tb, (lhs, rhs, sizes, dout), reps)
+        except Exception as e:
+            r["tokamax_error"] = repr(e)[:300]
+    if m * g * k * 2 < 4e9:   # XLA:GPU's ragged_dot builds a masked [M, G, K] copy of lhs
+        r["lax_ragged_dot_fwd_ms"] = median_wall_ms(jax.jit(jax.lax.ragged_dot), (lhs, rhs, sizes), min(reps, 3))
+    r["dense_tflops"] = shape.tflops(r["dense_ms"])
+    r["ours_fwd_tflops"] = shape.tflops(r["ours_fwd_ms"])
+    r["ours_fwd_over_dense"] = r["ours_fwd_ms"] / r["dense_ms"]
+    r["ours_bwd_over_2dense"] = r["ours_bwd_ms"] / (2 * r["dense_ms"])
+    return r
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
     del argv
-    unknown = set(_SHAPES.value) - {s[0] for s in SHAPES}
-    if unknown:
-        raise SystemExit(f"--shapes: unknown {sorted(unknown)}; the shapes are {[s[0] for s in SHAPES]}")
+    try:
+        shapes = by_substrings(",".join(_SHAPES.value), gemm_problems.SHAPES, "--shapes")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     os.makedirs(_OUT.value, exist_ok=True)
-    rng = np.random.default_rng(0)
     results = {"device": str(jax.devices()[0].device_kind), "shapes": {}}
     try:
-        import tokamax  # noqa: F401
+        import tokamax
     except Exception as e:  # optional: only compared where importable
         tokamax = None
         logging.info("tokamax not importable (%s); skipping it", e)
+    tma = tma_configs(_TMA_ALL.value, [int(p) for p in _PROGRAMS.value]) if _TMA.value else None
     t_start = time.time()
-    for name, m, k, n, g in SHAPES:
-        if _SHAPES.value and name not in _SHAPES.value:
-            continue
+    for shape in shapes:
         if time.time() - t_start > _BUDGET.value:
-            logging.warning("budget spent; skipping %s", name)
+            logging.warning("budget spent; skipping %s", shape.name)
             continue
-        r = {"M": m, "K": k, "N": n, "G": g}
-        key = jax.random.PRNGKey(0)
-        lhs = jax.random.normal(key, (m, k), jnp.bfloat16)
-        # Drawn in bf16 directly: a float32 draw of DeepSeek-V3's [256, 7168, 4096] needs 28 GiB.
-        rhs = jax.random.normal(key, (g, k, n), jnp.bfloat16) * jnp.bfloat16(1 / np.sqrt(k))
-        dout = jax.random.normal(key, (m, n), jnp.bfloat16)
-        sizes = jnp.asarray(_group_sizes(m, g, rng))
-        flops = 2.0 * m * k * n
-        r["dense_ms"] = _time_ms(jax.jit(lambda a, b: a @ b), lhs, rhs[0])
-        fwd = jax.jit(lambda a, b, s: grouped_gemm_triton(a, b, s, backend="triton"))
-        r["ours_fwd_ms"] = _time_ms(fwd, lhs, rhs, sizes)
-        ref = jax.jit(grouped_gemm_reference)(lhs[:4096], rhs, jnp.minimum(sizes, 0).at[0].set(4096))
-        ours = fwd(lhs[:4096], rhs, jnp.minimum(sizes, 0).at[0].set(4096))
-        r["check_max_abs_err"] = float(jnp.max(jnp.abs(ours.astype(jnp.float32) - ref.astype(jnp.float32))))
-        fb = jax.jit(lambda a, b, s, d: jax.vjp(lambda x, y: grouped_gemm_triton(x, y, s, backend="triton"), a, b)[1](d))
-        r["ours_bwd_ms"] = _time_ms(fb, lhs, rhs, sizes, dout)
-        if _SWEEP.value:
-            r["sweep_fwd_ms"] = {}
-            for cfg in SWEEP:
-                if D.grouped_gemm.decl.violated({"M": m, "C": k, "D": n, "G": g}, {"elem_bytes": 2}, cfg):
-                    continue
-                f = jax.jit(lambda a, b, s, cfg=cfg: D.grouped_gemm(a, b, s, backend="triton", config=cfg,
-                                                                    elem_bytes=2)[0])
-                try:
-                    r["sweep_fwd_ms"][str(cfg)] = _time_ms(f, lhs, rhs, sizes, reps=5)
-                except Exception as e:  # a config that fails to compile is a finding, not a crash
-                    r["sweep_fwd_ms"][str(cfg)] = repr(e)[:200]
-        if _TMA.value:
-            r.update(tma_comparison(lhs, rhs, dout, sizes, tma_configs(_TMA_ALL.value,
-                                                                       [int(p) for p in _PROGRAMS.value])))
-        if tokamax is not None:
-            try:
-                tf = jax.jit(lambda a, b, s: tokamax.ragged_dot(a, b, s))
-                r["tokamax_fwd_ms"] = _time_ms(tf, lhs, rhs, sizes)
-                tb = jax.jit(lambda a, b, s, d: jax.vjp(lambda x, y: tokamax.ragged_dot(x, y, s), a, b)[1](d))
-                r["tokamax_bwd_ms"] = _time_ms(tb, lhs, rhs, sizes, dout)
-            except Exception as e:
-                r["tokamax_error"] = repr(e)[:300]
-        if m * g * k * 2 < 4e9:
-            r["lax_ragged_dot_fwd_ms"] = _time_ms(jax.jit(jax.lax.ragged_dot), lhs, rhs, sizes, reps=3)
-        r["dense_tflops"] = flops / r["dense_ms"] / 1e9
-        r["ours_fwd_tflops"] = flops / r["ours_fwd_ms"] / 1e9
-        r["ours_fwd_over_dense"] = r["ours_fwd_ms"] / r["dense_ms"]
-        r["ours_bwd_over_2dense"] = r["ours_bwd_ms"] / (2 * r["dense_ms"])
-        results["shapes"][name] = r
-        print(name, json.dumps(r), flush=True)
+        r = shape_row(shape, sweep=SWEEP if _SWEEP.value else (), tma=tma, tokamax=tokamax)
+        results["shapes"][shape.name] = r
+        print(shape.name, json.dumps(r), flush=True)
         with open(os.path.join(_OUT.value, "grouped_gemm.json"), "w") as f:
             json.dump(results, f, indent=1)
 

@@ -30,7 +30,9 @@ te_jax_perm's kernels.
 After the layers, a grouped-GEMM table: our Triton grouped GEMM vs tokamax's (where
 installed) vs one dense dot of the same FLOPs, forward and fwd+bwd (``jax.lax.ragged_dot``,
 which XLA:GPU densifies, on CPU), with each GEMM's roofline (FLOPs at the dense dot's
-rate, or its bytes, every group's weights included, at the copy bandwidth).
+rate, or its bytes, every group's weights included, at the copy bandwidth). Its shapes,
+operands and dense dot are ``benchmarks/gemm_problems.py``'s, shared with
+``benchmarks/grouped_gemm_bench.py``.
 
 Targets (H100): the step within 1.25x the GEMM limit at Qwen3 and Mixtral and 1.3x the
 roofline at DeepSeek-V3, and 1.1x faster than the pure-JAX permutation at all three; the
@@ -50,7 +52,6 @@ import json
 import pathlib
 import pkgutil
 import platform
-import statistics
 import sys
 import time
 import traceback
@@ -60,8 +61,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import trace_stats
+from benchmarks import gemm_problems, trace_stats
+from benchmarks.gemm_problems import GemmShape
 from benchmarks.shapes import by_substrings
+from benchmarks.timing import median_wall_ms
 from examples import moe_permute as example
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops.grouped_gemm.api import default_impl, grouped_matmul, tokamax_available
@@ -99,11 +102,11 @@ CPU_SHAPES = (
     LayerShape("smoke", 64, 32, 64, 8, 2),
     LayerShape("smoke", 37, 16, 32, 4, 3),
 )
-# Grouped GEMMs (M, K, N, G), bf16: the sizes where lax.ragged_dot was measured densifying,
-# and the first expert GEMM of the DeepSeek-V3 layer (gate and up: N = 2F).
-GPU_GEMMS = ((16384, 4096, 4096, 8), (32768, 4096, 2048, 32), (65536, 7168, 2048, 32),
-             (65536, 7168, 4096, 256))
-CPU_GEMMS = ((96, 32, 24, 4), (64, 16, 16, 8))
+# The grouped-GEMM table, bf16: the sizes where lax.ragged_dot was measured densifying, and
+# the first expert GEMM of the DeepSeek-V3 layer (gate and up: N = 2F).
+GPU_GEMMS = gemm_problems.named("g8_16384x4096x4096", "g32_32768x4096x2048", "g32_65536x7168x2048",
+                                "deepseek_v3_up_T8192")
+CPU_GEMMS = gemm_problems.CPU_SHAPES
 
 
 # -- the layer's limits -----------------------------------------------------------------
@@ -134,7 +137,7 @@ def copy_bandwidth_gbps(steps: int, nbytes: int) -> float:
     """Read+write GB/s of XLA's elementwise copy of a bf16 buffer of ``nbytes``."""
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     one = jnp.ones((), jnp.bfloat16)
-    ms = _median_ms(jax.jit(lambda a, s: a * s), (x, one), steps)
+    ms = median_wall_ms(jax.jit(lambda a, s: a * s), (x, one), steps)
     return 2 * x.size * 2 / (ms * 1e-3) / 1e9
 
 
@@ -150,28 +153,17 @@ def peak_gib(jitted: Callable, *args) -> float:
 def dense_ffn_step(cfg: example.MoEConfig) -> tuple[Callable, tuple]:
     """The GEMM limit: one dense SwiGLU FFN over T*k rows with one expert's weights, fwd+bwd:
     the same GEMM FLOPs as the layer with no routing, permutation or grouping."""
-    kx, k1, k2 = jax.random.split(jax.random.PRNGKey(cfg.seed + 1), 3)
+    kx, k1, k2 = jax.random.split(jax.random.key(cfg.seed + 1), 3)
     dt = jnp.dtype(cfg.dtype)
-    rows = jax.random.normal(kx, (cfg.tokens * cfg.topk, cfg.hidden), dt)
-    w_in = (jax.random.normal(k1, (cfg.hidden, 2 * cfg.ffn), dt) / np.sqrt(cfg.hidden)).astype(dt)
-    w_out = (jax.random.normal(k2, (cfg.ffn, cfg.hidden), dt) / np.sqrt(cfg.ffn)).astype(dt)
+    rows = gemm_problems.random_normal(kx, (cfg.tokens * cfg.topk, cfg.hidden), dt)
+    w_in = gemm_problems.random_normal(k1, (cfg.hidden, 2 * cfg.ffn), dt, scale=1 / np.sqrt(cfg.hidden))
+    w_out = gemm_problems.random_normal(k2, (cfg.ffn, cfg.hidden), dt, scale=1 / np.sqrt(cfg.ffn))
 
     def loss(rows, w_in, w_out):
         y = example.swiglu(rows @ w_in).astype(dt) @ w_out
         return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (rows, w_in, w_out)
-
-
-def time_steps(fn: Callable, args: tuple, steps: int) -> list[float]:
-    """Wall milliseconds per call, blocked until ready, after one warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(max(1, steps)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def our_kernel_names() -> list[str]:
@@ -245,38 +237,37 @@ class Log:
                 f.write(msg + "\n")
 
 
-def _median_ms(fn: Callable, args: tuple, steps: int) -> float:
-    return statistics.median(time_steps(fn, args, steps))
+# ``mm(lhs, rhs) -> out``: one GEMM of the table.
+MatMul = Callable[[jax.Array, jax.Array], jax.Array]
 
 
-def _group_sizes(m: int, g: int, seed: int) -> np.ndarray:
-    """Random, roughly balanced group sizes summing to m (a multinomial over g groups)."""
-    return np.random.default_rng(seed).multinomial(m, np.full(g, 1.0 / g)).astype(np.int32)
+def loss_and_grads(mm: MatMul) -> Callable:
+    """jit of the value and both gradients of a mean-square loss of ``mm(lhs, rhs)``: the
+    GEMM table's fwd+bwd, three GEMMs (the forward, the input and the weight gradient)."""
+    return jax.jit(jax.value_and_grad(lambda a, b: jnp.mean(jnp.square(mm(a, b).astype(jnp.float32))), (0, 1)))
 
 
-def gemm_row(m: int, k: int, n: int, g: int, dtype: str, impls: tuple[str, ...], steps: int) -> dict:
-    """Forward and fwd+bwd times of each grouped-GEMM implementation and of one dense dot."""
-    key = jax.random.PRNGKey(0)
-    lhs = jax.random.normal(key, (m, k), dtype)
-    rhs = (jax.random.normal(key, (g, k, n), dtype) / np.sqrt(k)).astype(dtype)
-    dense_rhs = rhs[0]
-    gs = jnp.asarray(_group_sizes(m, g, seed=m + g))
-    flops = 2.0 * m * k * n
-    row: dict[str, Any] = {"M": m, "K": k, "N": n, "G": g, "dtype": dtype, "tflop_fwd": flops / 1e12,
-                           "bytes_fwd": float(jnp.dtype(dtype).itemsize * (m * k + g * k * n + m * n))}
+def gemm_cases(group_sizes: jax.Array, impls: tuple[str, ...]) -> dict[str, MatMul]:
+    """``mm(lhs, rhs)`` of each grouped-GEMM implementation over ``group_sizes`` (``rhs``:
+    ``Operands.rhs``), and ``"dense"``, the dense dot (``rhs``: ``Operands.dense_rhs``)."""
+    cases = {impl: (lambda a, b, impl=impl: grouped_matmul(a, b, group_sizes, impl=impl)) for impl in impls}
+    cases["dense"] = gemm_problems.dense_dot
+    return cases
 
-    def fwd_bwd(mm):
-        return jax.jit(jax.value_and_grad(lambda a, b: jnp.mean(jnp.square(mm(a, b).astype(jnp.float32))), (0, 1)))
 
-    cases = {f"{impl}": lambda a, b, impl=impl: grouped_matmul(a, b, gs, impl=impl) for impl in impls}
-    cases["dense"] = lambda a, b: a @ b
-    for name, mm in cases.items():
-        b = dense_rhs if name == "dense" else rhs
-        for what, fn in (("fwd", jax.jit(mm)), ("fwd_bwd", fwd_bwd(mm))):
+def gemm_row(shape: GemmShape, dtype: str, impls: tuple[str, ...], steps: int) -> dict:
+    """Forward and fwd+bwd (:func:`loss_and_grads`) times of each grouped-GEMM
+    implementation and of the dense dot of the same FLOPs."""
+    ops = gemm_problems.operands(shape, dtype)
+    row: dict[str, Any] = {"name": shape.name, "M": shape.M, "K": shape.K, "N": shape.N, "G": shape.G,
+                           "dtype": dtype, "tflop_fwd": shape.flops / 1e12, "bytes_fwd": shape.bytes_fwd(dtype)}
+    for name, mm in gemm_cases(ops.group_sizes, impls).items():
+        rhs = ops.dense_rhs if name == "dense" else ops.rhs
+        for what, fn, gemms in (("fwd", jax.jit(mm), 1), ("fwd_bwd", loss_and_grads(mm), 3)):
             try:
-                ms = _median_ms(fn, (lhs, b), steps)
+                ms = median_wall_ms(fn, (ops.lhs, rhs), steps)
                 row[f"{name}_{what}_ms"] = ms
-                row[f"{name}_{what}_tflops"] = flops * (1 if what == "fwd" else 3) / ms / 1e9
+                row[f"{name}_{what}_tflops"] = shape.tflops(ms, gemms)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory for the densified ragged_dot
                 row[f"{name}_{what}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     return row
@@ -304,7 +295,7 @@ def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, ste
     fused = dataclasses.replace(cfg, gemm="fused")
     kp, kx = jax.random.split(jax.random.PRNGKey(0))
     params = jax.jit(example.init_params, static_argnums=0)(cfg, kp)   # jitted: no float32 temporaries
-    x = jax.random.normal(kx, (cfg.tokens, cfg.hidden), jnp.float32).astype(dtype)
+    x = gemm_problems.random_normal(kx, (cfg.tokens, cfg.hidden), dtype)
 
     def step_of(layer):
         loss = lambda p, x: jnp.mean(jnp.square(layer(p, x).astype(jnp.float32)))
@@ -331,7 +322,7 @@ def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, ste
             else:
                 row[f"{name}_vs_pure_jax_max_rel_diff"] = _max_rel_diff(got, want)
             del got
-            row[f"{name}_ms"] = _median_ms(steps_by_name[name], (params, x), steps)
+            row[f"{name}_ms"] = median_wall_ms(steps_by_name[name], (params, x), steps)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: the row says so, the others go on
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     del want
@@ -342,7 +333,7 @@ def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, ste
             row["profile"] = {"error": f"{type(e).__name__}: {e}"}
     del params, x
     dense_step, dense_args = dense_ffn_step(cfg)
-    row["gemm_limit_ms"] = _median_ms(dense_step, dense_args, steps)
+    row["gemm_limit_ms"] = median_wall_ms(dense_step, dense_args, steps)
     if copy_gbps:
         row["roofline_ms"] = roofline_ms(row["gemm_limit_ms"], row["gemm_bytes_per_step"], copy_gbps)
     for name in VARIANTS:
@@ -540,11 +531,12 @@ def main(argv: list[str] | None = None) -> int:
         # lax.ragged_dot densifies on GPUs (4-30x the dense time, out of memory at DeepSeek-V3
         # sizes), so the GPU table compares the two real grouped GEMMs.
         impls = (("triton",) + (("tokamax",) if result["tokamax_available"] else ())) if on_gpu else ("xla",)
-        for m, k, n, g in (GPU_GEMMS if on_gpu else CPU_GEMMS):
+        for shape in (GPU_GEMMS if on_gpu else CPU_GEMMS):
+            m, k, n, g = shape.M, shape.K, shape.N, shape.G
             if budget_left() < 0:
                 result["skipped"].append(f"gemm {m}x{k}x{n} G={g}: budget")
                 continue
-            row = gemm_row(m, k, n, g, dtype, impls, steps)
+            row = gemm_row(shape, dtype, impls, steps)
             if "dense_fwd_ms" in row:
                 row["roofline_fwd_ms"] = roofline_ms(row["dense_fwd_ms"], row["bytes_fwd"], result["copy_GBps"])
             result["gemm_table"].append(row)

@@ -8,6 +8,9 @@ argument is donated, so the one-element update happens in place and no extra cop
 made; the cost is a couple of tiny kernels per call (microseconds), which only ever makes
 an op look slower. The figure per call is (wall time of the chain, blocked until ready) /
 n; we report the median over ``reps`` chains and the spread.
+
+For steps of milliseconds, whose host dispatch is negligible beside them, :func:`wall_ms`
+times plain calls instead.
 """
 from __future__ import annotations
 
@@ -106,3 +109,20 @@ def time_fn(fn: Callable[..., Any], args: Sequence[Any], n: int, reps: int, warm
         per_call = sorted(once() / n for _ in range(reps))
     q = statistics.quantiles(per_call, n=10, method="inclusive") if len(per_call) > 1 else per_call * 9
     return Timing(statistics.median(per_call), q[0], q[-1], per_call[0], n, reps, compile_s)
+
+
+def wall_ms(fn: Callable[..., Any], args: Sequence[Any], reps: int) -> list[float]:
+    """Wall milliseconds of each of ``reps`` calls ``fn(*args)`` (at least one), each blocked
+    until ready, after one untimed call that compiles."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def median_wall_ms(fn: Callable[..., Any], args: Sequence[Any], reps: int) -> float:
+    """The median of :func:`wall_ms`."""
+    return statistics.median(wall_ms(fn, args, reps))

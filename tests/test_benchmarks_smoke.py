@@ -290,3 +290,136 @@ def test_peer_targets_compare_kernel_times_and_time_per_byte(tmp_path):
     assert peer.main(["--summary", str(path)]) == 0
     assert json.loads(path.read_text())["targets"] == lines
     assert (tmp_path / "peer_summary.txt").read_text() == "\n".join(lines) + "\n"
+
+def test_wall_ms_blocks_on_every_timed_call_after_one_untimed_one():
+    calls = [0]
+
+    def op(x):
+        jax.debug.callback(lambda: calls.__setitem__(0, calls[0] + 1))
+        return x + 1
+
+    ms = timing.wall_ms(jax.jit(op), (jnp.zeros(3),), reps=4)
+    assert len(ms) == 4 and all(t > 0 for t in ms) and calls[0] == 5
+    assert timing.median_wall_ms(jax.jit(op), (jnp.zeros(3),), reps=0) > 0   # at least one timed call
+
+
+# -- the grouped-GEMM problems of grouped_gemm_bench and layer_bench -------------------------
+def _arrays(closed_jaxpr) -> list:
+    """The aval of every value a jaxpr computes, its sub-jaxprs' (jit, scan, custom VJP) included."""
+    out, todo = [], [closed_jaxpr]
+    while todo:
+        j = todo.pop()
+        j = getattr(j, "jaxpr", j)
+        out += [v.aval for v in j.invars]
+        for eqn in j.eqns:
+            out += [v.aval for v in eqn.outvars]
+            for p in eqn.params.values():
+                todo += [q for q in (p if isinstance(p, (list, tuple)) else [p]) if hasattr(q, "eqns")
+                         or hasattr(getattr(q, "jaxpr", None), "eqns")]
+    return out
+
+
+def wide_arrays(closed_jaxpr, min_elems: int) -> list[str]:
+    """The arrays of 4-byte (or wider) numbers with at least ``min_elems`` elements."""
+    return [str(a) for a in _arrays(closed_jaxpr) if isinstance(getattr(a, "dtype", None), np.dtype)
+            and a.dtype.itemsize >= 4 and a.size >= min_elems]
+
+
+def test_operand_builder_never_holds_a_float32_copy_of_the_weights():
+    """DeepSeek-V3's expert weights ([256, 7168, 4096] bf16, 14 GiB) are drawn one expert
+    at a time: traced (nothing allocated), no float32 value or random bits of more than one
+    expert exist; compiled, XLA's buffer assignment needs the result and a few slices beside
+    it, not the 28 GiB a float32 draw of the whole array takes."""
+    from benchmarks import gemm_problems as gp
+    key = jax.random.key(0)
+    shape = (256, 7168, 4096)
+    draw = jax.jit(lambda k: gp.random_normal(k, shape, jnp.bfloat16, scale=7168 ** -0.5))
+    one_expert = 7168 * 4096
+    assert gp.slice_rows(shape) == 1
+    jaxpr = jax.make_jaxpr(draw)(key)
+    assert jaxpr.out_avals[0].shape == shape and jaxpr.out_avals[0].dtype == jnp.bfloat16
+    assert not wide_arrays(jaxpr, one_expert + 1)
+    assert wide_arrays(jaxpr, one_expert)   # the checker sees the float32 draw of one expert
+    # The checker flags a draw of the whole array in float32, and the float32 promotion that
+    # dividing bf16 by a NumPy float64 makes.
+    assert wide_arrays(jax.make_jaxpr(lambda k: jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16))(key),
+                       one_expert + 1)
+    assert wide_arrays(jax.make_jaxpr(lambda k: jax.random.normal(k, shape, jnp.bfloat16) / np.sqrt(7168))(key),
+                       one_expert + 1)
+    mem = draw.lower(key).compile().memory_analysis()
+    assert mem.output_size_in_bytes == 2 * 256 * one_expert
+    assert mem.temp_size_in_bytes < 4 * 256 * one_expert / 16, mem.temp_size_in_bytes / 2**30
+
+
+def test_random_normal_is_normal_with_every_slice_its_own():
+    from benchmarks import gemm_problems as gp
+    key = jax.random.key(3)
+    shape = (6, 40, 24)
+    x = gp.random_normal(key, shape, jnp.bfloat16, scale=0.5, slice_bytes=4 * 40 * 24)   # one group a slice
+    assert x.shape == shape and x.dtype == jnp.bfloat16
+    v = np.asarray(x, np.float32)
+    assert abs(v.mean()) < 0.02 and abs(v.std() - 0.5) < 0.02, (v.mean(), v.std())
+    assert len(np.unique(v)) > 1000 and np.mean(v == 0) < 0.01    # float32 draws, not 8-bit bf16 ones
+    groups = v.reshape(6, -1)
+    assert all(not np.array_equal(groups[i], groups[j]) for i in range(6) for j in range(i))
+    np.testing.assert_array_equal(np.asarray(gp.random_normal(key, shape, jnp.bfloat16, scale=0.5,
+                                                              slice_bytes=4 * 40 * 24), np.float32), v)
+    assert gp.slice_rows((65536, 7168)) == 4096 and gp.slice_rows((96, 32)) == 96
+    assert gp.slice_rows((7, 1 << 26)) == 1                     # a row over the limit: one row a slice
+    assert gp.random_normal(key, (0, 4), jnp.float32).shape == (0, 4)
+
+
+def test_both_gemm_benchmarks_time_the_shapes_of_their_committed_results():
+    """One table serves both benchmarks; each committed result's shapes are in it, under the
+    same name and sizes, so that new results compare with the committed ones."""
+    from benchmarks import gemm_problems as gp
+    from benchmarks import layer_bench
+    results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+    table = {s.name: s for s in gp.SHAPES}
+    for device in ("H100", "H200"):
+        with open(os.path.join(results, f"grouped_gemm_{device}.json")) as f:
+            for name, r in json.load(f)["shapes"].items():
+                assert (table[name].M, table[name].K, table[name].N, table[name].G) == (r["M"], r["K"], r["N"], r["G"])
+        with open(os.path.join(results, f"layer_{device}.json")) as f:
+            committed = [(r["M"], r["K"], r["N"], r["G"]) for r in json.load(f)["gemm_table"]]
+        assert [(s.M, s.K, s.N, s.G) for s in layer_bench.GPU_GEMMS] == committed
+    assert all(s in gp.SHAPES for s in layer_bench.GPU_GEMMS)
+    assert gp.named("qwen3_up_T8192") == (table["qwen3_up_T8192"],)
+    with pytest.raises(KeyError, match="nope"):
+        gp.named("nope")
+    sizes = gp.group_sizes(1000, 7)
+    assert sizes.dtype == np.int32 and sizes.sum() == 1000 and len(sizes) == 7
+    np.testing.assert_array_equal(sizes, gp.group_sizes(1000, 7))
+    s = gp.GemmShape("x", 8, 4, 2, 3)
+    assert s.flops == 128 and s.tflops(1.0, gemms=3) == 3 * 128 / 1e9 and s.bytes_fwd("bfloat16") == 2 * (32 + 24 + 16)
+
+
+def test_layer_gemm_row_at_deepseek_v3_holds_no_float32_copy_of_the_weights():
+    """The GEMM table's G=256 row (DeepSeek-V3's [256, 7168, 4096] bf16 weights, 14 GiB):
+    its operands, its forward and its fwd+bwd (whose weight gradient is another 14 GiB of
+    bf16) make no float32 value as large as the weights. Traced at full size, nothing
+    allocated; the kernel backend of this machine stands in for the GPU's triton (the same
+    graph)."""
+    from benchmarks import gemm_problems as gp
+    from benchmarks import layer_bench
+    from te_jax_perm import use_backend
+    from tests.conftest import KERNEL_BACKEND
+    (shape,) = [s for s in layer_bench.GPU_GEMMS if s.G == 256]
+    weights = shape.G * shape.K * shape.N
+
+    def build():
+        o = gp.operands(shape, "bfloat16", cotangent=True)
+        return o.lhs, o.rhs, o.group_sizes, o.dense_rhs, o.dout
+
+    assert not wide_arrays(jax.make_jaxpr(build)(), weights)
+    lhs = jax.ShapeDtypeStruct((shape.M, shape.K), jnp.bfloat16)
+    rhs = {"triton": jax.ShapeDtypeStruct((shape.G, shape.K, shape.N), jnp.bfloat16),
+           "dense": jax.ShapeDtypeStruct((shape.K, shape.N), jnp.bfloat16)}
+    with use_backend(KERNEL_BACKEND):
+        cases = layer_bench.gemm_cases(jnp.asarray(gp.group_sizes(shape.M, shape.G)), ("triton",))
+        assert set(cases) == set(rhs)
+        for name, mm in cases.items():
+            for fn in (jax.jit(mm), layer_bench.loss_and_grads(mm)):
+                jaxpr = jax.make_jaxpr(fn)(lhs, rhs[name])
+                assert not wide_arrays(jaxpr, weights), (name, wide_arrays(jaxpr, weights))
+            assert jaxpr.out_avals[-1].shape == rhs[name].shape and jaxpr.out_avals[-1].dtype == jnp.bfloat16

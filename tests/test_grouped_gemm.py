@@ -3,6 +3,8 @@ with empty groups, rows past the groups, and the padded groups token_dispatch pr
 Triton grouped GEMM (each backend, each config of its space, the persistent TMA configs in
 Triton's interpreter and compiled for sm_90) with the group sizes clamped as documented."""
 import contextlib
+import json
+import os
 import re
 
 import jax
@@ -458,10 +460,11 @@ def test_benchmark_tma_comparison_runs_and_checks_each_config(on_cpu):
     """benchmarks/grouped_gemm_bench.py's TMA comparison, on the interpreter: every config
     timed beside the default for the forward and the input gradient, its output checked
     against the default's; and its short list is admitted at every benchmark shape."""
-    from benchmarks.grouped_gemm_bench import SHAPES, tma_comparison, tma_configs
-    for _, m, k, n, g in SHAPES:
-        for decl, dims in ((D.grouped_gemm.decl, {"M": m, "C": k, "D": n, "G": g}),
-                           (D.grouped_gemm_rhs_t.decl, {"M": m, "C": n, "D": k, "G": g})):
+    from benchmarks.gemm_problems import SHAPES
+    from benchmarks.grouped_gemm_bench import tma_comparison, tma_configs
+    for s in SHAPES:
+        for decl, dims in ((D.grouped_gemm.decl, {"M": s.M, "C": s.K, "D": s.N, "G": s.G}),
+                           (D.grouped_gemm_rhs_t.decl, {"M": s.M, "C": s.N, "D": s.K, "G": s.G})):
             assert not [c for c in tma_configs() if decl.violated(dims, {"elem_bytes": 2}, c)], (decl.name, dims)
     assert len(tma_configs(True, [100, 132])) == 2 * len(D.TMA_CONFIGS)
     rng = np.random.default_rng(5)
@@ -475,6 +478,26 @@ def test_benchmark_tma_comparison_runs_and_checks_each_config(on_cpu):
         assert all(isinstance(t, float) for t in r[f"tma_{what}_ms"].values()), r
         assert r[f"best_tma_{what}_over_default"] > 0
     assert len(r["tma_max_abs_diff"]) == 4 and max(r["tma_max_abs_diff"].values()) < 0.1, r
+
+
+def test_benchmark_row_writes_every_field_of_the_committed_results(on_cpu):
+    """benchmarks/grouped_gemm_bench.py's row of one shape, on the interpreter at a CPU
+    shape: every field the committed GPU results hold (bar tokamax's, not installed here),
+    the forward checked against the reference, a sweep config and a TMA config timed."""
+    from benchmarks.gemm_problems import CPU_SHAPES
+    from benchmarks.grouped_gemm_bench import shape_row
+    sweep = Config.make(num_warps=4, num_stages=2, BM=16, BN=16, BK=16, GROUP_M=2)
+    r = shape_row(CPU_SHAPES[0], backend="interpret", reps=1, sweep=[sweep], tma=[_tma(2)])
+    committed = set()
+    for device in ("H100", "H200"):
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
+                            f"grouped_gemm_{device}.json")
+        with open(path) as f:
+            committed.update(k for row in json.load(f)["shapes"].values() for k in row if not k.startswith("tokamax"))
+    assert committed <= set(r), committed - set(r)
+    assert r["check_max_abs_err"] < 0.1 and max(r["tma_max_abs_diff"].values()) < 0.1, r
+    assert isinstance(r["sweep_fwd_ms"][str(sweep)], float) and len(r["tma_fwd_ms"]) == 1, r
+    assert r["ours_fwd_over_dense"] == r["ours_fwd_ms"] / r["dense_ms"]
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """CPU smoke of the layer benchmark: it writes a consistent JSON and a PNG, says it is a smoke
 run and gives no verdicts; its pure-JAX permutation is the same function as our layer."""
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,11 @@ def test_cpu_smoke_run_writes_json_and_png(tmp_path):
     assert len(res["gemm_table"]) == len(layer_bench.CPU_GEMMS)
     assert all("xla_fwd_ms" in r and "dense_fwd_bwd_ms" in r and r["roofline_fwd_ms"] >= r["dense_fwd_ms"]
                for r in res["gemm_table"])
+    # Every field of the committed GPU rows, the grouped GEMM named xla here and triton there.
+    committed = json.loads((pathlib.Path(__file__).parent.parent / "benchmarks" / "results" / "layer_H200.json")
+                           .read_text())["gemm_table"]
+    for r in res["gemm_table"]:
+        assert {k.replace("triton_", "xla_") for k in committed[0]} <= set(r), r
     log = (tmp_path / "layer.log").read_text()
     assert "SMOKE" in log and "TARGET" not in log
 
