@@ -289,6 +289,27 @@ def test_every_config_of_the_space_is_correct_on_the_kernel_backend(kernel_backe
         np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-2, atol=5e-2, err_msg=str(cfg))
 
 
+def test_every_weight_gradient_config_is_correct_on_the_kernel_backend(kernel_backend):
+    # Programs walk the side with fewer tiles first: at K = 192, N = 384 the configs of the
+    # space cover fewer K tiles (BK=128, BN=128), fewer N tiles (BK=64, BN=256) and as many
+    # of each, so a block written twice or never under either order shows up here.
+    rng = np.random.default_rng(5)
+    lhs = rng.standard_normal((150, 192)).astype(np.float32)
+    dout = rng.standard_normal((150, 384)).astype(np.float32)
+    sizes = np.asarray([70, 0, 60], np.int32)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    ref = np.stack([lhs[a:b].T @ dout[a:b] for a, b in zip(starts[:-1], starts[1:])])
+    dims = {"M": 150, "K": 192, "N": 384, "G": 3}
+    seen = set()
+    for cfg in D.grouped_gemm_wgrad.decl.configs:
+        if cfg.constants in seen or D.grouped_gemm_wgrad.decl.violated(dims, {"elem_bytes": 4}, cfg):
+            continue
+        seen.add(cfg.constants)
+        (out,) = D.grouped_gemm_wgrad(lhs, dout, sizes, backend=kernel_backend, config=cfg, elem_bytes=4)
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-2, atol=5e-2, err_msg=str(cfg))
+    assert {-(-192 // c["BK"]) < -(-384 // c["BN"]) for c in map(dict, seen)} == {True, False}
+
+
 def test_shape_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"rhs has shape \(2, 8, 4\); expected \[G, 16, N\]"):
         grouped_gemm_triton(jnp.zeros((4, 16)), jnp.zeros((2, 8, 4)), jnp.zeros((3,), jnp.int32))

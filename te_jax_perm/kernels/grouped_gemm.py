@@ -197,8 +197,18 @@ def wgrad_tile(group_sizes_ptr, M, K: tl.constexpr, N: tl.constexpr, G: tl.const
     num_n: tl.constexpr = (N + BN - 1) // BN
     g = pid // (num_k * num_n)
     rest = pid % (num_k * num_n)
-    tile_k = rest // num_n
-    tile_n = rest % num_n
+    # Consecutive programs (those running together) step along the side with fewer tiles,
+    # so they share one slice of the other operand, and the operand they walk through
+    # whole is the group's smaller one (rows x min(K, N)), which stays in L2 for the next
+    # slice. Walking the longer side instead re-reads the larger operand from memory once
+    # per tile of the shorter side: Mixtral's up-projection (K = 4096, N = 28672) would
+    # read each group's output gradient 32 times.
+    if num_k < num_n:
+        tile_n = rest // num_k
+        tile_k = rest % num_k
+    else:
+        tile_k = rest // num_n
+        tile_n = rest % num_n
 
     g_idx, starts, ends = group_bounds(group_sizes_ptr, M, G, G_P2)
     sel = g_idx == g
