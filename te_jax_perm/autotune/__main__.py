@@ -100,7 +100,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
     from absl import logging
     from te_jax_perm import autotune
     from te_jax_perm.autotune import workloads
-    from te_jax_perm.autotune.cache import key_digest
+    from te_jax_perm.autotune.cache import call_key, key_digest
     from te_jax_perm.progress import Progress
     backend = backend or ("triton" if jax.default_backend() == "gpu" else "interpret")
     np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
@@ -121,7 +121,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
         with autotune.autotuning(False):
             launches = workloads.record_launches(workloads.moe_step(backend, k), args)
         for li, ln in enumerate(launches):
-            digest = key_digest(autotune.make_key(ln.decl, ln.dims, ln.params, ln.dtypes, backend))
+            digest = key_digest(call_key(ln))
             where = f"{model} T={T}"
             if digest in seen:
                 logging.info("tune_shapes: %s at %s has the key tuned at %s; not tuned again", ln.decl.name, where,

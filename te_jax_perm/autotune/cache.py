@@ -35,6 +35,7 @@ from absl import logging
 
 from te_jax_perm.core import env
 from te_jax_perm.core.declaration import Config, KernelDecl
+from te_jax_perm.core.launch import Call
 
 
 # -- the key -----------------------------------------------------------------------------------
@@ -75,6 +76,11 @@ def make_key(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, Any
         "versions": versions(),
         "source": _source_hash(decl.kernel),
     }
+
+
+def call_key(call: Call) -> dict[str, Any]:
+    """The key of a bound call."""
+    return make_key(call.decl, call.dims, call.params, call.dtypes, call.backend)
 
 
 def key_digest(key: Mapping[str, Any]) -> str:
@@ -233,37 +239,24 @@ def _entry_at(path: Path) -> tuple[Any, str | None]:
     return entry, why or entry_problem(entry)
 
 
-def _lookup(key: Mapping[str, Any]) -> tuple[Path, Any, str | None]:
-    """``(path, entry, problem)``; ``entry`` is ``None`` when there is none."""
+def load(key: Mapping[str, Any], decl: KernelDecl | None = None, dims: Mapping[str, int] | None = None,
+         params: Mapping[str, Any] | None = None) -> dict | None:
+    """The entry for ``key`` if stored and well formed; with ``decl``, only if every config in
+    it is one ``decl`` can run at ``dims`` (a bad entry is then logged once and treated as
+    missing, so it is re-tuned)."""
     path = entry_path(key)
     try:
         entry, why = _entry_at(path)
     except FileNotFoundError:
-        return path, None, None
+        return None
     # A digest collision or a hand-edited file must not hand back another key's result.
     if why is None and entry["key"] != json.loads(json.dumps(key)):
         why = "its key is not the key this file name stands for"
-    return path, entry, why
-
-
-def load(key: Mapping[str, Any]) -> dict | None:
-    """The entry for ``key`` if stored and well formed (:func:`load_valid` checks its configs)."""
-    _, entry, why = _lookup(key)
-    return None if why else entry
-
-
-def load_valid(decl: KernelDecl, key: Mapping[str, Any], dims: Mapping[str, int], params: Mapping[str, Any]
-               ) -> dict | None:
-    """The entry for ``key`` if every config in it is one ``decl`` can run, else ``None`` (a
-    bad entry is logged once, then treated as missing, so it is re-tuned)."""
-    path, entry, why = _lookup(key)
-    if entry is None and why is None:
-        return None
-    if why is None:
+    if why is None and decl is not None:
         why = entry_problem(entry, decl, (dims, entry.get("tuned_dims")), params)
     if why is None:
         return entry
-    if (str(path), why) not in _reported:
+    if decl is not None and (str(path), why) not in _reported:
         _reported.add((str(path), why))
         logging.warning("autotune %s: ignoring the cached result in %s: %s; it is re-tuned when tuning is on",
                         decl.name, path, why)

@@ -116,13 +116,10 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
 def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
     """Tunes one bound call (see :func:`tune`)."""
     decl, dims, params, backend = call.decl, call.dims, call.params, call.backend
-    key = cache.make_key(decl, dims, params, call.dtypes, backend)
-    if not options.force:
-        entry = cache.load_valid(decl, key, dims, params)
-        if entry is not None:
-            stats["cache_hits"] += 1
-            logging.vlog(1, "autotune %s: cache hit for %s", decl.name, key["dims"])
-            return TuneResult(key, entry, cached=True)
+    key = cache.call_key(call)
+    entry = None if options.force else cached(call, key)
+    if entry is not None:
+        return TuneResult(key, entry, cached=True)
     stats["tunes"] += 1
     t_start = time.perf_counter()
     phases: dict[str, float] = {}
@@ -154,14 +151,12 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
     expected = _reference(decl, inputs, params)
     phases["reference_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    if backend == "triton":
-        runner = GpuRunner(decl, inputs, preallocs, params)
-        reps, warmup = options.reps or 15, 1 if options.warmup is None else options.warmup
-    elif backend == "interpret":
-        runner = HostRunner(decl, inputs, preallocs, params)
-        reps, warmup = options.reps or 1, options.warmup or 0
-    else:
+    runner_type = {"triton": GpuRunner, "interpret": HostRunner}.get(backend)
+    if runner_type is None:
         raise ValueError(f"autotune: backend {backend!r} has nothing to tune")
+    runner = runner_type(decl, inputs, preallocs, params)
+    reps = options.reps or runner.reps
+    warmup = runner.warmup if options.warmup is None else options.warmup
     phases["to_device_s"] = time.perf_counter() - t0
 
     done: list[TrialResult] = []
@@ -215,6 +210,15 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
         logging.warning("autotune %s: %d configs not run before the deadline; result not cached", decl.name,
                         len(entry["not_run"]))
     return TuneResult(key, entry, cached=False)
+
+
+def cached(call: Call, key: Mapping[str, Any]) -> dict | None:
+    """The cached entry of ``call`` under ``key`` if there is a usable one (a cache hit)."""
+    entry = cache.load(key, call.decl, call.dims, call.params)
+    if entry is not None:
+        stats["cache_hits"] += 1
+        logging.vlog(1, "autotune %s: cache hit for %s", call.decl.name, key["dims"])
+    return entry
 
 
 def _compile_stage(call, valid, target, options, pool):
@@ -305,11 +309,8 @@ def resolve_call(call: Call) -> Config | None:
     if call.backend not in TUNABLE_BACKENDS or not decl.configs:
         return None
     try:
-        key = cache.make_key(decl, call.dims, call.params, call.dtypes, call.backend)
-        entry = cache.load_valid(decl, key, call.dims, call.params)
-        if entry is not None:
-            stats["cache_hits"] += 1
-        elif enabled():
+        entry = cached(call, cache.call_key(call))
+        if entry is None and enabled():
             entry = tune_call(call, _options).entry
         if entry is None:
             return None
