@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import jax
 import numpy as np
 
-from te_jax_perm.core import hooks
+from te_jax_perm.core import errors, hooks
 from te_jax_perm.core.aliasing import preallocate
 from te_jax_perm.core.hooks import BufferInfo
 from te_jax_perm.core.kernel_args import OPERAND, kernel_arguments
@@ -130,30 +130,17 @@ def run_launch(launch: Launch, operands: Sequence[np.ndarray], preallocs: Sequen
                        buffers=infos)
 
 
-# The error the last failed launch raised: XLA hands it on as its own runtime error (text
-# only), so an eager call re-raises this object instead (a sanitizer's HazardError, say).
-# XLA's CPU runtime may run the callbacks on other threads: the list is read under a lock.
-_raised: list[BaseException] = []
-_raised_lock = threading.Lock()
-
-
-def _take_raised() -> BaseException | None:
-    with _raised_lock:
-        return _raised.pop() if _raised else None
-
-
 def run_eagerly(fn: Callable[..., Any], args: Sequence[jax.Array]) -> Any:
     """``fn(*args)`` for an eager ``interpret`` call, finished: on the first CPU device (the
     interpreter dereferences host pointers), a launch's error raised as itself."""
-    _take_raised()
     try:
         if jax.default_backend() == "cpu":
             return jax.block_until_ready(fn(*args))
         cpu = jax.devices("cpu")[0]
         with jax.default_device(cpu):
             return jax.block_until_ready(fn(*jax.device_put(tuple(args), cpu)))
-    except jax.errors.JaxRuntimeError:
-        raised = _take_raised()
+    except jax.errors.JaxRuntimeError as e:
+        raised = errors.original(e)
         if raised is None:
             raise
         raise raised from None
@@ -173,8 +160,7 @@ def interpret_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Ar
             run_launch(launch, in_arrays[:plan.num_operands], in_arrays[plan.num_operands:],
                        [np.asarray(b) for b in outs])
         except Exception as e:
-            with _raised_lock:
-                _raised[:] = [e]
+            errors.keep(e)   # XLA hands it on as text: run_eagerly and hazard_error give it back
             raise
 
     result_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in launch.out_avals]

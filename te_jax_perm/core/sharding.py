@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from absl import logging
@@ -120,42 +119,6 @@ def _axes_size(mesh, ax) -> int:
     if ax is None:
         return 1
     return int(math.prod(mesh.shape[a] for a in (ax if isinstance(ax, tuple) else (ax,))))
-
-
-# Errors our partitioning callbacks raised, by message. XLA's partitioner runs them from C++
-# and hands any exception on as the text of its own runtime error; JAX's compile step then
-# offers that error to its registered handlers, and ours answers with the original object,
-# so the caller of ``jit`` gets our exception itself.
-_partition_errors: dict[str, BaseException] = {}
-_partition_errors_lock = threading.Lock()
-_handler_registered = False
-
-
-def partition_error(err: BaseException) -> BaseException:
-    """``err``, kept so that when a custom_partitioning callback raises it, compiling the
-    program raises ``err`` itself instead of XLA's runtime error quoting it."""
-    global _handler_registered
-    with _partition_errors_lock:
-        if not _handler_registered:
-            try:
-                from jax._src import compiler
-                compiler.register_xla_runtime_error_handler(_original_partition_error)
-            except (ImportError, AttributeError):  # pragma: no cover - hook moved: the text still says it
-                pass
-            _handler_registered = True
-        if len(_partition_errors) >= 64:   # raised but never compiled through JAX: forget them
-            _partition_errors.clear()
-        _partition_errors[str(err)] = err
-    return err
-
-
-def _original_partition_error(runtime_error: Exception) -> BaseException | None:
-    text = str(runtime_error)
-    with _partition_errors_lock:
-        for msg in list(_partition_errors):
-            if msg and msg in text:
-                return _partition_errors.pop(msg).with_traceback(None)
-    return None
 
 
 # -- lowering of a plain call ------------------------------------------------------------------
