@@ -18,7 +18,6 @@ token's row depends on every earlier token): its rule is op-level, in
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -26,8 +25,7 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 
@@ -153,39 +151,28 @@ def lower_partitioned(kp: "KernelPrimitive", ctx, *args, **kw):
 
 
 # -- vmap: one primitive for the whole batch, batch axis local --------------------------------
-class VmappedPrimitive:
-    """The batched form of a kernel primitive: a loop over the leading axis of the batched
-    operands, lowered through custom_partitioning with that axis local."""
+# ``kp.vmapped`` is a loop over the leading axis of the batched operands, lowered through
+# custom_partitioning with that axis local.
+def vmapped_avals(kp: "KernelPrimitive", *avals, in_batched, **kw) -> list[jax.core.ShapedArray]:
+    n = next(a.shape[0] for a, b in zip(avals, in_batched) if b)
+    items = [jax.core.ShapedArray(a.shape[1:], a.dtype) if b else a for a, b in zip(avals, in_batched)]
+    return [jax.core.ShapedArray((n,) + tuple(o.shape), o.dtype) for o in kp.abstract_eval(*items, **kw)]
 
-    def __init__(self, kp: "KernelPrimitive"):
-        self.kp = kp
-        self.prim = Primitive(f"{kp.prim.name}_vmapped")
-        self.prim.multiple_results = True
-        self.prim.def_abstract_eval(self.abstract_eval)
-        self.prim.def_impl(lambda *a, **kw: jax.jit(functools.partial(self.prim.bind, **kw))(*a))
-        mlir.register_lowering(self.prim, self._lower)
-        batching.primitive_batchers[self.prim] = self._batch
-        requires_devices(self.prim)
 
-    def abstract_eval(self, *avals, in_batched, **kw):
-        n = next(a.shape[0] for a, b in zip(avals, in_batched) if b)
-        items = [jax.core.ShapedArray(a.shape[1:], a.dtype) if b else a for a, b in zip(avals, in_batched)]
-        return [jax.core.ShapedArray((n,) + tuple(o.shape), o.dtype) for o in self.kp.abstract_eval(*items, **kw)]
+def lower_vmapped(kp: "KernelPrimitive", ctx, *args, in_batched, **kw):
+    loop = lambda *xs: _map(lambda *full: kp.local.bind(*full, **kw), xs, in_batched)  # noqa: E731
+    return _lower(kp, ctx, args, loop, in_batched, kw.get("backend"))
 
-    def _lower(self, ctx, *args, in_batched, **kw):
-        loop = lambda *xs: _map(lambda *full: self.kp.local.bind(*full, **kw), xs, in_batched)  # noqa: E731
-        return _lower(self.kp, ctx, args, loop, in_batched, kw.get("backend"))
 
-    def bind(self, args: Sequence[jax.Array], dims: Sequence[Any], **kw):
-        in_batched = tuple(d is not None for d in dims)
-        outs = self.prim.bind(*_to_front(args, dims), in_batched=in_batched, **kw)
-        return list(outs), [0] * len(outs)
-
-    def _batch(self, args, dims, *, in_batched, **kw):
-        """Nested vmap: a sequential loop over the outer axis (its partitioning is not local)."""
-        outs = _map(lambda *full: self.prim.bind(*full, in_batched=in_batched, **kw), _to_front(args, dims),
-                    [d is not None for d in dims])
-        return list(outs), [0] * len(outs)
+def batch(kp: "KernelPrimitive", args: Sequence[jax.Array], dims: Sequence[Any], **kw):
+    """The batching rule of ``kp.prim`` (one ``kp.vmapped`` call) and of ``kp.vmapped``
+    (nested vmap: a sequential loop over the outer axis, whose partitioning is not local)."""
+    args, batched = _to_front(args, dims), tuple(d is not None for d in dims)
+    if "in_batched" in kw:
+        outs = _map(lambda *full: kp.vmapped.bind(*full, **kw), args, batched)
+    else:
+        outs = kp.vmapped.bind(*args, in_batched=batched, **kw)
+    return list(outs), [0] * len(outs)
 
 
 def _to_front(args, dims) -> list:
