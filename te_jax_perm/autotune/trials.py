@@ -267,3 +267,6 @@ class GpuRunner(HostRunner):
         if self._expected is None or self._expected[0] != id(expected):
             self._expected = (id(expected), [jax.device_put(w) for w in expected])
         return mismatch(self.decl, self.buffers[self.n_in:], self._expected[1], xp=jax.numpy)
+
+
+RUNNERS = {r.backend: r for r in (HostRunner, GpuRunner)}   # the backends that can be tuned

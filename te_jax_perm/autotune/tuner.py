@@ -25,8 +25,7 @@ from absl import logging
 
 from te_jax_perm.autotune import cache
 from te_jax_perm.autotune.pool import get_pool, make_job
-from te_jax_perm.autotune.trials import (GpuRunner, HostRunner, TrialResult, initial_prealloc, log_result, make_inputs,
-                                         run_trials)
+from te_jax_perm.autotune.trials import RUNNERS, TrialResult, initial_prealloc, log_result, make_inputs, run_trials
 from te_jax_perm.core import env
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import Call, bind_call, configure
@@ -116,6 +115,8 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
 def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
     """Tunes one bound call (see :func:`tune`)."""
     decl, dims, params, backend = call.decl, call.dims, call.params, call.backend
+    if backend not in RUNNERS:
+        raise ValueError(f"autotune: backend {backend!r} has nothing to tune")
     key = cache.call_key(call)
     entry = None if options.force else cached(call, key)
     if entry is not None:
@@ -151,10 +152,7 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
     expected = _reference(decl, inputs, params)
     phases["reference_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    runner_type = {"triton": GpuRunner, "interpret": HostRunner}.get(backend)
-    if runner_type is None:
-        raise ValueError(f"autotune: backend {backend!r} has nothing to tune")
-    runner = runner_type(decl, inputs, preallocs, params)
+    runner = RUNNERS[backend](decl, inputs, preallocs, params)
     reps = options.reps or runner.reps
     warmup = runner.warmup if options.warmup is None else options.warmup
     phases["to_device_s"] = time.perf_counter() - t0
@@ -257,7 +255,6 @@ def _reference(decl: KernelDecl, inputs: Sequence[np.ndarray], params: Mapping[s
 
 
 # -- the config resolver -----------------------------------------------------------------------
-TUNABLE_BACKENDS = ("interpret", "triton")
 _enabled: list[bool] = []
 _options = TuneOptions()
 
@@ -306,7 +303,7 @@ def resolve(decl: KernelDecl, avals: Sequence[Any], params: Mapping[str, Any], b
 def resolve_call(call: Call) -> Config | None:
     """The config resolver the autotuner installs in ``core.hooks``."""
     decl = call.decl
-    if call.backend not in TUNABLE_BACKENDS or not decl.configs:
+    if call.backend not in RUNNERS or not decl.configs:
         return None
     try:
         entry = cached(call, cache.call_key(call))
