@@ -211,8 +211,6 @@ FORMATS = {
 # Formats the GPU converts into with saturation to the largest finite value.
 _SATURATING = ("fp8e4nv", "fp8e5")
 
-_installed: dict[str, Any] = {}
-
 
 def _name(tt: Any) -> str:
     return getattr(tt, "name", "")
@@ -319,34 +317,28 @@ def convert(data: np.ndarray, src_tt: Any, dst_tt: Any, storage: np.dtype, *, to
     return out.view(storage)
 
 
+@functools.lru_cache(maxsize=None)
 def install_numerics() -> None:
-    """Makes the interpreter convert as the GPU does (idempotent, for this process)."""
-    if _installed:
-        return
+    """Makes the interpreter convert as the GPU does (once per process)."""
     from triton._C.libtriton import ir
     from triton.runtime import interpreter as interp
 
     builder = interp.InterpreterBuilder
     rtz = ir.ROUNDING_MODE.RTZ
-    orig_cast, orig_fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
 
-    @functools.wraps(orig_cast)
-    def cast_impl(self, src, dst_type):
-        out = convert(src.data, src.dtype.scalar, dst_type.scalar, interp._get_np_dtype(dst_type))
-        if out is None:
-            return orig_cast(self, src, dst_type)
-        return interp.TensorHandle(out, dst_type.scalar)
-
-    @functools.wraps(orig_fp_to_fp)
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        toward_zero = rounding_mode == rtz
-        if toward_zero and _name(dst_type.scalar) in _SATURATING:
-            return orig_fp_to_fp(self, src, dst_type, rounding_mode)   # not a GPU conversion
-        out = convert(src.data, src.dtype.scalar, dst_type.scalar, interp._get_np_dtype(dst_type),
-                      toward_zero=toward_zero)
-        if out is None:
-            return orig_fp_to_fp(self, src, dst_type, rounding_mode)
-        return interp.TensorHandle(out, dst_type.scalar)
+    def gpu_conversion(orig: Callable) -> Callable:
+        """``orig`` (``cast_impl``, or ``create_fp_to_fp`` with its rounding mode) converting as
+        the GPU does wherever :func:`convert` handles the pair."""
+        @functools.wraps(orig)
+        def wrapper(self, src, dst_type, *rounding_mode):
+            toward_zero = rounding_mode == (rtz,)
+            # Round-toward-zero into a saturating fp8 type is not a GPU conversion.
+            out = None if toward_zero and _name(dst_type.scalar) in _SATURATING else convert(
+                src.data, src.dtype.scalar, dst_type.scalar, interp._get_np_dtype(dst_type), toward_zero=toward_zero)
+            if out is None:
+                return orig(self, src, dst_type, *rounding_mode)
+            return interp.TensorHandle(out, dst_type.scalar)
+        return wrapper
 
     orig_dot = builder.create_dot
 
@@ -360,9 +352,8 @@ def install_numerics() -> None:
             return interp.TensorHandle(out, d.dtype.scalar)
         return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
-    _installed.update(cast_impl=orig_cast, create_fp_to_fp=orig_fp_to_fp, create_dot=orig_dot)
-    builder.cast_impl = cast_impl
-    builder.create_fp_to_fp = create_fp_to_fp
+    builder.cast_impl = gpu_conversion(builder.cast_impl)
+    builder.create_fp_to_fp = gpu_conversion(builder.create_fp_to_fp)
     builder.create_dot = create_dot
 
 
