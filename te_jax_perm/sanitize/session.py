@@ -25,19 +25,16 @@ class _Hub:
 
     def __init__(self):
         self.sessions: list[tuple[bool, Report]] = []
-        self.rec: tracer.LaunchRecord | None = None
         self.lock = threading.RLock()
 
     def launch_begin(self, kernel_name: str, buffers: Sequence[BufferInfo], grid: tuple[int, int, int]) -> None:
-        self.rec = tracer.LaunchRecord(kernel_name, buffers, tuple(grid), any(r for r, _ in self.sessions))
-        tracer.begin(self.rec)
+        tracer.begin(tracer.LaunchRecord(kernel_name, buffers, tuple(grid), any(r for r, _ in self.sessions)))
 
     def program_begin(self, pid: tuple[int, int, int]) -> None:
-        self.rec.set_pid(pid)
+        tracer.current().set_pid(pid)
 
     def launch_end(self) -> None:
-        rec, self.rec = self.rec, None
-        tracer.end(rec)
+        rec = tracer.end()
         hazards, in_place, summary = tracer.analyse(rec)
         hazards = rec.oob + hazards
         for _, report in self.sessions:
