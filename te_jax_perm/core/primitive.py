@@ -34,11 +34,10 @@ class KernelPrimitive:
         # `vmapped`, one sequential loop over the batch whose batch axis shards with no
         # collectives: correct for every kernel, and unbatched operands are shared, not
         # broadcast, so it moves no more bytes than the loop it replaces.
-        self.prim = self._primitive("", self.abstract_eval,
-                                    lambda platform, *a, **kw: sharding.lower_partitioned(self, *a, **kw))
+        partitioned = lambda platform, *a, **kw: sharding.lower_partitioned(self, *a, **kw)  # noqa: E731
+        self.prim = self._primitive("", self.abstract_eval, partitioned)
         self.local = self._primitive("_local", self.abstract_eval, self._lower_local)
-        self.vmapped = self._primitive("_vmapped", functools.partial(sharding.vmapped_avals, self),
-                                       lambda platform, *a, **kw: sharding.lower_vmapped(self, *a, **kw))
+        self.vmapped = self._primitive("_vmapped", functools.partial(sharding.vmapped_avals, self), partitioned)
         for prim in (self.prim, self.vmapped):
             batching.primitive_batchers[prim] = functools.partial(sharding.batch, self)
             sharding.requires_devices(prim)

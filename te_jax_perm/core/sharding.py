@@ -83,7 +83,7 @@ def partitioned(kp: "KernelPrimitive", fn: Callable, out_ranks: Sequence[int], i
     return wrapped
 
 
-# -- what a partitioning callback sees and raises ---------------------------------------------
+# -- what a partitioning callback sees ---------------------------------------------------------
 def dim_splits(mesh, sharding, ndim: int) -> list[tuple[Any, int]]:
     """Per dimension of an operand: ``(PartitionSpec entry splitting it or None, pieces)``.
     Where no PartitionSpec can name the split (Shardy splits a dimension a mesh axis does
@@ -119,7 +119,7 @@ def _axes_size(mesh, ax) -> int:
     return int(math.prod(mesh.shape[a] for a in (ax if isinstance(ax, tuple) else (ax,))))
 
 
-# -- lowering of a plain call ------------------------------------------------------------------
+# -- lowering ------------------------------------------------------------------------------
 def _multi_device(ctx) -> bool:
     """Whether custom_partitioning would emit a partitioner call here (mirrors its rule)."""
     from jax._src import sharding_impls
@@ -131,23 +131,25 @@ def _multi_device(ctx) -> bool:
     return False
 
 
-def _lower(kp: "KernelPrimitive", ctx, args, body: Callable, in_batched: Sequence[bool] | None, backend: str):
-    """Lowers ``body`` (the per-device function) through custom_partitioning per ``kp``'s axis
-    names. Not for the interpret backend under a multi-device jit: callbacks inside a
-    custom_partitioning per-shard module index the wrong executable's callback table (a JAX
-    limitation: it crashes), so there it lowers unpartitioned: correct, but XLA gathers."""
-    if backend == "interpret" and _multi_device(ctx):
+def lower_partitioned(kp: "KernelPrimitive", ctx, *args, in_batched: Sequence[bool] | None = None, **kw):
+    """Lowers a call of ``kp.prim``, or with ``in_batched`` of ``kp.vmapped``, through
+    custom_partitioning per ``kp``'s axis names; the per-shard function binds ``kp.local``
+    (in a loop over a vmapped call's batch). Not for the interpret backend under a
+    multi-device jit: callbacks inside a custom_partitioning per-shard module index the
+    wrong executable's callback table (a JAX limitation: it crashes), so there it lowers
+    unpartitioned: correct, but XLA gathers."""
+    def body(*xs):
+        if in_batched is None:
+            return tuple(kp.local.bind(*xs, **kw))
+        return _map(lambda *full: kp.local.bind(*full, **kw), xs, in_batched)
+
+    if kw["backend"] == "interpret" and _multi_device(ctx):
         logging.warning("%s: backend 'interpret' under a multi-device jit runs unpartitioned "
                         "(operands are gathered); use shard_map, or backend 'xla'/'triton', to "
                         "keep it shard-local", kp.decl.name)
     else:
         body = partitioned(kp, body, [len(a.shape) - (in_batched is not None) for a in ctx.avals_out], in_batched)
     return mlir.lower_fun(lambda *xs: list(body(*xs)), multiple_results=True)(ctx, *args)
-
-
-def lower_partitioned(kp: "KernelPrimitive", ctx, *args, **kw):
-    """Lowers ``kp`` through custom_partitioning; the per-shard function binds ``kp.local``."""
-    return _lower(kp, ctx, args, lambda *xs: tuple(kp.local.bind(*xs, **kw)), None, kw.get("backend"))
 
 
 # -- vmap: one primitive for the whole batch, batch axis local --------------------------------
@@ -157,11 +159,6 @@ def vmapped_avals(kp: "KernelPrimitive", *avals, in_batched, **kw) -> list[jax.c
     n = next(a.shape[0] for a, b in zip(avals, in_batched) if b)
     items = [jax.core.ShapedArray(a.shape[1:], a.dtype) if b else a for a, b in zip(avals, in_batched)]
     return [jax.core.ShapedArray((n,) + tuple(o.shape), o.dtype) for o in kp.abstract_eval(*items, **kw)]
-
-
-def lower_vmapped(kp: "KernelPrimitive", ctx, *args, in_batched, **kw):
-    loop = lambda *xs: _map(lambda *full: kp.local.bind(*full, **kw), xs, in_batched)  # noqa: E731
-    return _lower(kp, ctx, args, loop, in_batched, kw.get("backend"))
 
 
 def batch(kp: "KernelPrimitive", args: Sequence[jax.Array], dims: Sequence[Any], **kw):
