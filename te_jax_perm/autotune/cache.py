@@ -28,7 +28,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 from absl import logging
@@ -206,28 +206,20 @@ def _read(path: Path) -> tuple[Any, str | None]:
     of at most :data:`MAX_ENTRY_BYTES` is read: opening a FIFO blocks until a writer comes
     and a device such as ``/dev/zero`` never ends, and either would hang every lowering."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        return None, f"unreadable ({type(e).__name__}: {e})"
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None, "not a regular file"
-        if st.st_size > MAX_ENTRY_BYTES:
-            return None, f"{st.st_size} bytes, more than the {MAX_ENTRY_BYTES} an entry may have"
-        with os.fdopen(fd, "rb") as f:
-            fd = -1
+        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return None, "not a regular file"
+            if st.st_size > MAX_ENTRY_BYTES:
+                return None, f"{st.st_size} bytes, more than the {MAX_ENTRY_BYTES} an entry may have"
             data = f.read(MAX_ENTRY_BYTES + 1)
         if len(data) > MAX_ENTRY_BYTES:
             return None, f"more than the {MAX_ENTRY_BYTES} bytes an entry may have"
         return json.loads(data.decode("utf-8")), None
+    except FileNotFoundError:
+        raise
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         return None, f"unreadable ({type(e).__name__}: {e})"
-    finally:
-        if fd >= 0:
-            os.close(fd)
 
 
 def _entry_at(path: Path) -> tuple[Any, str | None]:
@@ -292,31 +284,22 @@ def _write(path: Path, entry: Mapping[str, Any]) -> None:
         raise
 
 
-def entries() -> Iterator[tuple[Path, Any, str | None]]:
-    """``(path, entry, problem)`` of every entry in the directory and in memory; ``problem``
-    judges the entry's shape only, not its configs."""
-    d, paths = cache_dir(), set()
+def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
+    """A table of every cached result, bad ones with the reason; with ``decls`` (kernel name
+    -> declaration) each entry's configs are checked against its kernel's too."""
+    decls, d, bad, paths = decls or {}, cache_dir(), 0, set()
+    lines = [f"autotune cache: {d}"]
+    if d.exists() and not d.is_dir():
+        lines.append("  (not a directory)")
     try:
         paths = {p for p in d.glob("*.json") if p.is_file()} if d.is_dir() else set()
     except OSError:
         pass
-    for p in sorted(paths | {Path(m) for m in _memory if Path(m).parent == d}):
+    for p in sorted(paths | {Path(m) for m in _memory if Path(m).parent == d}):   # on disk and in memory
         try:
-            entry, why = _entry_at(p)
+            e, why = _entry_at(p)
         except FileNotFoundError:
             continue   # removed since the listing
-        yield p, entry, why
-
-
-def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
-    """A table of every cached result, bad ones with the reason; with ``decls`` (kernel name
-    -> declaration) each entry's configs are checked against its kernel's too."""
-    decls = decls or {}
-    lines = [f"autotune cache: {cache_dir()}"]
-    if cache_dir().exists() and not cache_dir().is_dir():
-        lines.append("  (not a directory)")
-    bad = 0
-    for p, e, why in entries():
         where = "in memory: " if str(p) in _memory else ""
         decl = decls.get(e["key"].get("kernel")) if why is None else None
         if decl is not None:
