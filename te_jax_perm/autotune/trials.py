@@ -107,10 +107,10 @@ class TrialResult:
 
 
 def run_trials(decl: KernelDecl, runner: "HostRunner", configs: Sequence[Config], expected: Sequence[np.ndarray],
-               reps: int = 1, warmup: int = 0,
-               on_result: Callable[[TrialResult], None] | None = None,
-               deadline: float | None = None, phases: dict | None = None) -> list[TrialResult]:
-    """Times each config, checking its outputs on the first and the last timed launch.
+               reps: int = 1, warmup: int = 0, deadline: float | None = None, phases: dict | None = None
+               ) -> list[TrialResult]:
+    """Times each config, checking its outputs on the first and the last timed launch; logs
+    each result as it comes.
 
     ``runner`` (:class:`HostRunner`, :class:`GpuRunner`) launches configs on fixed buffers,
     operands then preallocs: ``save(indices)``, ``restore()``, ``launch(config)`` (seconds)
@@ -148,8 +148,8 @@ def run_trials(decl: KernelDecl, runner: "HostRunner", configs: Sequence[Config]
             if res.times_s and not (res.rejected or res.error):
                 res.time_s = statistics.median(res.times_s[1:] if warmup else res.times_s)
             results.append(res)
-            if on_result:
-                on_result(res)
+            _log_result(decl, res, len(results), len(configs),
+                        min((r for r in results if r.time_s is not None), key=lambda r: r.time_s, default=None))
     finally:
         runner.restore()
     return results
@@ -193,7 +193,7 @@ class HostRunner:
         return mismatch(self.decl, self.outputs(), expected)
 
 
-def log_result(decl: KernelDecl, r: TrialResult, done: int, total: int, best: TrialResult | None) -> None:
+def _log_result(decl: KernelDecl, r: TrialResult, done: int, total: int, best: TrialResult | None) -> None:
     if r.rejected:
         logging.warning("autotune %s: [%d/%d] REJECTED %s: wrong output (%s)", decl.name, done, total, r.config,
                         r.rejected)

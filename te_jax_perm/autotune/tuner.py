@@ -25,7 +25,7 @@ from absl import logging
 
 from te_jax_perm.autotune import cache
 from te_jax_perm.autotune.pool import get_pool, make_job
-from te_jax_perm.autotune.trials import RUNNERS, TrialResult, initial_prealloc, log_result, make_inputs, run_trials
+from te_jax_perm.autotune.trials import RUNNERS, initial_prealloc, make_inputs, run_trials
 from te_jax_perm.core import env
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import Call, bind_call, configure
@@ -157,17 +157,10 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
     warmup = runner.warmup if options.warmup is None else options.warmup
     phases["to_device_s"] = time.perf_counter() - t0
 
-    done: list[TrialResult] = []
-
-    def progress(r: TrialResult) -> None:
-        stats["trials"] += 1
-        done.append(r)
-        timed = [x for x in done if x.time_s is not None]
-        log_result(decl, r, len(done), len(valid), min(timed, key=lambda x: x.time_s) if timed else None)
-
     t0 = time.perf_counter()
-    results = run_trials(decl, runner, valid, expected, reps=reps, warmup=warmup, on_result=progress,
-                         deadline=options.deadline, phases=phases)
+    results = run_trials(decl, runner, valid, expected, reps=reps, warmup=warmup, deadline=options.deadline,
+                         phases=phases)
+    stats["trials"] += len(results)
     phases["trials_s"] = time.perf_counter() - t0
     complete = len(results) == len(valid)
     ok = sorted((r for r in results if r.time_s is not None), key=lambda r: r.time_s)
