@@ -33,9 +33,12 @@ def keep(err: BaseException) -> BaseException:
     return err
 
 
-def original(runtime_error: BaseException) -> BaseException | None:
-    """The kept exception ``runtime_error`` quotes (forgotten once found), else ``None``."""
+def original(runtime_error: BaseException, forget: bool = True) -> BaseException | None:
+    """The kept exception ``runtime_error`` quotes (with ``forget``, forgotten once found),
+    else ``None``."""
     text = str(runtime_error)
     with _lock:
         quoted = next((q for q in _kept if q in text), None)
-        return None if quoted is None else _kept.pop(quoted).with_traceback(None)
+        if quoted is None:
+            return None
+        return (_kept.pop(quoted) if forget else _kept[quoted]).with_traceback(None)

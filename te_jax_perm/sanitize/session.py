@@ -101,7 +101,7 @@ def hazard_error(err: BaseException) -> HazardError | None:
     Inside a ``sanitize(raise_on_first=True)`` scope, and for eager calls, it already
     arrives as itself.
     """
-    found = err if isinstance(err, HazardError) else errors.original(err)
+    found = err if isinstance(err, HazardError) else errors.original(err, forget=False)
     return found if isinstance(found, HazardError) else None
 
 
