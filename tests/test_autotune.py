@@ -261,7 +261,7 @@ def test_gpu_trials_restore_donated_buffers_and_need_no_torch(tmp_path):
         np.testing.assert_array_equal(runner.outputs()[0], out0 + x)  # exactly one application
         res = autotune.tune(decl, [((64, 16), np.float32)], backend="triton")
         assert res.entry["complete"] and res.best is not None and not res.entry["rejected"], res.entry
-        assert autotune.cache.load_valid(decl, res.key, res.entry["tuned_dims"], {}) is not None
+        assert autotune.cache.load(res.key, decl, res.entry["tuned_dims"], {}) is not None
         print("ok", len(res.entry["ranking"]))
     """)
     env = dict(os.environ, TE_JAX_PERM_AUTOTUNE_CACHE=str(tmp_path / "cache"))

@@ -100,7 +100,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
     from absl import logging
     from te_jax_perm import autotune
     from te_jax_perm.autotune import workloads
-    from te_jax_perm.autotune.cache import key_digest
+    from te_jax_perm.autotune.cache import LIST_FIELDS, call_key, key_digest
     from te_jax_perm.progress import Progress
     backend = backend or ("triton" if jax.default_backend() == "gpu" else "interpret")
     np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
@@ -121,7 +121,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
         with autotune.autotuning(False):
             launches = workloads.record_launches(workloads.moe_step(backend, k), args)
         for li, ln in enumerate(launches):
-            digest = key_digest(autotune.make_key(ln.decl, ln.dims, ln.params, ln.dtypes, backend))
+            digest = key_digest(call_key(ln))
             where = f"{model} T={T}"
             if digest in seen:
                 logging.info("tune_shapes: %s at %s has the key tuned at %s; not tuned again", ln.decl.name, where,
@@ -137,8 +137,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
             row = {"model": model, "T": T, "H": H, "E": E, "k": k, "kernel": ln.decl.name,
                    "best": e.get("best"), "best_time_s": e.get("best_time_s"),
                    "default": e.get("default"), "default_time_s": e.get("default_time_s"),
-                   "timed": len(e.get("ranking", [])),
-                   **{f: len(e.get(f, [])) for f in ("rejected", "failed", "pruned", "skipped", "not_run")},
+                   **{"timed" if f == "ranking" else f: len(e.get(f, [])) for f in LIST_FIELDS},
                    "complete": e.get("complete", True), "cached": res.cached,
                    "wall_s": time.perf_counter() - t0, "phases_s": e.get("phases_s")}
             if row["best_time_s"] and row["default_time_s"]:

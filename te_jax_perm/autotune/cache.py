@@ -28,13 +28,14 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 from absl import logging
 
 from te_jax_perm.core import env
 from te_jax_perm.core.declaration import Config, KernelDecl
+from te_jax_perm.core.launch import Call
 
 
 # -- the key -----------------------------------------------------------------------------------
@@ -75,6 +76,11 @@ def make_key(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, Any
         "versions": versions(),
         "source": _source_hash(decl.kernel),
     }
+
+
+def call_key(call: Call) -> dict[str, Any]:
+    """The key of a bound call."""
+    return make_key(call.decl, call.dims, call.params, call.dtypes, call.backend)
 
 
 def key_digest(key: Mapping[str, Any]) -> str:
@@ -200,28 +206,20 @@ def _read(path: Path) -> tuple[Any, str | None]:
     of at most :data:`MAX_ENTRY_BYTES` is read: opening a FIFO blocks until a writer comes
     and a device such as ``/dev/zero`` never ends, and either would hang every lowering."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        return None, f"unreadable ({type(e).__name__}: {e})"
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None, "not a regular file"
-        if st.st_size > MAX_ENTRY_BYTES:
-            return None, f"{st.st_size} bytes, more than the {MAX_ENTRY_BYTES} an entry may have"
-        with os.fdopen(fd, "rb") as f:
-            fd = -1
+        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return None, "not a regular file"
+            if st.st_size > MAX_ENTRY_BYTES:
+                return None, f"{st.st_size} bytes, more than the {MAX_ENTRY_BYTES} an entry may have"
             data = f.read(MAX_ENTRY_BYTES + 1)
         if len(data) > MAX_ENTRY_BYTES:
             return None, f"more than the {MAX_ENTRY_BYTES} bytes an entry may have"
         return json.loads(data.decode("utf-8")), None
+    except FileNotFoundError:
+        raise
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         return None, f"unreadable ({type(e).__name__}: {e})"
-    finally:
-        if fd >= 0:
-            os.close(fd)
 
 
 def _entry_at(path: Path) -> tuple[Any, str | None]:
@@ -233,37 +231,24 @@ def _entry_at(path: Path) -> tuple[Any, str | None]:
     return entry, why or entry_problem(entry)
 
 
-def _lookup(key: Mapping[str, Any]) -> tuple[Path, Any, str | None]:
-    """``(path, entry, problem)``; ``entry`` is ``None`` when there is none."""
+def load(key: Mapping[str, Any], decl: KernelDecl | None = None, dims: Mapping[str, int] | None = None,
+         params: Mapping[str, Any] | None = None) -> dict | None:
+    """The entry for ``key`` if stored and well formed; with ``decl``, only if every config in
+    it is one ``decl`` can run at ``dims`` (a bad entry is then logged once and treated as
+    missing, so it is re-tuned)."""
     path = entry_path(key)
     try:
         entry, why = _entry_at(path)
     except FileNotFoundError:
-        return path, None, None
+        return None
     # A digest collision or a hand-edited file must not hand back another key's result.
     if why is None and entry["key"] != json.loads(json.dumps(key)):
         why = "its key is not the key this file name stands for"
-    return path, entry, why
-
-
-def load(key: Mapping[str, Any]) -> dict | None:
-    """The entry for ``key`` if stored and well formed (:func:`load_valid` checks its configs)."""
-    _, entry, why = _lookup(key)
-    return None if why else entry
-
-
-def load_valid(decl: KernelDecl, key: Mapping[str, Any], dims: Mapping[str, int], params: Mapping[str, Any]
-               ) -> dict | None:
-    """The entry for ``key`` if every config in it is one ``decl`` can run, else ``None`` (a
-    bad entry is logged once, then treated as missing, so it is re-tuned)."""
-    path, entry, why = _lookup(key)
-    if entry is None and why is None:
-        return None
-    if why is None:
+    if why is None and decl is not None:
         why = entry_problem(entry, decl, (dims, entry.get("tuned_dims")), params)
     if why is None:
         return entry
-    if (str(path), why) not in _reported:
+    if decl is not None and (str(path), why) not in _reported:
         _reported.add((str(path), why))
         logging.warning("autotune %s: ignoring the cached result in %s: %s; it is re-tuned when tuning is on",
                         decl.name, path, why)
@@ -299,31 +284,22 @@ def _write(path: Path, entry: Mapping[str, Any]) -> None:
         raise
 
 
-def entries() -> Iterator[tuple[Path, Any, str | None]]:
-    """``(path, entry, problem)`` of every entry in the directory and in memory; ``problem``
-    judges the entry's shape only, not its configs."""
-    d, paths = cache_dir(), set()
+def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
+    """A table of every cached result, bad ones with the reason; with ``decls`` (kernel name
+    -> declaration) each entry's configs are checked against its kernel's too."""
+    decls, d, bad, paths = decls or {}, cache_dir(), 0, set()
+    lines = [f"autotune cache: {d}"]
+    if d.exists() and not d.is_dir():
+        lines.append("  (not a directory)")
     try:
         paths = {p for p in d.glob("*.json") if p.is_file()} if d.is_dir() else set()
     except OSError:
         pass
-    for p in sorted(paths | {Path(m) for m in _memory if Path(m).parent == d}):
+    for p in sorted(paths | {Path(m) for m in _memory if Path(m).parent == d}):   # on disk and in memory
         try:
-            entry, why = _entry_at(p)
+            e, why = _entry_at(p)
         except FileNotFoundError:
             continue   # removed since the listing
-        yield p, entry, why
-
-
-def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
-    """A table of every cached result, bad ones with the reason; with ``decls`` (kernel name
-    -> declaration) each entry's configs are checked against its kernel's too."""
-    decls = decls or {}
-    lines = [f"autotune cache: {cache_dir()}"]
-    if cache_dir().exists() and not cache_dir().is_dir():
-        lines.append("  (not a directory)")
-    bad = 0
-    for p, e, why in entries():
         where = "in memory: " if str(p) in _memory else ""
         decl = decls.get(e["key"].get("kernel")) if why is None else None
         if decl is not None:

@@ -140,85 +140,64 @@ class CompilePool:
     def wait_ready(self) -> None:
         """Blocks until every worker has imported Triton (for fair timing)."""
         while not all(w.ready for w in self._workers):
-            for w in list(self._workers):
-                if not w.ready:
-                    self._check_startup(w)
-            time.sleep(0.02)
-
-    def _replace(self, w: _Worker, kill: bool) -> _Worker:
-        w.stop(kill=kill)
-        self.replaced += 1
-        nw = _Worker(self.cache_dir)
-        self._workers[self._workers.index(w)] = nw
-        return nw
+            self._step([], [])
 
     def compile_many(self, jobs: Sequence[CompileJob]) -> list[CompileResult]:
         results: list[CompileResult | None] = [None] * len(jobs)
         todo = list(range(len(jobs)))[::-1]
         while todo or any(w.job is not None for w in self._workers):
-            for w in list(self._workers):
-                if not w.ready:
-                    self._check_startup(w)
             for w in self._workers:
                 # The timeout clock starts at dispatch to a warm worker: start-up is not compile time.
                 if w.ready and w.job is None and todo:
-                    w.job = todo.pop()
-                    w.started = time.monotonic()
+                    w.job, w.started = todo.pop(), time.monotonic()
                     w.conn.send(jobs[w.job])
-            busy = [w for w in self._workers if w.job is not None]
-            starting = [w for w in self._workers if not w.ready]
-            deadlines = ([w.started + self.timeout_s for w in busy]
-                         + [w.spawned + STARTUP_TIMEOUT_S for w in starting])
-            # A dead worker's pipe reads as EOF, so waiting on the pipes also sees deaths.
-            ready = wait([w.conn for w in busy + starting],
-                         timeout=max(0.0, min(deadlines) - time.monotonic()) if deadlines else None)
-            for w in busy:
-                if w.conn in ready and self._receive(w, jobs, results):
-                    continue
-                if w.job is None:
-                    continue
-                if not w.alive() or (w.conn in ready and _eof(w)):
-                    w.proc.wait(timeout=10)
-                    code = w.proc.returncode
-                    results[w.job] = CompileResult(False, {}, f"compile worker died (exit code {code})")
-                    logging.warning("autotune: %s killed its compile worker (exit code %s); config skipped",
-                                    jobs[w.job].label, code)
-                    self._replace(w, kill=False)
-                elif time.monotonic() - w.started > self.timeout_s:
-                    results[w.job] = CompileResult(False, {}, f"compile timed out after {self.timeout_s:.1f}s")
-                    logging.warning("autotune: %s hung past %.1fs; worker killed, config skipped",
-                                    jobs[w.job].label, self.timeout_s)
-                    self._replace(w, kill=True)
+            self._step(jobs, results)
         return results  # type: ignore[return-value]
 
-    def _check_startup(self, w: _Worker) -> None:
-        if w.conn.poll():
+    def _step(self, jobs: Sequence[CompileJob], results: list) -> None:
+        """Waits on the starting and the busy workers, then takes each one's message (its
+        "ready", or its job's result), or replaces it if it died or overran its time."""
+        watched = [w for w in self._workers if not w.ready or w.job is not None]
+        deadlines = [w.started + self.timeout_s if w.ready else w.spawned + STARTUP_TIMEOUT_S for w in watched]
+        # A dead worker's pipe reads as EOF, so waiting on the pipes also sees deaths.
+        ready = wait([w.conn for w in watched],
+                     timeout=max(0.0, min(deadlines) - time.monotonic()) if deadlines else None)
+        for w, deadline in zip(watched, deadlines):
             try:
-                w.conn.recv()
-                w.ready = True
-                return
+                kind, payload = w.conn.recv() if w.conn in ready else (None, None)
             except (EOFError, OSError):
-                pass
-        if not w.alive() or time.monotonic() - w.spawned > STARTUP_TIMEOUT_S:
-            logging.warning("autotune: compile worker failed to start (exit code %s); replacing it",
-                            w.proc.poll())
+                kind, payload = None, None
+            if kind == "ready":
+                w.ready = True
+            elif kind is not None:
+                idx, w.job = w.job, None
+                ok = kind == "ok"
+                results[idx] = CompileResult(ok, payload if ok else {}, "" if ok else payload)
+                if not ok:
+                    logging.warning("autotune: %s failed to compile: %s", jobs[idx].label,
+                                    payload.strip().splitlines()[-1])
+            elif not w.alive() or (w.conn in ready and _eof(w)) or time.monotonic() > deadline:
+                self._replace(w, jobs, results)
+
+    def _replace(self, w: _Worker, jobs: Sequence[CompileJob], results: list) -> None:
+        """Replaces ``w``, which died or overran its time; its job, if it had one, fails."""
+        if not w.ready:
+            logging.warning("autotune: compile worker failed to start (exit code %s); replacing it", w.proc.poll())
             if self.replaced > 4 * self.size + 8:
                 raise RuntimeError("autotune: compile workers keep failing to start")
-            self._replace(w, kill=True)
-
-    def _receive(self, w: _Worker, jobs: Sequence[CompileJob], results: list) -> bool:
-        """Reads the result of busy ``w``'s job (its "ready" came before the job); True when read."""
-        try:
-            kind, payload = w.conn.recv()
-        except (EOFError, OSError):
-            return False
-        idx, w.job = w.job, None
-        if kind == "ok":
-            results[idx] = CompileResult(True, payload)
+        elif w.alive():
+            results[w.job] = CompileResult(False, {}, f"compile timed out after {self.timeout_s:.1f}s")
+            logging.warning("autotune: %s hung past %.1fs; worker killed, config skipped",
+                            jobs[w.job].label, self.timeout_s)
         else:
-            results[idx] = CompileResult(False, {}, payload)
-            logging.warning("autotune: %s failed to compile: %s", jobs[idx].label, payload.strip().splitlines()[-1])
-        return True
+            w.proc.wait(timeout=10)
+            code = w.proc.returncode
+            results[w.job] = CompileResult(False, {}, f"compile worker died (exit code {code})")
+            logging.warning("autotune: %s killed its compile worker (exit code %s); config skipped",
+                            jobs[w.job].label, code)
+        w.stop(kill=True)
+        self.replaced += 1
+        self._workers[self._workers.index(w)] = _Worker(self.cache_dir)
 
     def close(self) -> None:
         """Stops every worker (also called at exit for the shared pool)."""

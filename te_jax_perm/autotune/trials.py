@@ -106,19 +106,17 @@ class TrialResult:
     rejected: str | None = None    # outputs differ from the reference
 
 
-def run_trials(decl: KernelDecl, runner: Any, configs: Sequence[Config], expected: Sequence[np.ndarray],
-               reps: int = 1, warmup: int = 0,
-               on_result: Callable[[TrialResult], None] | None = None,
-               deadline: float | None = None, phases: dict | None = None) -> list[TrialResult]:
-    """Times each config, checking its outputs on the first and the last timed launch.
+def run_trials(decl: KernelDecl, runner: "HostRunner", configs: Sequence[Config], expected: Sequence[np.ndarray],
+               reps: int = 1, warmup: int = 0, deadline: float | None = None, phases: dict | None = None
+               ) -> list[TrialResult]:
+    """Times each config, checking its outputs on the first and the last timed launch; logs
+    each result as it comes.
 
     ``runner`` (:class:`HostRunner`, :class:`GpuRunner`) launches configs on fixed buffers,
     operands then preallocs: ``save(indices)``, ``restore()``, ``launch(config)`` (seconds)
-    and ``outputs()``; one with ``mismatch(expected)`` compares there (the GPU's, on device).
-    Past ``deadline`` (``time.monotonic``) the remaining configs are not run (the first
-    always is). ``phases`` accumulates launch and validation seconds."""
+    and ``mismatch(expected)``. Past ``deadline`` (``time.monotonic``) the remaining configs
+    are not run (the first always is). ``phases`` accumulates launch and validation seconds."""
     phases = phases if phases is not None else {}
-    check = getattr(runner, "mismatch", None) or (lambda exp: mismatch(decl, runner.outputs(), exp))
     runner.save(alias_plan(decl).written_inputs)
     results = []
     try:
@@ -140,7 +138,7 @@ def run_trials(decl: KernelDecl, runner: Any, configs: Sequence[Config], expecte
                         res.times_s.append(dt)
                     if i == 0 or i == warmup + reps - 1:
                         t0 = time.perf_counter()
-                        why = check(expected)
+                        why = runner.mismatch(expected)
                         phases["validate_s"] = phases.get("validate_s", 0.0) + time.perf_counter() - t0
                         if why:
                             res.rejected = why
@@ -150,30 +148,36 @@ def run_trials(decl: KernelDecl, runner: Any, configs: Sequence[Config], expecte
             if res.times_s and not (res.rejected or res.error):
                 res.time_s = statistics.median(res.times_s[1:] if warmup else res.times_s)
             results.append(res)
-            if on_result:
-                on_result(res)
+            _log_result(decl, res, len(results), len(configs),
+                        min((r for r in results if r.time_s is not None), key=lambda r: r.time_s, default=None))
     finally:
         runner.restore()
     return results
 
 
 class HostRunner:
-    """``interpret`` trials: the Triton interpreter on host NumPy buffers."""
+    """``interpret`` trials: the Triton interpreter on host NumPy buffers. ``buffers`` holds
+    the operands, then the preallocated outputs (so an alias plan's operand index is a
+    buffer index); ``save`` keeps copies of the written ones, ``restore`` puts them back."""
+
+    backend, reps, warmup = "interpret", 1, 0   # reps and warmup: the tuner's defaults
 
     def __init__(self, decl: KernelDecl, inputs: Sequence[np.ndarray], preallocs: Sequence[np.ndarray],
                  params: Mapping[str, Any]):
-        self.decl = decl
-        self.call = bind_call(decl, inputs, params, "interpret")
-        self.buffers = [np.ascontiguousarray(a) for a in inputs] + [np.ascontiguousarray(a) for a in preallocs]
-        self.n_in = len(inputs)
-        self.saved: dict[int, np.ndarray] = {}
+        self.decl, self.n_in = decl, len(inputs)
+        self.call = bind_call(decl, inputs, params, self.backend)
+        self.buffers = [self._put(a) for a in (*inputs, *preallocs)]
+        self.saved: dict[int, Any] = {}
+
+    _put = staticmethod(np.ascontiguousarray)   # a buffer the kernel can run on
+    _copy = staticmethod(np.array)
 
     def save(self, indices: Sequence[int]) -> None:
-        self.saved = {i: self.buffers[i].copy() for i in indices}
+        self.saved = {i: self._copy(self.buffers[i]) for i in indices}
 
     def restore(self) -> None:
         for i, snap in self.saved.items():
-            np.copyto(self.buffers[i], snap)
+            self.buffers[i] = self._copy(snap)
 
     def launch(self, config: Config) -> float:
         launch = configure(self.call, config)
@@ -183,10 +187,13 @@ class HostRunner:
         return time.perf_counter() - t0
 
     def outputs(self) -> list[np.ndarray]:
-        return [b.copy() for b in self.buffers[self.n_in:]]
+        return [np.array(b) for b in self.buffers[self.n_in:]]
+
+    def mismatch(self, expected: Sequence[np.ndarray]) -> str | None:
+        return mismatch(self.decl, self.outputs(), expected)
 
 
-def log_result(decl: KernelDecl, r: TrialResult, done: int, total: int, best: TrialResult | None) -> None:
+def _log_result(decl: KernelDecl, r: TrialResult, done: int, total: int, best: TrialResult | None) -> None:
     if r.rejected:
         logging.warning("autotune %s: [%d/%d] REJECTED %s: wrong output (%s)", decl.name, done, total, r.config,
                         r.rejected)
@@ -197,7 +204,7 @@ def log_result(decl: KernelDecl, r: TrialResult, done: int, total: int, best: Tr
                      1e3 * r.time_s, best.config if best else None)
 
 
-class GpuRunner:
+class GpuRunner(HostRunner):
     """``triton`` trials: each candidate a jitted ``triton_call`` of its launch on device
     buffers, the very custom call (compiled kernel, arguments, aliases) a lowered program
     runs. The preallocated outputs are donated to each trial and written in place, as in
@@ -209,31 +216,23 @@ class GpuRunner:
     host's dispatch and synchronisation cost cancels out.
     """
 
+    backend, reps, warmup = "triton", 15, 1
+    _put = staticmethod(jax.device_put)
+    _copy = staticmethod(jax.numpy.copy)
+
     def __init__(self, decl: KernelDecl, inputs: Sequence[np.ndarray], preallocs: Sequence[np.ndarray],
                  params: Mapping[str, Any], chain: int = 16):
-        self.decl, self.chain = decl, chain
-        self.call = bind_call(decl, inputs, params, "triton")
-        self.n_in = len(inputs)
-        self.operands = [jax.device_put(a) for a in inputs]
-        self.buffers = [jax.device_put(a) for a in preallocs]  # the outputs' current contents
-        self.saved: dict[int, Any] = {}
+        super().__init__(decl, inputs, preallocs, params)
+        self.chain = chain
         self._exes: dict[tuple[Config, int], Callable] = {}
         self._expected: tuple[int, list[Any]] | None = None
 
-    def save(self, indices: Sequence[int]) -> None:
-        """Keeps the contents of the written buffers (operand indices: preallocs follow operands)."""
-        self.saved = {i: self._copy(self.buffers[i - self.n_in]) for i in indices}
-
     def restore(self) -> None:
-        for i, snap in self.saved.items():
-            self.buffers[i - self.n_in] = self._copy(snap)
+        super().restore()
         jax.block_until_ready(self.buffers)
 
-    def _copy(self, a: Any) -> Any:
-        return jax.numpy.copy(a)
-
     def _exe(self, config: Config, n: int) -> Callable:
-        """``n`` dependent launches of ``config``, its buffers donated; compiled once."""
+        """``n`` dependent launches of ``config``, the preallocs donated; compiled once."""
         if (config, n) not in self._exes:
             from te_jax_perm.core.triton_backend import triton_call
             launch = configure(self.call, config)
@@ -244,12 +243,12 @@ class GpuRunner:
                 return buffers
 
             jit = jax.jit(run, donate_argnums=1)
-            self._exes[(config, n)] = jit.lower(self.operands, self.buffers).compile()
+            self._exes[(config, n)] = jit.lower(self.buffers[:self.n_in], self.buffers[self.n_in:]).compile()
         return self._exes[(config, n)]
 
     def _timed(self, exe: Callable, buffers: list) -> tuple[float, list]:
         t0 = time.perf_counter()
-        out = exe(self.operands, buffers)
+        out = exe(self.buffers[:self.n_in], buffers)
         jax.block_until_ready(out)
         return time.perf_counter() - t0, list(out)
 
@@ -257,9 +256,9 @@ class GpuRunner:
         """One launch on the current buffers (its outputs are kept for checking); returns the
         device time of a launch, from a chain of launches on a copy of the same buffers."""
         single, chained = self._exe(config, 1), self._exe(config, self.chain)
-        spare = [self._copy(b) for b in self.buffers]
+        spare = [self._copy(b) for b in self.buffers[self.n_in:]]
         jax.block_until_ready(spare)
-        t1, self.buffers = self._timed(single, self.buffers)
+        t1, self.buffers[self.n_in:] = self._timed(single, self.buffers[self.n_in:])
         tn, _ = self._timed(chained, spare)
         return max(tn - t1, 0.0) / (self.chain - 1)
 
@@ -267,7 +266,7 @@ class GpuRunner:
         """The reference comparison on the device: a 100+ MB output is compared where it lies."""
         if self._expected is None or self._expected[0] != id(expected):
             self._expected = (id(expected), [jax.device_put(w) for w in expected])
-        return mismatch(self.decl, self.buffers, self._expected[1], xp=jax.numpy)
+        return mismatch(self.decl, self.buffers[self.n_in:], self._expected[1], xp=jax.numpy)
 
-    def outputs(self) -> list[np.ndarray]:
-        return [np.asarray(b) for b in self.buffers]
+
+RUNNERS = {r.backend: r for r in (HostRunner, GpuRunner)}   # the backends that can be tuned

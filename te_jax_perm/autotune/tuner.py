@@ -25,8 +25,7 @@ from absl import logging
 
 from te_jax_perm.autotune import cache
 from te_jax_perm.autotune.pool import get_pool, make_job
-from te_jax_perm.autotune.trials import (GpuRunner, HostRunner, TrialResult, initial_prealloc, log_result, make_inputs,
-                                         run_trials)
+from te_jax_perm.autotune.trials import RUNNERS, initial_prealloc, make_inputs, run_trials
 from te_jax_perm.core import env
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import Call, bind_call, configure
@@ -116,13 +115,12 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
 def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
     """Tunes one bound call (see :func:`tune`)."""
     decl, dims, params, backend = call.decl, call.dims, call.params, call.backend
-    key = cache.make_key(decl, dims, params, call.dtypes, backend)
-    if not options.force:
-        entry = cache.load_valid(decl, key, dims, params)
-        if entry is not None:
-            stats["cache_hits"] += 1
-            logging.vlog(1, "autotune %s: cache hit for %s", decl.name, key["dims"])
-            return TuneResult(key, entry, cached=True)
+    if backend not in RUNNERS:
+        raise ValueError(f"autotune: backend {backend!r} has nothing to tune")
+    key = cache.call_key(call)
+    entry = None if options.force else cached(call, key)
+    if entry is not None:
+        return TuneResult(key, entry, cached=True)
     stats["tunes"] += 1
     t_start = time.perf_counter()
     phases: dict[str, float] = {}
@@ -154,27 +152,15 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
     expected = _reference(decl, inputs, params)
     phases["reference_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    if backend == "triton":
-        runner = GpuRunner(decl, inputs, preallocs, params)
-        reps, warmup = options.reps or 15, 1 if options.warmup is None else options.warmup
-    elif backend == "interpret":
-        runner = HostRunner(decl, inputs, preallocs, params)
-        reps, warmup = options.reps or 1, options.warmup or 0
-    else:
-        raise ValueError(f"autotune: backend {backend!r} has nothing to tune")
+    runner = RUNNERS[backend](decl, inputs, preallocs, params)
+    reps = options.reps or runner.reps
+    warmup = runner.warmup if options.warmup is None else options.warmup
     phases["to_device_s"] = time.perf_counter() - t0
 
-    done: list[TrialResult] = []
-
-    def progress(r: TrialResult) -> None:
-        stats["trials"] += 1
-        done.append(r)
-        timed = [x for x in done if x.time_s is not None]
-        log_result(decl, r, len(done), len(valid), min(timed, key=lambda x: x.time_s) if timed else None)
-
     t0 = time.perf_counter()
-    results = run_trials(decl, runner, valid, expected, reps=reps, warmup=warmup, on_result=progress,
-                         deadline=options.deadline, phases=phases)
+    results = run_trials(decl, runner, valid, expected, reps=reps, warmup=warmup, deadline=options.deadline,
+                         phases=phases)
+    stats["trials"] += len(results)
     phases["trials_s"] = time.perf_counter() - t0
     complete = len(results) == len(valid)
     ok = sorted((r for r in results if r.time_s is not None), key=lambda r: r.time_s)
@@ -217,6 +203,15 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
     return TuneResult(key, entry, cached=False)
 
 
+def cached(call: Call, key: Mapping[str, Any]) -> dict | None:
+    """The cached entry of ``call`` under ``key`` if there is a usable one (a cache hit)."""
+    entry = cache.load(key, call.decl, call.dims, call.params)
+    if entry is not None:
+        stats["cache_hits"] += 1
+        logging.vlog(1, "autotune %s: cache hit for %s", call.decl.name, key["dims"])
+    return entry
+
+
 def _compile_stage(call, valid, target, options, pool):
     decl = call.decl
     pool = pool or get_pool()
@@ -253,7 +248,6 @@ def _reference(decl: KernelDecl, inputs: Sequence[np.ndarray], params: Mapping[s
 
 
 # -- the config resolver -----------------------------------------------------------------------
-TUNABLE_BACKENDS = ("interpret", "triton")
 _enabled: list[bool] = []
 _options = TuneOptions()
 
@@ -302,14 +296,11 @@ def resolve(decl: KernelDecl, avals: Sequence[Any], params: Mapping[str, Any], b
 def resolve_call(call: Call) -> Config | None:
     """The config resolver the autotuner installs in ``core.hooks``."""
     decl = call.decl
-    if call.backend not in TUNABLE_BACKENDS or not decl.configs:
+    if call.backend not in RUNNERS or not decl.configs:
         return None
     try:
-        key = cache.make_key(decl, call.dims, call.params, call.dtypes, call.backend)
-        entry = cache.load_valid(decl, key, call.dims, call.params)
-        if entry is not None:
-            stats["cache_hits"] += 1
-        elif enabled():
+        entry = cached(call, cache.call_key(call))
+        if entry is None and enabled():
             entry = tune_call(call, _options).entry
         if entry is None:
             return None

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import jax
 import numpy as np
 
-from te_jax_perm.core import hooks
+from te_jax_perm.core import errors, hooks
 from te_jax_perm.core.aliasing import preallocate
 from te_jax_perm.core.hooks import BufferInfo
 from te_jax_perm.core.kernel_args import OPERAND, kernel_arguments
@@ -130,30 +130,17 @@ def run_launch(launch: Launch, operands: Sequence[np.ndarray], preallocs: Sequen
                        buffers=infos)
 
 
-# The error the last failed launch raised: XLA hands it on as its own runtime error (text
-# only), so an eager call re-raises this object instead (a sanitizer's HazardError, say).
-# XLA's CPU runtime may run the callbacks on other threads: the list is read under a lock.
-_raised: list[BaseException] = []
-_raised_lock = threading.Lock()
-
-
-def _take_raised() -> BaseException | None:
-    with _raised_lock:
-        return _raised.pop() if _raised else None
-
-
 def run_eagerly(fn: Callable[..., Any], args: Sequence[jax.Array]) -> Any:
     """``fn(*args)`` for an eager ``interpret`` call, finished: on the first CPU device (the
     interpreter dereferences host pointers), a launch's error raised as itself."""
-    _take_raised()
     try:
         if jax.default_backend() == "cpu":
             return jax.block_until_ready(fn(*args))
         cpu = jax.devices("cpu")[0]
         with jax.default_device(cpu):
             return jax.block_until_ready(fn(*jax.device_put(tuple(args), cpu)))
-    except jax.errors.JaxRuntimeError:
-        raised = _take_raised()
+    except jax.errors.JaxRuntimeError as e:
+        raised = errors.original(e)
         if raised is None:
             raise
         raise raised from None
@@ -173,8 +160,7 @@ def interpret_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Ar
             run_launch(launch, in_arrays[:plan.num_operands], in_arrays[plan.num_operands:],
                        [np.asarray(b) for b in outs])
         except Exception as e:
-            with _raised_lock:
-                _raised[:] = [e]
+            errors.keep(e)   # XLA hands it on as text: run_eagerly and hazard_error give it back
             raise
 
     result_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in launch.out_avals]
@@ -224,8 +210,6 @@ FORMATS = {
 }
 # Formats the GPU converts into with saturation to the largest finite value.
 _SATURATING = ("fp8e4nv", "fp8e5")
-
-_installed: dict[str, Any] = {}
 
 
 def _name(tt: Any) -> str:
@@ -333,34 +317,28 @@ def convert(data: np.ndarray, src_tt: Any, dst_tt: Any, storage: np.dtype, *, to
     return out.view(storage)
 
 
+@functools.lru_cache(maxsize=None)
 def install_numerics() -> None:
-    """Makes the interpreter convert as the GPU does (idempotent, for this process)."""
-    if _installed:
-        return
+    """Makes the interpreter convert as the GPU does (once per process)."""
     from triton._C.libtriton import ir
     from triton.runtime import interpreter as interp
 
     builder = interp.InterpreterBuilder
     rtz = ir.ROUNDING_MODE.RTZ
-    orig_cast, orig_fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
 
-    @functools.wraps(orig_cast)
-    def cast_impl(self, src, dst_type):
-        out = convert(src.data, src.dtype.scalar, dst_type.scalar, interp._get_np_dtype(dst_type))
-        if out is None:
-            return orig_cast(self, src, dst_type)
-        return interp.TensorHandle(out, dst_type.scalar)
-
-    @functools.wraps(orig_fp_to_fp)
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        toward_zero = rounding_mode == rtz
-        if toward_zero and _name(dst_type.scalar) in _SATURATING:
-            return orig_fp_to_fp(self, src, dst_type, rounding_mode)   # not a GPU conversion
-        out = convert(src.data, src.dtype.scalar, dst_type.scalar, interp._get_np_dtype(dst_type),
-                      toward_zero=toward_zero)
-        if out is None:
-            return orig_fp_to_fp(self, src, dst_type, rounding_mode)
-        return interp.TensorHandle(out, dst_type.scalar)
+    def gpu_conversion(orig: Callable) -> Callable:
+        """``orig`` (``cast_impl``, or ``create_fp_to_fp`` with its rounding mode) converting as
+        the GPU does wherever :func:`convert` handles the pair."""
+        @functools.wraps(orig)
+        def wrapper(self, src, dst_type, *rounding_mode):
+            toward_zero = rounding_mode == (rtz,)
+            # Round-toward-zero into a saturating fp8 type is not a GPU conversion.
+            out = None if toward_zero and _name(dst_type.scalar) in _SATURATING else convert(
+                src.data, src.dtype.scalar, dst_type.scalar, interp._get_np_dtype(dst_type), toward_zero=toward_zero)
+            if out is None:
+                return orig(self, src, dst_type, *rounding_mode)
+            return interp.TensorHandle(out, dst_type.scalar)
+        return wrapper
 
     orig_dot = builder.create_dot
 
@@ -374,9 +352,8 @@ def install_numerics() -> None:
             return interp.TensorHandle(out, d.dtype.scalar)
         return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
-    _installed.update(cast_impl=orig_cast, create_fp_to_fp=orig_fp_to_fp, create_dot=orig_dot)
-    builder.cast_impl = cast_impl
-    builder.create_fp_to_fp = create_fp_to_fp
+    builder.cast_impl = gpu_conversion(builder.cast_impl)
+    builder.create_fp_to_fp = gpu_conversion(builder.create_fp_to_fp)
     builder.create_dot = create_dot
 
 

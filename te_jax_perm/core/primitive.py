@@ -29,22 +29,25 @@ class KernelPrimitive:
         if clash:
             raise ValueError(f"{decl.name}: parameter names {sorted(clash)} are reserved")
         self.decl = decl
-        self.prim = self._primitive(f"te_jax_perm_{decl.name}", self._lower)
         # Sharding (core/sharding.py): `prim` lowers through custom_partitioning, whose
         # per-shard function binds `local` (same kernel, lowered directly). vmap binds
         # `vmapped`, one sequential loop over the batch whose batch axis shards with no
         # collectives: correct for every kernel, and unbatched operands are shared, not
         # broadcast, so it moves no more bytes than the loop it replaces.
-        self.local = self._primitive(f"te_jax_perm_{decl.name}_local", self._lower_local)
-        self.vmapped = sharding.VmappedPrimitive(self)
-        batching.primitive_batchers[self.prim] = self.vmapped.bind
-        sharding.requires_devices(self.prim)
+        partitioned = lambda platform, *a, **kw: sharding.lower_partitioned(self, *a, **kw)  # noqa: E731
+        self.prim = self._primitive("", self.abstract_eval, partitioned)
+        self.local = self._primitive("_local", self.abstract_eval, self._lower_local)
+        self.vmapped = self._primitive("_vmapped", functools.partial(sharding.vmapped_avals, self), partitioned)
+        for prim in (self.prim, self.vmapped):
+            batching.primitive_batchers[prim] = functools.partial(sharding.batch, self)
+            sharding.requires_devices(prim)
 
-    def _primitive(self, name: str, lower: Callable) -> Primitive:
-        prim = Primitive(name)
+    def _primitive(self, suffix: str, abstract_eval: Callable, lower: Callable) -> Primitive:
+        """One of the kernel's primitives; ``lower(platform, ctx, *args, **params)``."""
+        prim = Primitive(f"te_jax_perm_{self.decl.name}{suffix}")
         prim.multiple_results = True
-        prim.def_abstract_eval(self.abstract_eval)
-        prim.def_impl(self._impl)
+        prim.def_abstract_eval(abstract_eval)
+        prim.def_impl(functools.partial(self._impl, prim))
         for platform in ("cpu", "cuda", "rocm"):
             mlir.register_lowering(prim, functools.partial(lower, platform), platform=platform)
         return prim
@@ -65,20 +68,17 @@ class KernelPrimitive:
         del config
         return list(bind_call(self.decl, avals, params, backend).out_avals)
 
-    def _impl(self, *args, **kw):
-        run = self._jitted_bind(tuple(sorted(kw.items())))
+    def _impl(self, prim: Primitive, *args, **kw):
+        run = self._jitted_bind(prim, tuple(sorted(kw.items())))
         if kw["backend"] != "interpret":
             return run(*args)
         from te_jax_perm.core.interpret_backend import run_eagerly
         return run_eagerly(run, args)
 
     @functools.lru_cache(maxsize=256)
-    def _jitted_bind(self, kw_items):
+    def _jitted_bind(self, prim: Primitive, kw_items):
         # One jitted callable per parameter set, so eager calls reuse compiled executables.
-        return jax.jit(functools.partial(self.prim.bind, **dict(kw_items)))
-
-    def _lower(self, platform: str, ctx, *args, **kw):
-        return sharding.lower_partitioned(self, ctx, *args, **kw)
+        return jax.jit(functools.partial(prim.bind, **dict(kw_items)))
 
     def _lower_local(self, platform: str, ctx, *args, backend: str, config: Config | None, **params):
         decl = self.decl

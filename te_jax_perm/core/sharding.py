@@ -18,17 +18,14 @@ token's row depends on every earlier token): its rule is op-level, in
 """
 from __future__ import annotations
 
-import functools
 import math
-import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from absl import logging
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 
@@ -86,7 +83,7 @@ def partitioned(kp: "KernelPrimitive", fn: Callable, out_ranks: Sequence[int], i
     return wrapped
 
 
-# -- what a partitioning callback sees and raises ---------------------------------------------
+# -- what a partitioning callback sees ---------------------------------------------------------
 def dim_splits(mesh, sharding, ndim: int) -> list[tuple[Any, int]]:
     """Per dimension of an operand: ``(PartitionSpec entry splitting it or None, pieces)``.
     Where no PartitionSpec can name the split (Shardy splits a dimension a mesh axis does
@@ -122,43 +119,7 @@ def _axes_size(mesh, ax) -> int:
     return int(math.prod(mesh.shape[a] for a in (ax if isinstance(ax, tuple) else (ax,))))
 
 
-# Errors our partitioning callbacks raised, by message. XLA's partitioner runs them from C++
-# and hands any exception on as the text of its own runtime error; JAX's compile step then
-# offers that error to its registered handlers, and ours answers with the original object,
-# so the caller of ``jit`` gets our exception itself.
-_partition_errors: dict[str, BaseException] = {}
-_partition_errors_lock = threading.Lock()
-_handler_registered = False
-
-
-def partition_error(err: BaseException) -> BaseException:
-    """``err``, kept so that when a custom_partitioning callback raises it, compiling the
-    program raises ``err`` itself instead of XLA's runtime error quoting it."""
-    global _handler_registered
-    with _partition_errors_lock:
-        if not _handler_registered:
-            try:
-                from jax._src import compiler
-                compiler.register_xla_runtime_error_handler(_original_partition_error)
-            except (ImportError, AttributeError):  # pragma: no cover - hook moved: the text still says it
-                pass
-            _handler_registered = True
-        if len(_partition_errors) >= 64:   # raised but never compiled through JAX: forget them
-            _partition_errors.clear()
-        _partition_errors[str(err)] = err
-    return err
-
-
-def _original_partition_error(runtime_error: Exception) -> BaseException | None:
-    text = str(runtime_error)
-    with _partition_errors_lock:
-        for msg in list(_partition_errors):
-            if msg and msg in text:
-                return _partition_errors.pop(msg).with_traceback(None)
-    return None
-
-
-# -- lowering of a plain call ------------------------------------------------------------------
+# -- lowering ------------------------------------------------------------------------------
 def _multi_device(ctx) -> bool:
     """Whether custom_partitioning would emit a partitioner call here (mirrors its rule)."""
     from jax._src import sharding_impls
@@ -170,12 +131,19 @@ def _multi_device(ctx) -> bool:
     return False
 
 
-def _lower(kp: "KernelPrimitive", ctx, args, body: Callable, in_batched: Sequence[bool] | None, backend: str):
-    """Lowers ``body`` (the per-device function) through custom_partitioning per ``kp``'s axis
-    names. Not for the interpret backend under a multi-device jit: callbacks inside a
-    custom_partitioning per-shard module index the wrong executable's callback table (a JAX
-    limitation: it crashes), so there it lowers unpartitioned: correct, but XLA gathers."""
-    if backend == "interpret" and _multi_device(ctx):
+def lower_partitioned(kp: "KernelPrimitive", ctx, *args, in_batched: Sequence[bool] | None = None, **kw):
+    """Lowers a call of ``kp.prim``, or with ``in_batched`` of ``kp.vmapped``, through
+    custom_partitioning per ``kp``'s axis names; the per-shard function binds ``kp.local``
+    (in a loop over a vmapped call's batch). Not for the interpret backend under a
+    multi-device jit: callbacks inside a custom_partitioning per-shard module index the
+    wrong executable's callback table (a JAX limitation: it crashes), so there it lowers
+    unpartitioned: correct, but XLA gathers."""
+    def body(*xs):
+        if in_batched is None:
+            return tuple(kp.local.bind(*xs, **kw))
+        return _map(lambda *full: kp.local.bind(*full, **kw), xs, in_batched)
+
+    if kw["backend"] == "interpret" and _multi_device(ctx):
         logging.warning("%s: backend 'interpret' under a multi-device jit runs unpartitioned "
                         "(operands are gathered); use shard_map, or backend 'xla'/'triton', to "
                         "keep it shard-local", kp.decl.name)
@@ -184,45 +152,24 @@ def _lower(kp: "KernelPrimitive", ctx, args, body: Callable, in_batched: Sequenc
     return mlir.lower_fun(lambda *xs: list(body(*xs)), multiple_results=True)(ctx, *args)
 
 
-def lower_partitioned(kp: "KernelPrimitive", ctx, *args, **kw):
-    """Lowers ``kp`` through custom_partitioning; the per-shard function binds ``kp.local``."""
-    return _lower(kp, ctx, args, lambda *xs: tuple(kp.local.bind(*xs, **kw)), None, kw.get("backend"))
-
-
 # -- vmap: one primitive for the whole batch, batch axis local --------------------------------
-class VmappedPrimitive:
-    """The batched form of a kernel primitive: a loop over the leading axis of the batched
-    operands, lowered through custom_partitioning with that axis local."""
+# ``kp.vmapped`` is a loop over the leading axis of the batched operands, lowered through
+# custom_partitioning with that axis local.
+def vmapped_avals(kp: "KernelPrimitive", *avals, in_batched, **kw) -> list[jax.core.ShapedArray]:
+    n = next(a.shape[0] for a, b in zip(avals, in_batched) if b)
+    items = [jax.core.ShapedArray(a.shape[1:], a.dtype) if b else a for a, b in zip(avals, in_batched)]
+    return [jax.core.ShapedArray((n,) + tuple(o.shape), o.dtype) for o in kp.abstract_eval(*items, **kw)]
 
-    def __init__(self, kp: "KernelPrimitive"):
-        self.kp = kp
-        self.prim = Primitive(f"{kp.prim.name}_vmapped")
-        self.prim.multiple_results = True
-        self.prim.def_abstract_eval(self.abstract_eval)
-        self.prim.def_impl(lambda *a, **kw: jax.jit(functools.partial(self.prim.bind, **kw))(*a))
-        mlir.register_lowering(self.prim, self._lower)
-        batching.primitive_batchers[self.prim] = self._batch
-        requires_devices(self.prim)
 
-    def abstract_eval(self, *avals, in_batched, **kw):
-        n = next(a.shape[0] for a, b in zip(avals, in_batched) if b)
-        items = [jax.core.ShapedArray(a.shape[1:], a.dtype) if b else a for a, b in zip(avals, in_batched)]
-        return [jax.core.ShapedArray((n,) + tuple(o.shape), o.dtype) for o in self.kp.abstract_eval(*items, **kw)]
-
-    def _lower(self, ctx, *args, in_batched, **kw):
-        loop = lambda *xs: _map(lambda *full: self.kp.local.bind(*full, **kw), xs, in_batched)  # noqa: E731
-        return _lower(self.kp, ctx, args, loop, in_batched, kw.get("backend"))
-
-    def bind(self, args: Sequence[jax.Array], dims: Sequence[Any], **kw):
-        in_batched = tuple(d is not None for d in dims)
-        outs = self.prim.bind(*_to_front(args, dims), in_batched=in_batched, **kw)
-        return list(outs), [0] * len(outs)
-
-    def _batch(self, args, dims, *, in_batched, **kw):
-        """Nested vmap: a sequential loop over the outer axis (its partitioning is not local)."""
-        outs = _map(lambda *full: self.prim.bind(*full, in_batched=in_batched, **kw), _to_front(args, dims),
-                    [d is not None for d in dims])
-        return list(outs), [0] * len(outs)
+def batch(kp: "KernelPrimitive", args: Sequence[jax.Array], dims: Sequence[Any], **kw):
+    """The batching rule of ``kp.prim`` (one ``kp.vmapped`` call) and of ``kp.vmapped``
+    (nested vmap: a sequential loop over the outer axis, whose partitioning is not local)."""
+    args, batched = _to_front(args, dims), tuple(d is not None for d in dims)
+    if "in_batched" in kw:
+        outs = _map(lambda *full: kp.vmapped.bind(*full, **kw), args, batched)
+    else:
+        outs = kp.vmapped.bind(*args, in_batched=batched, **kw)
+    return list(outs), [0] * len(outs)
 
 
 def _to_front(args, dims) -> list:

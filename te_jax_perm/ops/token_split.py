@@ -15,7 +15,7 @@ the mesh axes that shard the tokens; ``"H"`` is local (sliced along whatever sha
 every row mover is); any other axis is replicated. ``T`` and ``R`` must be divisible by
 the number of token shards: otherwise compiling the program raises a ``ValueError`` that
 names the op, the size and the shard count (not XLA's own error; see
-:func:`te_jax_perm.core.sharding.partition_error`).
+:func:`te_jax_perm.core.errors.keep`).
 
 Mechanics: :func:`jax.experimental.custom_partitioning` with a Shardy rule in which ``T``
 and ``R`` share one factor (of size ``gcd(T, R)``), so propagation shards ``R`` exactly
@@ -36,7 +36,8 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import CompoundFactor, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from te_jax_perm.core.sharding import dim_splits, partition_error
+from te_jax_perm.core import errors
+from te_jax_perm.core.sharding import dim_splits
 
 SPLIT = ("T", "R")
 LOCAL = "H"
@@ -115,16 +116,16 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg
         tokens, shards = _split(mesh, arg_shapes, arg_axes, SPLIT)
         # H split along part of a mesh axis: gathered (every row mover also runs on whole rows).
         hidden = _split(mesh, arg_shapes, arg_axes, {LOCAL})[0]
-        # Raised through partition_error: XLA runs this callback, and would otherwise hand the
+        # Raised through errors.keep: XLA runs this callback, and would otherwise hand the
         # error on only as text inside its own runtime error.
         where = f"of mesh axes {tokens}" if tokens is not None else "(split along part of a mesh axis)"
         for n in SPLIT:
             if n in sizes and sizes[n] % shards:
-                raise partition_error(ValueError(
+                raise errors.keep(ValueError(
                     f"{name}: its {'tokens' if n == 'T' else 'output rows'} ({sizes[n]}) do not divide into "
                     f"the {shards} token shards {where}; choose sizes divisible by {shards}"))
         if tokens is None and shards > 1:
-            raise partition_error(ValueError(
+            raise errors.keep(ValueError(
                 f"{name}: its tokens ({sizes.get('T')}) and output rows ({sizes.get('R')}) arrive split "
                 f"{shards} ways along part of a mesh axis; expected them split along whole mesh axes, "
                 "as a PartitionSpec names them"))

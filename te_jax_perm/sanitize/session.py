@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from absl import logging
 
-from te_jax_perm.core import env, hooks
+from te_jax_perm.core import env, errors, hooks
 from te_jax_perm.core.hooks import BufferInfo
 from te_jax_perm.sanitize import tracer
 from te_jax_perm.sanitize.hazards import HazardError, Report
@@ -25,22 +25,16 @@ class _Hub:
 
     def __init__(self):
         self.sessions: list[tuple[bool, Report]] = []
-        self.rec: tracer.LaunchRecord | None = None
         self.lock = threading.RLock()
-        # The HazardError the last raising launch raised: inside a jitted function it reaches
-        # the caller only as text in XLA's runtime error, and hazard_error gives it back.
-        self.raised: HazardError | None = None
 
     def launch_begin(self, kernel_name: str, buffers: Sequence[BufferInfo], grid: tuple[int, int, int]) -> None:
-        self.rec = tracer.LaunchRecord(kernel_name, buffers, tuple(grid), any(r for r, _ in self.sessions))
-        tracer.begin(self.rec)
+        tracer.begin(tracer.LaunchRecord(kernel_name, buffers, tuple(grid), any(r for r, _ in self.sessions)))
 
     def program_begin(self, pid: tuple[int, int, int]) -> None:
-        self.rec.set_pid(pid)
+        tracer.current().set_pid(pid)
 
     def launch_end(self) -> None:
-        rec, self.rec = self.rec, None
-        tracer.end(rec)
+        rec = tracer.end()
         hazards, in_place, summary = tracer.analyse(rec)
         hazards = rec.oob + hazards
         for _, report in self.sessions:
@@ -49,11 +43,8 @@ class _Hub:
             report.in_place.extend(in_place)
         for h in hazards:
             logging.warning("te_jax_perm sanitizer: %s", h.text())
-        if rec.raise_first and (rec.failed or hazards):
-            # rec.failed: the tracer raised at the out-of-bounds access, the last one it recorded.
-            self.raised = HazardError(rec.oob[-1] if rec.failed else hazards[0])
-            if not rec.failed:
-                raise self.raised
+        if rec.raise_first and hazards and not rec.failed:   # failed: raised at the out-of-bounds access
+            raise HazardError(hazards[0])
 
     def open(self, raise_first: bool) -> tuple[bool, Report]:
         with self.lock:
@@ -110,12 +101,8 @@ def hazard_error(err: BaseException) -> HazardError | None:
     Inside a ``sanitize(raise_on_first=True)`` scope, and for eager calls, it already
     arrives as itself.
     """
-    if isinstance(err, HazardError):
-        return err
-    raised = _hub.raised
-    if raised is not None and str(raised) in str(err):
-        return raised
-    return None
+    found = err if isinstance(err, HazardError) else errors.original(err, forget=False)
+    return found if isinstance(found, HazardError) else None
 
 
 def check(fn: Callable[..., Any], *args: Any, raise_on_first: bool = False, **kwargs: Any) -> Report:

@@ -134,13 +134,12 @@ class LaunchRecord:
         if a.size == 0:
             return None
         size = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
+        # The region: the pointer's provenance, else the tensor descriptor's being accessed,
+        # else a root argument's (by base address), else attributed by address.
         tag = ptrs.attr.get(_TAG)
-        if tag is None:
-            tag = self.forced_tag
-        if tag is None:
-            tag = self.tag_of(ptrs) if ptrs.data.size == 1 else None
-        if tag is None:
-            tag = self.regions.attribute(a)
+        tag = self.forced_tag if tag is None else tag
+        tag = self.tag_of(ptrs) if tag is None else tag
+        tag = self.regions.attribute(a) if tag is None else tag
         reg = self.regions.regions[tag]
         off = a - reg.address
         bad = (off < 0) | (off + size > reg.nbytes)
@@ -167,7 +166,8 @@ _active: list[LaunchRecord] = []
 _saved: dict[str, object] = {}
 
 
-def _current() -> LaunchRecord | None:
+def current() -> LaunchRecord | None:
+    """The record of the launch being run, if it is observed."""
     return _active[-1] if _active else None
 
 
@@ -184,7 +184,7 @@ def _deriving(orig: Callable) -> Callable:
 
     def wrapper(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
-        rec = _current()
+        rec = current()
         if rec is None:
             return out
         ptr_outs = [o for o in (out if isinstance(out, tuple) else (out,)) if is_pointer(o)]
@@ -211,7 +211,7 @@ def _install(cls) -> None:
         policies, which differ across Triton versions and come by keyword from tensor
         descriptor loads) pass through untouched."""
         def wrapper(self, *args, **kwargs):
-            rec = _current()
+            rec = current()
             if rec is not None:
                 mask = args[mask_at]
                 new = rec.record(args[ptr_at], mask.data, kind)
@@ -224,7 +224,7 @@ def _install(cls) -> None:
         """``name`` run with the record's ``attr`` set to ``value(rec, *args)``, restored after:
         atomics that reuse loads and stores, descriptor accesses charged to their base."""
         def wrapper(self, *args):
-            rec = _current()
+            rec = current()
             if rec is None:
                 return orig[name](self, *args)
             prev = getattr(rec, attr)
@@ -236,7 +236,7 @@ def _install(cls) -> None:
         return wrapper
 
     def atomic_cas(self, ptr, cmp, val, sem, scope):
-        rec = _current()
+        rec = current()
         if rec is not None and rec.record(ptr, None, "atomic") is not None:
             # Out of bounds (already reported): do not touch that memory.
             return TensorHandle(np.zeros_like(cmp.data), cmp.dtype.scalar)
@@ -269,12 +269,14 @@ def begin(rec: LaunchRecord) -> None:
     _active.append(rec)
 
 
-def end(rec: LaunchRecord) -> None:
+def end() -> LaunchRecord:
+    """Ends the current launch's record and returns it."""
     from triton.runtime.interpreter import InterpreterBuilder
 
-    _active.remove(rec)
+    rec = _active.pop()
     if not _active:
         _uninstall(InterpreterBuilder)
+    return rec
 
 
 # -- analysis ----------------------------------------------------------------------------------
@@ -346,10 +348,9 @@ def analyse(rec: LaunchRecord) -> tuple[list[Hazard], list[Hazard], LaunchSummar
         stored[reg.name] = int(np.unique(st // nprog).size)
         loaded[reg.name] = int(np.unique(ld // nprog).size)
         atomic[reg.name] = int(np.unique(_keys(rec, i, "atomic", nprog) // nprog).size)
-        if st.size and reg.role == "input":
-            sb, sp = st // nprog, st % nprog
-            emit(INPUT_WRITE, reg, _by_pair(sp, np.full_like(sp, -1), sb, reg), "store")
         sb, sp = st // nprog, st % nprog
+        if st.size and reg.role == "input":
+            emit(INPUT_WRITE, reg, _by_pair(sp, np.full_like(sp, -1), sb, reg), "store")
         dup = np.flatnonzero(sb[1:] == sb[:-1])
         if dup.size:
             emit(WRITE_WRITE, reg, _by_pair(sp[dup], sp[dup + 1], sb[dup], reg), "store")

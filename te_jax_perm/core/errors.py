@@ -1,0 +1,44 @@
+"""Our exceptions, given back as themselves after XLA quoted them.
+
+An exception raised in code XLA runs (a kernel's host callback, a custom_partitioning
+callback) reaches the caller only as the text of XLA's runtime error, which quotes it as
+``<type>: <message>``. :func:`keep` remembers such an exception where it is raised;
+:func:`original` finds it again in a runtime error quoting it. JAX's compile step asks
+:func:`original` of every runtime error it raises, so a partitioning callback's error
+reaches the caller of ``jit`` as itself; an eager ``interpret`` call and the sanitizer's
+``hazard_error`` ask it of the runtime errors they see.
+"""
+from __future__ import annotations
+
+import threading
+
+_kept: dict[str, BaseException] = {}   # by quoted text; XLA's callbacks may run on any thread
+_lock = threading.Lock()
+_registered: list[bool] = []
+
+
+def keep(err: BaseException) -> BaseException:
+    """``err``, remembered until a runtime error quoting it is given to :func:`original`."""
+    with _lock:
+        if not _registered:
+            try:
+                from jax._src import compiler
+                compiler.register_xla_runtime_error_handler(original)
+            except (ImportError, AttributeError):  # pragma: no cover - hook moved: the text still says it
+                pass
+            _registered.append(True)
+        if len(_kept) >= 64:   # raised but never asked for: forget them
+            _kept.clear()
+        _kept[f"{type(err).__name__}: {err}"] = err
+    return err
+
+
+def original(runtime_error: BaseException, forget: bool = True) -> BaseException | None:
+    """The kept exception ``runtime_error`` quotes (with ``forget``, forgotten once found),
+    else ``None``."""
+    text = str(runtime_error)
+    with _lock:
+        quoted = next((q for q in _kept if q in text), None)
+        if quoted is None:
+            return None
+        return (_kept.pop(quoted) if forget else _kept[quoted]).with_traceback(None)
