@@ -200,6 +200,14 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def write_results(json_path: str, result: dict) -> None:
+    """``result`` to ``json_path`` (``X.json``) and its TARGET lines to ``X_summary.txt`` beside it."""
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1)
+    with open(json_path[:-len(".json")] + "_summary.txt", "w") as f:
+        f.write("\n".join(result["targets"]) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="directory for peer.json, peer.png and peer_summary.txt")
@@ -211,12 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary:
         with open(args.summary) as f:
             result = json.load(f)
-        result["targets"] = targets(result["rows"])
-        with open(args.summary, "w") as f:
-            json.dump(result, f, indent=1)
-        summary = os.path.join(os.path.dirname(args.summary), os.path.basename(args.summary).replace(".json", "_summary.txt"))
-        with open(summary, "w") as f:
-            f.write("\n".join(result["targets"]) + "\n")
+        write_results(args.summary, {**result, "targets": targets(result["rows"])})
         return 0
     if not args.out:
         ap.error("--out is required to measure")
@@ -243,10 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "triton": triton.__version__,
             "python": platform.python_version(), "te_present": te is not None, "calls": args.calls,
             "wall_s": time.monotonic() - t0, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    with open(os.path.join(args.out, "peer.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "targets": lines}, f, indent=1)
-    with open(os.path.join(args.out, "peer_summary.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(os.path.join(args.out, "peer.json"), {"meta": meta, "rows": rows, "targets": lines})
     if rows:
         try:
             plot(rows, os.path.join(args.out, "peer.png"))
