@@ -5,14 +5,14 @@ layout ``token_dispatch`` produces); every group multiplies its rows by its own 
 Group sizes are device values, so the tile schedule is computed inside the kernel: each
 tile index maps to a group by a prefix sum over the (clamped) group sizes. The forward and
 input-gradient kernel runs one program per tile with pointer loads, or (``TMA``) a fixed
-number of programs that loop over the tiles and move them by tensor descriptors built on
-the device, one per tile's group (TMA on Hopper).
+number of programs that loop over the tiles and load them by tensor descriptors built on
+the device once per program (TMA on Hopper).
 
 Bounds: sizes are clamped to ``[0, M]`` and row ends to ``M`` before anything is
 addressed, so no value of ``group_sizes`` (negative, huge, or summing past ``M``) makes a
 program touch rows outside ``lhs``/``out``; rows past the last group are written as zeros.
-Pointer tiles mask their rows at the group's end; TMA tiles get the same from descriptors
-whose row extent ends there.
+Tiles mask their stores at the group's end (TMA tiles store whole through a descriptor
+where the tile lies inside its group).
 """
 import triton
 import triton.language as tl
@@ -146,45 +146,52 @@ def tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C: tl.constexpr, D:
               GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PROGRAMS: tl.constexpr):
     """``grouped_gemm_kernel``'s tiles, Hopper's way: the PROGRAMS programs stride over every
     tile of the schedule (computed here from ``group_sizes``, exactly as many row tiles as
-    the groups and the rows past them need), and every tile moves through tensor
-    descriptors (TMA on sm_90+).
+    the groups and the rows past them need), loading through tensor descriptors (TMA on
+    sm_90+) built once per program, so the tile loop is one software pipeline from the
+    first tile to the last (``flatten``): the next tile's loads overlap this tile's stores.
 
-    Bounds are the descriptors': a group tile's ``lhs`` and ``out`` descriptors end at the
-    group's last row, so its rows past the group load as zeros and their stores are dropped
-    (the next group's rows are never written), and ``B_g``'s is that group's matrix alone, so
-    a K or N block past its edge reads zeros, never the next group's weights. Every extent
-    is clamped (``group_bounds``) before a descriptor is built. Needs 16-byte row strides
-    (``C`` and ``D`` times the element size), which the declaration checks.
+    Bounds: ``lhs``'s descriptor spans its M rows (a tile's rows past its group read the
+    next group's rows, in bounds, and feed only output rows that are never stored), and the
+    weights' is three-dimensional, ``[G, C, D]``, so a K or N block past a matrix's edge
+    reads zeros, never the next group's weights (no 0 * inf from a neighbour). A tile wholly
+    inside its group stores through an ``[M, D]`` descriptor; a group's last, partial tile
+    stores with a row mask at the group's end, so no other group's rows are written. Needs
+    16-byte row strides (``C`` and ``D`` times the element size), which the declaration checks.
     """
     num_n: tl.constexpr = (D + BN - 1) // BN
     g_idx, starts, ends, tiles, tile_ends, total_tiles, used_rows = row_schedule(group_sizes_ptr, M, G, G_P2, BM)
     # The group tiles, then the tiles that zero-fill the rows past the groups.
     num_m = total_tiles + (M - used_rows + BM - 1) // BM
-    for t in range(tl.program_id(0).to(tl.int64), num_m * num_n, PROGRAMS):
+    a_desc = tl.make_tensor_descriptor(lhs_ptr, shape=[M, C], strides=[C, 1], block_shape=[BM, BK])
+    if TRANS_RHS:
+        b_desc = tl.make_tensor_descriptor(rhs_ptr, shape=[G, D, C], strides=[D * C, C, 1], block_shape=[1, BN, BK])
+    else:
+        b_desc = tl.make_tensor_descriptor(rhs_ptr, shape=[G, C, D], strides=[C * D, D, 1], block_shape=[1, BK, BN])
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, D], strides=[D, 1], block_shape=[BM, BN])
+    for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True):
         tile_m, tile_n = swizzled_tile(t, num_m, num_n, GROUP_M)
         g, is_group_tile, row0, row_end = tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, total_tiles,
                                                     used_rows, G, BM)
         row0 = row0.to(tl.int32)
         col0 = (tile_n * BN).to(tl.int32)
-        # A fill tile runs no K step; its B descriptor (group 0) is built but never read.
-        b_base = rhs_ptr + tl.where(is_group_tile, g, 0).to(tl.int64) * C * D
-        a_desc = tl.make_tensor_descriptor(lhs_ptr, shape=[row_end.to(tl.int32), C], strides=[C, 1],
-                                           block_shape=[BM, BK])
-        if TRANS_RHS:
-            b_desc = tl.make_tensor_descriptor(b_base, shape=[D, C], strides=[C, 1], block_shape=[BN, BK])
-        else:
-            b_desc = tl.make_tensor_descriptor(b_base, shape=[C, D], strides=[D, 1], block_shape=[BK, BN])
+        gi = tl.where(is_group_tile, g, 0).to(tl.int32)
+        # A fill tile runs no K step: its accumulator stays zero.
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k in range(0, tl.where(is_group_tile, C, 0), BK):
             a = a_desc.load([row0, k])
             if TRANS_RHS:
-                b = tl.trans(b_desc.load([col0, k]))
+                b = tl.trans(tl.reshape(b_desc.load([gi, col0, k]), (BN, BK)))
             else:
-                b = b_desc.load([k, col0])
+                b = tl.reshape(b_desc.load([gi, k, col0]), (BK, BN))
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[row_end.to(tl.int32), D], strides=[D, 1],
-                                             block_shape=[BM, BN])
-        out_desc.store([row0, col0], acc.to(out_ptr.dtype.element_ty))
+        tile = acc.to(out_ptr.dtype.element_ty)
+        if row0 + BM <= row_end:
+            out_desc.store([row0, col0], tile)
+        else:
+            rows = row0 + tl.arange(0, BM)
+            cols = col0 + tl.arange(0, BN)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], tile,
+                     mask=(rows < row_end)[:, None] & (cols < D)[None, :])
 
 
 @triton.jit
