@@ -2,8 +2,8 @@
 and finds the launch's cross-program hazards.
 
 The interpreter hands whole address arrays to its builder's load/store/atomic methods;
-while a launch is recorded those methods are wrapped on ``InterpreterBuilder`` (restored
-when the last recorded launch ends). Pointer tensors are tagged with the region of the
+the first recorded launch wraps those methods on ``InterpreterBuilder`` for good (outside
+a recorded launch the wrappers only pass the call on). Pointer tensors are tagged with the region of the
 kernel argument they derive from, so an overrun is charged to the buffer it overran even
 where it lands in a neighbouring one. Out-of-bounds lanes are reported, then masked off,
 so a buggy kernel cannot corrupt host memory while being sanitized.
@@ -21,6 +21,7 @@ found by ``searchsorted`` into the stores.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -57,14 +58,12 @@ class RegionMap:
         self.by_base: dict[int, int] = {}
         for i in sorted(range(len(regions)), key=lambda i: (regions[i].nbytes == 0, regions[i].role == "input")):
             self.by_base.setdefault(regions[i].address, i)
-        live = [i for i, r in enumerate(regions) if r.nbytes > 0]
-        live.sort(key=lambda i: regions[i].address)
-        self._live = np.asarray(live, dtype=np.int64)
-        self._starts = np.asarray([regions[i].address for i in live], dtype=np.int64)
-        self._ends = np.asarray([regions[i].address + regions[i].nbytes for i in live], dtype=np.int64)
-        order = sorted(range(len(regions)), key=lambda i: regions[i].address)
-        self._all_idx = np.asarray(order, dtype=np.int64)
-        self._all_starts = np.asarray([regions[i].address for i in order], dtype=np.int64)
+        starts = np.asarray([r.address for r in regions], dtype=np.int64)
+        ends = starts + np.asarray([r.nbytes for r in regions], dtype=np.int64)
+        self._all_idx = np.argsort(starts, kind="stable")           # every region, by address
+        self._all_starts = starts[self._all_idx]
+        self._live = self._all_idx[ends[self._all_idx] > self._all_starts]   # the non-empty ones
+        self._starts, self._ends = starts[self._live], ends[self._live]
 
     def attribute(self, addrs: np.ndarray) -> int:
         """Region a pointer tensor whose provenance is unknown derives from.
@@ -163,7 +162,6 @@ class LaunchRecord:
 
 
 _active: list[LaunchRecord] = []
-_saved: dict[str, object] = {}
 
 
 def current() -> LaunchRecord | None:
@@ -200,10 +198,11 @@ def _deriving(orig: Callable) -> Callable:
     return wrapper
 
 
-def _install(cls) -> None:
+@functools.lru_cache(maxsize=None)
+def _install() -> None:
+    from triton.runtime.interpreter import InterpreterBuilder as cls, TensorHandle
+
     orig = {name: fn for name, fn in cls.__dict__.items() if name.startswith("create_") and callable(fn)}
-    _saved.update(orig)
-    from triton.runtime.interpreter import TensorHandle
 
     def recorded(name: str, kind: str, ptr_at: int, mask_at: int) -> Callable:
         """``name`` recording its pointer argument's unmasked lanes as ``kind``, with the
@@ -255,28 +254,14 @@ def _install(cls) -> None:
         setattr(cls, name, recording[name] if name in recording else _deriving(fn))
 
 
-def _uninstall(cls) -> None:
-    for name, fn in _saved.items():
-        setattr(cls, name, fn)
-    _saved.clear()
-
-
 def begin(rec: LaunchRecord) -> None:
-    from triton.runtime.interpreter import InterpreterBuilder
-
-    if not _active:
-        _install(InterpreterBuilder)
+    _install()
     _active.append(rec)
 
 
 def end() -> LaunchRecord:
     """Ends the current launch's record and returns it."""
-    from triton.runtime.interpreter import InterpreterBuilder
-
-    rec = _active.pop()
-    if not _active:
-        _uninstall(InterpreterBuilder)
-    return rec
+    return _active.pop()
 
 
 # -- analysis ----------------------------------------------------------------------------------
