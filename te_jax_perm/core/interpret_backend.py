@@ -3,7 +3,7 @@
 The kernel runs inside a ``buffer_callback`` custom call whose preallocated outputs carry
 the same declared aliases as the GPU's, so CPU tests exercise the ``triton`` backend's
 aliasing contract. Launch observers (``core.hooks``: the sanitizer) see every buffer
-passed to the kernel and each program's start.
+passed to the kernel, around the whole launch.
 
 GPU Triton's conversion numerics: the interpreter converts fp32 to bf16 by truncation and
 fp8 with its own bit arithmetic; the GPU rounds to nearest-even and saturates fp8, so
@@ -76,8 +76,6 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
                 interp.interpreter_builder.set_grid_dim(*grid3)
                 for x, y, z in itertools.product(*(range(g) for g in grid3)):
                     interp.interpreter_builder.set_grid_idx(x, y, z)
-                    for ob in observers:
-                        ob.program_begin((x, y, z))
                     fn(**call_args)
         finally:
             for ob in observers:

@@ -98,18 +98,11 @@ class LaunchRecord:
         self.regions = RegionMap(buffers)
         self.grid = grid
         self.raise_first = raise_first
-        self.pid: Pid = (0, 0, 0)
-        self.pid_lin = 0
         self.accesses: list[Access] = []
         self.oob: list[Hazard] = []
         self.atomic = False          # inside an atomic op that reuses load/store
         self.forced_tag: int | None = None  # region of a tensor descriptor being accessed
         self.failed = False
-
-    def set_pid(self, pid: Pid) -> None:
-        gx, gy, _ = self.grid
-        self.pid = pid
-        self.pid_lin = pid[0] + gx * (pid[1] + gy * pid[2])
 
     def pid_of(self, lin: int) -> Pid:
         gx, gy, _ = self.grid
@@ -123,9 +116,9 @@ class LaunchRecord:
                 handle.attr[_TAG] = tag
         return tag
 
-    def record(self, ptrs, mask: np.ndarray | None, kind: str) -> np.ndarray | None:
-        """Records the unmasked lanes; returns a mask with out-of-bounds lanes cleared
-        when there are any (else ``None``)."""
+    def record(self, pid: Pid, ptrs, mask: np.ndarray | None, kind: str) -> np.ndarray | None:
+        """Records program ``pid``'s unmasked lanes; returns a mask with out-of-bounds lanes
+        cleared when there are any (else ``None``)."""
         addrs = ptrs.data
         full = np.ones(addrs.shape, bool) if mask is None else np.broadcast_to(mask, addrs.shape).astype(bool)
         flat_mask = full.reshape(-1)
@@ -144,7 +137,7 @@ class LaunchRecord:
         bad = (off < 0) | (off + size > reg.nbytes)
         if bad.any():
             eoff = np.floor_divide(off[bad], reg.itemsize)
-            hz = Hazard(OOB, self.kernel, reg.name, (self.pid,), kind, (int(eoff.min()), int(eoff.max()) + 1),
+            hz = Hazard(OOB, self.kernel, reg.name, (tuple(pid),), kind, (int(eoff.min()), int(eoff.max()) + 1),
                         int(np.unique(eoff).size), reg.elements)
             self.oob.append(hz)
             if self.raise_first:
@@ -157,7 +150,9 @@ class LaunchRecord:
         else:
             result = None
         if off.size:
-            self.accesses.append(Access(self.pid_lin, tag, "atomic" if self.atomic else kind, off, size))
+            gx, gy, _ = self.grid
+            lin = pid[0] + gx * (pid[1] + gy * pid[2])
+            self.accesses.append(Access(lin, tag, "atomic" if self.atomic else kind, off, size))
         return result
 
 
@@ -205,15 +200,15 @@ def _install() -> None:
     orig = {name: fn for name, fn in cls.__dict__.items() if name.startswith("create_") and callable(fn)}
 
     def recorded(name: str, kind: str, ptr_at: int, mask_at: int) -> Callable:
-        """``name`` recording its pointer argument's unmasked lanes as ``kind``, with the
-        lanes out of bounds (already reported) masked off. Arguments after the mask (cache
+        """``name`` recording its pointer argument's unmasked lanes as ``kind`` for the
+        program the builder is running, with the lanes out of bounds (already reported) masked off. Arguments after the mask (cache
         policies, which differ across Triton versions and come by keyword from tensor
         descriptor loads) pass through untouched."""
         def wrapper(self, *args, **kwargs):
             rec = current()
             if rec is not None:
                 mask = args[mask_at]
-                new = rec.record(args[ptr_at], mask.data, kind)
+                new = rec.record(self.grid_idx, args[ptr_at], mask.data, kind)
                 if new is not None:
                     args = args[:mask_at] + (TensorHandle(new, mask.dtype),) + args[mask_at + 1:]
             return orig[name](self, *args, **kwargs)
@@ -236,7 +231,7 @@ def _install() -> None:
 
     def atomic_cas(self, ptr, cmp, val, sem, scope):
         rec = current()
-        if rec is not None and rec.record(ptr, None, "atomic") is not None:
+        if rec is not None and rec.record(self.grid_idx, ptr, None, "atomic") is not None:
             # Out of bounds (already reported): do not touch that memory.
             return TensorHandle(np.zeros_like(cmp.data), cmp.dtype.scalar)
         return orig["create_atomic_cas"](self, ptr, cmp, val, sem, scope)
