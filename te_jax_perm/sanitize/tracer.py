@@ -201,9 +201,9 @@ def _install() -> None:
 
     def recorded(name: str, kind: str, ptr_at: int, mask_at: int) -> Callable:
         """``name`` recording its pointer argument's unmasked lanes as ``kind`` for the
-        program the builder is running, with the lanes out of bounds (already reported) masked off. Arguments after the mask (cache
-        policies, which differ across Triton versions and come by keyword from tensor
-        descriptor loads) pass through untouched."""
+        program the builder is running, with the lanes out of bounds (already reported)
+        masked off. Arguments after the mask (cache policies, which differ across Triton
+        versions and come by keyword from tensor descriptor loads) pass through untouched."""
         def wrapper(self, *args, **kwargs):
             rec = current()
             if rec is not None:
