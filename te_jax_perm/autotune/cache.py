@@ -121,11 +121,11 @@ def config_schema_problem(cfg_json: Any) -> str | None:
 
 def _declared_space(decl: KernelDecl, dims_list: Iterable[Mapping[str, int] | None], params: Mapping[str, Any]
                     ) -> set[str] | None:
-    """Canonical configs ``decl`` can run: its configs plus its default at each of
+    """Canonical configs ``decl`` can run: its configs plus its default at each known dims of
     ``dims_list``; ``None`` when no default could be computed there (dims and params read
     from a file may not suit it), so that configs outside the declared list cannot be judged."""
     space, defaults = {canonical(c.to_json()) for c in decl.configs}, 0
-    for dims in dims_list:
+    for dims in (d for d in dims_list if d is not None):
         try:
             space.add(canonical(decl.default_config(dims, params).to_json()))
             defaults += 1
@@ -134,10 +134,10 @@ def _declared_space(decl: KernelDecl, dims_list: Iterable[Mapping[str, int] | No
     return space if defaults else None
 
 
-def entry_problem(entry: Any, decl: KernelDecl | None = None, dims_list: Iterable[Mapping[str, int] | None] = (),
+def entry_problem(entry: Any, decl: KernelDecl | None = None, dims: Mapping[str, int] | None = None,
                   params: Mapping[str, Any] | None = None) -> str | None:
     """Why ``entry`` must not be used, or ``None``: its shape; with ``decl``, each config must
-    be one ``decl`` can produce (declared, or its default at one of ``dims_list``)."""
+    be one ``decl`` can produce (declared, or its default at ``dims`` or the entry's tuned dims)."""
     if not isinstance(entry, dict):
         return f"the file holds {type(entry).__name__}, not a JSON object"
     if not isinstance(entry.get("key"), dict):
@@ -156,10 +156,10 @@ def entry_problem(entry: Any, decl: KernelDecl | None = None, dims_list: Iterabl
         configs.append(cfg)
     if entry.get("best") is not None:
         configs.append(entry["best"])
-    dims = entry.get("tuned_dims")
-    if dims is not None and (not isinstance(dims, dict) or not all(_is_int(v) for v in dims.values())):
-        return f"tuned_dims {dims!r} is not a mapping of integer dims"
-    space = None if decl is None else _declared_space(decl, dims_list, params or {})
+    tuned = entry.get("tuned_dims")
+    if tuned is not None and (not isinstance(tuned, dict) or not all(_is_int(v) for v in tuned.values())):
+        return f"tuned_dims {tuned!r} is not a mapping of integer dims"
+    space = None if decl is None else _declared_space(decl, (dims, tuned), params or {})
     for cfg in configs:
         why = config_schema_problem(cfg)
         if why:
@@ -222,13 +222,12 @@ def _read(path: Path) -> tuple[Any, str | None]:
         return None, f"unreadable ({type(e).__name__}: {e})"
 
 
-def _entry_at(path: Path) -> tuple[Any, str | None]:
-    """``(entry, why its shape is wrong)`` at ``path``, this process's unwritten entries
-    first; raises ``FileNotFoundError`` when there is none."""
-    if str(path) in _memory:
-        return _memory[str(path)], None
-    entry, why = _read(path)
-    return entry, why or entry_problem(entry)
+def _entry_at(path: Path, decl: KernelDecl | None = None, dims: Mapping[str, int] | None = None,
+              params: Mapping[str, Any] | None = None) -> tuple[Any, str | None]:
+    """``(entry, why it must not be used)`` at ``path`` (:func:`entry_problem`), this
+    process's unwritten entries first; raises ``FileNotFoundError`` when there is none."""
+    entry, why = (_memory[str(path)], None) if str(path) in _memory else _read(path)
+    return entry, why or entry_problem(entry, decl, dims, params)
 
 
 def load(key: Mapping[str, Any], decl: KernelDecl | None = None, dims: Mapping[str, int] | None = None,
@@ -238,14 +237,12 @@ def load(key: Mapping[str, Any], decl: KernelDecl | None = None, dims: Mapping[s
     missing, so it is re-tuned)."""
     path = entry_path(key)
     try:
-        entry, why = _entry_at(path)
+        entry, why = _entry_at(path, decl, dims, params)
     except FileNotFoundError:
         return None
     # A digest collision or a hand-edited file must not hand back another key's result.
     if why is None and entry["key"] != json.loads(json.dumps(key)):
         why = "its key is not the key this file name stands for"
-    if why is None and decl is not None:
-        why = entry_problem(entry, decl, (dims, entry.get("tuned_dims")), params)
     if why is None:
         return entry
     if decl is not None and (str(path), why) not in _reported:
@@ -303,7 +300,7 @@ def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
         where = "in memory: " if str(p) in _memory else ""
         decl = decls.get(e["key"].get("kernel")) if why is None else None
         if decl is not None:
-            why = entry_problem(e, decl, (e.get("tuned_dims"),), _literal_params(e["key"]))
+            why = entry_problem(e, decl, params=_literal_params(e["key"]))
         if why:
             bad += 1
             lines.append(f"BAD  [{where}{p.name}]: {why}")

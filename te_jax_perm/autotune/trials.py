@@ -8,10 +8,11 @@ compared with the declared reference, so a fast but wrong (e.g. racy) config is 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -97,6 +98,16 @@ def mismatch(decl: KernelDecl, got: Sequence[Any], want: Sequence[Any], xp: Any 
 
 
 # -- running the trials ------------------------------------------------------------------------
+@contextlib.contextmanager
+def timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Adds the block's wall time to ``phases[name]`` (the tuner's per-phase breakdown)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
+
 @dataclasses.dataclass
 class TrialResult:
     config: Config
@@ -129,17 +140,15 @@ def run_trials(decl: KernelDecl, runner: "HostRunner", configs: Sequence[Config]
             res = TrialResult(cfg)
             try:
                 for i in range(warmup + reps):
-                    t0 = time.perf_counter()
-                    runner.restore()
-                    dt = runner.launch(cfg)
-                    phases["launch_s"] = phases.get("launch_s", 0.0) + time.perf_counter() - t0
+                    with timed(phases, "launch_s"):
+                        runner.restore()
+                        dt = runner.launch(cfg)
                     if i >= warmup or i == 0:
                         # A rejected config keeps its time: logs show when the wrong one was fastest.
                         res.times_s.append(dt)
                     if i == 0 or i == warmup + reps - 1:
-                        t0 = time.perf_counter()
-                        why = runner.mismatch(expected)
-                        phases["validate_s"] = phases.get("validate_s", 0.0) + time.perf_counter() - t0
+                        with timed(phases, "validate_s"):
+                            why = runner.mismatch(expected)
                         if why:
                             res.rejected = why
                             break

@@ -25,7 +25,7 @@ from absl import logging
 
 from te_jax_perm.autotune import cache
 from te_jax_perm.autotune.pool import get_pool, make_job
-from te_jax_perm.autotune.trials import RUNNERS, initial_prealloc, make_inputs, run_trials
+from te_jax_perm.autotune.trials import RUNNERS, initial_prealloc, make_inputs, run_trials, timed
 from te_jax_perm.core import env
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import Call, bind_call, configure
@@ -135,33 +135,28 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
     target = options.compile_target
     if target == AUTO:
         target = device_target() if backend == "triton" else None
-    t0 = time.perf_counter()
-    if target is not None:
-        # All candidates in one parallel batch, before any trial: a config whose compile
-        # crashes or hangs is dropped here, in a worker, never in this process.
-        valid, failed = _compile_stage(call, valid, tuple(target), options, pool)
-    phases["compile_s"] = time.perf_counter() - t0
+    with timed(phases, "compile_s"):
+        if target is not None:
+            # All candidates in one parallel batch, before any trial: a config whose compile
+            # crashes or hangs is dropped here, in a worker, never in this process.
+            valid, failed = _compile_stage(call, valid, tuple(target), options, pool)
 
     # Inputs and the reference once per (kernel, shape); every trial reuses them.
-    t0 = time.perf_counter()
-    inputs = make_inputs(decl, dims, params, call.dtypes, seed=options.seed)
-    preallocs = [initial_prealloc(zeroed, a.shape, a.dtype, seed=options.seed + 1 + i)
-                 for i, (zeroed, a) in enumerate(zip(call.aliases.zeroed, call.out_avals))]
-    phases["inputs_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    expected = _reference(decl, inputs, params)
-    phases["reference_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    runner = RUNNERS[backend](decl, inputs, preallocs, params)
+    with timed(phases, "inputs_s"):
+        inputs = make_inputs(decl, dims, params, call.dtypes, seed=options.seed)
+        preallocs = [initial_prealloc(zeroed, a.shape, a.dtype, seed=options.seed + 1 + i)
+                     for i, (zeroed, a) in enumerate(zip(call.aliases.zeroed, call.out_avals))]
+    with timed(phases, "reference_s"):
+        expected = _reference(decl, inputs, params)
+    with timed(phases, "to_device_s"):
+        runner = RUNNERS[backend](decl, inputs, preallocs, params)
     reps = options.reps or runner.reps
     warmup = runner.warmup if options.warmup is None else options.warmup
-    phases["to_device_s"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    results = run_trials(decl, runner, valid, expected, reps=reps, warmup=warmup, deadline=options.deadline,
-                         phases=phases)
+    with timed(phases, "trials_s"):
+        results = run_trials(decl, runner, valid, expected, reps=reps, warmup=warmup, deadline=options.deadline,
+                             phases=phases)
     stats["trials"] += len(results)
-    phases["trials_s"] = time.perf_counter() - t0
     complete = len(results) == len(valid)
     ok = sorted((r for r in results if r.time_s is not None), key=lambda r: r.time_s)
     rejected = [(r.config, r.rejected, min(r.times_s) if r.times_s else None) for r in results if r.rejected]

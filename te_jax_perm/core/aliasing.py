@@ -70,14 +70,10 @@ def _poison(shape, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits if dtype.itemsize > 1 else bits[..., 0], dtype)
 
 
-def _lower_poison(ctx, *, shape, dtype):
-    return mlir.lower_fun(lambda: _poison(shape, dtype), multiple_results=False)(ctx)
-
-
 # The result type comes from ctx.avals_out.
 mlir.register_lowering(uninitialized_p, lambda ctx, **_: jax.ffi.ffi_lowering("AllocateBuffer", api_version=1)(ctx),
                        platform="cuda")
-mlir.register_lowering(uninitialized_p, _lower_poison)
+mlir.register_lowering(uninitialized_p, mlir.lower_fun(_poison, multiple_results=False))
 
 
 def uninitialized(shape: tuple[int, ...], dtype) -> jax.Array:

@@ -14,19 +14,11 @@ import threading
 
 _kept: dict[str, BaseException] = {}   # by quoted text; XLA's callbacks may run on any thread
 _lock = threading.Lock()
-_registered: list[bool] = []
 
 
 def keep(err: BaseException) -> BaseException:
     """``err``, remembered until a runtime error quoting it is given to :func:`original`."""
     with _lock:
-        if not _registered:
-            try:
-                from jax._src import compiler
-                compiler.register_xla_runtime_error_handler(original)
-            except (ImportError, AttributeError):  # pragma: no cover - hook moved: the text still says it
-                pass
-            _registered.append(True)
         if len(_kept) >= 64:   # raised but never asked for: forget them
             _kept.clear()
         _kept[f"{type(err).__name__}: {err}"] = err
@@ -42,3 +34,10 @@ def original(runtime_error: BaseException, forget: bool = True) -> BaseException
         if quoted is None:
             return None
         return (_kept.pop(quoted) if forget else _kept[quoted]).with_traceback(None)
+
+
+try:
+    from jax._src import compiler
+    compiler.register_xla_runtime_error_handler(original)
+except (ImportError, AttributeError):  # pragma: no cover - hook moved: the text still says it
+    pass

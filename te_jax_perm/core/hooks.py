@@ -43,22 +43,23 @@ class BufferInfo:
 
 
 _lock = threading.RLock()
-_resolver: list[ConfigResolver | None] = [None]
+_resolver: ConfigResolver | None = None
 _call_observers: list[Callable[["Call"], None]] = []
-# Each has launch_begin(kernel_name, buffers, grid3), program_begin(pid) and launch_end();
-# the ``interpret`` backend calls them around every launch and program.
+# Each has launch_begin(kernel_name, buffers, grid3) and launch_end(); the ``interpret``
+# backend calls them around every launch (the program running is the interpreter's grid_idx).
 _launch_observers: list[Any] = []
 
 
 def set_config_resolver(resolver: ConfigResolver | None) -> ConfigResolver | None:
     """Installs ``resolver`` (``None`` removes it); returns the one it replaces."""
+    global _resolver
     with _lock:
-        previous, _resolver[0] = _resolver[0], resolver
+        previous, _resolver = _resolver, resolver
     return previous
 
 
 def config_resolver() -> ConfigResolver | None:
-    return _resolver[0]
+    return _resolver
 
 
 @contextlib.contextmanager
@@ -91,7 +92,7 @@ def notify_call(call: "Call") -> None:
 
 def resolve_config(call: "Call") -> "Config | None":
     """The installed resolver's pick for ``call``, if any."""
-    resolver = _resolver[0]
+    resolver = _resolver
     return resolver(call) if resolver is not None else None
 
 

@@ -3,7 +3,7 @@
 The kernel runs inside a ``buffer_callback`` custom call whose preallocated outputs carry
 the same declared aliases as the GPU's, so CPU tests exercise the ``triton`` backend's
 aliasing contract. Launch observers (``core.hooks``: the sanitizer) see every buffer
-passed to the kernel and each program's start.
+passed to the kernel, around the whole launch.
 
 GPU Triton's conversion numerics: the interpreter converts fp32 to bf16 by truncation and
 fp8 with its own bit arithmetic; the GPU rounds to nearest-even and saturates fp8, so
@@ -65,19 +65,17 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
     grid3 = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
     if any(g == 0 for g in grid3):
         return
-    with _launch_lock, _nested_jit_calls(interp):
+    with _launch_lock:
         observers = hooks.launch_observers()
         for ob in observers:
             ob.launch_begin(name or kernel.fn.__name__, buffers, grid3)
         try:
-            with _interpreted(interp, kernel.fn) as fn:
+            with _interpreted(kernel.fn) as fn:
                 call_args = {k: interp._implicit_cvt(v) for k, v in args.items()}
                 call_args.update(constexprs)
                 interp.interpreter_builder.set_grid_dim(*grid3)
                 for x, y, z in itertools.product(*(range(g) for g in grid3)):
                     interp.interpreter_builder.set_grid_idx(x, y, z)
-                    for ob in observers:
-                        ob.program_begin((x, y, z))
                     fn(**call_args)
         finally:
             for ob in observers:
@@ -88,35 +86,27 @@ _rewritten: dict[Any, Any] = {}
 
 
 @contextlib.contextmanager
-def _interpreted(interp: Any, fn: Any) -> Iterator[Callable]:
-    """``fn``'s interpreter rewrite (made once), the language patched for it in the block."""
+def _interpreted(fn: Any) -> Iterator[Callable]:
+    """``fn``'s interpreter rewrite (made once), the language patched for it in the block.
+    The patch also lets it call other ``@triton.jit`` functions (helpers, ``tl.sum``...):
+    outside ``TRITON_INTERPRET=1`` their ``__call__`` refuses to run, so it runs their rewrite."""
+    from triton.runtime import interpreter as interp
+    from triton.runtime.jit import JITFunction
+
     if fn not in _rewritten:
         _rewritten[fn] = interp.InterpretedFunction(fn).rewrite()
     scope = interp._patch_lang(fn)
     patch_scalar_index(scope)
+    scope.set_attr(JITFunction, "__call__", _call_nested)
     try:
         yield _rewritten[fn]
     finally:
         scope.restore()
 
 
-@contextlib.contextmanager
-def _nested_jit_calls(interp: Any) -> Iterator[None]:
-    """Lets a kernel call other ``@triton.jit`` functions (helpers, ``tl.sum``...): outside
-    ``TRITON_INTERPRET=1`` their ``__call__`` refuses to run, so it runs their rewrite."""
-    from triton.runtime.jit import JITFunction
-
-    original = JITFunction.__call__
-
-    def call(self, *a, **kw):
-        with _interpreted(interp, self.fn) as fn:
-            return fn(*a, **kw)
-
-    JITFunction.__call__ = call
-    try:
-        yield
-    finally:
-        JITFunction.__call__ = original
+def _call_nested(jit_fn: Any, *args: Any, **kwargs: Any) -> Any:
+    with _interpreted(jit_fn.fn) as fn:
+        return fn(*args, **kwargs)
 
 
 def run_launch(launch: Launch, operands: Sequence[np.ndarray], preallocs: Sequence[np.ndarray],

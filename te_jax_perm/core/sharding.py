@@ -164,16 +164,13 @@ def vmapped_avals(kp: "KernelPrimitive", *avals, in_batched, **kw) -> list[jax.c
 def batch(kp: "KernelPrimitive", args: Sequence[jax.Array], dims: Sequence[Any], **kw):
     """The batching rule of ``kp.prim`` (one ``kp.vmapped`` call) and of ``kp.vmapped``
     (nested vmap: a sequential loop over the outer axis, whose partitioning is not local)."""
-    args, batched = _to_front(args, dims), tuple(d is not None for d in dims)
+    args = [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
+    batched = tuple(d is not None for d in dims)
     if "in_batched" in kw:
         outs = _map(lambda *full: kp.vmapped.bind(*full, **kw), args, batched)
     else:
         outs = kp.vmapped.bind(*args, in_batched=batched, **kw)
     return list(outs), [0] * len(outs)
-
-
-def _to_front(args, dims) -> list:
-    return [jnp.moveaxis(a, d, 0) if d is not None else a for a, d in zip(args, dims)]
 
 
 def _map(bind: Callable, args: Sequence[Any], batched: Sequence[bool]) -> tuple:

@@ -30,9 +30,6 @@ class _Hub:
     def launch_begin(self, kernel_name: str, buffers: Sequence[BufferInfo], grid: tuple[int, int, int]) -> None:
         tracer.begin(tracer.LaunchRecord(kernel_name, buffers, tuple(grid), any(r for r, _ in self.sessions)))
 
-    def program_begin(self, pid: tuple[int, int, int]) -> None:
-        tracer.current().set_pid(pid)
-
     def launch_end(self) -> None:
         rec = tracer.end()
         hazards, in_place, summary = tracer.analyse(rec)

@@ -2,8 +2,8 @@
 and finds the launch's cross-program hazards.
 
 The interpreter hands whole address arrays to its builder's load/store/atomic methods;
-while a launch is recorded those methods are wrapped on ``InterpreterBuilder`` (restored
-when the last recorded launch ends). Pointer tensors are tagged with the region of the
+the first recorded launch wraps those methods on ``InterpreterBuilder`` for good (outside
+a recorded launch the wrappers only pass the call on). Pointer tensors are tagged with the region of the
 kernel argument they derive from, so an overrun is charged to the buffer it overran even
 where it lands in a neighbouring one. Out-of-bounds lanes are reported, then masked off,
 so a buggy kernel cannot corrupt host memory while being sanitized.
@@ -21,6 +21,7 @@ found by ``searchsorted`` into the stores.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -57,14 +58,12 @@ class RegionMap:
         self.by_base: dict[int, int] = {}
         for i in sorted(range(len(regions)), key=lambda i: (regions[i].nbytes == 0, regions[i].role == "input")):
             self.by_base.setdefault(regions[i].address, i)
-        live = [i for i, r in enumerate(regions) if r.nbytes > 0]
-        live.sort(key=lambda i: regions[i].address)
-        self._live = np.asarray(live, dtype=np.int64)
-        self._starts = np.asarray([regions[i].address for i in live], dtype=np.int64)
-        self._ends = np.asarray([regions[i].address + regions[i].nbytes for i in live], dtype=np.int64)
-        order = sorted(range(len(regions)), key=lambda i: regions[i].address)
-        self._all_idx = np.asarray(order, dtype=np.int64)
-        self._all_starts = np.asarray([regions[i].address for i in order], dtype=np.int64)
+        starts = np.asarray([r.address for r in regions], dtype=np.int64)
+        ends = starts + np.asarray([r.nbytes for r in regions], dtype=np.int64)
+        self._all_idx = np.argsort(starts, kind="stable")           # every region, by address
+        self._all_starts = starts[self._all_idx]
+        self._live = self._all_idx[ends[self._all_idx] > self._all_starts]   # the non-empty ones
+        self._starts, self._ends = starts[self._live], ends[self._live]
 
     def attribute(self, addrs: np.ndarray) -> int:
         """Region a pointer tensor whose provenance is unknown derives from.
@@ -99,18 +98,11 @@ class LaunchRecord:
         self.regions = RegionMap(buffers)
         self.grid = grid
         self.raise_first = raise_first
-        self.pid: Pid = (0, 0, 0)
-        self.pid_lin = 0
         self.accesses: list[Access] = []
         self.oob: list[Hazard] = []
         self.atomic = False          # inside an atomic op that reuses load/store
         self.forced_tag: int | None = None  # region of a tensor descriptor being accessed
         self.failed = False
-
-    def set_pid(self, pid: Pid) -> None:
-        gx, gy, _ = self.grid
-        self.pid = pid
-        self.pid_lin = pid[0] + gx * (pid[1] + gy * pid[2])
 
     def pid_of(self, lin: int) -> Pid:
         gx, gy, _ = self.grid
@@ -124,9 +116,9 @@ class LaunchRecord:
                 handle.attr[_TAG] = tag
         return tag
 
-    def record(self, ptrs, mask: np.ndarray | None, kind: str) -> np.ndarray | None:
-        """Records the unmasked lanes; returns a mask with out-of-bounds lanes cleared
-        when there are any (else ``None``)."""
+    def record(self, pid: Pid, ptrs, mask: np.ndarray | None, kind: str) -> np.ndarray | None:
+        """Records program ``pid``'s unmasked lanes; returns a mask with out-of-bounds lanes
+        cleared when there are any (else ``None``)."""
         addrs = ptrs.data
         full = np.ones(addrs.shape, bool) if mask is None else np.broadcast_to(mask, addrs.shape).astype(bool)
         flat_mask = full.reshape(-1)
@@ -145,7 +137,7 @@ class LaunchRecord:
         bad = (off < 0) | (off + size > reg.nbytes)
         if bad.any():
             eoff = np.floor_divide(off[bad], reg.itemsize)
-            hz = Hazard(OOB, self.kernel, reg.name, (self.pid,), kind, (int(eoff.min()), int(eoff.max()) + 1),
+            hz = Hazard(OOB, self.kernel, reg.name, (tuple(pid),), kind, (int(eoff.min()), int(eoff.max()) + 1),
                         int(np.unique(eoff).size), reg.elements)
             self.oob.append(hz)
             if self.raise_first:
@@ -158,12 +150,13 @@ class LaunchRecord:
         else:
             result = None
         if off.size:
-            self.accesses.append(Access(self.pid_lin, tag, "atomic" if self.atomic else kind, off, size))
+            gx, gy, _ = self.grid
+            lin = pid[0] + gx * (pid[1] + gy * pid[2])
+            self.accesses.append(Access(lin, tag, "atomic" if self.atomic else kind, off, size))
         return result
 
 
 _active: list[LaunchRecord] = []
-_saved: dict[str, object] = {}
 
 
 def current() -> LaunchRecord | None:
@@ -200,21 +193,22 @@ def _deriving(orig: Callable) -> Callable:
     return wrapper
 
 
-def _install(cls) -> None:
+@functools.lru_cache(maxsize=None)
+def _install() -> None:
+    from triton.runtime.interpreter import InterpreterBuilder as cls, TensorHandle
+
     orig = {name: fn for name, fn in cls.__dict__.items() if name.startswith("create_") and callable(fn)}
-    _saved.update(orig)
-    from triton.runtime.interpreter import TensorHandle
 
     def recorded(name: str, kind: str, ptr_at: int, mask_at: int) -> Callable:
-        """``name`` recording its pointer argument's unmasked lanes as ``kind``, with the
-        lanes out of bounds (already reported) masked off. Arguments after the mask (cache
-        policies, which differ across Triton versions and come by keyword from tensor
-        descriptor loads) pass through untouched."""
+        """``name`` recording its pointer argument's unmasked lanes as ``kind`` for the
+        program the builder is running, with the lanes out of bounds (already reported)
+        masked off. Arguments after the mask (cache policies, which differ across Triton
+        versions and come by keyword from tensor descriptor loads) pass through untouched."""
         def wrapper(self, *args, **kwargs):
             rec = current()
             if rec is not None:
                 mask = args[mask_at]
-                new = rec.record(args[ptr_at], mask.data, kind)
+                new = rec.record(self.grid_idx, args[ptr_at], mask.data, kind)
                 if new is not None:
                     args = args[:mask_at] + (TensorHandle(new, mask.dtype),) + args[mask_at + 1:]
             return orig[name](self, *args, **kwargs)
@@ -237,7 +231,7 @@ def _install(cls) -> None:
 
     def atomic_cas(self, ptr, cmp, val, sem, scope):
         rec = current()
-        if rec is not None and rec.record(ptr, None, "atomic") is not None:
+        if rec is not None and rec.record(self.grid_idx, ptr, None, "atomic") is not None:
             # Out of bounds (already reported): do not touch that memory.
             return TensorHandle(np.zeros_like(cmp.data), cmp.dtype.scalar)
         return orig["create_atomic_cas"](self, ptr, cmp, val, sem, scope)
@@ -255,28 +249,14 @@ def _install(cls) -> None:
         setattr(cls, name, recording[name] if name in recording else _deriving(fn))
 
 
-def _uninstall(cls) -> None:
-    for name, fn in _saved.items():
-        setattr(cls, name, fn)
-    _saved.clear()
-
-
 def begin(rec: LaunchRecord) -> None:
-    from triton.runtime.interpreter import InterpreterBuilder
-
-    if not _active:
-        _install(InterpreterBuilder)
+    _install()
     _active.append(rec)
 
 
 def end() -> LaunchRecord:
     """Ends the current launch's record and returns it."""
-    from triton.runtime.interpreter import InterpreterBuilder
-
-    rec = _active.pop()
-    if not _active:
-        _uninstall(InterpreterBuilder)
-    return rec
+    return _active.pop()
 
 
 # -- analysis ----------------------------------------------------------------------------------
