@@ -2,6 +2,7 @@
 with empty groups, rows past the groups, and the padded groups token_dispatch produces; the
 Triton grouped GEMM (each backend, each config of its space, the persistent TMA configs in
 Triton's interpreter and compiled for sm_90) with the group sizes clamped as documented."""
+import collections
 import contextlib
 import json
 import os
@@ -356,16 +357,23 @@ def _tma_for_row_tile_gemms(cfg: Config):
 
 @pytest.fixture
 def descriptor_count(monkeypatch):
-    """Counts the tensor descriptors the interpreter builds (3 per program on the TMA path)."""
+    """Counts what the interpreter does with tensor descriptors, by builder method:
+    ``create_make_tensor_descriptor`` (3 per program on the TMA path) and
+    ``create_descriptor_load`` (2 per K step of a group's tile)."""
     from triton.runtime.interpreter import InterpreterBuilder
-    made = []
-    orig = InterpreterBuilder.create_make_tensor_descriptor
-
-    def counting(self, *args, **kwargs):
-        made.append(1)
-        return orig(self, *args, **kwargs)
-    monkeypatch.setattr(InterpreterBuilder, "create_make_tensor_descriptor", counting)
+    made = collections.Counter()
+    for name in ("create_make_tensor_descriptor", "create_descriptor_load"):
+        def counting(self, *args, _name=name, _orig=getattr(InterpreterBuilder, name), **kwargs):
+            made[_name] += 1
+            return _orig(self, *args, **kwargs)
+        monkeypatch.setattr(InterpreterBuilder, name, counting)
     return made
+
+
+def _group_row_tiles(m: int, sizes, bm: int) -> int:
+    """The TMA schedule's row tiles inside the groups (the tiles past them load nothing)."""
+    clamped = np.asarray(clamped_group_sizes(jnp.asarray(sizes, jnp.int32), m))
+    return int(sum(-(-int(n) // bm) for n in clamped))
 
 
 @pytest.mark.parametrize("programs", [1, 2, 5])
@@ -376,7 +384,8 @@ def test_tma_configs_values_and_vjp_match_numpy(on_cpu, descriptor_count, m, k, 
     the schedule skips fails; with 2 and 5 programs a group's last, partial tile runs after
     the next group's first (another program), so a store that did not end at the group's
     last row would overwrite rows already written. One descriptor triple per program, built
-    before its tile loop."""
+    before its tile loop; each group tile's K steps load exactly once: the schedule has no
+    group tile twice."""
     rng = np.random.default_rng(m * 7 + k)
     lhs = rng.standard_normal((m, k)).astype(np.float32)
     rhs = rng.standard_normal((len(sizes), k, n)).astype(np.float32)
@@ -390,8 +399,12 @@ def test_tma_configs_values_and_vjp_match_numpy(on_cpu, descriptor_count, m, k, 
     ref_dlhs, ref_drhs = _reference_grads(lhs, rhs, sizes, dout)
     np.testing.assert_allclose(np.asarray(dlhs), ref_dlhs, **tol)
     np.testing.assert_allclose(np.asarray(drhs), ref_drhs, **tol)
-    # Forward and input gradient, 3 descriptors a program.
-    assert len(descriptor_count) == 2 * 3 * programs
+    # Forward and input gradient: 3 descriptors a program; per group tile and column tile,
+    # an lhs and a weight load per K step (forward: n/16 column tiles, k/16 K steps; the
+    # input gradient the other way round).
+    assert descriptor_count["create_make_tensor_descriptor"] == 2 * 3 * programs
+    loads = 2 * 2 * _group_row_tiles(m, sizes, 16) * -(-n // 16) * -(-k // 16)
+    assert descriptor_count["create_descriptor_load"] == loads
 
 
 def test_tma_configs_of_the_space_in_bf16_under_jit(on_cpu, descriptor_count):
