@@ -407,6 +407,43 @@ def test_tma_configs_values_and_vjp_match_numpy(on_cpu, descriptor_count, m, k, 
     assert descriptor_count["create_descriptor_load"] == loads
 
 
+def _tma_wgrad(programs: int, br: int = 8) -> Config:
+    """A TMA weight-gradient config small enough for the interpreter: several blocks per
+    group matrix and several row slices per group, most groups ending inside a slice."""
+    return Config.make(num_warps=4, num_stages=2, BK=16, BN=16, BR=br, TMA=True, PROGRAMS=programs)
+
+
+def _wgrad_slices(m: int, sizes, br: int) -> int:
+    """Row slices the TMA weight gradient reduces per block: each group's rows, by ``br``."""
+    clamped = np.asarray(clamped_group_sizes(jnp.asarray(sizes, jnp.int32), m))
+    return int(sum(-(-int(n) // br) for n in clamped))
+
+
+@pytest.mark.parametrize("programs", [1, 2, 5])
+@pytest.mark.parametrize("m,k,n,sizes", CASES + [(52, 24, 40, [20, 12, 3, 17])])
+def test_tma_wgrad_matches_numpy(on_cpu, descriptor_count, m, k, n, sizes, programs):
+    """The weight gradient's TMA path in Triton's interpreter, hostile group sizes included,
+    NaN in both operands' rows past the groups: every group's matrix (empty groups' zeros
+    included) matches the reference, so a partial last slice reads no row past its group,
+    and a block the schedule skipped would keep the output's poison. One descriptor triple
+    per program; each block loads both operands once per row slice of its group."""
+    rng = np.random.default_rng(m * 5 + n)
+    lhs = rng.standard_normal((m, k)).astype(np.float32)
+    dout = rng.standard_normal((m, n)).astype(np.float32)
+    used = int(np.asarray(clamped_group_sizes(jnp.asarray(sizes, jnp.int32), m)).sum())
+    lhs[used:], dout[used:] = np.nan, np.nan
+    gs = jnp.asarray(sizes, jnp.int32)
+    cfg = _tma_wgrad(programs)
+    (got,) = D.grouped_gemm_wgrad(jnp.asarray(lhs), jnp.asarray(dout), gs, backend="interpret", config=cfg,
+                                  elem_bytes=4)
+    rhs = np.zeros((len(sizes), k, n), np.float32)
+    want = _reference_grads(np.nan_to_num(lhs), rhs, sizes, np.nan_to_num(dout))[1]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    assert descriptor_count["create_make_tensor_descriptor"] == 3 * programs
+    blocks = -(-k // 16) * -(-n // 16)
+    assert descriptor_count["create_descriptor_load"] == 2 * blocks * _wgrad_slices(m, sizes, 8)
+
+
 def test_tma_configs_of_the_space_in_bf16_under_jit(on_cpu, descriptor_count):
     """Every TMA config of the tuning space, as the tuner would run it (132 programs, full
     tiles), bf16 with traced sizes: the rows past the groups come out zero, not poison."""
@@ -527,6 +564,33 @@ def test_benchmark_row_writes_every_field_of_the_committed_results(on_cpu):
     assert r["check_max_abs_err"] < 0.1 and max(r["tma_max_abs_diff"].values()) < 0.1, r
     assert isinstance(r["sweep_fwd_ms"][str(sweep)], float) and len(r["tma_fwd_ms"]) == 1, r
     assert r["ours_fwd_over_dense"] == r["ours_fwd_ms"] / r["dense_ms"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [132, 3])
+@pytest.mark.parametrize("sizes", [[300, 0, 1000, 700, 48], [0, 2048, 0, 0, 0], [-5, 2**31 - 1, 2**31 - 1, 7, 9]])
+def test_gpu_tma_wgrad_matches_reference(sizes, programs):
+    """The weight gradient's TMA configs compiled for this GPU, bf16, NaN in both operands'
+    rows past the groups and hostile sizes: each config the shape admits matches the
+    reference (a group's partial last row slice reads nothing past its group)."""
+    m, k, n = 2304, 256, 384
+    lhs, _, gs, dout = _problem(m, k, n, sizes, "bfloat16", seed=7)
+    used = int(np.asarray(clamped_group_sizes(gs, m)).sum())
+    dout[used:] = np.nan
+    dout = jnp.asarray(dout, jnp.bfloat16)
+    clean = lambda a: np.nan_to_num(np.asarray(a, np.float32))
+    want = _reference_grads(clean(lhs), np.zeros((len(sizes), k, n), np.float32), gs, clean(dout))[1]
+    dims, params = {"M": m, "K": k, "N": n, "G": len(sizes)}, {"elem_bytes": 2}
+    ran = 0
+    for cfg in D.WGRAD_TMA_CONFIGS:
+        if cfg.num_warps != 8 or D.grouped_gemm_wgrad.decl.violated(dims, params, cfg):
+            continue
+        cfg = Config.make(cfg.num_warps, cfg.num_stages, **{**cfg.kw, "PROGRAMS": programs})
+        got = jax.jit(lambda a, d, s, cfg=cfg: D.grouped_gemm_wgrad(a, d, s, backend="triton", config=cfg,
+                                                                    elem_bytes=2)[0])(lhs, dout, gs)
+        _close(got, want, "bfloat16", str(cfg))
+        ran += 1
+    assert ran >= 8
 
 
 @pytest.mark.gpu

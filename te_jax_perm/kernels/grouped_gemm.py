@@ -195,33 +195,41 @@ def tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C: tl.constexpr, D:
 
 
 @triton.jit
-def wgrad_tile(group_sizes_ptr, M, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-               BK: tl.constexpr, BN: tl.constexpr):
-    """This program's [BK, BN] block of a weight gradient [G, K, N] and the rows it reduces:
-    ``(g, tile_k, tile_n, r_start, r_end)``, rows ``[r_start, r_end)`` being group ``g``'s."""
-    pid = tl.program_id(0)
-    num_k: tl.constexpr = (K + BK - 1) // BK
-    num_n: tl.constexpr = (N + BN - 1) // BN
-    g = pid // (num_k * num_n)
-    rest = pid % (num_k * num_n)
-    # Consecutive programs (those running together) step along the side with fewer tiles,
-    # so they share one slice of the other operand, and the operand they walk through
-    # whole is the group's smaller one (rows x min(K, N)), which stays in L2 for the next
-    # slice. Walking the longer side instead re-reads the larger operand from memory once
-    # per tile of the shorter side: Mixtral's up-projection (K = 4096, N = 28672) would
-    # read each group's output gradient 32 times.
+def wgrad_tile_of(t, num_k: tl.constexpr, num_n: tl.constexpr):
+    """``(g, tile_k, tile_n)`` of tile ``t`` of a weight gradient ``[G, K, N]`` cut into
+    ``num_k x num_n`` blocks per group."""
+    g = t // (num_k * num_n)
+    rest = t % (num_k * num_n)
+    # Consecutive tiles (those running together) step along the side with fewer tiles, so
+    # they share one slice of the other operand, and the operand they walk through whole
+    # is the group's smaller one (rows x min(K, N)), which stays in L2 for the next slice.
+    # Walking the longer side instead re-reads the larger operand from memory once per
+    # tile of the shorter side: Mixtral's up-projection (K = 4096, N = 28672) would read
+    # each group's output gradient 32 times.
     if num_k < num_n:
         tile_n = rest // num_k
         tile_k = rest % num_k
     else:
         tile_k = rest // num_n
         tile_n = rest % num_n
+    return g, tile_k, tile_n
 
-    g_idx, starts, ends = group_bounds(group_sizes_ptr, M, G, G_P2)
+
+@triton.jit
+def group_rows(g, g_idx, starts, ends):
+    """Group ``g``'s clamped rows ``[r_start, r_end)`` (int32: row indices fit, as M does)."""
     sel = g_idx == g
-    # Row indices fit int32 (M does); the loop runs over this group's rows only.
-    r_start = tl.sum(tl.where(sel, starts, 0), 0).to(tl.int32)
-    r_end = tl.sum(tl.where(sel, ends, 0), 0).to(tl.int32)
+    return tl.sum(tl.where(sel, starts, 0), 0).to(tl.int32), tl.sum(tl.where(sel, ends, 0), 0).to(tl.int32)
+
+
+@triton.jit
+def wgrad_tile(group_sizes_ptr, M, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+               BK: tl.constexpr, BN: tl.constexpr):
+    """This program's [BK, BN] block of a weight gradient [G, K, N] and the rows it reduces:
+    ``(g, tile_k, tile_n, r_start, r_end)``, rows ``[r_start, r_end)`` being group ``g``'s."""
+    g, tile_k, tile_n = wgrad_tile_of(tl.program_id(0), (K + BK - 1) // BK, (N + BN - 1) // BN)
+    g_idx, starts, ends = group_bounds(group_sizes_ptr, M, G, G_P2)
+    r_start, r_end = group_rows(g, g_idx, starts, ends)
     return g, tile_k, tile_n, r_start, r_end
 
 
@@ -281,11 +289,60 @@ def wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, o
 def grouped_gemm_wgrad_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
                               K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                               BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                              PRECISION: tl.constexpr):
+                              PRECISION: tl.constexpr, TMA: tl.constexpr, PROGRAMS: tl.constexpr):
     """out[g] = lhs[rows of g].T @ dout[rows of g]: the weight gradient, [G, K, N].
 
-    One program owns one [BK, BN] block of one group's matrix and reduces over that
-    group's rows, so no two programs write the same element and empty groups get zeros.
+    Every [BK, BN] block of every group's matrix is reduced over that group's rows by one
+    program, so no two programs write the same element and empty groups get zeros: one
+    program per block with pointer loads, or (TMA) the launch's PROGRAMS programs looping
+    over the blocks with tensor descriptors (``tma_wgrad_tiles``; PROGRAMS unused otherwise).
     """
-    wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, lhs_ptr, lhs_ptr, M, 0, out_ptr, K, N, G, G_P2,
-               False, False, BK, BN, BR, PRECISION)
+    if TMA:
+        tma_wgrad_tiles(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_ptr, K, N, G, G_P2, BK, BN, BR, PRECISION,
+                        PROGRAMS)
+    else:
+        wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, lhs_ptr, lhs_ptr, M, 0, out_ptr, K, N, G, G_P2,
+                   False, False, BK, BN, BR, PRECISION)
+
+
+@triton.jit
+def tma_wgrad_tiles(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_ptr, K: tl.constexpr, N: tl.constexpr,
+                    G: tl.constexpr, G_P2: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                    PRECISION: tl.constexpr, PROGRAMS: tl.constexpr):
+    """``grouped_gemm_wgrad_kernel``'s blocks, Hopper's way: PROGRAMS programs stride over
+    every block of every group (``wgrad_tile_of``'s order), loading row slices through
+    tensor descriptors built once per program and storing each block through one, so the
+    loop over blocks is one software pipeline (``flatten``) and a block's store overlaps
+    the next block's loads: with a group's few hundred rows a block is a short reduction,
+    and a store that waits for it leaves the tensor cores idle.
+
+    Bounds: the row slices' descriptors span ``lhs`` and ``dout``'s M rows; a group's
+    whole ``BR``-row slices are inside its rows, and its last, partial slice is read at the
+    group's end row and its rows past that end are zeroed in both operands before the dot,
+    so no other group's rows (nor a 0 * inf from them) reach the sum. The output's
+    descriptor is three-dimensional, ``[G, K, N]``: a block past a matrix's edge is clipped
+    there, never written into the next group's matrix. Needs 16-byte row strides (``K`` and
+    ``N`` times the element size), which the declaration checks.
+    """
+    num_k: tl.constexpr = (K + BK - 1) // BK
+    num_n: tl.constexpr = (N + BN - 1) // BN
+    g_idx, starts, ends = group_bounds(group_sizes_ptr, M, G, G_P2)
+    x_desc = tl.make_tensor_descriptor(lhs_ptr, shape=[M, K], strides=[K, 1], block_shape=[BR, BK])
+    dy_desc = tl.make_tensor_descriptor(dout_ptr, shape=[M, N], strides=[N, 1], block_shape=[BR, BN])
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[G, K, N], strides=[K * N, N, 1], block_shape=[1, BK, BN])
+    rs = tl.arange(0, BR)
+    for t in tl.range(tl.program_id(0), G * num_k * num_n, PROGRAMS, flatten=True):
+        g, tile_k, tile_n = wgrad_tile_of(t, num_k, num_n)
+        r_start, r_end = group_rows(g, g_idx, starts, ends)
+        k0 = (tile_k * BK).to(tl.int32)
+        n0 = (tile_n * BN).to(tl.int32)
+        r_full = r_start + (r_end - r_start) // BR * BR
+        acc = tl.zeros((BK, BN), dtype=tl.float32)
+        for r in range(r_start, r_full, BR):
+            acc = tl.dot(tl.trans(x_desc.load([r, k0])), dy_desc.load([r, n0]), acc, input_precision=PRECISION)
+        if r_full < r_end:
+            inside = ((r_full + rs) < r_end)[:, None]
+            x = tl.where(inside, x_desc.load([r_full, k0]), 0.0)
+            dy = tl.where(inside, dy_desc.load([r_full, n0]), 0.0)
+            acc = tl.dot(tl.trans(x), dy, acc, input_precision=PRECISION)
+        out_desc.store([g.to(tl.int32), k0, n0], tl.reshape(acc.to(out_ptr.dtype.element_ty), (1, BK, BN)))
