@@ -101,15 +101,12 @@ def cap(valid: Sequence[Config], default: Config, limit: int | None, name: str =
     return kept, skipped
 
 
-def _avals(shapes: Sequence[Any]) -> list[Any]:
-    return [s if hasattr(s, "shape") and hasattr(s, "dtype") else jax.ShapeDtypeStruct(*s) for s in shapes]
-
-
 def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | None = None,
          backend: str = "interpret", options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
     """Tunes ``decl`` for operands of ``shapes`` (arrays, ShapeDtypeStructs or
     ``(shape, dtype)`` pairs) and static ``params``; returns the cached result if present."""
-    return tune_call(bind_call(decl, _avals(shapes), dict(params or {}), backend), options, pool)
+    avals = [s if hasattr(s, "shape") and hasattr(s, "dtype") else jax.ShapeDtypeStruct(*s) for s in shapes]
+    return tune_call(bind_call(decl, avals, dict(params or {}), backend), options, pool)
 
 
 def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
