@@ -16,6 +16,7 @@ from absl import flags
 
 from te_jax_perm.core import hooks
 from te_jax_perm.core.launch import Call
+from te_jax_perm.ops import shipped_decls
 from te_jax_perm.workloads import PRIORITY, shape_list  # noqa: F401  (the shapes --tune_shapes tunes)
 
 
@@ -50,22 +51,6 @@ def main(argv: list[str]) -> int:
         from te_jax_perm.autotune.cache import format_cache
         print(format_cache(shipped_decls()))
     return 0
-
-
-def shipped_decls() -> dict[str, Any]:
-    """Kernel name -> declaration of every kernel primitive the library's ops define, so
-    that --print_cache checks each entry's configs against its kernel's declaration."""
-    import importlib
-    import pkgutil
-
-    import te_jax_perm.ops
-    from te_jax_perm.core import KernelPrimitive
-    found = {}
-    for mod in pkgutil.walk_packages(te_jax_perm.ops.__path__, "te_jax_perm.ops."):
-        for v in vars(importlib.import_module(mod.name)).values():
-            if isinstance(v, KernelPrimitive):
-                found[v.decl.name] = v.decl
-    return found
 
 
 def record_launches(fn: Callable, args: Sequence[Any]) -> list[Call]:
