@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.set_verbosity(logging.WARNING)
     import jax
     from te_jax_perm import autotune
-    from te_jax_perm.autotune import workloads
-    from te_jax_perm.autotune.__main__ import shape_list, tune_shapes
+    from te_jax_perm import workloads
+    from te_jax_perm.autotune.__main__ import record_launches, shape_list, tune_shapes
     from te_jax_perm.core import hooks
     gpu = jax.default_backend() == "gpu"
     backend = "triton" if gpu else "interpret"
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     model, H, E, k, T = shapes[0]
     args = workloads.moe_problem(T, H, E, k, dtype)
     with autotune.autotuning(False):
-        launches = workloads.record_launches(workloads.moe_step(backend, k), args)
+        launches = record_launches(workloads.moe_step(backend, k), args)
     if gpu:
         from te_jax_perm.autotune.tuner import device_target
         target = device_target()

@@ -31,7 +31,7 @@ TOKENS = (16, 64, 256, 1024, 4096)
 def problem(T: int, H: int, E: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """bf16 tokens ``[T, H]``, a top-k routing map ``[T, E]`` and its probs (fp32)."""
     import ml_dtypes
-    from te_jax_perm.autotune.workloads import moe_problem
+    from te_jax_perm.workloads import moe_problem
     return moe_problem(T, H, E, k, ml_dtypes.bfloat16, seed)
 
 

@@ -135,7 +135,7 @@ def test_dim_splits_reads_whole_axis_and_part_axis_splits():
     choose when a size does not divide, and no PartitionSpec names) keeps its piece count."""
     from jax._src.lib import xla_client as xc
     from jax._src.sharding_impls import GSPMDSharding
-    from te_jax_perm.core.sharding import dim_splits
+    from te_jax_perm.ops.token_split import dim_splits
 
     mesh = Mesh(np.asarray(jax.devices()[:4]), ("dp",))
     whole = NamedSharding(mesh, P("dp"))

@@ -126,7 +126,8 @@ def test_integer_scalars_are_specialised_like_tritons_launcher():
     def spec(h):
         call = bind_call(gather_rows.decl, [jnp.ones((7, h), jnp.float32), jnp.zeros((5,), jnp.int32)], {}, "triton")
         launch = configure(call, gather_rows.decl.default_config(call.dims, call.params))
-        return triton_backend.launch_spec(launch)
+        spec = triton_backend.launch_spec(launch)
+        return dict(spec.signature), dict(spec.constexprs), spec.attrs
 
     sig, constexprs, attrs = spec(32)  # parameters: src_ptr, idx_ptr, H, out_prealloc, out
     assert sig["H"] == "i32" and (2,) in attrs and "H" not in constexprs

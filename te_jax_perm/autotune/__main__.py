@@ -9,10 +9,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from absl import flags
+
+from te_jax_perm.core import hooks
+from te_jax_perm.core.launch import Call
+from te_jax_perm.ops import shipped_decls
+from te_jax_perm.workloads import PRIORITY, shape_list  # noqa: F401  (the shapes --tune_shapes tunes)
 
 
 def _define_flags() -> None:
@@ -48,39 +53,14 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def shipped_decls() -> dict[str, Any]:
-    """Kernel name -> declaration of every kernel primitive the library's ops define, so
-    that --print_cache checks each entry's configs against its kernel's declaration."""
-    import importlib
-    import pkgutil
-
-    import te_jax_perm.ops
-    from te_jax_perm.core import KernelPrimitive
-    found = {}
-    for mod in pkgutil.walk_packages(te_jax_perm.ops.__path__, "te_jax_perm.ops."):
-        for v in vars(importlib.import_module(mod.name)).values():
-            if isinstance(v, KernelPrimitive):
-                found[v.decl.name] = v.decl
-    return found
-
-
-# Real MoE sizes, most important first: a run cut short by its budget has tuned these.
-PRIORITY = (("deepseek-v3", 8192), ("qwen3-235b", 8192), ("gpt-oss-120b", 8192), ("mixtral-8x7b", 8192),
-            ("deepseek-v3", 4096), ("mixtral-8x7b", 16384))
-
-
-def shape_list(small: bool = False, shapes: str | None = None) -> list[tuple[str, int, int, int, int]]:
-    """``(model, H, E, k, T)`` in priority order; ``shapes`` keeps those whose ``model:T``
-    contains any of its comma-separated terms (``"deepseek-v3:8192,qwen3"``)."""
-    from te_jax_perm.autotune import workloads
-    table = workloads.SMALL_SHAPES if small else workloads.MOE_SHAPES
-    rows = [(m, H, E, k, T) for m, H, E, k, Ts in table for T in Ts]
-    rank = {p: i for i, p in enumerate(PRIORITY)}
-    rows.sort(key=lambda r: rank.get((r[0], r[4]), len(rank)))
-    if shapes:
-        terms = [t.strip() for t in shapes.split(",") if t.strip()]
-        rows = [r for r in rows if any(t in f"{r[0]}:{r[4]}" for t in terms)]
-    return rows
+def record_launches(fn: Callable, args: Sequence[Any]) -> list[Call]:
+    """Each kernel call in ``jax.jit(fn)(*args)``, in order; the installed resolver still runs
+    (lowering under autotuning also tunes)."""
+    import jax
+    seen: list[Call] = []
+    with hooks.observe_calls(seen.append):
+        jax.jit(fn).lower(*args)
+    return seen
 
 
 def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "bfloat16",
@@ -99,7 +79,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
     import ml_dtypes  # noqa: F401  (bfloat16 as a NumPy dtype)
     from absl import logging
     from te_jax_perm import autotune
-    from te_jax_perm.autotune import workloads
+    from te_jax_perm import workloads
     from te_jax_perm.autotune.cache import LIST_FIELDS, call_key, key_digest
     from te_jax_perm.progress import Progress
     backend = backend or ("triton" if jax.default_backend() == "gpu" else "interpret")
@@ -119,7 +99,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
         args = workloads.moe_problem(T, H, E, k, np_dtype)
         # Record only: tuning happens below, under the budget, not inside the lowering.
         with autotune.autotuning(False):
-            launches = workloads.record_launches(workloads.moe_step(backend, k), args)
+            launches = record_launches(workloads.moe_step(backend, k), args)
         for li, ln in enumerate(launches):
             digest = key_digest(call_key(ln))
             where = f"{model} T={T}"

@@ -18,13 +18,13 @@ import socket
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from absl import logging
 
 from te_jax_perm.core import env
 from te_jax_perm.core.launch import Launch
-from te_jax_perm.core.triton_backend import compile_kernel, launch_spec
+from te_jax_perm.core.triton_backend import CompileSpec, launch_spec
 
 DEFAULT_TIMEOUT_S = 120.0
 STARTUP_TIMEOUT_S = 300.0
@@ -32,32 +32,28 @@ STARTUP_TIMEOUT_S = 300.0
 
 @dataclasses.dataclass(frozen=True)
 class CompileJob:
+    """A :class:`CompileSpec` a worker can be sent: the kernel named by module and name (a
+    ``@triton.jit`` function does not pickle), imported again in the worker."""
+
     kernel_module: str
     kernel_name: str
-    signature: Mapping[str, str]
-    constexprs: Mapping[str, Any]
-    attrs: Mapping[tuple[int, ...], Any]
+    spec: CompileSpec    # its kernel left out
     target: tuple[str, int, int]
-    options: Mapping[str, Any]
     label: str = ""
 
 
 def make_job(launch: Launch, target: tuple[str, int, int]) -> CompileJob:
     """The compile of ``launch``'s kernel exactly as the ``triton`` backend compiles it."""
     fn = launch.decl.kernel.fn
-    sig, constexprs, attrs = launch_spec(launch)
-    config = launch.config
-    return CompileJob(fn.__module__, fn.__name__, sig, constexprs, attrs, tuple(target),
-                      {"num_warps": config.num_warps, "num_stages": config.num_stages},
-                      label=f"{launch.decl.name}:{config}")
+    return CompileJob(fn.__module__, fn.__name__, dataclasses.replace(launch_spec(launch), kernel=None),
+                      tuple(target), label=f"{launch.decl.name}:{launch.config}")
 
 
 def compile_job(job: CompileJob) -> dict:
     """Compiles ``job``; returns a small picklable summary including the binary."""
     t0 = time.perf_counter()
     kernel = getattr(importlib.import_module(job.kernel_module), job.kernel_name)
-    k = compile_kernel(kernel, job.signature, job.constexprs, job.attrs, job.target, job.options["num_warps"],
-                       job.options["num_stages"])
+    k = dataclasses.replace(job.spec, kernel=kernel).compile(job.target)
     binary = k.asm.get("cubin") or k.asm.get("hsaco") or b""
     meta = getattr(k, "metadata", None)
     return {"hash": k.hash, "binary": bytes(binary) if isinstance(binary, (bytes, bytearray)) else binary,

@@ -101,15 +101,12 @@ def cap(valid: Sequence[Config], default: Config, limit: int | None, name: str =
     return kept, skipped
 
 
-def _avals(shapes: Sequence[Any]) -> list[Any]:
-    return [s if hasattr(s, "shape") and hasattr(s, "dtype") else jax.ShapeDtypeStruct(*s) for s in shapes]
-
-
 def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | None = None,
          backend: str = "interpret", options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
     """Tunes ``decl`` for operands of ``shapes`` (arrays, ShapeDtypeStructs or
     ``(shape, dtype)`` pairs) and static ``params``; returns the cached result if present."""
-    return tune_call(bind_call(decl, _avals(shapes), dict(params or {}), backend), options, pool)
+    avals = [s if hasattr(s, "shape") and hasattr(s, "dtype") else jax.ShapeDtypeStruct(*s) for s in shapes]
+    return tune_call(bind_call(decl, avals, dict(params or {}), backend), options, pool)
 
 
 def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
@@ -131,15 +128,8 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
     logging.vlog(1, "autotune %s: tuning %d configs for dims %s params %s (%d pruned)", decl.name, len(valid),
                  dict(dims), params, len(pruned))
 
-    failed: list[tuple[Config, str]] = []
-    target = options.compile_target
-    if target == AUTO:
-        target = device_target() if backend == "triton" else None
     with timed(phases, "compile_s"):
-        if target is not None:
-            # All candidates in one parallel batch, before any trial: a config whose compile
-            # crashes or hangs is dropped here, in a worker, never in this process.
-            valid, failed = _compile_stage(call, valid, tuple(target), options, pool)
+        valid, failed = _compile_stage(call, valid, options, pool)
 
     # Inputs and the reference once per (kernel, shape); every trial reuses them.
     with timed(phases, "inputs_s"):
@@ -159,7 +149,7 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
     stats["trials"] += len(results)
     complete = len(results) == len(valid)
     ok = sorted((r for r in results if r.time_s is not None), key=lambda r: r.time_s)
-    rejected = [(r.config, r.rejected, min(r.times_s) if r.times_s else None) for r in results if r.rejected]
+    rejected = [[r.config.to_json(), r.rejected, min(r.times_s) if r.times_s else None] for r in results if r.rejected]
     failed += [(r.config, r.error) for r in results if r.error]
     default_time = next((r.time_s for r in results if r.config == default), None)
     entry = {
@@ -168,7 +158,7 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
         "default": default.to_json(),
         "default_time_s": default_time,
         "ranking": [[r.config.to_json(), r.time_s] for r in ok],
-        "rejected": [[c.to_json(), why, t] for c, why, t in rejected],
+        "rejected": rejected,
         "failed": [[c.to_json(), why] for c, why in failed],
         "pruned": [[c.to_json(), why] for c, why in pruned],
         "skipped": [c.to_json() for c in skipped],
@@ -207,20 +197,25 @@ def cached(call: Call, key: Mapping[str, Any]) -> dict | None:
     return entry
 
 
-def _compile_stage(call, valid, target, options, pool):
-    decl = call.decl
+def _compile_stage(call, valid, options, pool):
+    # All candidates in one parallel batch, before any trial: a config whose compile
+    # crashes or hangs is dropped here, in a worker, never in this process.
+    target = options.compile_target
+    if target == AUTO:
+        target = device_target() if call.backend == "triton" else None
+    if target is None:
+        return valid, []
     pool = pool or get_pool()
     if options.compile_timeout_s is not None:
         pool.timeout_s = options.compile_timeout_s
-    jobs = {c: make_job(configure(call, c), target) for c in valid}
-    results = pool.compile_many(list(jobs.values()))
+    jobs = [make_job(configure(call, c), tuple(target)) for c in valid]
     stats["compiles"] += len(jobs)
     kept, failed = [], []
-    for c, r in zip(valid, results):
+    for c, r in zip(valid, pool.compile_many(jobs)):
         if r.ok:
             kept.append(c)
-            logging.vlog(1, "autotune %s: compiled %s (%.2fs, %s regs)", decl.name, c, r.info.get("compile_s", 0),
-                         r.info.get("n_regs"))
+            logging.vlog(1, "autotune %s: compiled %s (%.2fs, %s regs)", call.decl.name, c,
+                         r.info.get("compile_s", 0), r.info.get("n_regs"))
         else:
             failed.append((c, r.error.strip().splitlines()[-1] if r.error else "failed"))
     return kept, failed

@@ -105,8 +105,8 @@ class Call:
         return alias_plan(self.decl)
 
 
-def _shaped(aval: Any) -> jax.core.ShapedArray:
-    return jax.core.ShapedArray(tuple(int(s) for s in aval.shape), np.dtype(aval.dtype))
+def _shaped(shape: Sequence[int], dtype: Any) -> jax.core.ShapedArray:
+    return jax.core.ShapedArray(tuple(int(s) for s in shape), np.dtype(dtype))
 
 
 def bind_call(decl: KernelDecl, avals: Sequence[Any], params: Params, backend: str) -> Call:
@@ -114,7 +114,7 @@ def bind_call(decl: KernelDecl, avals: Sequence[Any], params: Params, backend: s
     ``.shape`` and ``.dtype``). Raises, naming the argument, when they or ``params`` do not
     fit the declaration."""
     check_static_params(decl, params)
-    return _bind(decl, tuple(_shaped(a) for a in avals), tuple(sorted(params.items())), backend)
+    return _bind(decl, tuple(_shaped(a.shape, a.dtype) for a in avals), tuple(sorted(params.items())), backend)
 
 
 # Abstract evaluation, lowering and the tuner all bind the same call: derive it once.
@@ -125,8 +125,7 @@ def _bind(decl: KernelDecl, avals: tuple, param_items: tuple, backend: str) -> C
     if decl.params_check is not None:
         decl.params_check(dims, params)
     dtypes = {op.name: np.dtype(a.dtype) for op, a in zip(decl.operands, avals)}
-    out_avals = tuple(jax.core.ShapedArray(tuple(int(s) for s in o.shape(dims, params)),
-                                           np.dtype(o.dtype(dtypes, params))) for o in decl.outputs)
+    out_avals = tuple(_shaped(o.shape(dims, params), o.dtype(dtypes, params)) for o in decl.outputs)
     return Call(decl, backend, avals, _frozen(params), _frozen(dims), out_avals)
 
 

@@ -18,7 +18,6 @@ token's row depends on every earlier token): its rule is op-level, in
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from absl import logging
@@ -36,7 +35,9 @@ BATCH_AXIS = "__vmap__"
 
 
 # -- rules ----------------------------------------------------------------------------------
-def _spec_axes(sharding, ndim: int) -> list[Any]:
+def spec_axes(sharding, ndim: int) -> list[Any]:
+    """The mesh axes splitting each of ``ndim`` dimensions (``None``: unsplit) when
+    ``sharding`` is a :class:`NamedSharding`; otherwise none."""
     spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
     return list((spec + (None,) * ndim)[:ndim])
 
@@ -65,7 +66,7 @@ def partitioned(kp: "KernelPrimitive", fn: Callable, out_ranks: Sequence[int], i
     def shardings(mesh, arg_shapes, dims_list):
         chosen: dict[str, Any] = {}   # mesh axes of each local axis: the first operand's split along it
         for dims, a in zip(ops, arg_shapes):
-            for n, ax in zip(dims, _spec_axes(a.sharding, len(dims))):
+            for n, ax in zip(dims, spec_axes(a.sharding, len(dims))):
                 if n in local and ax is not None:
                     chosen.setdefault(n, ax)
         return tuple(NamedSharding(mesh, PartitionSpec(*(chosen.get(n) for n in dims))) for dims in dims_list)
@@ -81,42 +82,6 @@ def partitioned(kp: "KernelPrimitive", fn: Callable, out_ranks: Sequence[int], i
         propagate_user_sharding=propagate, sharding_rule=rule,
         need_replication_factors=tuple(f for n, f in factors.items() if n not in local))
     return wrapped
-
-
-# -- what a partitioning callback sees ---------------------------------------------------------
-def dim_splits(mesh, sharding, ndim: int) -> list[tuple[Any, int]]:
-    """Per dimension of an operand: ``(PartitionSpec entry splitting it or None, pieces)``.
-    Where no PartitionSpec can name the split (Shardy splits a dimension a mesh axis does
-    not divide along part of it), the entry is ``None`` and ``pieces`` still counts it."""
-    if isinstance(sharding, NamedSharding):
-        return [(ax, _axes_size(mesh, ax)) for ax in _spec_axes(sharding, ndim)]
-    try:
-        hlo = sharding._to_xla_hlo_sharding(ndim)
-    except Exception:  # noqa: BLE001 - no HLO form (a single-device sharding): unsplit
-        return [(None, 1)] * ndim
-    if not hlo.is_tiled():
-        return [(None, 1)] * ndim
-    pieces = [int(p) for p in hlo.tile_assignment_dimensions()[:ndim]]
-    from jax._src import sharding_impls
-    try:
-        spec = tuple(sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0])
-    except (ValueError, NotImplementedError):  # IndivisibleError is a ValueError
-        return [(None, p) for p in pieces]
-    spec = (spec + (None,) * ndim)[:ndim]
-    return [(_entry(ax), p) for ax, p in zip(spec, pieces)]
-
-
-def _entry(ax):
-    """A PartitionSpec entry in its plain form: None, one axis name, or a tuple of several."""
-    if isinstance(ax, (tuple, list)):
-        return None if not ax else ax[0] if len(ax) == 1 else tuple(ax)
-    return ax
-
-
-def _axes_size(mesh, ax) -> int:
-    if ax is None:
-        return 1
-    return int(math.prod(mesh.shape[a] for a in (ax if isinstance(ax, tuple) else (ax,))))
 
 
 # -- lowering ------------------------------------------------------------------------------

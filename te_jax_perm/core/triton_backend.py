@@ -2,8 +2,8 @@
 of jax and Triton it works with.
 
 The kernel is compiled by Triton's own compiler, cached per specialisation; the autotuner's
-compile workers compile through the same :func:`compile_kernel`, so a tuned binary is
-exactly the one the backend launches. It is called through jaxlib's typed-FFI Triton call
+compile workers compile the same :class:`CompileSpec`, so a tuned binary is exactly the
+one the backend launches. It is called through jaxlib's typed-FFI Triton call
 ``triton_kernel_call_ffi``, which XLA can capture in a command buffer (a CUDA graph), so a
 jitted step of many small kernels runs without a host launch per kernel. The call
 declares the launch's alias plan, so XLA never hands an output another input's memory.
@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import zlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.ffi
@@ -84,18 +84,33 @@ class CompiledKernel:
     global_scratch_align: int
 
 
-def compile_kernel(kernel: Any, sig: Mapping[str, str], constexprs: Mapping[str, Any],
-                   attrs: Mapping[tuple[int, ...], Any], target: tuple[str, Any, int],
-                   num_warps: int, num_stages: int) -> Any:
-    """``triton.compile`` of ``kernel`` (a ``@triton.jit`` function); returns Triton's
-    compiled kernel (``.asm``, ``.metadata``)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+@dataclasses.dataclass(frozen=True)
+class CompileSpec:
+    """One compile of a kernel exactly as the ``triton`` backend compiles it; hashable (the
+    compiled-kernel cache's key), and what the autotuner's compile workers compile."""
 
-    source = ASTSource(fn=kernel, signature=dict(sig), constexprs=dict(constexprs), attrs=dict(attrs))
-    return triton.compile(source, target=GPUTarget(*target), options={"num_warps": num_warps,
-                                                                       "num_stages": num_stages})
+    kernel: Any                               # the ``@triton.jit`` function
+    signature: tuple[tuple[str, str], ...]    # kernel parameter -> Triton type, in kernel order
+    constexprs: tuple[tuple[str, Any], ...]
+    aligned: tuple[int, ...]                  # argument positions known 16-byte divisible
+    num_warps: int
+    num_stages: int
+
+    @property
+    def attrs(self) -> dict[tuple[int, ...], Any]:
+        return {(i,): DIVISIBILITY for i in self.aligned}
+
+    def compile(self, target: tuple[str, Any, int]) -> Any:
+        """``triton.compile`` for ``target`` (``("cuda", 90, 32)``); returns Triton's compiled
+        kernel (``.asm``, ``.metadata``)."""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        source = ASTSource(fn=self.kernel, signature=dict(self.signature), constexprs=dict(self.constexprs),
+                           attrs=self.attrs)
+        return triton.compile(source, target=GPUTarget(*target),
+                              options={"num_warps": self.num_warps, "num_stages": self.num_stages})
 
 
 def specialisation(value: Any) -> str | None:
@@ -110,41 +125,37 @@ def specialisation(value: Any) -> str | None:
     return "div16" if int(value) % 16 == 0 else None
 
 
-def launch_spec(launch: Launch) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int, ...], Any]]:
-    """(signature, constexprs, attrs) of ``launch``: pointers are 16-byte aligned (XLA's
-    allocations are) and integer scalars are specialised (:func:`specialisation`)."""
-    sig, constexprs, attrs = signature(launch), dict(launch.constexprs), {}
+def launch_spec(launch: Launch) -> CompileSpec:
+    """The compile of ``launch``: pointers are 16-byte aligned (XLA's allocations are) and
+    integer scalars are specialised (:func:`specialisation`)."""
+    sig, constexprs, aligned = signature(launch), dict(launch.constexprs), []
     # Constexprs follow every runtime argument, so argument i is kernel parameter i.
     for i, a in enumerate(kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)):
         kind = "div16" if a.is_pointer else specialisation(a.value) if a.role == SCALAR else None
         if kind == "one":
             sig[a.name], constexprs[a.name] = "constexpr", 1
         elif kind == "div16":
-            attrs[(i,)] = DIVISIBILITY
-    return sig, constexprs, attrs
+            aligned.append(i)
+    return CompileSpec(launch.decl.kernel, tuple(sig.items()), tuple(constexprs.items()), tuple(aligned),
+                       launch.config.num_warps, launch.config.num_stages)
 
 
 def compiled_for(launch: Launch, compute_capability: int) -> CompiledKernel:
     """The compiled kernel of ``launch`` for a CUDA device of ``compute_capability`` (e.g.
     90), compiled once per (kernel, signature, constexprs, warps, stages, device)."""
-    sig, constexprs, attrs = launch_spec(launch)
-    return compile_cached(launch.decl.kernel, tuple(sig.items()), tuple(constexprs.items()), tuple(attrs),
-                          launch.config.num_warps, launch.config.num_stages, int(compute_capability))
+    return compile_cached(launch_spec(launch), int(compute_capability))
 
 
 @functools.lru_cache(maxsize=1024)
-def compile_cached(kernel: Any, sig: tuple, constexprs: tuple, aligned: tuple, num_warps: int, num_stages: int,
-                   cc: int) -> CompiledKernel:
-    """:func:`compiled_for`'s cache (``cache_info()`` counts the compiles); ``aligned``: the
-    argument positions known 16-byte divisible."""
-    attrs = {position: DIVISIBILITY for position in aligned}
-    compiled = compile_kernel(kernel, dict(sig), dict(constexprs), attrs, ("cuda", cc, 32), num_warps, num_stages)
+def compile_cached(spec: CompileSpec, cc: int) -> CompiledKernel:
+    """:func:`compiled_for`'s cache (``cache_info()`` counts the compiles)."""
+    compiled = spec.compile(("cuda", cc, 32))
     if getattr(compiled.metadata, "profile_scratch_size", 0):
-        raise NotImplementedError(f"{kernel.fn.__name__}: compiled with Triton's profiling instrumentation "
+        raise NotImplementedError(f"{spec.kernel.fn.__name__}: compiled with Triton's profiling instrumentation "
                                   "(profile scratch memory), which XLA's Triton call cannot provide; unset "
                                   "the Triton instrumentation options")
     return CompiledKernel(
-        name=compiled.metadata.name, num_warps=num_warps, num_ctas=getattr(compiled.metadata, "num_ctas", 1),
+        name=compiled.metadata.name, num_warps=spec.num_warps, num_ctas=getattr(compiled.metadata, "num_ctas", 1),
         shared_mem_bytes=compiled.metadata.shared, ptx=compiled.asm["ptx"], compute_capability=cc,
         global_scratch_size=getattr(compiled.metadata, "global_scratch_size", 0) or 0,
         global_scratch_align=getattr(compiled.metadata, "global_scratch_align", 1) or 1)
@@ -218,8 +229,9 @@ def kernel_call_proto(launch: Launch, lib: Any) -> bytes:
     which XLA hands over after the operands) 16-byte aligned, never zeroed by the call
     (zeroed outputs arrive zeroed as their preallocated operands); scalars by value, except
     those compiled in as constants (:func:`launch_spec`)."""
-    kernel = _triton_kernel(lib, compiled_for(launch, int(lib.get_compute_capability(0))))
-    sig = launch_spec(launch)[0]
+    spec = launch_spec(launch)
+    kernel = _triton_kernel(lib, compile_cached(spec, int(lib.get_compute_capability(0))))
+    sig = dict(spec.signature)
     params = [lib.create_array_parameter(0, 16) if a.is_pointer
               else lib.create_scalar_parameter(_PYTHON[scalar_type(a.value)](a.value), scalar_type(a.value))
               for a in kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)

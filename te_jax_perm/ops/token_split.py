@@ -29,7 +29,7 @@ unsharded (global) result instead.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.custom_batching import custom_vmap
@@ -37,12 +37,47 @@ from jax.experimental.custom_partitioning import CompoundFactor, SdyShardingRule
 from jax.sharding import NamedSharding, PartitionSpec
 
 from te_jax_perm.core import errors
-from te_jax_perm.core.sharding import dim_splits
+from te_jax_perm.core.sharding import spec_axes
 
 SPLIT = ("T", "R")
 LOCAL = "H"
 
 Axes = Sequence[str]
+
+
+def dim_splits(mesh, sharding, ndim: int) -> list[tuple[Any, int]]:
+    """Per dimension of an operand: ``(PartitionSpec entry splitting it or None, pieces)``.
+    Where no PartitionSpec can name the split (Shardy splits a dimension a mesh axis does
+    not divide along part of it), the entry is ``None`` and ``pieces`` still counts it."""
+    if isinstance(sharding, NamedSharding):
+        return [(ax, _axes_size(mesh, ax)) for ax in spec_axes(sharding, ndim)]
+    try:
+        hlo = sharding._to_xla_hlo_sharding(ndim)
+    except Exception:  # noqa: BLE001 - no HLO form (a single-device sharding): unsplit
+        return [(None, 1)] * ndim
+    if not hlo.is_tiled():
+        return [(None, 1)] * ndim
+    pieces = [int(p) for p in hlo.tile_assignment_dimensions()[:ndim]]
+    from jax._src import sharding_impls
+    try:
+        spec = tuple(sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0])
+    except (ValueError, NotImplementedError):  # IndivisibleError is a ValueError
+        return [(None, p) for p in pieces]
+    spec = (spec + (None,) * ndim)[:ndim]
+    return [(_entry(ax), p) for ax, p in zip(spec, pieces)]
+
+
+def _entry(ax):
+    """A PartitionSpec entry in its plain form: None, one axis name, or a tuple of several."""
+    if isinstance(ax, (tuple, list)):
+        return None if not ax else ax[0] if len(ax) == 1 else tuple(ax)
+    return ax
+
+
+def _axes_size(mesh, ax) -> int:
+    if ax is None:
+        return 1
+    return int(math.prod(mesh.shape[a] for a in (ax if isinstance(ax, tuple) else (ax,))))
 
 
 def _split(mesh, arg_shapes, arg_axes: Sequence[Axes], name_set) -> tuple[object, int]:

@@ -1,14 +1,11 @@
-"""The real ops at real MoE model sizes, and the kernel calls they make (recorded by a call
-observer, so the tuner and the benchmarks get each launch's exact bound call without
-duplicating op logic)."""
+"""The ops at real MoE model sizes: the published shapes (tuned in priority order by
+``python -m te_jax_perm.autotune --tune_shapes``), a routing problem of each, and the
+dispatch+combine step that launches the ops' main kernels."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
-
-from te_jax_perm.core import hooks
-from te_jax_perm.core.launch import Call
 
 # model, hidden, experts, top-k, tokens (published MoE configurations)
 MOE_SHAPES = (
@@ -20,14 +17,22 @@ MOE_SHAPES = (
 SMALL_SHAPES = (("small", 96, 8, 2, (64,)),)
 
 
-def record_launches(fn: Callable, args: Sequence[Any]) -> list[Call]:
-    """Each kernel call in ``jax.jit(fn)(*args)``, in order; the installed resolver still runs
-    (lowering under autotuning also tunes)."""
-    import jax
-    seen: list[Call] = []
-    with hooks.observe_calls(seen.append):
-        jax.jit(fn).lower(*args)
-    return seen
+# Real MoE sizes, most important first: a run cut short by its budget has tuned these.
+PRIORITY = (("deepseek-v3", 8192), ("qwen3-235b", 8192), ("gpt-oss-120b", 8192), ("mixtral-8x7b", 8192),
+            ("deepseek-v3", 4096), ("mixtral-8x7b", 16384))
+
+
+def shape_list(small: bool = False, shapes: str | None = None) -> list[tuple[str, int, int, int, int]]:
+    """``(model, H, E, k, T)`` in priority order; ``shapes`` keeps those whose ``model:T``
+    contains any of its comma-separated terms (``"deepseek-v3:8192,qwen3"``)."""
+    table = SMALL_SHAPES if small else MOE_SHAPES
+    rows = [(m, H, E, k, T) for m, H, E, k, Ts in table for T in Ts]
+    rank = {p: i for i, p in enumerate(PRIORITY)}
+    rows.sort(key=lambda r: rank.get((r[0], r[4]), len(rank)))
+    if shapes:
+        terms = [t.strip() for t in shapes.split(",") if t.strip()]
+        rows = [r for r in rows if any(t in f"{r[0]}:{r[4]}" for t in terms)]
+    return rows
 
 
 def moe_problem(T: int, H: int, E: int, k: int, dtype: Any, seed: int = 0) -> tuple[np.ndarray, ...]:
