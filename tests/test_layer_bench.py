@@ -89,6 +89,15 @@ def test_gemm_verdicts_against_dense_speed_and_roofline():
         "TARGET PASS grouped GEMM M=8 K=4 N=4 G=8 fwd: 0.90x the dense speed (1.000 vs 0.900 ms; target >= 0.9)",
         "TARGET FAIL grouped GEMM M=8 K=4 N=4 G=8 fwd_bwd: 0.80x the dense speed (3.000 vs 2.400 ms; target >= 0.85)",
         "TARGET FAIL grouped GEMM M=8 K=4 N=4 G=256 fwd: 1.300 ms / roofline 1.000 ms = 1.30 (target <= 1.2)"]
+    # With kernel times on both sides, those decide, and the wall times are quoted beside.
+    rows[0].update(triton_fwd_kernel_ms=0.95, dense_fwd_kernel_ms=0.9)
+    rows[1].update(triton_fwd_kernel_ms=1.1, roofline_fwd_kernel_ms=1.0)
+    lines = layer_bench.gemm_verdicts(rows)
+    assert lines[0] == ("TARGET PASS grouped GEMM M=8 K=4 N=4 G=8 fwd: 0.95x the dense speed (0.950 vs 0.900 ms in "
+                        "kernel time; wall 1.000 vs 0.900 ms; target >= 0.9)")
+    assert lines[1].startswith("TARGET FAIL grouped GEMM M=8 K=4 N=4 G=8 fwd_bwd: 0.80x")  # wall times only
+    assert lines[2] == ("TARGET PASS grouped GEMM M=8 K=4 N=4 G=256 fwd: 1.100 ms / roofline 1.000 ms = 1.10 in "
+                        "kernel time; wall 1.300 vs 1.000 ms (target <= 1.2)")
 
 
 def test_profile_counts_our_kernels_by_name():
