@@ -54,6 +54,7 @@ SHAPES = (
     GemmShape("qwen3_up_T8192", 65536, 4096, 3072, 128),
     GemmShape("qwen3_down_T8192", 65536, 1536, 4096, 128),
     GemmShape("mixtral_up_T8192", 16384, 4096, 28672, 8),
+    GemmShape("mixtral_down_T8192", 16384, 14336, 4096, 8),
     GemmShape("g8_16384x4096x4096", 16384, 4096, 4096, 8),
     GemmShape("g32_32768x4096x2048", 32768, 4096, 2048, 32),
     GemmShape("g32_65536x7168x2048", 65536, 7168, 2048, 32),

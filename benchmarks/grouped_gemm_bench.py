@@ -22,6 +22,8 @@ Usage:
 --tma_all    time every TMA config of the tuning space the shape admits, not the short list
 --programs   persistent program counts to time each TMA config at (default: the config's
              own, 132: one per SM of an H100 SXM or an H200)
+--wgrad      also time the weight gradient on every config of its tuning space (pointer and
+             TMA), each checked against its default's output (``wgrad_comparison``)
 
 Per shape, the TMA comparison writes ``fwd_default_ms`` / ``dgrad_default_ms`` (the default
 config, named in ``default_config``), ``tma_fwd_ms`` / ``tma_dgrad_ms`` ({config: ms, or the
@@ -61,6 +63,7 @@ _SHAPES = flags.DEFINE_list("shapes", [], "Only the shapes whose names contain o
 _TMA = flags.DEFINE_bool("tma", True, "Time the forward and input gradient on their TMA configs beside the default.")
 _TMA_ALL = flags.DEFINE_bool("tma_all", False, "Every TMA config of the tuning space, not the short list.")
 _PROGRAMS = flags.DEFINE_list("programs", [], "Persistent program counts for the TMA configs (default: theirs).")
+_WGRAD = flags.DEFINE_bool("wgrad", False, "Time the weight gradient on every config of its tuning space.")
 
 # The TMA configs timed by default: (BM, BN, warps, stages) of decl.TMA_CONFIGS.
 TMA_SHORT = {(128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 8, 3)}
@@ -114,8 +117,44 @@ def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.A
     return r
 
 
+def wgrad_comparison(lhs: jax.Array, dout: jax.Array, sizes: jax.Array, configs: Sequence[Config],
+                     backend: str = "triton", reps: int = 3) -> dict:
+    """The weight gradient on its default config and on each of ``configs`` the shape
+    admits (pointer and TMA): ``wgrad_default_ms``, ``wgrad_ms`` ({config: ms, or the error
+    it raised}), ``wgrad_max_abs_diff`` ({config: largest difference from the default's
+    output}) and ``best_wgrad_over_default``."""
+    (m, k), (_, n), g = lhs.shape, dout.shape, sizes.shape[0]
+    dims, params, prim = {"M": m, "K": k, "N": n, "G": g}, {"elem_bytes": 2}, D.grouped_gemm_wgrad
+
+    def run(cfg):
+        return jax.jit(lambda a, d, s: prim(a, d, s, backend=backend, config=cfg, elem_bytes=2)[0])
+
+    # One fused reduction: a float32 copy of DeepSeek-V3's [256, 7168, 4096] gradient would
+    # not fit beside the two results.
+    diff = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+    default = prim.decl.default_config(dims, params)
+    r: dict[str, Any] = {"wgrad_default_config": str(default)}
+    r["wgrad_default_ms"] = median_wall_ms(run(default), (lhs, dout, sizes), reps)
+    want = run(default)(lhs, dout, sizes)
+    times, diffs = r.setdefault("wgrad_ms", {}), r.setdefault("wgrad_max_abs_diff", {})
+    for cfg in configs:
+        if prim.decl.violated(dims, params, cfg):
+            continue
+        try:
+            f = run(cfg)
+            diffs[str(cfg)] = float(diff(f(lhs, dout, sizes), want))
+            times[str(cfg)] = median_wall_ms(f, (lhs, dout, sizes), reps)
+        except Exception as e:  # a config that fails to compile or launch is a finding, not a crash
+            times[str(cfg)] = repr(e)[:300]
+    ok = [t for t in times.values() if isinstance(t, float)]
+    if ok:
+        r["best_wgrad_over_default"] = min(ok) / r["wgrad_default_ms"]
+    return r
+
+
 def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, sweep: Sequence[Config] = (),
-              tma: Sequence[Config] | None = (), tokamax: Any = None) -> dict[str, Any]:
+              tma: Sequence[Config] | None = (), tokamax: Any = None,
+              wgrad: Sequence[Config] = ()) -> dict[str, Any]:
     """One shape's times, bf16: the dense dot, our forward (checked against the reference)
     and backward on ``backend``; the forward on each of ``sweep``'s configs; the default and
     ``tma`` configs compared (:func:`tma_comparison`; skipped when ``tma`` is None); the
@@ -148,6 +187,8 @@ def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, swee
                 r["sweep_fwd_ms"][str(cfg)] = repr(e)[:200]
     if tma is not None:
         r.update(tma_comparison(lhs, rhs, dout, sizes, tma, backend=backend, reps=few))
+    if wgrad:
+        r.update(wgrad_comparison(lhs, dout, sizes, wgrad, backend=backend, reps=min(reps, 3)))
     if tokamax is not None:
         try:
             tf = jax.jit(lambda a, b, s: tokamax.ragged_dot(a, b, s))
@@ -184,7 +225,8 @@ def main(argv: list[str]) -> None:
         if time.time() - t_start > _BUDGET.value:
             logging.warning("budget spent; skipping %s", shape.name)
             continue
-        r = shape_row(shape, sweep=SWEEP if _SWEEP.value else (), tma=tma, tokamax=tokamax)
+        wgrad = D.grouped_gemm_wgrad.decl.configs if _WGRAD.value else ()
+        r = shape_row(shape, sweep=SWEEP if _SWEEP.value else (), tma=tma, tokamax=tokamax, wgrad=wgrad)
         results["shapes"][shape.name] = r
         print(shape.name, json.dumps(r), flush=True)
         with open(os.path.join(_OUT.value, "grouped_gemm.json"), "w") as f:

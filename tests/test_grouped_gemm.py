@@ -546,6 +546,23 @@ def test_benchmark_tma_comparison_runs_and_checks_each_config(on_cpu):
     assert len(r["tma_max_abs_diff"]) == 4 and max(r["tma_max_abs_diff"].values()) < 0.1, r
 
 
+def test_benchmark_wgrad_comparison_runs_and_checks_each_config(on_cpu):
+    """benchmarks/grouped_gemm_bench.py's weight-gradient comparison, on the interpreter: a
+    pointer and a TMA config timed beside the default, each output checked against the
+    default's; a config the shape does not admit is skipped, not timed."""
+    from benchmarks.grouped_gemm_bench import wgrad_comparison
+    rng = np.random.default_rng(8)
+    lhs = jnp.asarray(rng.standard_normal((40, 32)), jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal((40, 48)), jnp.bfloat16)
+    pointer = Config.make(num_warps=4, num_stages=2, BK=16, BN=16, BR=16)
+    odd = Config.make(num_warps=4, num_stages=2, BK=12, BN=16, BR=8, TMA=True, PROGRAMS=2)  # 24-byte blocks
+    r = wgrad_comparison(lhs, dout, jnp.asarray([25, 9], jnp.int32), [pointer, _tma_wgrad(3), odd],
+                         backend="interpret", reps=1)
+    assert r["wgrad_default_ms"] > 0 and set(r["wgrad_ms"]) == {str(pointer), str(_tma_wgrad(3))}, r
+    assert all(isinstance(t, float) for t in r["wgrad_ms"].values()), r
+    assert max(r["wgrad_max_abs_diff"].values()) < 0.1 and r["best_wgrad_over_default"] > 0, r
+
+
 def test_benchmark_row_writes_every_field_of_the_committed_results(on_cpu):
     """benchmarks/grouped_gemm_bench.py's row of one shape, on the interpreter at a CPU
     shape: every field the committed GPU results hold (bar tokamax's, not installed here),
