@@ -7,7 +7,6 @@ te_jax_perm.parallel.ep_moe_layer).
 
     python3 examples/moe_expert_parallel.py                      # all GPUs, else 8 CPU devices
     python3 examples/moe_expert_parallel.py --hidden=7168 --experts=256
-    python3 examples/moe_expert_parallel.py --weak_scaling       # 1 -> 2 -> .. devices, same tokens each
     python3 examples/moe_expert_parallel.py --cpu_devices=4 --backend=interpret --tokens=16 --hidden=32
 
 Before compiling, it estimates the per-device working set and compares it with the
@@ -15,16 +14,14 @@ device's memory: a layer that cannot fit exits with a message (status 2) instead
 running out of memory inside a collective, where the other devices would wait forever.
 For each all-to-all mode it checks the output and the gradients of x, probs, w1 and w2
 against the single-device reference (on a subset of the tokens at real sizes: the loss
-of the checked step counts only those tokens), and reports the per-device step time, the
-time of one exchange of the same rows measured on its own, and the rows on the wire. The
-last line is PASS or FAIL (exit status 0 or 1).
+of the checked step counts only those tokens). The last line is PASS or FAIL (exit status
+0 or 1). Step and exchange times, and weak scaling over 1, 2, 4, ... devices, are
+``python3 -m benchmarks.ep_bench``'s (it takes these flags too).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import statistics
 import sys
 import time
 from typing import Any
@@ -53,14 +50,10 @@ flags.DEFINE_enum("gemm", "auto", ["auto", "triton", "tokamax", "xla"],
 flags.DEFINE_enum("a2a", "both", ["dense", "ragged", "both"],
                   "all-to-all: dense (capacity-padded), ragged (exact rows; where the platform supports it) or "
                   "both (ragged only where supported)")
-flags.DEFINE_integer("steps", None, "timed training steps per measurement (default: 10 on GPUs, 2 on CPU)")
 flags.DEFINE_integer("check_tokens", 256, "tokens (over all devices) checked against the single-device "
                      "reference when the whole batch is larger; all tokens when --capacity makes rows drop")
-flags.DEFINE_bool("weak_scaling", False, "also time 1, 2, 4, .. devices at the same tokens per device and "
-                  "report each step time over the 1-device one")
 flags.DEFINE_float("device_memory_gib", None, "device memory to plan for, in GiB (default: what the device "
                    "reports; CPUs report none, then the check is skipped)")
-flags.DEFINE_string("json_out", None, "also write the results as JSON to this file")
 
 TOL = {"float32": 2e-3, "bfloat16": 5e-2, "float16": 1e-2}
 EXIT_WONT_FIT = 2
@@ -100,12 +93,11 @@ def on_devices(sz: Sizes, n: int) -> Sizes:
 
 
 def memory_check(sz: Sizes, modes: list[str], devices) -> tuple[bool, str]:
-    from te_jax_perm.parallel.memory import GIB, device_memory_limit, ep_working_set, fits
+    from te_jax_perm.parallel.memory import ep_working_set, fits
     ws = max((ep_working_set(tokens=sz.tokens, hidden=sz.hidden, ffn=sz.ffn, experts=sz.experts, ep=sz.n_dev,
                              capacity=sz.cap, num_out_tokens=sz.num_out, dtype=sz.dtype, a2a=m)
               for m in modes), key=lambda w: w.total)
-    limit = int(FLAGS.device_memory_gib * GIB) if FLAGS.device_memory_gib else device_memory_limit(devices[0])
-    return fits(ws, limit)
+    return fits(ws, memory_limit(devices[0]))
 
 
 # -- problem, layer and reference -----------------------------------------------------------------
@@ -195,97 +187,73 @@ def max_rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-9))
 
 
-def time_ms(fn, args, steps: int) -> list[float]:
-    import jax
-    jax.block_until_ready(fn(*args))
-    out = []
-    for _ in range(max(1, steps)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
-def exchange_ms(sz: Sizes, mesh, rm_host, mode: str, steps: int) -> float:
-    """One forward row exchange of the layer, alone: the same rows, offsets and sizes."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from te_jax_perm.parallel.exchange import send_rows
-    from te_jax_perm.parallel.shard_map_compat import shard_map
-
-    ep, el, cap = sz.n_dev, sz.experts // sz.n_dev, sz.cap
-    rows_to = rm_host.reshape(ep, sz.tokens, ep, el).sum(axis=(1, 3))           # [src, dst] routed rows
-    sent = np.minimum(rows_to, cap).astype(np.int32)
-    rank_start = (np.cumsum(rows_to, 1) - rows_to).astype(np.int32)
-    recv = sent.T.copy()
-    shard = NamedSharding(mesh, P("ep"))
-    rows = jax.device_put(jnp.zeros((ep * sz.num_out, sz.hidden), sz.dtype), shard)
-    args = [jax.device_put(a.reshape(-1), shard) for a in (rank_start, sent, recv)]
-    body = lambda r, s0, s, rv: send_rows(r, s0, s, rv, cap, "ep", mode)
-    fn = jax.jit(shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep")))
-    return statistics.median(time_ms(fn, (rows, *args), steps))
-
-
 # -- one configuration ----------------------------------------------------------------------------
-def run_config(sz: Sizes, devices, modes: list[str], backend: str, steps: int, check: bool) -> dict:
+def modes_of(devs) -> list[str]:
+    """The --a2a modes to run on ``devs``: ragged only where the platform supports it."""
+    from te_jax_perm.parallel import ragged_all_to_all_supported
+    ragged_ok = ragged_all_to_all_supported(devs) if len(devs) > 1 else False
+    return {"dense": ["dense"], "ragged": ["ragged"], "both": ["dense"] + (["ragged"] if ragged_ok else [])}[FLAGS.a2a]
+
+
+def memory_limit(device) -> int | None:
+    """Bytes of device memory to plan for: --device_memory_gib, else what the device reports."""
+    from te_jax_perm.parallel.memory import GIB, device_memory_limit
+    return int(FLAGS.device_memory_gib * GIB) if FLAGS.device_memory_gib else device_memory_limit(device)
+
+
+def compiled_step(sz: Sizes, mesh, mode: str, backend: str, args: tuple, limit: int | None) -> tuple[Any, dict]:
+    """The layer's training step (value and gradients of x, probs, w1, w2) for one all-to-all
+    ``mode``, compiled for ``args``, with its compile time and compiled working set; raises
+    MemoryError, before anything runs, when that exceeds ``limit`` bytes (a rank out of
+    memory would hang the others in the all-to-all)."""
+    import jax
+    from te_jax_perm.parallel import EPConfig, ep_moe_layer
+
+    gemm = None if FLAGS.gemm == "auto" else FLAGS.gemm
+    cfg = EPConfig(num_out_tokens=sz.num_out, capacity=sz.capacity, backend=backend, a2a=mode, gemm=gemm)
+    layer = lambda x, rm, p, a, b: ep_moe_layer(x, rm, p, a, b, mesh=mesh, cfg=cfg)
+    step = jax.jit(jax.value_and_grad(loss_fn(layer), argnums=(0, 1, 2, 3), has_aux=True))
+    t0 = time.perf_counter()
+    compiled = step.lower(*args).compile()
+    info: dict[str, Any] = {"compile_s": time.perf_counter() - t0}
+    ma = compiled.memory_analysis()
+    if ma is not None and limit:
+        need = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
+        info["compiled_bytes_per_device"] = int(need)
+        if need > limit:
+            raise MemoryError(f"the compiled step needs {need / 2**30:.1f} GiB per device, more than the "
+                              f"device's {limit / 2**30:.1f} GiB: not running it (a rank out of memory would "
+                              "hang the others in the all-to-all)")
+    return compiled, info
+
+
+def check_config(sz: Sizes, devices, modes: list[str], backend: str) -> dict:
+    """Each mode's output and gradients on ``checked_rows`` against the single-device reference."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
-    from te_jax_perm.parallel import EPConfig, ep_moe_layer
-    from te_jax_perm.parallel.memory import device_memory_limit
 
     mesh = Mesh(np.array(devices), ("ep",))
     x, rm, probs, w1, w2, rm_host = make_problem(sz, mesh, FLAGS.routing)
-    tt = sz.n_dev * sz.tokens
     rows = checked_rows(sz)
-    res: dict[str, Any] = {"devices": sz.n_dev, **dataclasses.asdict(sz), "cap": sz.cap, "modes": {}}
-    ref = None
-    if check:
-        ref = reference_grads(sz, x, probs, w1, w2, rm_host, rows)
-        res["checked_tokens"] = len(rows)
-    rows_to = rm_host.reshape(sz.n_dev, sz.tokens, sz.n_dev, -1).sum(axis=(1, 3))
-    kept = np.minimum(rows_to, sz.cap)
-    limit = int(FLAGS.device_memory_gib * (1 << 30)) if FLAGS.device_memory_gib else device_memory_limit(devices[0])
-    gemm = None if FLAGS.gemm == "auto" else FLAGS.gemm
+    res: dict[str, Any] = {"devices": sz.n_dev, **dataclasses.asdict(sz), "cap": sz.cap, "modes": {},
+                           "checked_tokens": len(rows)}
+    l_ref, out_ref, g_ref = reference_grads(sz, x, probs, w1, w2, rm_host, rows)
+    mask = np.zeros((sz.n_dev * sz.tokens,), np.float32)
+    mask[rows] = 1.0
+    args = (x, probs, w1, w2, rm, jax.device_put(mask, x.sharding))
     for mode in modes:
-        cfg = EPConfig(num_out_tokens=sz.num_out, capacity=sz.capacity, backend=backend, a2a=mode, gemm=gemm)
-        layer = lambda x, rm, p, a, b: ep_moe_layer(x, rm, p, a, b, mesh=mesh, cfg=cfg)
-        step = jax.jit(jax.value_and_grad(loss_fn(layer), argnums=(0, 1, 2, 3), has_aux=True))
-        t0 = time.perf_counter()
-        mask = np.zeros((tt,), np.float32)
-        mask[rows] = 1.0
-        args_check = (x, probs, w1, w2, rm, jax.device_put(mask, x.sharding))
-        compiled = step.lower(*args_check).compile()
-        r: dict[str, Any] = {"compile_s": time.perf_counter() - t0}
-        ma = compiled.memory_analysis()
-        if ma is not None and limit:
-            need = ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes
-            r["compiled_bytes_per_device"] = int(need)
-            if need > limit:
-                raise MemoryError(f"the compiled step needs {need / 2**30:.1f} GiB per device, more than the "
-                                  f"device's {limit / 2**30:.1f} GiB: not running it (a rank out of memory would "
-                                  "hang the others in the all-to-all)")
-        if check:
-            (l, out), g = compiled(*args_check)
-            l_ref, out_ref, g_ref = ref
-            # Weight gradients on the experts the checked tokens use most: not tens of GiB to the host.
-            q = np.sort(np.argsort(-rm_host[rows].sum(0), kind="stable")[:8])
-            r["errors"] = {"loss": max_rel(l, l_ref), "out": max_rel(out[rows], out_ref)}
-            for name, a, b, idx in (("dx", g[0], g_ref[0], rows), ("dprobs", g[1], g_ref[1], rows),
-                                    ("dw1", g[2][q], g_ref[2][q], None), ("dw2", g[3][q], g_ref[3][q], None)):
-                r["errors"][name] = max_rel(a if idx is None else a[idx], b)
-            del g, out
-            r["ok"] = all(np.isfinite(v) and v <= TOL.get(sz.dtype, 5e-2) for v in r["errors"].values())
-            r["checked_experts"] = q.tolist()
-        ones = jax.device_put(np.ones((tt,), np.float32), x.sharding)
-        times = time_ms(compiled, (x, probs, w1, w2, rm, ones), steps)
-        r["step_ms"] = statistics.median(times)
-        r["step_ms_min_max"] = (min(times), max(times))
-        r["exchange_ms"] = exchange_ms(sz, mesh, rm_host, mode, steps)
-        r["rows_on_wire_per_device"] = ([sz.n_dev * sz.cap] * sz.n_dev if mode == "dense"
-                                        else kept.sum(1).astype(int).tolist())
+        compiled, r = compiled_step(sz, mesh, mode, backend, args, memory_limit(devices[0]))
+        (l, out), g = compiled(*args)
+        # Weight gradients on the experts the checked tokens use most: not tens of GiB to the host.
+        q = np.sort(np.argsort(-rm_host[rows].sum(0), kind="stable")[:8])
+        r["errors"] = {"loss": max_rel(l, l_ref), "out": max_rel(out[rows], out_ref)}
+        for name, a, b, idx in (("dx", g[0], g_ref[0], rows), ("dprobs", g[1], g_ref[1], rows),
+                                ("dw1", g[2][q], g_ref[2][q], None), ("dw2", g[3][q], g_ref[3][q], None)):
+            r["errors"][name] = max_rel(a if idx is None else a[idx], b)
+        del g, out
+        r["ok"] = all(np.isfinite(v) and v <= TOL.get(sz.dtype, 5e-2) for v in r["errors"].values())
+        r["checked_experts"] = q.tolist()
         res["modes"][mode] = r
     return res
 
@@ -296,84 +264,70 @@ def print_config(res: dict) -> None:
         print(f"[{res['devices']} devices, a2a={mode}] compile {r['compile_s']:.1f} s"
               + (f", compiled step needs {r['compiled_bytes_per_device'] / 2**30:.1f} GiB per device"
                  if "compiled_bytes_per_device" in r else ""))
-        if "errors" in r:
-            print(f"  vs single-device reference on {res['checked_tokens']} tokens: max rel err "
-                  + ", ".join(f"{n} {v:.1e}" for n, v in r["errors"].items())
-                  + f" (tol {tol:.0e}) -> {'ok' if r['ok'] else 'MISMATCH'}")
-        print(f"  train step (fwd+bwd) per device: median {r['step_ms']:.2f} ms "
-              f"[min {r['step_ms_min_max'][0]:.2f}, max {r['step_ms_min_max'][1]:.2f}]")
-        print(f"  one row exchange alone: {r['exchange_ms']:.2f} ms (a training step makes 4: there and back, "
-              f"forward and backward = {4 * r['exchange_ms']:.2f} ms, {400 * r['exchange_ms'] / r['step_ms']:.0f}% "
-              f"of the step if none overlaps); rows on the wire per device "
-              f"{r['rows_on_wire_per_device']}" + (" (padded to capacity)" if mode == "dense" else " (kept rows)"))
+        print(f"  vs single-device reference on {res['checked_tokens']} tokens: max rel err "
+              + ", ".join(f"{n} {v:.1e}" for n, v in r["errors"].items())
+              + f" (tol {tol:.0e}) -> {'ok' if r['ok'] else 'MISMATCH'}")
 
 
-def main(argv: list[str]) -> int:
-    del argv
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What the flags and the machine decide: the devices, sizes, all-to-all modes and backend."""
+    devices: list
+    sz: Sizes
+    modes: list[str]
+    backend: str
+    on_gpu: bool
+
+
+def setup(counts_of=lambda n: []) -> Run | int:
+    """The :class:`Run` of the flags, after the memory check of all devices and of each
+    device count ``counts_of(n)`` (fewer devices at the same sizes per device); an exit
+    status, with the reason printed, where the layer cannot run."""
     if "XLA_FLAGS" not in os.environ:   # only affects the CPU platform; must precede backend start-up
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={FLAGS.cpu_devices}"
     import jax
-    from te_jax_perm.parallel import ragged_all_to_all_supported
 
     if jax.default_backend() == "cpu":
         # The check compares two matmul decompositions in float32; keep it exact.
         jax.config.update("jax_default_matmul_precision", "highest")
-    all_devs = jax.devices()
-    devs = all_devs[:FLAGS.devices] if FLAGS.devices else all_devs
+    devs = jax.devices()[:FLAGS.devices] if FLAGS.devices else jax.devices()
     on_gpu = devs[0].platform == "gpu"
     backend = FLAGS.backend or ("triton" if on_gpu else "xla")
-    steps = FLAGS.steps or (10 if on_gpu else 2)
     sz = sizes_from_flags(len(devs), on_gpu)
     if sz.experts % sz.n_dev:
         print(f"--experts={sz.experts} is not a multiple of the {sz.n_dev} devices")
         return 1
-    ragged_ok = ragged_all_to_all_supported(devs) if len(devs) > 1 else False
-    modes = {"dense": ["dense"], "ragged": ["ragged"], "both": ["dense"] + (["ragged"] if ragged_ok else [])}[FLAGS.a2a]
+    modes = modes_of(devs)
     print(f"{jax.default_backend()} ({devs[0].device_kind}) x{sz.n_dev}: E={sz.experts} ({sz.experts // sz.n_dev} "
           f"per device), top-{sz.topk}, T={sz.tokens} per device, H={sz.hidden}, F={sz.ffn}, {sz.dtype}, "
-          f"capacity {sz.cap}, backend {backend}, routing {FLAGS.routing}; ragged_all_to_all "
-          f"{'supported' if ragged_ok else 'not supported'} here; a2a modes: {modes}")
-
-    counts = [1 << i for i in range(sz.n_dev.bit_length()) if (1 << i) < sz.n_dev] if FLAGS.weak_scaling else []
-    for n in counts + [sz.n_dev]:
+          f"capacity {sz.cap}, backend {backend}, routing {FLAGS.routing}; a2a modes: {modes}")
+    for n in list(counts_of(sz.n_dev)) + [sz.n_dev]:
         ok, msg = memory_check(on_devices(sz, n), modes if n > 1 else ["dense"], devs)
         print(f"memory check ({n} device{'s' if n > 1 else ''}): {msg}")
         if not ok:
             print("WON'T FIT: not compiling. Try fewer --tokens, a smaller --hidden/--ffn, fewer --experts per "
                   "device, or a --capacity (rows past it drop).")
             return EXIT_WONT_FIT
+    return Run(devs, sz, modes, backend, on_gpu)
 
-    results: dict[str, Any] = {"device": devs[0].device_kind, "platform": jax.default_backend(), "runs": []}
-    ok = True
+
+def main(argv: list[str]) -> int:
+    del argv
+    run = setup()
+    if isinstance(run, int):
+        return run
     try:
-        for n in counts:    # weak scaling: timed, not checked (the full-size run below is)
-            res = run_config(on_devices(sz, n), devs[:n], ["dense"] if n == 1 else modes, backend, steps,
-                             check=False)
-            results["runs"].append(res)
-            print_config(res)
-        res = run_config(sz, devs, modes, backend, steps, check=True)
+        res = check_config(run.sz, run.devices, run.modes, run.backend)
     except MemoryError as e:
         print(f"WON'T FIT: {e}")
         return EXIT_WONT_FIT
-    results["runs"].append(res)
     print_config(res)
     ok = all(r["ok"] for r in res["modes"].values())
-    if counts:
-        base = results["runs"][0]["modes"]["dense"]["step_ms"]
-        for r in results["runs"][1:]:
-            for mode, m in r["modes"].items():
-                m["weak_scaling_ratio"] = m["step_ms"] / base
-                print(f"weak scaling: {r['devices']} devices ({r['experts']} experts), a2a={mode}: "
-                      f"{m['step_ms']:.2f} ms per step = {m['weak_scaling_ratio']:.2f}x the 1-device step "
-                      f"({base:.2f} ms)")
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(results, f, indent=1)
-    if not on_gpu and backend != "interpret":
+    if not run.on_gpu and run.backend != "interpret":
         print("hint: --backend=interpret runs te_jax_perm's Triton kernels on the CPU interpreter "
               "(slow: try it with --tokens=16 --hidden=32 --cpu_devices=4)")
-    print(f"{'PASS' if ok else 'FAIL'}: expert-parallel layer on {sz.n_dev} {jax.default_backend()} devices, "
-          f"a2a {'+'.join(modes)}, backend {backend}, vs the single-device reference")
+    print(f"{'PASS' if ok else 'FAIL'}: expert-parallel layer on {run.sz.n_dev} {run.devices[0].platform} devices, "
+          f"a2a {'+'.join(run.modes)}, backend {run.backend}, vs the single-device reference")
     return 0 if ok else 1
 
 

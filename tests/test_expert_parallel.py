@@ -159,6 +159,7 @@ def test_gpu_all_devices(a2a):
 
 
 # -- the memory pre-check and the example that uses it --------------------------------------
+import json  # noqa: E402
 import os  # noqa: E402
 import pathlib  # noqa: E402
 import subprocess  # noqa: E402
@@ -191,13 +192,14 @@ def test_working_set_counts_weights_activations_and_capacity():
     assert fits(ws, None)[0]      # unknown device memory (CPU): not checked
 
 
-def _run_example(*args):
+def _run_example(*args, bench: bool = False):
+    """The example (or, with ``bench``, ``benchmarks.ep_bench``) in a fresh process."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
     env.pop("TE_JAX_PERM_BACKEND", None)
     env["JAX_PLATFORMS"] = "cpu"  # these runs are about virtual CPU devices, also on a GPU machine
-    return subprocess.run([sys.executable, str(EP_EXAMPLE), *args], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=ROOT)
+    cmd = [sys.executable, "-m", "benchmarks.ep_bench"] if bench else [sys.executable, str(EP_EXAMPLE)]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
 
 
 @single_process
@@ -211,25 +213,46 @@ def test_example_exits_with_a_message_when_the_layer_cannot_fit():
 
 
 @single_process
-def test_example_runs_when_the_layer_fits_and_weak_scales():
+def test_example_runs_when_the_layer_fits():
     proc = _run_example("--cpu_devices=4", "--tokens=48", "--hidden=32", "--ffn=32", "--experts=8",
-                        "--check_tokens=32", "--device_memory_gib=1", "--weak_scaling", "--steps=1")
+                        "--check_tokens=32", "--device_memory_gib=1")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     assert "fits in 90% of the device's 1.0 GiB" in out
     assert "vs single-device reference on 32 tokens" in out and "-> ok" in out
-    assert "weak scaling: 4 devices" in out and "one row exchange alone" in out
+    assert "train step" not in out      # timing is the benchmark's
     assert "--backend=interpret" in out
     assert out.strip().splitlines()[-1].startswith("PASS")
 
 
 @single_process
+def test_benchmark_times_the_example_layer_and_weak_scales(tmp_path):
+    """benchmarks/ep_bench.py on the example's layer and flags: the step and one exchange
+    timed per mode at 1, 2 and 4 devices, each over the 1-device step, written as JSON."""
+    out_json = tmp_path / "ep.json"
+    proc = _run_example("--cpu_devices=4", "--tokens=48", "--hidden=32", "--ffn=32", "--experts=8",
+                        "--device_memory_gib=1", "--weak_scaling", "--steps=1", f"--json_out={out_json}", bench=True)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "memory check (1 device)" in out and "memory check (4 devices)" in out
+    assert "weak scaling: 4 devices (8 experts)" in out and "one row exchange alone" in out
+    runs = json.loads(out_json.read_text())["runs"]
+    assert [r["devices"] for r in runs] == [1, 2, 4] and runs[0]["experts"] == 2
+    assert all(m["step_ms"] > 0 and m["exchange_ms"] > 0 for r in runs for m in r["modes"].values())
+    assert all("weak_scaling_ratio" in m for r in runs[1:] for m in r["modes"].values())
+
+
+@single_process
 def test_example_helpshort_explains_every_flag():
     import re
-    proc = _run_example("--helpshort")
-    text = proc.stdout + proc.stderr
-    names = re.findall(r"^  --(?:\[no\])?(\w+):(.*)$", text[text.index("flags:"):], re.M)
-    assert {n for n, _ in names} >= {"cpu_devices", "devices", "tokens", "hidden", "ffn", "experts", "topk", "dtype",
-                                    "routing", "capacity", "backend", "gemm", "a2a", "steps", "check_tokens",
-                                    "weak_scaling", "device_memory_gib", "json_out"}
-    assert all(len(h.strip()) > 10 for _, h in names), names
+    example = {"cpu_devices", "devices", "tokens", "hidden", "ffn", "experts", "topk", "dtype", "routing",
+               "capacity", "backend", "gemm", "a2a", "check_tokens", "device_memory_gib"}
+    # The benchmark's own flags are its --helpshort; the example's, which it takes too, are in --helpfull.
+    for bench, how, want in ((False, "--helpshort", example), (True, "--helpshort", {"steps", "weak_scaling", "json_out"}),
+                             (True, "--helpfull", example)):
+        proc = _run_example(how, bench=bench)
+        text = proc.stdout + proc.stderr
+        assert proc.returncode == 0, text
+        names = re.findall(r"^  --(?:\[no\])?(\w+):(.*)$", text[text.index("flags:"):], re.M)
+        assert {n for n, _ in names} >= want, (bench, text)
+        assert all(len(h.strip()) > 10 for _, h in names), names

@@ -1,0 +1,122 @@
+"""The expert-parallel MoE layer's training step and row exchange, timed per device.
+
+    python3 -m benchmarks.ep_bench [--weak_scaling] [--json_out FILE] [example flags]
+
+The layer, its sizes and flags are ``examples/moe_expert_parallel.py``'s (imported from it;
+run the example first for its check against the single-device reference). For each
+all-to-all mode this times the compiled fwd+bwd step (median of --steps calls, each blocked
+until done), one forward row exchange of the same rows measured on its own, and reports the
+rows on the wire. With --weak_scaling it also times 1, 2, 4, ... devices at the same tokens
+and experts per device, and each step over the 1-device step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+from typing import Any
+
+from absl import flags
+
+# Run as a module from the repository root: the examples package is a sibling.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.timing import median_wall_ms, wall_ms  # noqa: E402
+from examples import moe_expert_parallel as example  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("steps", None, "timed training steps per measurement (default: 10 on GPUs, 2 on CPU)")
+flags.DEFINE_bool("weak_scaling", False, "also time 1, 2, 4, .. devices at the same tokens per device and "
+                  "report each step time over the 1-device one")
+flags.DEFINE_string("json_out", None, "also write the results as JSON to this file")
+
+
+def exchange_ms(sz: example.Sizes, mesh, rm_host, mode: str, steps: int) -> float:
+    """One forward row exchange of the layer, alone: the same rows, offsets and sizes."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from te_jax_perm.parallel.exchange import send_rows
+    from te_jax_perm.parallel.shard_map_compat import shard_map
+
+    ep, el, cap = sz.n_dev, sz.experts // sz.n_dev, sz.cap
+    rows_to = rm_host.reshape(ep, sz.tokens, ep, el).sum(axis=(1, 3))           # [src, dst] routed rows
+    sent = np.minimum(rows_to, cap).astype(np.int32)
+    rank_start = (np.cumsum(rows_to, 1) - rows_to).astype(np.int32)
+    recv = sent.T.copy()
+    shard = NamedSharding(mesh, P("ep"))
+    rows = jax.device_put(jnp.zeros((ep * sz.num_out, sz.hidden), sz.dtype), shard)
+    args = [jax.device_put(a.reshape(-1), shard) for a in (rank_start, sent, recv)]
+    body = lambda r, s0, s, rv: send_rows(r, s0, s, rv, cap, "ep", mode)
+    fn = jax.jit(shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep")))
+    return median_wall_ms(fn, (rows, *args), steps)
+
+
+def time_config(sz: example.Sizes, devices, modes: list[str], backend: str, steps: int) -> dict:
+    """Each mode's step and exchange times on ``devices`` and its rows on the wire."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(devices), ("ep",))
+    x, rm, probs, w1, w2, rm_host = example.make_problem(sz, mesh, FLAGS.routing)
+    args = (x, probs, w1, w2, rm, jax.device_put(np.ones((sz.n_dev * sz.tokens,), np.float32), x.sharding))
+    kept = np.minimum(rm_host.reshape(sz.n_dev, sz.tokens, sz.n_dev, -1).sum(axis=(1, 3)), sz.cap)
+    res: dict[str, Any] = {"devices": sz.n_dev, "experts": sz.experts, "modes": {}}
+    for mode in modes:
+        compiled, r = example.compiled_step(sz, mesh, mode, backend, args, example.memory_limit(devices[0]))
+        times = wall_ms(compiled, args, steps)
+        r["step_ms"] = statistics.median(times)
+        r["step_ms_min_max"] = (min(times), max(times))
+        r["exchange_ms"] = exchange_ms(sz, mesh, rm_host, mode, steps)
+        r["rows_on_wire_per_device"] = ([sz.n_dev * sz.cap] * sz.n_dev if mode == "dense"
+                                        else kept.sum(1).astype(int).tolist())
+        res["modes"][mode] = r
+        print(f"[{sz.n_dev} devices, a2a={mode}] train step (fwd+bwd) per device: median {r['step_ms']:.2f} ms "
+              f"[min {min(times):.2f}, max {max(times):.2f}]; one row exchange alone: {r['exchange_ms']:.2f} ms "
+              f"(a training step makes 4: there and back, forward and backward = {4 * r['exchange_ms']:.2f} ms, "
+              f"{400 * r['exchange_ms'] / r['step_ms']:.0f}% of the step if none overlaps); rows on the wire per "
+              f"device {r['rows_on_wire_per_device']}" + (" (padded to capacity)" if mode == "dense" else " (kept rows)"))
+    return res
+
+
+def weak_counts(n: int) -> list[int]:
+    """1, 2, 4, ... devices below ``n``, where --weak_scaling asks for them."""
+    return [1 << i for i in range(n.bit_length()) if (1 << i) < n] if FLAGS.weak_scaling else []
+
+
+def main(argv: list[str]) -> int:
+    del argv
+    run = example.setup(weak_counts)
+    if isinstance(run, int):
+        return run
+    sz, steps = run.sz, FLAGS.steps or (10 if run.on_gpu else 2)
+    results: dict[str, Any] = {"device": run.devices[0].device_kind, "platform": run.devices[0].platform,
+                               "sizes": {**dataclasses.asdict(sz), "cap": sz.cap}, "runs": []}
+    try:
+        for n in weak_counts(sz.n_dev) + [sz.n_dev]:
+            modes = ["dense"] if n == 1 else run.modes
+            results["runs"].append(time_config(example.on_devices(sz, n), run.devices[:n], modes, run.backend, steps))
+    except MemoryError as e:
+        print(f"WON'T FIT: {e}")
+        return example.EXIT_WONT_FIT
+    if len(results["runs"]) > 1:
+        base = results["runs"][0]["modes"]["dense"]["step_ms"]
+        for r in results["runs"][1:]:
+            for mode, m in r["modes"].items():
+                m["weak_scaling_ratio"] = m["step_ms"] / base
+                print(f"weak scaling: {r['devices']} devices ({r['experts']} experts), a2a={mode}: "
+                      f"{m['step_ms']:.2f} ms per step = {m['weak_scaling_ratio']:.2f}x the 1-device step "
+                      f"({base:.2f} ms)")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    from te_jax_perm import cli
+    cli.run(main)
