@@ -90,13 +90,19 @@ def _interpreted(fn: Any) -> Iterator[Callable]:
     """``fn``'s interpreter rewrite (made once), the language patched for it in the block.
     The patch also lets it call other ``@triton.jit`` functions (helpers, ``tl.sum``...):
     outside ``TRITON_INTERPRET=1`` their ``__call__`` refuses to run, so it runs their rewrite."""
+    import triton.language as tl
     from triton.runtime import interpreter as interp
     from triton.runtime.jit import JITFunction
 
     if fn not in _rewritten:
         _rewritten[fn] = interp.InterpretedFunction(fn).rewrite()
     scope = interp._patch_lang(fn)
-    patch_scalar_index(scope)
+    # Scalars used as Python ints (loop bounds, ``range``) under NumPy >= 2.4, which refuses
+    # Triton 3.6-3.8's ``int(one-element array)``; truth values keep the interpreter's own
+    # rule (only a scalar has one), read as a scalar. The scope undoes this with the rest.
+    first = lambda t: np.asarray(t.handle.data).reshape(-1)[0]  # noqa: E731
+    scope.set_attr(tl.core.tensor, "__index__", lambda self: int(first(self)))
+    scope.set_attr(tl.core.tensor, "__bool__", lambda self: bool(first(self)) if self.handle.data.size == 1 else True)
     scope.set_attr(JITFunction, "__call__", _call_nested)
     try:
         yield _rewritten[fn]
@@ -130,10 +136,7 @@ def run_eagerly(fn: Callable[..., Any], args: Sequence[jax.Array]) -> Any:
         with jax.default_device(cpu):
             return jax.block_until_ready(fn(*jax.device_put(tuple(args), cpu)))
     except jax.errors.JaxRuntimeError as e:
-        raised = errors.original(e)
-        if raised is None:
-            raise
-        raise raised from None
+        raise errors.original(e) or e from None
 
 
 def interpret_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Array]:
@@ -288,16 +291,13 @@ def convert(data: np.ndarray, src_tt: Any, dst_tt: Any, storage: np.dtype, *, to
     ``dst_tt``'s storage dtype; ``None`` when this module does not handle the pair."""
     src, dst = _name(src_tt), _name(dst_tt)
     sfmt, dfmt = FORMATS.get(src), FORMATS.get(dst)
-    if sfmt is None and dfmt is None:
+    # Neither side a float handled here (int <-> int), or one a float that is not (float64,
+    # an fp8 variant not used on NVIDIA GPUs): the interpreter's own conversion.
+    if (sfmt is None and dfmt is None) or (src.startswith("fp") and sfmt is None) or (
+            dst.startswith("fp") and dfmt is None):
         return None
-    if (src.startswith("fp") and sfmt is None) or (dst.startswith("fp") and dfmt is None):
-        return None   # float64, or an fp8 variant not used on NVIDIA GPUs
-    if sfmt is not None:
-        vals = decode(data, sfmt)
-    elif np.issubdtype(data.dtype, np.integer) or data.dtype == np.bool_:
-        vals = data.astype(np.float64)   # exact below 2**53
-    else:
-        return None
+    # A source that is no handled float is an integer (or i1, held as bool).
+    vals = decode(data, sfmt) if sfmt is not None else data.astype(np.float64)   # exact below 2**53
     if dfmt is not None:
         out = round_float(vals, dfmt, toward_zero=toward_zero, saturate=dst in _SATURATING)
     elif np.issubdtype(storage, np.integer):
@@ -353,16 +353,3 @@ def _as_f32(t) -> np.ndarray:
         return (t.data.astype(np.uint32) << 16).view(np.float32)
     return t.data.astype(np.float32)
 
-
-def patch_scalar_index(scope: Any) -> None:
-    """Scalars used as Python ints (loop bounds, ``range``) under NumPy >= 2.4, which refuses
-    Triton 3.6-3.8's ``int(one-element array)``. ``scope`` is one launch's language patch,
-    which undoes this with everything else."""
-    import triton.language as tl
-
-    def first(self):
-        return np.asarray(self.handle.data).reshape(-1)[0]
-
-    scope.set_attr(tl.core.tensor, "__index__", lambda self: int(first(self)))
-    # Same rule as the interpreter's own (only a scalar has a truth value), read as a scalar.
-    scope.set_attr(tl.core.tensor, "__bool__", lambda self: bool(first(self)) if self.handle.data.size == 1 else True)

@@ -12,6 +12,7 @@ import jax
 import jax.extend  # noqa: F401  (jax.extend is not imported by `import jax`)
 import jax.numpy as jnp
 from jax.extend.core import Primitive
+from jax._src import dispatch
 from jax.interpreters import batching, mlir
 
 from te_jax_perm.core import backends, checks, sharding
@@ -40,7 +41,9 @@ class KernelPrimitive:
         self.vmapped = self._primitive("_vmapped", functools.partial(sharding.vmapped_avals, self), partitioned)
         for prim in (self.prim, self.vmapped):
             batching.primitive_batchers[prim] = functools.partial(sharding.batch, self)
-            sharding.requires_devices(prim)
+            # custom_partitioning needs the device assignment at lowering time; so do we,
+            # since we emit it from our own lowering rule.
+            dispatch.prim_requires_devices_during_lowering.add(prim)
 
     def _primitive(self, suffix: str, abstract_eval: Callable, lower: Callable) -> Primitive:
         """One of the kernel's primitives; ``lower(platform, ctx, *args, **params)``."""
