@@ -9,6 +9,7 @@ and in-process (the baseline the pool's compile time is measured against).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import importlib
 import subprocess
@@ -103,17 +104,20 @@ class _Worker:
         self.job: int | None = None
         self.started = 0.0
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+    def exited(self, wait_s: float = 0.0) -> bool:
+        """Whether the process has exited, waiting up to ``wait_s`` for it."""
+        try:
+            self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def stop(self, kill: bool = False) -> None:
         if kill:
             self.proc.kill()
         else:
-            try:
+            with contextlib.suppress(OSError):   # already gone
                 self.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -172,7 +176,8 @@ class CompilePool:
                 if not ok:
                     logging.warning("autotune: %s failed to compile: %s", jobs[idx].label,
                                     payload.strip().splitlines()[-1])
-            elif not w.alive() or (w.conn in ready and _eof(w)) or time.monotonic() > deadline:
+            # A readable pipe that gave no message: the worker is exiting, give it a moment.
+            elif w.exited(2.0 if w.conn in ready else 0.0) or time.monotonic() > deadline:
                 self._replace(w, jobs, results)
 
     def _replace(self, w: _Worker, jobs: Sequence[CompileJob], results: list) -> None:
@@ -181,7 +186,7 @@ class CompilePool:
             logging.warning("autotune: compile worker failed to start (exit code %s); replacing it", w.proc.poll())
             if self.replaced > 4 * self.size + 8:
                 raise RuntimeError("autotune: compile workers keep failing to start")
-        elif w.alive():
+        elif not w.exited():
             results[w.job] = CompileResult(False, {}, f"compile timed out after {self.timeout_s:.1f}s")
             logging.warning("autotune: %s hung past %.1fs; worker killed, config skipped",
                             jobs[w.job].label, self.timeout_s)
@@ -200,14 +205,6 @@ class CompilePool:
         for w in self._workers:
             w.stop()
         self._workers = []
-
-
-def _eof(w: _Worker) -> bool:
-    try:
-        w.proc.wait(timeout=2)
-    except subprocess.TimeoutExpired:
-        return False
-    return True
 
 
 _pool: CompilePool | None = None

@@ -30,26 +30,23 @@ def make_inputs(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, 
     """Fresh random operands of the traced shapes and dtypes: ``decl.example_inputs``, else
     integers drawn from ``[0, smallest dim)``, valid indices into any axis of any operand."""
     rng = np.random.default_rng(seed)
-    named = {op.name: np.dtype(dt) for op, dt in zip(decl.operands, dtypes)}
+    dtypes = [np.dtype(dt) for dt in dtypes]
+    shapes = [tuple(dims[d] for d in op.dims) for op in decl.operands]
     if decl.example_inputs is not None:
+        named = {op.name: dt for op, dt in zip(decl.operands, dtypes)}
         arrays = [np.asarray(a) for a in decl.example_inputs(dims, params, named, rng)]
-    else:
-        hi = max(1, min(dims.values())) if dims else 1
-        arrays = []
-        for op, dt in zip(decl.operands, dtypes):
-            shape = tuple(dims[d] for d in op.dims)
-            dt = np.dtype(dt)
-            if dt == np.bool_:
-                arrays.append(rng.integers(0, 2, shape).astype(bool))
-            elif np.issubdtype(dt, np.integer):
-                arrays.append(rng.integers(0, hi, shape).astype(dt))
-            else:
-                arrays.append(rng.standard_normal(shape).astype(np.float32).astype(dt))
-    for op, a, dt in zip(decl.operands, arrays, dtypes):
-        want = tuple(dims[d] for d in op.dims)
-        if a.shape != want or a.dtype != np.dtype(dt):
-            raise ValueError(f"{decl.name}: example_inputs gave {op.name!r} shape {a.shape} dtype {a.dtype}; "
-                             f"expected {want} {np.dtype(dt)}")
+        for op, a, want, dt in zip(decl.operands, arrays, shapes, dtypes):
+            if a.shape != want or a.dtype != dt:
+                raise ValueError(f"{decl.name}: example_inputs gave {op.name!r} shape {a.shape} dtype {a.dtype}; "
+                                 f"expected {want} {dt}")
+        return arrays
+    hi = max(1, min(dims.values())) if dims else 1
+    arrays = []
+    for shape, dt in zip(shapes, dtypes):
+        if dt == np.bool_ or np.issubdtype(dt, np.integer):
+            arrays.append(rng.integers(0, 2 if dt == np.bool_ else hi, shape).astype(dt))
+        else:
+            arrays.append(rng.standard_normal(shape).astype(np.float32).astype(dt))
     return arrays
 
 

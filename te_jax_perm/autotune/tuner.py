@@ -67,12 +67,8 @@ def candidates(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, A
                ) -> tuple[list[Config], list[tuple[Config, str]]]:
     """``(valid, pruned)``, ``pruned`` with each reason; the default config is always a
     candidate (if valid), so tuning can only improve on it."""
-    space = list(dict.fromkeys(decl.configs))
-    default = decl.default_config(dims, params)
-    if default not in space:
-        space.append(default)
     valid, pruned = [], []
-    for cfg in space:
+    for cfg in dict.fromkeys((*decl.configs, decl.default_config(dims, params))):
         why = decl.violated(dims, params, cfg)
         if why:
             pruned.append((cfg, why))
@@ -243,9 +239,7 @@ _options = TuneOptions()
 
 
 def enabled() -> bool:
-    if _enabled:
-        return _enabled[-1]
-    return env.autotune()
+    return _enabled[-1] if _enabled else env.autotune()
 
 
 def enable(on: bool = True, options: TuneOptions | None = None) -> None:

@@ -78,10 +78,8 @@ def sanitize(raise_on_first: bool = False) -> Iterator[Report]:
     try:
         with jax.default_device(jax.devices("cpu")[0]):
             yield report
-    except HazardError:
-        raise
     except Exception as e:  # noqa: BLE001 - a hazard raised inside XLA's callback arrives wrapped
-        if raise_on_first and report.hazards:
+        if raise_on_first and report.hazards and not isinstance(e, HazardError):
             raise HazardError(report.hazards[0]) from e
         raise
     finally:

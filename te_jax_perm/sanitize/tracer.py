@@ -105,8 +105,7 @@ class LaunchRecord:
         self.failed = False
 
     def pid_of(self, lin: int) -> Pid:
-        gx, gy, _ = self.grid
-        return (lin % gx, (lin // gx) % gy, lin // (gx * gy))
+        return tuple(int(i) for i in np.unravel_index(lin, self.grid, order="F"))
 
     def tag_of(self, handle) -> int | None:
         tag = handle.attr.get(_TAG)
@@ -128,13 +127,13 @@ class LaunchRecord:
         size = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
         # The region: the pointer's provenance, else the tensor descriptor's being accessed,
         # else a root argument's (by base address), else attributed by address.
-        tag = ptrs.attr.get(_TAG)
-        tag = self.forced_tag if tag is None else tag
+        tag = ptrs.attr.get(_TAG, self.forced_tag)
         tag = self.tag_of(ptrs) if tag is None else tag
         tag = self.regions.attribute(a) if tag is None else tag
         reg = self.regions.regions[tag]
         off = a - reg.address
         bad = (off < 0) | (off + size > reg.nbytes)
+        result = None
         if bad.any():
             eoff = np.floor_divide(off[bad], reg.itemsize)
             hz = Hazard(OOB, self.kernel, reg.name, (tuple(pid),), kind, (int(eoff.min()), int(eoff.max()) + 1),
@@ -144,14 +143,10 @@ class LaunchRecord:
                 self.failed = True
                 raise HazardError(hz)
             off = off[~bad]
-            new_mask = full.copy().reshape(-1)
-            new_mask[np.flatnonzero(flat_mask)[bad]] = False
-            result = new_mask.reshape(addrs.shape)
-        else:
-            result = None
+            flat_mask[np.flatnonzero(flat_mask)[bad]] = False   # a view of ``full``, this call's own array
+            result = full
         if off.size:
-            gx, gy, _ = self.grid
-            lin = pid[0] + gx * (pid[1] + gy * pid[2])
+            lin = int(np.ravel_multi_index(tuple(pid), self.grid, order="F"))
             self.accesses.append(Access(lin, tag, "atomic" if self.atomic else kind, off, size))
         return result
 
@@ -262,14 +257,9 @@ def end() -> LaunchRecord:
 # -- analysis ----------------------------------------------------------------------------------
 def _keys(rec: LaunchRecord, region: int, kind: str, nprog: int) -> np.ndarray:
     """Sorted unique ``byte * nprog + pid`` of one region's accesses of one kind."""
-    parts = []
-    for a in rec.accesses:
-        if a.region == region and a.kind == kind:
-            b = (a.offsets[:, None] + np.arange(a.size, dtype=np.int64)).reshape(-1)
-            parts.append(b * nprog + a.pid)
-    if not parts:
-        return np.zeros(0, np.int64)
-    return np.unique(np.concatenate(parts))
+    parts = [(a.offsets[:, None] + np.arange(a.size, dtype=np.int64)).reshape(-1) * nprog + a.pid
+             for a in rec.accesses if a.region == region and a.kind == kind]
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
 
 
 def _by_pair(first: np.ndarray, second: np.ndarray, byte: np.ndarray, reg: BufferInfo
