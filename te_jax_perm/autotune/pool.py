@@ -190,12 +190,10 @@ class CompilePool:
             results[w.job] = CompileResult(False, {}, f"compile timed out after {self.timeout_s:.1f}s")
             logging.warning("autotune: %s hung past %.1fs; worker killed, config skipped",
                             jobs[w.job].label, self.timeout_s)
-        else:
-            w.proc.wait(timeout=10)
-            code = w.proc.returncode
-            results[w.job] = CompileResult(False, {}, f"compile worker died (exit code {code})")
+        else:   # exited: its return code is known
+            results[w.job] = CompileResult(False, {}, f"compile worker died (exit code {w.proc.returncode})")
             logging.warning("autotune: %s killed its compile worker (exit code %s); config skipped",
-                            jobs[w.job].label, code)
+                            jobs[w.job].label, w.proc.returncode)
         w.stop(kill=True)
         self.replaced += 1
         self._workers[self._workers.index(w)] = _Worker(self.cache_dir)

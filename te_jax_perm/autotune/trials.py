@@ -154,8 +154,15 @@ def run_trials(decl: KernelDecl, runner: "HostRunner", configs: Sequence[Config]
             if res.times_s and not (res.rejected or res.error):
                 res.time_s = statistics.median(res.times_s[1:] if warmup else res.times_s)
             results.append(res)
-            _log_result(decl, res, len(results), len(configs),
-                        min((r for r in results if r.time_s is not None), key=lambda r: r.time_s, default=None))
+            where = (decl.name, len(results), len(configs), cfg)
+            if res.rejected:
+                logging.warning("autotune %s: [%d/%d] REJECTED %s: wrong output (%s)", *where, res.rejected)
+            elif res.error:
+                logging.warning("autotune %s: [%d/%d] launch failed for %s: %s", *where, res.error)
+            else:
+                best = min((r for r in results if r.time_s is not None), key=lambda r: r.time_s)
+                logging.info("autotune %s: [%d/%d] timed %s: %.3g ms; best so far %s", *where, 1e3 * res.time_s,
+                             best.config)
     finally:
         runner.restore()
     return results
@@ -197,17 +204,6 @@ class HostRunner:
 
     def mismatch(self, expected: Sequence[np.ndarray]) -> str | None:
         return mismatch(self.decl, self.outputs(), expected)
-
-
-def _log_result(decl: KernelDecl, r: TrialResult, done: int, total: int, best: TrialResult | None) -> None:
-    if r.rejected:
-        logging.warning("autotune %s: [%d/%d] REJECTED %s: wrong output (%s)", decl.name, done, total, r.config,
-                        r.rejected)
-    elif r.error:
-        logging.warning("autotune %s: [%d/%d] launch failed for %s: %s", decl.name, done, total, r.config, r.error)
-    else:
-        logging.info("autotune %s: [%d/%d] timed %s: %.3g ms; best so far %s", decl.name, done, total, r.config,
-                     1e3 * r.time_s, best.config if best else None)
 
 
 class GpuRunner(HostRunner):
@@ -254,8 +250,7 @@ class GpuRunner(HostRunner):
 
     def _timed(self, exe: Callable, buffers: list) -> tuple[float, list]:
         t0 = time.perf_counter()
-        out = exe(self.buffers[:self.n_in], buffers)
-        jax.block_until_ready(out)
+        out = jax.block_until_ready(exe(self.buffers[:self.n_in], buffers))
         return time.perf_counter() - t0, list(out)
 
     def launch(self, config: Config) -> float:

@@ -55,7 +55,7 @@ _launch_lock = threading.RLock()
 
 
 def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any],
-                       constexprs: Mapping[str, Any], *, name: str = "",
+                       constexprs: Mapping[str, Any], *, name: str,
                        buffers: Sequence[BufferInfo] = ()) -> None:
     """Runs ``kernel`` (a ``@triton.jit`` function) over ``grid`` with the interpreter;
     ``args`` maps its parameter names to :class:`HostPointer` or Python scalars."""
@@ -68,7 +68,7 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
     with _launch_lock:
         observers = hooks.launch_observers()
         for ob in observers:
-            ob.launch_begin(name or kernel.fn.__name__, buffers, grid3)
+            ob.launch_begin(name, buffers, grid3)
         try:
             with _interpreted(kernel.fn) as fn:
                 call_args = {k: interp._implicit_cvt(v) for k, v in args.items()}
@@ -262,14 +262,9 @@ def round_float(x: np.ndarray, fmt: FloatFormat, *, toward_zero: bool = False, s
         _, k = np.frexp(np.where(np.isfinite(a), a, 0.0))
         q = np.ldexp(1.0, np.maximum(k - 1, 1 - fmt.bias) - fmt.nmant)
         r = (np.trunc if toward_zero else np.rint)(a / q) * q
-        inf, over = np.isinf(a), np.isfinite(a) & (r > fmt.max)
         huge = np.nan if fmt.finite_only else np.inf
-        if saturate:
-            r = np.where(over | inf, fmt.max, r)
-        elif toward_zero:
-            r = np.where(over, fmt.max, np.where(inf, huge, r))
-        else:
-            r = np.where(over | inf, huge, r)
+        r = np.where(np.isfinite(a) & (r > fmt.max), fmt.max if saturate or toward_zero else huge, r)
+        r = np.where(np.isinf(a), fmt.max if saturate else huge, r)
         r = np.where(np.isnan(a), np.nan, r)
         return encode(np.copysign(r, x), fmt)
 

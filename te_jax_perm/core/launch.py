@@ -176,17 +176,14 @@ def configure(call: Call, config: Config) -> Launch:
 
 def select_config(call: Call, explicit: Config | None) -> Config:
     """The config ``call`` launches with: ``explicit``, else the installed resolver's pick
-    (the autotuner's), else the declaration's default, which must meet its own constraints."""
+    (the autotuner's), else the declaration's default (:func:`configure` checks whichever
+    it is against the constraints)."""
     hooks.notify_call(call)
     if explicit is not None:
         return explicit
     picked = hooks.resolve_config(call)
     if picked is not None:
         return picked
-    decl = call.decl
-    cfg = decl.default_config(call.dims, call.params)
-    why = decl.violated(call.dims, call.params, cfg)
-    if why:
-        raise ValueError(f"{decl.name}: default {cfg} violates its own constraint for {dict(call.dims)}: {why}")
-    logging.vlog(1, "%s: default config %s for %s", decl.name, cfg, dict(call.dims))
+    cfg = call.decl.default_config(call.dims, call.params)
+    logging.vlog(1, "%s: default config %s for %s", call.decl.name, cfg, dict(call.dims))
     return cfg

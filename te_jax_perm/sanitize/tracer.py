@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -54,10 +55,9 @@ class RegionMap:
             regions.append(dataclasses.replace(b, role="input" if b.role == "input" else "output"))
         self.regions = regions
         # Base address -> region, preferring non-empty regions when addresses coincide
-        # (an empty buffer may sit at any address).
-        self.by_base: dict[int, int] = {}
-        for i in sorted(range(len(regions)), key=lambda i: (regions[i].nbytes == 0, regions[i].role == "input")):
-            self.by_base.setdefault(regions[i].address, i)
+        # (an empty buffer may sit at any address): the preferred one is assigned last.
+        order = sorted(range(len(regions)), key=lambda i: (regions[i].nbytes == 0, regions[i].role == "input"))
+        self.by_base = {regions[i].address: i for i in reversed(order)}
         starts = np.asarray([r.address for r in regions], dtype=np.int64)
         ends = starts + np.asarray([r.nbytes for r in regions], dtype=np.int64)
         self._all_idx = np.argsort(starts, kind="stable")           # every region, by address
@@ -294,8 +294,7 @@ def analyse(rec: LaunchRecord) -> tuple[list[Hazard], list[Hazard], LaunchSummar
     """Hazards of the launch as run, ``in_place`` findings for hypothetical aliasing, and
     the launch summary."""
     regions = rec.regions.regions
-    gx, gy, gz = rec.grid
-    nprog = gx * gy * gz
+    nprog = math.prod(rec.grid)
     hazards: list[Hazard] = []
     in_place: list[Hazard] = []
     truncated = 0
@@ -305,11 +304,9 @@ def analyse(rec: LaunchRecord) -> tuple[list[Hazard], list[Hazard], LaunchSummar
 
     def emit(kind: str, reg: BufferInfo, pairs, access: str, input_name: str | None = None) -> None:
         nonlocal truncated
-        into = in_place if kind == IN_PLACE else hazards
-        for n, (p, q, elems, count) in enumerate(pairs):
-            if n >= MAX_PER_CLASS:
-                truncated += 1
-                continue
+        into, pairs = in_place if kind == IN_PLACE else hazards, list(pairs)
+        truncated += max(0, len(pairs) - MAX_PER_CLASS)
+        for p, q, elems, count in pairs[:MAX_PER_CLASS]:
             progs = (rec.pid_of(p),) if q < 0 else (rec.pid_of(p), rec.pid_of(q))
             into.append(Hazard(kind, rec.kernel, reg.name, progs, access, elems, count, reg.elements, input_name))
 
