@@ -106,8 +106,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
             res = autotune.tune_call(ln, options)
             e = res.entry
             row = {"model": model, "T": T, "H": H, "E": E, "k": k, "kernel": ln.decl.name,
-                   "best": e.get("best"), "best_time_s": e.get("best_time_s"),
-                   "default": e.get("default"), "default_time_s": e.get("default_time_s"),
+                   **{f: e.get(f) for f in ("best", "best_time_s", "default", "default_time_s")},
                    **{"timed" if f == "ranking" else f: len(e.get(f, [])) for f in LIST_FIELDS},
                    "complete": e.get("complete", True), "cached": res.cached,
                    "wall_s": time.perf_counter() - t0, "phases_s": e.get("phases_s")}

@@ -61,13 +61,6 @@ def initial_prealloc(zeroed: bool, shape: tuple[int, ...], dtype: Any, seed: int
 
 
 # -- the reference check -----------------------------------------------------------------------
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def _floating(dtype: np.dtype) -> bool:
-    return np.issubdtype(dtype, np.floating) or dtype.name.startswith(("bfloat", "float"))
-
-
 def mismatch(decl: KernelDecl, got: Sequence[Any], want: Sequence[Any], xp: Any = np) -> str | None:
     """None when ``got`` matches; otherwise which output differs and how. ``xp`` is the
     array module the outputs live in (``numpy`` on the host, ``jax.numpy`` on a device,
@@ -77,9 +70,11 @@ def mismatch(decl: KernelDecl, got: Sequence[Any], want: Sequence[Any], xp: Any 
         dtype = np.dtype(w.dtype)
         if g.shape != w.shape or np.dtype(g.dtype) != dtype:
             return f"{o.name}: shape/dtype {g.shape} {g.dtype} != reference {w.shape} {w.dtype}"
-        if decl.exact or not _floating(dtype):
-            if _floating(dtype):  # bitwise: NaN payloads and signed zeros count
-                g, w = g.view(_UINT[dtype.itemsize]), w.view(_UINT[dtype.itemsize])
+        floating = dtype.name.startswith(("float", "bfloat"))   # NumPy's and ml_dtypes' floats
+        if decl.exact or not floating:
+            if floating:  # bitwise: NaN payloads and signed zeros count
+                bits = np.dtype(f"uint{8 * dtype.itemsize}")
+                g, w = g.view(bits), w.view(bits)
             n = int(xp.sum(g != w))
             if n:
                 return f"{o.name}: {n} of {g.size} elements differ bitwise from the reference"

@@ -135,8 +135,4 @@ class KernelDecl:
 
     def violated(self, dims: Dims, params: Params, config: Config) -> str | None:
         """First violated constraint's reason, or None if ``config`` is valid."""
-        for c in self.constraints:
-            why = c(dims, params, config)
-            if why:
-                return why
-        return None
+        return next((why for c in self.constraints if (why := c(dims, params, config))), None)

@@ -24,8 +24,8 @@ from te_jax_perm.core.declaration import Config, Dims, KernelDecl, Operand, Para
 
 # -- operand and parameter checks -------------------------------------------------------------
 _KIND = {
-    # jnp.issubdtype: NumPy does not count ml_dtypes floats (bfloat16) as np.floating.
-    "float": lambda dt: jax.numpy.issubdtype(dt, jax.numpy.floating) or dt.name.startswith("float8"),
+    # By name: NumPy does not count ml_dtypes' floats (bfloat16, float8_*) as np.floating.
+    "float": lambda dt: dt.name.startswith(("float", "bfloat")),
     "int": lambda dt: np.issubdtype(dt, np.integer),
     "bool": lambda dt: dt == np.bool_,
 }
@@ -64,11 +64,9 @@ def _fmt_expected(op: Operand, dims: Mapping[str, int]) -> str:
 
 def check_static_params(decl: KernelDecl, params: Mapping[str, Any]) -> None:
     """Exactly the declared params, each a hashable Python value (it sets shapes or the grid)."""
-    missing = set(decl.params) - set(params)
-    extra = set(params) - set(decl.params)
-    if missing or extra:
-        raise TypeError(f"{decl.name}: static params mismatch: missing {sorted(missing)}, "
-                        f"unexpected {sorted(extra)}")
+    if set(params) != set(decl.params):
+        raise TypeError(f"{decl.name}: static params mismatch: missing {sorted(set(decl.params) - set(params))}, "
+                        f"unexpected {sorted(set(params) - set(decl.params))}")
     for k, v in params.items():
         if isinstance(v, (jax.core.Tracer, jax.Array)):
             raise TypeError(f"{decl.name}: parameter {k!r} must be a static Python value "
