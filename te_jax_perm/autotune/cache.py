@@ -145,9 +145,8 @@ def entry_problem(entry: Any, decl: KernelDecl | None = None, dims: Mapping[str,
     for field in LIST_FIELDS:
         if field in entry and not isinstance(entry[field], list):
             return f"{field!r} is {type(entry[field]).__name__}, not a list"
-    ranking = entry.get("ranking", [])
     configs = []
-    for item in ranking:
+    for item in entry.get("ranking", []):
         if not isinstance(item, list) or len(item) != 2:
             return f"ranking item {item!r} is not a [config, seconds] pair"
         cfg, t = item
@@ -160,16 +159,15 @@ def entry_problem(entry: Any, decl: KernelDecl | None = None, dims: Mapping[str,
     if tuned is not None and (not isinstance(tuned, dict) or not all(_is_int(v) for v in tuned.values())):
         return f"tuned_dims {tuned!r} is not a mapping of integer dims"
     space = None if decl is None else _declared_space(decl, (dims, tuned), params or {})
+    names = set() if decl is None else {frozenset(c.kw) for c in decl.configs}   # declared constant names
     for cfg in configs:
         why = config_schema_problem(cfg)
         if why:
             return why
-        if decl is not None:
-            names = {frozenset(c.kw) for c in decl.configs}
-            if names and frozenset(cfg["constants"]) not in names and (space is None or canonical(cfg) not in space):
-                unknown = sorted(set(cfg["constants"]) - set().union(*names))
-                return (f"config {Config.from_json(cfg)} has constants {sorted(cfg['constants'])}"
-                        + (f" (unknown: {unknown})" if unknown else "") + f", not those {decl.name} declares")
+        if names and frozenset(cfg["constants"]) not in names and (space is None or canonical(cfg) not in space):
+            unknown = sorted(set(cfg["constants"]) - set().union(*names))
+            return (f"config {Config.from_json(cfg)} has constants {sorted(cfg['constants'])}"
+                    + (f" (unknown: {unknown})" if unknown else "") + f", not those {decl.name} declares")
         if space is not None and canonical(cfg) not in space:
             return f"config {Config.from_json(cfg)} is not one of {decl.name}'s declared configs or its default"
     return None
@@ -253,6 +251,7 @@ def store(key: Mapping[str, Any], entry: Mapping[str, Any]) -> Path:
     path, full = entry_path(key), {**entry, "key": key}
     try:
         _write(path, full)
+        _memory.pop(str(path), None)   # written: the file holds it now
     except OSError as e:
         _memory[str(path)] = json.loads(json.dumps(full))
         if str(path.parent) not in _unwritable:
@@ -260,8 +259,6 @@ def store(key: Mapping[str, Any], entry: Mapping[str, Any]) -> Path:
             logging.warning("autotune: cannot write the tuning cache in %s (%s); results are kept in memory for "
                             "this process only. Set %s or autotune.set_cache_dir() to a writable directory.",
                             path.parent, e, env.AUTOTUNE_CACHE)
-        return path
-    _memory.pop(str(path), None)
     return path
 
 

@@ -73,17 +73,12 @@ def _worker_main(fd: int) -> None:
     conn = Connection(fd)
     importlib.import_module("triton")  # the point of a long-lived worker: import once
     conn.send(("ready", None))
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        try:
-            conn.send(("ok", compile_job(job)))
-        except Exception:  # noqa: BLE001 - a compile error fails this job, not the worker
-            conn.send(("error", traceback.format_exc(limit=4)))
+    with contextlib.suppress(EOFError):    # the parent is gone
+        for job in iter(conn.recv, None):   # None: stop
+            try:
+                conn.send(("ok", compile_job(job)))
+            except Exception:  # noqa: BLE001 - a compile error fails this job, not the worker
+                conn.send(("error", traceback.format_exc(limit=4)))
 
 
 class _Worker:
@@ -118,9 +113,7 @@ class _Worker:
         else:
             with contextlib.suppress(OSError):   # already gone
                 self.conn.send(None)
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
+        if not self.exited(5.0):
             self.proc.kill()
             self.proc.wait(timeout=5)
         self.conn.close()

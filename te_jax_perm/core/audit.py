@@ -11,6 +11,7 @@ import re
 from typing import Any, Callable
 
 import jax
+from jax.interpreters.mlir import ir
 
 _SCOPE = re.compile(r"te_jax_perm\.([A-Za-z0-9_]+)")
 
@@ -71,17 +72,14 @@ def audit_aliases(fn: Callable, *args: Any, **kwargs: Any) -> AliasAudit:
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     module = jitted.lower(*args, **kwargs).compiler_ir("stablehlo")
     calls: list[CustomCallReport] = []
-    _walk(module.operation, calls)
+
+    def visit(op) -> ir.WalkResult:   # every operation, nested ones included, in program order
+        if op.operation.name == "stablehlo.custom_call":
+            calls.append(_report(op.operation))
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
     return AliasAudit(tuple(calls))
-
-
-def _walk(op, out: list[CustomCallReport]) -> None:
-    for region in op.regions:
-        for block in region.blocks:
-            for child in block.operations:
-                if child.operation.name == "stablehlo.custom_call":
-                    out.append(_report(child.operation))
-                _walk(child.operation, out)
 
 
 def _report(op) -> CustomCallReport:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from typing import Callable, Iterator, Sequence
 
@@ -180,9 +181,8 @@ def _deriving(orig: Callable) -> Callable:
             # A root kernel argument is tagged on first use, by its base address.
             tags = {t for a in (*args, *kwargs.values()) if is_pointer(a) and (t := rec.tag_of(a)) is not None}
             if len(tags) == 1:
-                (tag,) = tags
                 for o in ptr_outs:
-                    o.attr[_TAG] = tag
+                    o.attr[_TAG] = next(iter(tags))
         return out
 
     return wrapper
@@ -328,17 +328,14 @@ def analyse(rec: LaunchRecord) -> tuple[list[Hazard], list[Hazard], LaunchSummar
     # Hypothetical in-place use: input i placed on output j's memory (same shape/dtype),
     # so input i's loads become loads of output j's bytes.
     checked, unsafe = [], []
-    for i, src in enumerate(regions):
-        if src.role != "input":
+    for (i, src), (j, dst) in itertools.product(enumerate(regions), repeat=2):
+        if src.role != "input" or dst.role != "output" or dst.shape != src.shape or dst.dtype != src.dtype:
             continue
-        for j, dst in enumerate(regions):
-            if dst.role != "output" or dst.shape != src.shape or dst.dtype != src.dtype:
-                continue
-            checked.append((src.name, dst.name))
-            r, w, b = _cross_reads(loads[i], stores[j], nprog)
-            if r.size:
-                unsafe.append((src.name, dst.name))
-                emit(IN_PLACE, dst, _by_pair(r, w, b, dst), "load", src.name)
+        checked.append((src.name, dst.name))
+        r, w, b = _cross_reads(loads[i], stores[j], nprog)
+        if r.size:
+            unsafe.append((src.name, dst.name))
+            emit(IN_PLACE, dst, _by_pair(r, w, b, dst), "load", src.name)
 
     summary = LaunchSummary(rec.kernel, rec.grid, loaded, stored, atomic, tuple(checked), tuple(unsafe),
                             len(hazards) + len(rec.oob), truncated)
