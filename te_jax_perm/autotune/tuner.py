@@ -263,11 +263,8 @@ def pick(decl: KernelDecl, entry: Mapping[str, Any], dims: Mapping[str, int], pa
          ) -> Config | None:
     """The fastest cached config that is valid for these exact dims (a key bucket spans
     several shapes, and a constraint may rule the winner out for some of them)."""
-    for cfg_json, _t in entry.get("ranking", []):
-        cfg = Config.from_json(cfg_json)
-        if decl.violated(dims, params, cfg) is None:
-            return cfg
-    return None
+    ranked = (Config.from_json(cfg_json) for cfg_json, _t in entry.get("ranking", []))
+    return next((cfg for cfg in ranked if decl.violated(dims, params, cfg) is None), None)
 
 
 def resolve(decl: KernelDecl, avals: Sequence[Any], params: Mapping[str, Any], backend: str) -> Config | None:

@@ -205,10 +205,6 @@ FORMATS = {
 _SATURATING = ("fp8e4nv", "fp8e5")
 
 
-def _name(tt: Any) -> str:
-    return getattr(tt, "name", "")
-
-
 # The interpreter runs kernels on threads where XLA may have set flush-to-zero and
 # denormals-are-zero, which would flush subnormal floats in any float arithmetic or
 # float-to-float cast. Decoding and encoding therefore go through integer fields, and
@@ -284,7 +280,7 @@ def convert(data: np.ndarray, src_tt: Any, dst_tt: Any, storage: np.dtype, *, to
             ) -> np.ndarray | None:
     """The GPU's conversion of interpreter data ``data`` from ``src_tt`` to ``dst_tt``, in
     ``dst_tt``'s storage dtype; ``None`` when this module does not handle the pair."""
-    src, dst = _name(src_tt), _name(dst_tt)
+    src, dst = src_tt.name, dst_tt.name
     sfmt, dfmt = FORMATS.get(src), FORMATS.get(dst)
     # Neither side a float handled here (int <-> int), or one a float that is not (float64,
     # an fp8 variant not used on NVIDIA GPUs): the interpreter's own conversion.
@@ -318,7 +314,7 @@ def install_numerics() -> None:
         def wrapper(self, src, dst_type, *rounding_mode):
             toward_zero = rounding_mode == (rtz,)
             # Round-toward-zero into a saturating fp8 type is not a GPU conversion.
-            out = None if toward_zero and _name(dst_type.scalar) in _SATURATING else convert(
+            out = None if toward_zero and dst_type.scalar.name in _SATURATING else convert(
                 src.data, src.dtype.scalar, dst_type.scalar, interp._get_np_dtype(dst_type), toward_zero=toward_zero)
             if out is None:
                 return orig(self, src, dst_type, *rounding_mode)
@@ -331,7 +327,7 @@ def install_numerics() -> None:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         # The interpreter keeps bf16 as uint16 storage and would multiply the raw bit
         # patterns; tensor cores multiply the bf16 values exactly and accumulate in fp32.
-        if _name(a.dtype.scalar) == "bf16" or _name(b.dtype.scalar) == "bf16":
+        if "bf16" in (a.dtype.scalar.name, b.dtype.scalar.name):
             a32, b32 = (_as_f32(x) for x in (a, b))
             out = np.matmul(a32, b32, dtype=np.float32).astype(d.data.dtype) + d.data
             return interp.TensorHandle(out, d.dtype.scalar)
@@ -344,7 +340,7 @@ def install_numerics() -> None:
 
 def _as_f32(t) -> np.ndarray:
     # bf16 widens to fp32 exactly by putting its 16 bits in the high half.
-    if _name(t.dtype.scalar) == "bf16":
+    if t.dtype.scalar.name == "bf16":
         return (t.data.astype(np.uint32) << 16).view(np.float32)
     return t.data.astype(np.float32)
 
