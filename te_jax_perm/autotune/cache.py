@@ -19,6 +19,7 @@ reported once, ignored, and re-tuned when tuning is on.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -30,7 +31,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+import jax
 import numpy as np
+import triton
 from absl import logging
 
 from te_jax_perm.core import env
@@ -51,15 +54,12 @@ def _source_hash(kernel: Any) -> str:
 
 @functools.lru_cache(maxsize=None)
 def versions() -> dict[str, str]:
-    import jax
-    import triton
     return {"jax": jax.__version__, "triton": triton.__version__}
 
 
 def device_kind(backend: str) -> str:
     if backend == "interpret":
         return "cpu-interpreter"
-    import jax
     return jax.devices()[0].device_kind
 
 
@@ -126,11 +126,9 @@ def _declared_space(decl: KernelDecl, dims_list: Iterable[Mapping[str, int] | No
     from a file may not suit it), so that configs outside the declared list cannot be judged."""
     space, defaults = {canonical(c.to_json()) for c in decl.configs}, 0
     for dims in (d for d in dims_list if d is not None):
-        try:
+        with contextlib.suppress(Exception):  # noqa: BLE001 - no default at these dims
             space.add(canonical(decl.default_config(dims, params).to_json()))
             defaults += 1
-        except Exception:  # noqa: BLE001 - no default at these dims
-            continue
     return space if defaults else None
 
 
@@ -282,18 +280,15 @@ def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
     lines = [f"autotune cache: {d}"]
     if d.exists() and not d.is_dir():
         lines.append("  (not a directory)")
-    try:
+    with contextlib.suppress(OSError):   # an unreadable directory lists nothing
         paths = {p for p in d.glob("*.json") if p.is_file()} if d.is_dir() else set()
-    except OSError:
-        pass
     for p in sorted(paths | {Path(m) for m in _memory if Path(m).parent == d}):   # on disk and in memory
         try:
             e, why = _entry_at(p)
         except FileNotFoundError:
             continue   # removed since the listing
         where = "in memory: " if str(p) in _memory else ""
-        decl = decls.get(e["key"].get("kernel")) if why is None else None
-        if decl is not None:
+        if why is None and (decl := decls.get(e["key"].get("kernel"))) is not None:
             why = entry_problem(e, decl, params=_literal_params(e["key"]))
         if why:
             bad += 1
@@ -316,8 +311,6 @@ def _literal_params(key: Mapping[str, Any]) -> dict:
     """The key's params (stored as ``repr``) back as values, where they are literals."""
     out, params = {}, key.get("params")
     for name, text in (params.items() if isinstance(params, dict) else ()):
-        try:
+        with contextlib.suppress(ValueError, SyntaxError, TypeError):   # not a literal: left out
             out[name] = ast.literal_eval(text)
-        except (ValueError, SyntaxError, TypeError):
-            continue
     return out

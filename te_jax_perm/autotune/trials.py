@@ -140,9 +140,8 @@ def run_trials(decl: KernelDecl, runner: "HostRunner", configs: Sequence[Config]
                         res.times_s.append(dt)
                     if i == 0 or i == warmup + reps - 1:
                         with timed(phases, "validate_s"):
-                            why = runner.mismatch(expected)
-                        if why:
-                            res.rejected = why
+                            res.rejected = runner.mismatch(expected)
+                        if res.rejected:
                             break
             except Exception as e:  # noqa: BLE001 - a failing launch rejects its config only
                 res.error = f"{type(e).__name__}: {e}"

@@ -136,12 +136,11 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
         expected = _reference(decl, inputs, params)
     with timed(phases, "to_device_s"):
         runner = RUNNERS[backend](decl, inputs, preallocs, params)
-    reps = options.reps or runner.reps
-    warmup = runner.warmup if options.warmup is None else options.warmup
 
     with timed(phases, "trials_s"):
-        results = run_trials(decl, runner, valid, expected, reps=reps, warmup=warmup, deadline=options.deadline,
-                             phases=phases)
+        results = run_trials(decl, runner, valid, expected, reps=options.reps or runner.reps,
+                             warmup=runner.warmup if options.warmup is None else options.warmup,
+                             deadline=options.deadline, phases=phases)
     stats["trials"] += len(results)
     complete = len(results) == len(valid)
     ok = sorted((r for r in results if r.time_s is not None), key=lambda r: r.time_s)

@@ -71,8 +71,7 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
             ob.launch_begin(name, buffers, grid3)
         try:
             with _interpreted(kernel.fn) as fn:
-                call_args = {k: interp._implicit_cvt(v) for k, v in args.items()}
-                call_args.update(constexprs)
+                call_args = {**{k: interp._implicit_cvt(v) for k, v in args.items()}, **constexprs}
                 interp.interpreter_builder.set_grid_dim(*grid3)
                 for x, y, z in itertools.product(*(range(g) for g in grid3)):
                     interp.interpreter_builder.set_grid_idx(x, y, z)
@@ -153,8 +152,7 @@ def interpret_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Ar
             run_launch(launch, in_arrays[:plan.num_operands], in_arrays[plan.num_operands:],
                        [np.asarray(b) for b in outs])
         except Exception as e:
-            errors.keep(e)   # XLA hands it on as text: run_eagerly and hazard_error give it back
-            raise
+            raise errors.keep(e)   # XLA hands it on as text: run_eagerly and hazard_error give it back
 
     result_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in launch.out_avals]
     with jax.named_scope(f"te_jax_perm.{launch.decl.name}"):

@@ -279,8 +279,7 @@ def _cross_reads(loads: np.ndarray, stores: np.ndarray, nprog: int):
     sb, sp = stores // nprog, stores % nprog
     lb, lp = loads // nprog, loads % nprog
     lo = np.searchsorted(sb, lb, side="left")
-    hi = np.searchsorted(sb, lb, side="right")
-    n = hi - lo
+    n = np.searchsorted(sb, lb, side="right") - lo   # stores of each loaded byte
     if sb.size == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     first = sp[np.minimum(lo, sb.size - 1)]
