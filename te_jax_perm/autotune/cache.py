@@ -52,7 +52,6 @@ def _source_hash(kernel: Any) -> str:
     return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=None)
 def versions() -> dict[str, str]:
     return {"jax": jax.__version__, "triton": triton.__version__}
 
@@ -109,8 +108,7 @@ def config_schema_problem(cfg_json: Any) -> str | None:
     consts = cfg_json["constants"]
     if not isinstance(consts, dict) or not all(isinstance(k, str) for k in consts):
         return f"config constants {consts!r} are not a mapping of names"
-    bad = {k: v for k, v in consts.items() if not isinstance(v, (int, str))}   # bool is an int
-    if bad:
+    if bad := {k: v for k, v in consts.items() if not isinstance(v, (int, str))}:   # bool is an int
         return f"config constants {bad!r} are not integers, booleans or strings"
     for field, low in (("num_warps", 1), ("num_stages", 0)):
         v = cfg_json[field]
@@ -159,8 +157,7 @@ def entry_problem(entry: Any, decl: KernelDecl | None = None, dims: Mapping[str,
     space = None if decl is None else _declared_space(decl, (dims, tuned), params or {})
     names = set() if decl is None else {frozenset(c.kw) for c in decl.configs}   # declared constant names
     for cfg in configs:
-        why = config_schema_problem(cfg)
-        if why:
+        if why := config_schema_problem(cfg):
             return why
         if names and frozenset(cfg["constants"]) not in names and (space is None or canonical(cfg) not in space):
             unknown = sorted(set(cfg["constants"]) - set().union(*names))

@@ -75,14 +75,12 @@ def mismatch(decl: KernelDecl, got: Sequence[Any], want: Sequence[Any], xp: Any 
             if floating:  # bitwise: NaN payloads and signed zeros count
                 bits = np.dtype(f"uint{8 * dtype.itemsize}")
                 g, w = g.view(bits), w.view(bits)
-            n = int(xp.sum(g != w))
-            if n:
+            if n := int(xp.sum(g != w)):
                 return f"{o.name}: {n} of {g.size} elements differ bitwise from the reference"
         else:
             gf, wf = g.astype(np.float32), w.astype(np.float32)
             ok = xp.isclose(gf, wf, rtol=decl.rtol, atol=decl.atol, equal_nan=True)
-            bad = int(xp.sum(~ok))
-            if bad:
+            if bad := int(xp.sum(~ok)):
                 i = tuple(int(x) for x in np.unravel_index(int(xp.argmin(ok.astype(np.int8))), ok.shape))
                 return (f"{o.name}: {bad} of {g.size} elements outside rtol={decl.rtol} "
                         f"atol={decl.atol}; e.g. at {i}: {float(gf[i])} vs {float(wf[i])}")

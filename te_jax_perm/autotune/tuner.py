@@ -83,7 +83,6 @@ def cap(valid: Sequence[Config], default: Config, limit: int | None, name: str =
     """At most ``limit`` of ``valid``: the default first (so a run stopped early still has
     the baseline), then evenly spaced picks over the declared order (which sweeps the
     tile/warp grid), so a capped search still spans the space. Returns ``(kept, skipped)``."""
-    valid = list(valid)
     rest = [c for c in valid if c != default]
     head = [default] if default in valid else []
     if limit is None or len(valid) <= limit:

@@ -162,8 +162,7 @@ def configure(call: Call, config: Config) -> Launch:
     from te_jax_perm.core.kernel_args import check_signature
 
     decl, dims, params = call.decl, call.dims, call.params
-    why = decl.violated(dims, params, config)
-    if why:
+    if why := decl.violated(dims, params, config):
         raise ValueError(f"{decl.name}: {config} is invalid for dims {dict(dims)}: {why}")
     grid = tuple(int(g) for g in decl.grid(dims, params, config))
     constexprs = {**config.kw, **decl.constexprs(dims, params, config)}

@@ -26,8 +26,7 @@ class KernelPrimitive:
     """A declared kernel bound to a JAX primitive. Call it like a function."""
 
     def __init__(self, decl: KernelDecl):
-        clash = set(decl.params) & set(_RESERVED)
-        if clash:
+        if clash := set(decl.params) & set(_RESERVED):
             raise ValueError(f"{decl.name}: parameter names {sorted(clash)} are reserved")
         self.decl = decl
         # Sharding (core/sharding.py): `prim` lowers through custom_partitioning, whose
@@ -102,14 +101,13 @@ class KernelPrimitive:
                     "jax.default_device(jax.devices('cpu')[0]) (te_jax_perm.sanitize.sanitize() scopes do this)")
             from te_jax_perm.core.interpret_backend import interpret_call
             return interpret_call
-        if backend == "triton":
-            if platform not in ("cuda", "rocm"):
-                raise backends.BackendUnavailableError(
-                    f"{self.decl.name}: backend 'triton' needs a GPU platform; this computation is placed "
-                    f"on {platform!r}. Use backend='interpret' or 'xla' on CPU.")
-            from te_jax_perm.core.triton_backend import triton_call
-            return triton_call
-        raise ValueError(f"unknown backend {backend!r}")
+        # Backend 'triton': the only other name resolve_backend lets through to a lowering.
+        if platform not in ("cuda", "rocm"):
+            raise backends.BackendUnavailableError(
+                f"{self.decl.name}: backend 'triton' needs a GPU platform; this computation is placed "
+                f"on {platform!r}. Use backend='interpret' or 'xla' on CPU.")
+        from te_jax_perm.core.triton_backend import triton_call
+        return triton_call
 
 
 def _validation_problem(decl: KernelDecl, dims, params, *operands) -> str | None:

@@ -203,8 +203,7 @@ def _install() -> None:
             rec = current()
             if rec is not None:
                 mask = args[mask_at]
-                new = rec.record(self.grid_idx, args[ptr_at], mask.data, kind)
-                if new is not None:
+                if (new := rec.record(self.grid_idx, args[ptr_at], mask.data, kind)) is not None:
                     args = args[:mask_at] + (TensorHandle(new, mask.dtype),) + args[mask_at + 1:]
             return orig[name](self, *args, **kwargs)
         return wrapper
