@@ -249,8 +249,7 @@ class GpuRunner(HostRunner):
         """One launch on the current buffers (its outputs are kept for checking); returns the
         device time of a launch, from a chain of launches on a copy of the same buffers."""
         single, chained = self._exe(config, 1), self._exe(config, self.chain)
-        spare = [self._copy(b) for b in self.buffers[self.n_in:]]
-        jax.block_until_ready(spare)
+        spare = jax.block_until_ready([self._copy(b) for b in self.buffers[self.n_in:]])
         t1, self.buffers[self.n_in:] = self._timed(single, self.buffers[self.n_in:])
         tn, _ = self._timed(chained, spare)
         return max(tn - t1, 0.0) / (self.chain - 1)

@@ -59,9 +59,8 @@ class AliasAudit:
             "nothing to audit: no te_jax_perm custom call in this program (the xla backend lowers to plain "
             "XLA ops; audit a function that uses backend 'triton' or 'interpret')"]
         for c in self.calls:
-            tag = c.kernel or "(foreign)"
             status = "OK" if c.ok else f"UNALIASED results {list(c.unaliased_results)}"
-            lines.append(f"{tag:32s} {c.target:36s} operands={len(c.operand_types)} "
+            lines.append(f"{c.kernel or '(foreign)':32s} {c.target:36s} operands={len(c.operand_types)} "
                          f"results={len(c.result_types)} aliases={c.aliases} {status}")
         return "\n".join(lines)
 

@@ -143,10 +143,9 @@ def interpret_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Ar
     from jax.experimental.buffer_callback import buffer_callback
 
     plan = launch.aliases
-    preallocs = preallocate(plan, launch.out_avals)
+    preallocs = preallocate(plan, launch.out_avals)   # outside the scope that marks our custom call
 
-    def callback(ctx, outs, *ins):
-        del ctx
+    def callback(_ctx, outs, *ins):
         in_arrays = [np.asarray(b) for b in ins]
         try:
             run_launch(launch, in_arrays[:plan.num_operands], in_arrays[plan.num_operands:],
@@ -156,9 +155,8 @@ def interpret_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Ar
 
     result_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in launch.out_avals]
     with jax.named_scope(f"te_jax_perm.{launch.decl.name}"):
-        outs = buffer_callback(callback, result_types, input_output_aliases=plan.input_output_aliases)(
-            *operands, *preallocs)
-    return list(outs)
+        call = buffer_callback(callback, result_types, input_output_aliases=plan.input_output_aliases)
+        return list(call(*operands, *preallocs))
 
 
 # -- GPU numerics ------------------------------------------------------------------------------
@@ -326,8 +324,7 @@ def install_numerics() -> None:
         # The interpreter keeps bf16 as uint16 storage and would multiply the raw bit
         # patterns; tensor cores multiply the bf16 values exactly and accumulate in fp32.
         if "bf16" in (a.dtype.scalar.name, b.dtype.scalar.name):
-            a32, b32 = (_as_f32(x) for x in (a, b))
-            out = np.matmul(a32, b32, dtype=np.float32).astype(d.data.dtype) + d.data
+            out = np.matmul(_as_f32(a), _as_f32(b), dtype=np.float32).astype(d.data.dtype) + d.data
             return interp.TensorHandle(out, d.dtype.scalar)
         return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 

@@ -178,8 +178,7 @@ def select_config(call: Call, explicit: Config | None) -> Config:
     hooks.notify_call(call)
     if explicit is not None:
         return explicit
-    picked = hooks.resolve_config(call)
-    if picked is not None:
+    if (picked := hooks.resolve_config(call)) is not None:
         return picked
     cfg = call.decl.default_config(call.dims, call.params)
     logging.vlog(1, "%s: default config %s for %s", call.decl.name, cfg, dict(call.dims))

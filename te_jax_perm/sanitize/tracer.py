@@ -265,8 +265,7 @@ def _by_pair(first: np.ndarray, second: np.ndarray, byte: np.ndarray, reg: Buffe
              ) -> Iterator[tuple[int, int, tuple[int, int], int]]:
     """Groups conflicting bytes by program pair: (first, second, element range, count)."""
     elem = byte // reg.itemsize
-    pair = np.stack([first, second], axis=1)
-    uniq, inv = np.unique(pair, axis=0, return_inverse=True)
+    uniq, inv = np.unique(np.stack([first, second], axis=1), axis=0, return_inverse=True)
     inv = inv.reshape(-1)
     for k, (p, q) in enumerate(uniq):
         e = elem[inv == k]
@@ -297,8 +296,8 @@ def analyse(rec: LaunchRecord) -> tuple[list[Hazard], list[Hazard], LaunchSummar
     in_place: list[Hazard] = []
     truncated = 0
     loaded, stored, atomic = {}, {}, {}
-    stores = {i: _keys(rec, i, "store", nprog) for i in range(len(regions))}
-    loads = {i: _keys(rec, i, "load", nprog) for i in range(len(regions))}
+    stores = [_keys(rec, i, "store", nprog) for i in range(len(regions))]
+    loads = [_keys(rec, i, "load", nprog) for i in range(len(regions))]
 
     def emit(kind: str, reg: BufferInfo, pairs, access: str, input_name: str | None = None) -> None:
         nonlocal truncated
@@ -308,20 +307,17 @@ def analyse(rec: LaunchRecord) -> tuple[list[Hazard], list[Hazard], LaunchSummar
             progs = (rec.pid_of(p),) if q < 0 else (rec.pid_of(p), rec.pid_of(q))
             into.append(Hazard(kind, rec.kernel, reg.name, progs, access, elems, count, reg.elements, input_name))
 
-    for i, reg in enumerate(regions):
-        st, ld = stores[i], loads[i]
+    for i, (reg, st, ld) in enumerate(zip(regions, stores, loads)):
         stored[reg.name] = int(np.unique(st // nprog).size)
         loaded[reg.name] = int(np.unique(ld // nprog).size)
         atomic[reg.name] = int(np.unique(_keys(rec, i, "atomic", nprog) // nprog).size)
+        # Each class from its (possibly empty) conflicting bytes: no bytes, no pairs.
         sb, sp = st // nprog, st % nprog
-        if st.size and reg.role == "input":
+        if reg.role == "input":
             emit(INPUT_WRITE, reg, _by_pair(sp, np.full_like(sp, -1), sb, reg), "store")
         dup = np.flatnonzero(sb[1:] == sb[:-1])
-        if dup.size:
-            emit(WRITE_WRITE, reg, _by_pair(sp[dup], sp[dup + 1], sb[dup], reg), "store")
-        r, w, b = _cross_reads(ld, st, nprog)
-        if r.size:
-            emit(READ_WRITE, reg, _by_pair(r, w, b, reg), "load")
+        emit(WRITE_WRITE, reg, _by_pair(sp[dup], sp[dup + 1], sb[dup], reg), "store")
+        emit(READ_WRITE, reg, _by_pair(*_cross_reads(ld, st, nprog), reg), "load")
 
     # Hypothetical in-place use: input i placed on output j's memory (same shape/dtype),
     # so input i's loads become loads of output j's bytes.
