@@ -8,15 +8,22 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from typing import Any, Callable, Sequence
 
+import jax
+import ml_dtypes  # noqa: F401  (bfloat16 as a NumPy dtype)
 import numpy as np
-from absl import flags
+from absl import flags, logging
 
+from te_jax_perm import autotune, workloads
+from te_jax_perm.autotune.cache import LIST_FIELDS, call_key, format_cache, key_digest
 from te_jax_perm.core import hooks
 from te_jax_perm.core.launch import Call
 from te_jax_perm.ops import shipped_decls
+from te_jax_perm.progress import Progress
 from te_jax_perm.workloads import PRIORITY, shape_list  # noqa: F401  (the shapes --tune_shapes tunes)
 
 
@@ -37,9 +44,7 @@ def _define_flags() -> None:
 
 def main(argv: list[str]) -> int:
     del argv
-    from absl import logging
     logging.set_verbosity(logging.INFO)
-    from te_jax_perm import autotune
     f = flags.FLAGS
     if f.cache_dir:
         autotune.set_cache_dir(f.cache_dir)
@@ -48,7 +53,6 @@ def main(argv: list[str]) -> int:
         tune_shapes(f.backend, f.small, f.dtype, f.budget_s, f.shapes, opts,
                     on_row=lambda row: print(json.dumps(row), flush=True))
     if f.print_cache or not f.tune_shapes:
-        from te_jax_perm.autotune.cache import format_cache
         print(format_cache(shipped_decls()))
     return 0
 
@@ -56,7 +60,6 @@ def main(argv: list[str]) -> int:
 def record_launches(fn: Callable, args: Sequence[Any]) -> list[Call]:
     """Each kernel call in ``jax.jit(fn)(*args)``, in order; the installed resolver still runs
     (lowering under autotuning also tunes)."""
-    import jax
     seen: list[Call] = []
     with hooks.observe_calls(seen.append):
         jax.jit(fn).lower(*args)
@@ -72,21 +75,9 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
     With ``budget_s``, no tuning starts after the budget (but the first always does), and
     the one running when it runs out stops timing configs after the first (the default): its
     row says ``complete: false`` and it is not cached."""
-    import dataclasses
-    import time
-
-    import jax
-    import ml_dtypes  # noqa: F401  (bfloat16 as a NumPy dtype)
-    from absl import logging
-    from te_jax_perm import autotune
-    from te_jax_perm import workloads
-    from te_jax_perm.autotune.cache import LIST_FIELDS, call_key, key_digest
-    from te_jax_perm.progress import Progress
     backend = backend or ("triton" if jax.default_backend() == "gpu" else "interpret")
-    np_dtype = np.dtype(dtype) if dtype != "bfloat16" else np.dtype(ml_dtypes.bfloat16)
-    options = options or autotune.TuneOptions()
     deadline = None if budget_s is None else time.monotonic() + budget_s
-    options = dataclasses.replace(options, deadline=deadline)
+    options = dataclasses.replace(options or autotune.TuneOptions(), deadline=deadline)
     rows: list[dict] = []
     seen: dict[str, str] = {}
     todo = shape_list(small, shapes)
@@ -96,7 +87,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
             logging.warning("tune_shapes: budget of %.0fs spent; %s T=%d and later shapes not tuned", budget_s,
                             model, T)
             break
-        args = workloads.moe_problem(T, H, E, k, np_dtype)
+        args = workloads.moe_problem(T, H, E, k, np.dtype(dtype))
         # Record only: tuning happens below, under the budget, not inside the lowering.
         with autotune.autotuning(False):
             launches = record_launches(workloads.moe_step(backend, k), args)
@@ -115,8 +106,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
             res = autotune.tune_call(ln, options)
             e = res.entry
             row = {"model": model, "T": T, "H": H, "E": E, "k": k, "kernel": ln.decl.name,
-                   "best": e.get("best"), "best_time_s": e.get("best_time_s"),
-                   "default": e.get("default"), "default_time_s": e.get("default_time_s"),
+                   **{f: e.get(f) for f in ("best", "best_time_s", "default", "default_time_s")},
                    **{"timed" if f == "ranking" else f: len(e.get(f, [])) for f in LIST_FIELDS},
                    "complete": e.get("complete", True), "cached": res.cached,
                    "wall_s": time.perf_counter() - t0, "phases_s": e.get("phases_s")}

@@ -19,6 +19,7 @@ reported once, ignored, and re-tuned when tuning is on.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -30,7 +31,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+import jax
 import numpy as np
+import triton
 from absl import logging
 
 from te_jax_perm.core import env
@@ -49,17 +52,13 @@ def _source_hash(kernel: Any) -> str:
     return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=None)
 def versions() -> dict[str, str]:
-    import jax
-    import triton
     return {"jax": jax.__version__, "triton": triton.__version__}
 
 
 def device_kind(backend: str) -> str:
     if backend == "interpret":
         return "cpu-interpreter"
-    import jax
     return jax.devices()[0].device_kind
 
 
@@ -109,8 +108,7 @@ def config_schema_problem(cfg_json: Any) -> str | None:
     consts = cfg_json["constants"]
     if not isinstance(consts, dict) or not all(isinstance(k, str) for k in consts):
         return f"config constants {consts!r} are not a mapping of names"
-    bad = {k: v for k, v in consts.items() if not isinstance(v, (int, str))}   # bool is an int
-    if bad:
+    if bad := {k: v for k, v in consts.items() if not isinstance(v, (int, str))}:   # bool is an int
         return f"config constants {bad!r} are not integers, booleans or strings"
     for field, low in (("num_warps", 1), ("num_stages", 0)):
         v = cfg_json[field]
@@ -126,11 +124,9 @@ def _declared_space(decl: KernelDecl, dims_list: Iterable[Mapping[str, int] | No
     from a file may not suit it), so that configs outside the declared list cannot be judged."""
     space, defaults = {canonical(c.to_json()) for c in decl.configs}, 0
     for dims in (d for d in dims_list if d is not None):
-        try:
+        with contextlib.suppress(Exception):  # noqa: BLE001 - no default at these dims
             space.add(canonical(decl.default_config(dims, params).to_json()))
             defaults += 1
-        except Exception:  # noqa: BLE001 - no default at these dims
-            continue
     return space if defaults else None
 
 
@@ -145,9 +141,8 @@ def entry_problem(entry: Any, decl: KernelDecl | None = None, dims: Mapping[str,
     for field in LIST_FIELDS:
         if field in entry and not isinstance(entry[field], list):
             return f"{field!r} is {type(entry[field]).__name__}, not a list"
-    ranking = entry.get("ranking", [])
     configs = []
-    for item in ranking:
+    for item in entry.get("ranking", []):
         if not isinstance(item, list) or len(item) != 2:
             return f"ranking item {item!r} is not a [config, seconds] pair"
         cfg, t = item
@@ -160,16 +155,14 @@ def entry_problem(entry: Any, decl: KernelDecl | None = None, dims: Mapping[str,
     if tuned is not None and (not isinstance(tuned, dict) or not all(_is_int(v) for v in tuned.values())):
         return f"tuned_dims {tuned!r} is not a mapping of integer dims"
     space = None if decl is None else _declared_space(decl, (dims, tuned), params or {})
+    names = set() if decl is None else {frozenset(c.kw) for c in decl.configs}   # declared constant names
     for cfg in configs:
-        why = config_schema_problem(cfg)
-        if why:
+        if why := config_schema_problem(cfg):
             return why
-        if decl is not None:
-            names = {frozenset(c.kw) for c in decl.configs}
-            if names and frozenset(cfg["constants"]) not in names and (space is None or canonical(cfg) not in space):
-                unknown = sorted(set(cfg["constants"]) - set().union(*names))
-                return (f"config {Config.from_json(cfg)} has constants {sorted(cfg['constants'])}"
-                        + (f" (unknown: {unknown})" if unknown else "") + f", not those {decl.name} declares")
+        if names and frozenset(cfg["constants"]) not in names and (space is None or canonical(cfg) not in space):
+            unknown = sorted(set(cfg["constants"]) - set().union(*names))
+            return (f"config {Config.from_json(cfg)} has constants {sorted(cfg['constants'])}"
+                    + (f" (unknown: {unknown})" if unknown else "") + f", not those {decl.name} declares")
         if space is not None and canonical(cfg) not in space:
             return f"config {Config.from_json(cfg)} is not one of {decl.name}'s declared configs or its default"
     return None
@@ -207,12 +200,9 @@ def _read(path: Path) -> tuple[Any, str | None]:
     and a device such as ``/dev/zero`` never ends, and either would hang every lowering."""
     try:
         with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 return None, "not a regular file"
-            if st.st_size > MAX_ENTRY_BYTES:
-                return None, f"{st.st_size} bytes, more than the {MAX_ENTRY_BYTES} an entry may have"
-            data = f.read(MAX_ENTRY_BYTES + 1)
+            data = f.read(MAX_ENTRY_BYTES + 1)   # one byte more tells an oversized file
         if len(data) > MAX_ENTRY_BYTES:
             return None, f"more than the {MAX_ENTRY_BYTES} bytes an entry may have"
         return json.loads(data.decode("utf-8")), None
@@ -256,6 +246,7 @@ def store(key: Mapping[str, Any], entry: Mapping[str, Any]) -> Path:
     path, full = entry_path(key), {**entry, "key": key}
     try:
         _write(path, full)
+        _memory.pop(str(path), None)   # written: the file holds it now
     except OSError as e:
         _memory[str(path)] = json.loads(json.dumps(full))
         if str(path.parent) not in _unwritable:
@@ -263,8 +254,6 @@ def store(key: Mapping[str, Any], entry: Mapping[str, Any]) -> Path:
             logging.warning("autotune: cannot write the tuning cache in %s (%s); results are kept in memory for "
                             "this process only. Set %s or autotune.set_cache_dir() to a writable directory.",
                             path.parent, e, env.AUTOTUNE_CACHE)
-        return path
-    _memory.pop(str(path), None)
     return path
 
 
@@ -288,18 +277,15 @@ def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
     lines = [f"autotune cache: {d}"]
     if d.exists() and not d.is_dir():
         lines.append("  (not a directory)")
-    try:
+    with contextlib.suppress(OSError):   # an unreadable directory lists nothing
         paths = {p for p in d.glob("*.json") if p.is_file()} if d.is_dir() else set()
-    except OSError:
-        pass
     for p in sorted(paths | {Path(m) for m in _memory if Path(m).parent == d}):   # on disk and in memory
         try:
             e, why = _entry_at(p)
         except FileNotFoundError:
             continue   # removed since the listing
         where = "in memory: " if str(p) in _memory else ""
-        decl = decls.get(e["key"].get("kernel")) if why is None else None
-        if decl is not None:
+        if why is None and (decl := decls.get(e["key"].get("kernel"))) is not None:
             why = entry_problem(e, decl, params=_literal_params(e["key"]))
         if why:
             bad += 1
@@ -322,8 +308,6 @@ def _literal_params(key: Mapping[str, Any]) -> dict:
     """The key's params (stored as ``repr``) back as values, where they are literals."""
     out, params = {}, key.get("params")
     for name, text in (params.items() if isinstance(params, dict) else ()):
-        try:
+        with contextlib.suppress(ValueError, SyntaxError, TypeError):   # not a literal: left out
             out[name] = ast.literal_eval(text)
-        except (ValueError, SyntaxError, TypeError):
-            continue
     return out

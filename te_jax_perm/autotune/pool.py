@@ -9,6 +9,7 @@ and in-process (the baseline the pool's compile time is measured against).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import importlib
 import subprocess
@@ -72,17 +73,12 @@ def _worker_main(fd: int) -> None:
     conn = Connection(fd)
     importlib.import_module("triton")  # the point of a long-lived worker: import once
     conn.send(("ready", None))
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        try:
-            conn.send(("ok", compile_job(job)))
-        except Exception:  # noqa: BLE001 - a compile error fails this job, not the worker
-            conn.send(("error", traceback.format_exc(limit=4)))
+    with contextlib.suppress(EOFError):    # the parent is gone
+        for job in iter(conn.recv, None):   # None: stop
+            try:
+                conn.send(("ok", compile_job(job)))
+            except Exception:  # noqa: BLE001 - a compile error fails this job, not the worker
+                conn.send(("error", traceback.format_exc(limit=4)))
 
 
 class _Worker:
@@ -103,20 +99,21 @@ class _Worker:
         self.job: int | None = None
         self.started = 0.0
 
-    def alive(self) -> bool:
-        return self.proc.poll() is None
+    def exited(self, wait_s: float = 0.0) -> bool:
+        """Whether the process has exited, waiting up to ``wait_s`` for it."""
+        try:
+            self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def stop(self, kill: bool = False) -> None:
         if kill:
             self.proc.kill()
         else:
-            try:
+            with contextlib.suppress(OSError):   # already gone
                 self.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
+        if not self.exited(5.0):
             self.proc.kill()
             self.proc.wait(timeout=5)
         self.conn.close()
@@ -172,7 +169,8 @@ class CompilePool:
                 if not ok:
                     logging.warning("autotune: %s failed to compile: %s", jobs[idx].label,
                                     payload.strip().splitlines()[-1])
-            elif not w.alive() or (w.conn in ready and _eof(w)) or time.monotonic() > deadline:
+            # A readable pipe that gave no message: the worker is exiting, give it a moment.
+            elif w.exited(2.0 if w.conn in ready else 0.0) or time.monotonic() > deadline:
                 self._replace(w, jobs, results)
 
     def _replace(self, w: _Worker, jobs: Sequence[CompileJob], results: list) -> None:
@@ -181,16 +179,14 @@ class CompilePool:
             logging.warning("autotune: compile worker failed to start (exit code %s); replacing it", w.proc.poll())
             if self.replaced > 4 * self.size + 8:
                 raise RuntimeError("autotune: compile workers keep failing to start")
-        elif w.alive():
+        elif not w.exited():
             results[w.job] = CompileResult(False, {}, f"compile timed out after {self.timeout_s:.1f}s")
             logging.warning("autotune: %s hung past %.1fs; worker killed, config skipped",
                             jobs[w.job].label, self.timeout_s)
-        else:
-            w.proc.wait(timeout=10)
-            code = w.proc.returncode
-            results[w.job] = CompileResult(False, {}, f"compile worker died (exit code {code})")
+        else:   # exited: its return code is known
+            results[w.job] = CompileResult(False, {}, f"compile worker died (exit code {w.proc.returncode})")
             logging.warning("autotune: %s killed its compile worker (exit code %s); config skipped",
-                            jobs[w.job].label, code)
+                            jobs[w.job].label, w.proc.returncode)
         w.stop(kill=True)
         self.replaced += 1
         self._workers[self._workers.index(w)] = _Worker(self.cache_dir)
@@ -200,14 +196,6 @@ class CompilePool:
         for w in self._workers:
             w.stop()
         self._workers = []
-
-
-def _eof(w: _Worker) -> bool:
-    try:
-        w.proc.wait(timeout=2)
-    except subprocess.TimeoutExpired:
-        return False
-    return True
 
 
 _pool: CompilePool | None = None

@@ -30,26 +30,23 @@ def make_inputs(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, 
     """Fresh random operands of the traced shapes and dtypes: ``decl.example_inputs``, else
     integers drawn from ``[0, smallest dim)``, valid indices into any axis of any operand."""
     rng = np.random.default_rng(seed)
-    named = {op.name: np.dtype(dt) for op, dt in zip(decl.operands, dtypes)}
+    dtypes = [np.dtype(dt) for dt in dtypes]
+    shapes = [tuple(dims[d] for d in op.dims) for op in decl.operands]
     if decl.example_inputs is not None:
+        named = {op.name: dt for op, dt in zip(decl.operands, dtypes)}
         arrays = [np.asarray(a) for a in decl.example_inputs(dims, params, named, rng)]
-    else:
-        hi = max(1, min(dims.values())) if dims else 1
-        arrays = []
-        for op, dt in zip(decl.operands, dtypes):
-            shape = tuple(dims[d] for d in op.dims)
-            dt = np.dtype(dt)
-            if dt == np.bool_:
-                arrays.append(rng.integers(0, 2, shape).astype(bool))
-            elif np.issubdtype(dt, np.integer):
-                arrays.append(rng.integers(0, hi, shape).astype(dt))
-            else:
-                arrays.append(rng.standard_normal(shape).astype(np.float32).astype(dt))
-    for op, a, dt in zip(decl.operands, arrays, dtypes):
-        want = tuple(dims[d] for d in op.dims)
-        if a.shape != want or a.dtype != np.dtype(dt):
-            raise ValueError(f"{decl.name}: example_inputs gave {op.name!r} shape {a.shape} dtype {a.dtype}; "
-                             f"expected {want} {np.dtype(dt)}")
+        for op, a, want, dt in zip(decl.operands, arrays, shapes, dtypes):
+            if a.shape != want or a.dtype != dt:
+                raise ValueError(f"{decl.name}: example_inputs gave {op.name!r} shape {a.shape} dtype {a.dtype}; "
+                                 f"expected {want} {dt}")
+        return arrays
+    hi = max(1, min(dims.values())) if dims else 1
+    arrays = []
+    for shape, dt in zip(shapes, dtypes):
+        if dt == np.bool_ or np.issubdtype(dt, np.integer):
+            arrays.append(rng.integers(0, 2 if dt == np.bool_ else hi, shape).astype(dt))
+        else:
+            arrays.append(rng.standard_normal(shape).astype(np.float32).astype(dt))
     return arrays
 
 
@@ -64,13 +61,6 @@ def initial_prealloc(zeroed: bool, shape: tuple[int, ...], dtype: Any, seed: int
 
 
 # -- the reference check -----------------------------------------------------------------------
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def _floating(dtype: np.dtype) -> bool:
-    return np.issubdtype(dtype, np.floating) or dtype.name.startswith(("bfloat", "float"))
-
-
 def mismatch(decl: KernelDecl, got: Sequence[Any], want: Sequence[Any], xp: Any = np) -> str | None:
     """None when ``got`` matches; otherwise which output differs and how. ``xp`` is the
     array module the outputs live in (``numpy`` on the host, ``jax.numpy`` on a device,
@@ -80,17 +70,17 @@ def mismatch(decl: KernelDecl, got: Sequence[Any], want: Sequence[Any], xp: Any 
         dtype = np.dtype(w.dtype)
         if g.shape != w.shape or np.dtype(g.dtype) != dtype:
             return f"{o.name}: shape/dtype {g.shape} {g.dtype} != reference {w.shape} {w.dtype}"
-        if decl.exact or not _floating(dtype):
-            if _floating(dtype):  # bitwise: NaN payloads and signed zeros count
-                g, w = g.view(_UINT[dtype.itemsize]), w.view(_UINT[dtype.itemsize])
-            n = int(xp.sum(g != w))
-            if n:
+        floating = dtype.name.startswith(("float", "bfloat"))   # NumPy's and ml_dtypes' floats
+        if decl.exact or not floating:
+            if floating:  # bitwise: NaN payloads and signed zeros count
+                bits = np.dtype(f"uint{8 * dtype.itemsize}")
+                g, w = g.view(bits), w.view(bits)
+            if n := int(xp.sum(g != w)):
                 return f"{o.name}: {n} of {g.size} elements differ bitwise from the reference"
         else:
             gf, wf = g.astype(np.float32), w.astype(np.float32)
             ok = xp.isclose(gf, wf, rtol=decl.rtol, atol=decl.atol, equal_nan=True)
-            bad = int(xp.sum(~ok))
-            if bad:
+            if bad := int(xp.sum(~ok)):
                 i = tuple(int(x) for x in np.unravel_index(int(xp.argmin(ok.astype(np.int8))), ok.shape))
                 return (f"{o.name}: {bad} of {g.size} elements outside rtol={decl.rtol} "
                         f"atol={decl.atol}; e.g. at {i}: {float(gf[i])} vs {float(wf[i])}")
@@ -148,17 +138,23 @@ def run_trials(decl: KernelDecl, runner: "HostRunner", configs: Sequence[Config]
                         res.times_s.append(dt)
                     if i == 0 or i == warmup + reps - 1:
                         with timed(phases, "validate_s"):
-                            why = runner.mismatch(expected)
-                        if why:
-                            res.rejected = why
+                            res.rejected = runner.mismatch(expected)
+                        if res.rejected:
                             break
             except Exception as e:  # noqa: BLE001 - a failing launch rejects its config only
                 res.error = f"{type(e).__name__}: {e}"
             if res.times_s and not (res.rejected or res.error):
                 res.time_s = statistics.median(res.times_s[1:] if warmup else res.times_s)
             results.append(res)
-            _log_result(decl, res, len(results), len(configs),
-                        min((r for r in results if r.time_s is not None), key=lambda r: r.time_s, default=None))
+            where = (decl.name, len(results), len(configs), cfg)
+            if res.rejected:
+                logging.warning("autotune %s: [%d/%d] REJECTED %s: wrong output (%s)", *where, res.rejected)
+            elif res.error:
+                logging.warning("autotune %s: [%d/%d] launch failed for %s: %s", *where, res.error)
+            else:
+                best = min((r for r in results if r.time_s is not None), key=lambda r: r.time_s)
+                logging.info("autotune %s: [%d/%d] timed %s: %.3g ms; best so far %s", *where, 1e3 * res.time_s,
+                             best.config)
     finally:
         runner.restore()
     return results
@@ -200,17 +196,6 @@ class HostRunner:
 
     def mismatch(self, expected: Sequence[np.ndarray]) -> str | None:
         return mismatch(self.decl, self.outputs(), expected)
-
-
-def _log_result(decl: KernelDecl, r: TrialResult, done: int, total: int, best: TrialResult | None) -> None:
-    if r.rejected:
-        logging.warning("autotune %s: [%d/%d] REJECTED %s: wrong output (%s)", decl.name, done, total, r.config,
-                        r.rejected)
-    elif r.error:
-        logging.warning("autotune %s: [%d/%d] launch failed for %s: %s", decl.name, done, total, r.config, r.error)
-    else:
-        logging.info("autotune %s: [%d/%d] timed %s: %.3g ms; best so far %s", decl.name, done, total, r.config,
-                     1e3 * r.time_s, best.config if best else None)
 
 
 class GpuRunner(HostRunner):
@@ -257,16 +242,14 @@ class GpuRunner(HostRunner):
 
     def _timed(self, exe: Callable, buffers: list) -> tuple[float, list]:
         t0 = time.perf_counter()
-        out = exe(self.buffers[:self.n_in], buffers)
-        jax.block_until_ready(out)
+        out = jax.block_until_ready(exe(self.buffers[:self.n_in], buffers))
         return time.perf_counter() - t0, list(out)
 
     def launch(self, config: Config) -> float:
         """One launch on the current buffers (its outputs are kept for checking); returns the
         device time of a launch, from a chain of launches on a copy of the same buffers."""
         single, chained = self._exe(config, 1), self._exe(config, self.chain)
-        spare = [self._copy(b) for b in self.buffers[self.n_in:]]
-        jax.block_until_ready(spare)
+        spare = jax.block_until_ready([self._copy(b) for b in self.buffers[self.n_in:]])
         t1, self.buffers[self.n_in:] = self._timed(single, self.buffers[self.n_in:])
         tn, _ = self._timed(chained, spare)
         return max(tn - t1, 0.0) / (self.chain - 1)

@@ -67,12 +67,8 @@ def candidates(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, A
                ) -> tuple[list[Config], list[tuple[Config, str]]]:
     """``(valid, pruned)``, ``pruned`` with each reason; the default config is always a
     candidate (if valid), so tuning can only improve on it."""
-    space = list(dict.fromkeys(decl.configs))
-    default = decl.default_config(dims, params)
-    if default not in space:
-        space.append(default)
     valid, pruned = [], []
-    for cfg in space:
+    for cfg in dict.fromkeys((*decl.configs, decl.default_config(dims, params))):
         why = decl.violated(dims, params, cfg)
         if why:
             pruned.append((cfg, why))
@@ -87,7 +83,6 @@ def cap(valid: Sequence[Config], default: Config, limit: int | None, name: str =
     """At most ``limit`` of ``valid``: the default first (so a run stopped early still has
     the baseline), then evenly spaced picks over the declared order (which sweeps the
     tile/warp grid), so a capped search still spans the space. Returns ``(kept, skipped)``."""
-    valid = list(valid)
     rest = [c for c in valid if c != default]
     head = [default] if default in valid else []
     if limit is None or len(valid) <= limit:
@@ -140,12 +135,11 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
         expected = _reference(decl, inputs, params)
     with timed(phases, "to_device_s"):
         runner = RUNNERS[backend](decl, inputs, preallocs, params)
-    reps = options.reps or runner.reps
-    warmup = runner.warmup if options.warmup is None else options.warmup
 
     with timed(phases, "trials_s"):
-        results = run_trials(decl, runner, valid, expected, reps=reps, warmup=warmup, deadline=options.deadline,
-                             phases=phases)
+        results = run_trials(decl, runner, valid, expected, reps=options.reps or runner.reps,
+                             warmup=runner.warmup if options.warmup is None else options.warmup,
+                             deadline=options.deadline, phases=phases)
     stats["trials"] += len(results)
     complete = len(results) == len(valid)
     ok = sorted((r for r in results if r.time_s is not None), key=lambda r: r.time_s)
@@ -232,8 +226,7 @@ def _reference(decl: KernelDecl, inputs: Sequence[np.ndarray], params: Mapping[s
     # Tuning may run inside a lowering rule: evaluate eagerly rather than stage into it. One
     # jitted call (not op-by-op dispatch, which compiles and syncs every op on GPU).
     with jax.ensure_compile_time_eval():
-        ref = jax.jit(functools.partial(decl.reference, **params))
-        outs = ref(*[jax.numpy.asarray(a) for a in inputs])
+        outs = jax.jit(functools.partial(decl.reference, **params))(*[jax.numpy.asarray(a) for a in inputs])
         return [np.asarray(o) for o in outs]
 
 
@@ -243,9 +236,7 @@ _options = TuneOptions()
 
 
 def enabled() -> bool:
-    if _enabled:
-        return _enabled[-1]
-    return env.autotune()
+    return _enabled[-1] if _enabled else env.autotune()
 
 
 def enable(on: bool = True, options: TuneOptions | None = None) -> None:
@@ -270,11 +261,8 @@ def pick(decl: KernelDecl, entry: Mapping[str, Any], dims: Mapping[str, int], pa
          ) -> Config | None:
     """The fastest cached config that is valid for these exact dims (a key bucket spans
     several shapes, and a constraint may rule the winner out for some of them)."""
-    for cfg_json, _t in entry.get("ranking", []):
-        cfg = Config.from_json(cfg_json)
-        if decl.violated(dims, params, cfg) is None:
-            return cfg
-    return None
+    ranked = (Config.from_json(cfg_json) for cfg_json, _t in entry.get("ranking", []))
+    return next((cfg for cfg in ranked if decl.violated(dims, params, cfg) is None), None)
 
 
 def resolve(decl: KernelDecl, avals: Sequence[Any], params: Mapping[str, Any], backend: str) -> Config | None:

@@ -11,6 +11,7 @@ import re
 from typing import Any, Callable
 
 import jax
+from jax.interpreters.mlir import ir
 
 _SCOPE = re.compile(r"te_jax_perm\.([A-Za-z0-9_]+)")
 
@@ -58,9 +59,8 @@ class AliasAudit:
             "nothing to audit: no te_jax_perm custom call in this program (the xla backend lowers to plain "
             "XLA ops; audit a function that uses backend 'triton' or 'interpret')"]
         for c in self.calls:
-            tag = c.kernel or "(foreign)"
             status = "OK" if c.ok else f"UNALIASED results {list(c.unaliased_results)}"
-            lines.append(f"{tag:32s} {c.target:36s} operands={len(c.operand_types)} "
+            lines.append(f"{c.kernel or '(foreign)':32s} {c.target:36s} operands={len(c.operand_types)} "
                          f"results={len(c.result_types)} aliases={c.aliases} {status}")
         return "\n".join(lines)
 
@@ -71,17 +71,14 @@ def audit_aliases(fn: Callable, *args: Any, **kwargs: Any) -> AliasAudit:
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     module = jitted.lower(*args, **kwargs).compiler_ir("stablehlo")
     calls: list[CustomCallReport] = []
-    _walk(module.operation, calls)
+
+    def visit(op) -> ir.WalkResult:   # every operation, nested ones included, in program order
+        if op.operation.name == "stablehlo.custom_call":
+            calls.append(_report(op.operation))
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
     return AliasAudit(tuple(calls))
-
-
-def _walk(op, out: list[CustomCallReport]) -> None:
-    for region in op.regions:
-        for block in region.blocks:
-            for child in block.operations:
-                if child.operation.name == "stablehlo.custom_call":
-                    out.append(_report(child.operation))
-                _walk(child.operation, out)
 
 
 def _report(op) -> CustomCallReport:

@@ -63,8 +63,8 @@ def ensure_available(name: str) -> None:
                 f"{jax.default_backend()!r}); install a CUDA jax (pip install 'jax[cuda13]') or use "
                 "backend 'interpret' (CPU, Triton interpreter) or 'xla'")
         from te_jax_perm.core.triton_backend import problems
-        if problems():
-            raise BackendUnavailableError("backend 'triton': " + "; ".join(problems()))
+        if found := problems():
+            raise BackendUnavailableError("backend 'triton': " + "; ".join(found))
     if name in ("triton", "interpret") and importlib.util.find_spec("triton") is None:
         raise BackendUnavailableError(f"backend {name!r} needs the triton package: pip install triton")
     if name == "interpret" and jax.default_backend() != "cpu" and not _has_cpu():

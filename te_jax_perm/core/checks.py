@@ -36,6 +36,5 @@ def check_values(problem: Callable[..., "str | None"], *arrays: Any) -> None:
 
 
 def _raise_problem(problem: Callable[..., "str | None"], *values: Any) -> None:
-    message = problem(*(np.asarray(v) for v in values))
-    if message:
+    if message := problem(*(np.asarray(v) for v in values)):
         raise CheckError(message)

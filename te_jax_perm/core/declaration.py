@@ -126,14 +126,13 @@ class KernelDecl:
     example_inputs: Callable[..., Sequence[Any]] | None = None
 
     def __post_init__(self):
+        if self.partitioning is not None and len(self.partitioning.outputs) != len(self.outputs):
+            raise ValueError(f"{self.name}: partitioning names {len(self.partitioning.outputs)} outputs, "
+                             f"the kernel has {len(self.outputs)}")
         if self.key_dims is None:
             every = tuple(dict.fromkeys(d for op in self.operands for d in op.dims))
             object.__setattr__(self, "key_dims", every)
 
     def violated(self, dims: Dims, params: Params, config: Config) -> str | None:
         """First violated constraint's reason, or None if ``config`` is valid."""
-        for c in self.constraints:
-            why = c(dims, params, config)
-            if why:
-                return why
-        return None
+        return next((why for c in self.constraints if (why := c(dims, params, config))), None)

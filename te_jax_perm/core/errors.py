@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import threading
 
+from jax._src import compiler
+
 _kept: dict[str, BaseException] = {}   # by quoted text; XLA's callbacks may run on any thread
 _lock = threading.Lock()
 
@@ -36,8 +38,4 @@ def original(runtime_error: BaseException, forget: bool = True) -> BaseException
         return (_kept.pop(quoted) if forget else _kept[quoted]).with_traceback(None)
 
 
-try:
-    from jax._src import compiler
-    compiler.register_xla_runtime_error_handler(original)
-except (ImportError, AttributeError):  # pragma: no cover - hook moved: the text still says it
-    pass
+compiler.register_xla_runtime_error_handler(original)

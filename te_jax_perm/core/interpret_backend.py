@@ -55,7 +55,7 @@ _launch_lock = threading.RLock()
 
 
 def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any],
-                       constexprs: Mapping[str, Any], *, name: str = "",
+                       constexprs: Mapping[str, Any], *, name: str,
                        buffers: Sequence[BufferInfo] = ()) -> None:
     """Runs ``kernel`` (a ``@triton.jit`` function) over ``grid`` with the interpreter;
     ``args`` maps its parameter names to :class:`HostPointer` or Python scalars."""
@@ -68,11 +68,10 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
     with _launch_lock:
         observers = hooks.launch_observers()
         for ob in observers:
-            ob.launch_begin(name or kernel.fn.__name__, buffers, grid3)
+            ob.launch_begin(name, buffers, grid3)
         try:
             with _interpreted(kernel.fn) as fn:
-                call_args = {k: interp._implicit_cvt(v) for k, v in args.items()}
-                call_args.update(constexprs)
+                call_args = {**{k: interp._implicit_cvt(v) for k, v in args.items()}, **constexprs}
                 interp.interpreter_builder.set_grid_dim(*grid3)
                 for x, y, z in itertools.product(*(range(g) for g in grid3)):
                     interp.interpreter_builder.set_grid_idx(x, y, z)
@@ -90,13 +89,19 @@ def _interpreted(fn: Any) -> Iterator[Callable]:
     """``fn``'s interpreter rewrite (made once), the language patched for it in the block.
     The patch also lets it call other ``@triton.jit`` functions (helpers, ``tl.sum``...):
     outside ``TRITON_INTERPRET=1`` their ``__call__`` refuses to run, so it runs their rewrite."""
+    import triton.language as tl
     from triton.runtime import interpreter as interp
     from triton.runtime.jit import JITFunction
 
     if fn not in _rewritten:
         _rewritten[fn] = interp.InterpretedFunction(fn).rewrite()
     scope = interp._patch_lang(fn)
-    patch_scalar_index(scope)
+    # Scalars used as Python ints (loop bounds, ``range``) under NumPy >= 2.4, which refuses
+    # Triton 3.6-3.8's ``int(one-element array)``; truth values keep the interpreter's own
+    # rule (only a scalar has one), read as a scalar. The scope undoes this with the rest.
+    first = lambda t: np.asarray(t.handle.data).reshape(-1)[0]  # noqa: E731
+    scope.set_attr(tl.core.tensor, "__index__", lambda self: int(first(self)))
+    scope.set_attr(tl.core.tensor, "__bool__", lambda self: bool(first(self)) if self.handle.data.size == 1 else True)
     scope.set_attr(JITFunction, "__call__", _call_nested)
     try:
         yield _rewritten[fn]
@@ -130,10 +135,7 @@ def run_eagerly(fn: Callable[..., Any], args: Sequence[jax.Array]) -> Any:
         with jax.default_device(cpu):
             return jax.block_until_ready(fn(*jax.device_put(tuple(args), cpu)))
     except jax.errors.JaxRuntimeError as e:
-        raised = errors.original(e)
-        if raised is None:
-            raise
-        raise raised from None
+        raise errors.original(e) or e from None
 
 
 def interpret_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Array]:
@@ -141,23 +143,20 @@ def interpret_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Ar
     from jax.experimental.buffer_callback import buffer_callback
 
     plan = launch.aliases
-    preallocs = preallocate(plan, launch.out_avals)
+    preallocs = preallocate(plan, launch.out_avals)   # outside the scope that marks our custom call
 
-    def callback(ctx, outs, *ins):
-        del ctx
+    def callback(_ctx, outs, *ins):
         in_arrays = [np.asarray(b) for b in ins]
         try:
             run_launch(launch, in_arrays[:plan.num_operands], in_arrays[plan.num_operands:],
                        [np.asarray(b) for b in outs])
         except Exception as e:
-            errors.keep(e)   # XLA hands it on as text: run_eagerly and hazard_error give it back
-            raise
+            raise errors.keep(e)   # XLA hands it on as text: run_eagerly and hazard_error give it back
 
     result_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in launch.out_avals]
     with jax.named_scope(f"te_jax_perm.{launch.decl.name}"):
-        outs = buffer_callback(callback, result_types, input_output_aliases=plan.input_output_aliases)(
-            *operands, *preallocs)
-    return list(outs)
+        call = buffer_callback(callback, result_types, input_output_aliases=plan.input_output_aliases)
+        return list(call(*operands, *preallocs))
 
 
 # -- GPU numerics ------------------------------------------------------------------------------
@@ -200,10 +199,6 @@ FORMATS = {
 }
 # Formats the GPU converts into with saturation to the largest finite value.
 _SATURATING = ("fp8e4nv", "fp8e5")
-
-
-def _name(tt: Any) -> str:
-    return getattr(tt, "name", "")
 
 
 # The interpreter runs kernels on threads where XLA may have set flush-to-zero and
@@ -259,14 +254,9 @@ def round_float(x: np.ndarray, fmt: FloatFormat, *, toward_zero: bool = False, s
         _, k = np.frexp(np.where(np.isfinite(a), a, 0.0))
         q = np.ldexp(1.0, np.maximum(k - 1, 1 - fmt.bias) - fmt.nmant)
         r = (np.trunc if toward_zero else np.rint)(a / q) * q
-        inf, over = np.isinf(a), np.isfinite(a) & (r > fmt.max)
         huge = np.nan if fmt.finite_only else np.inf
-        if saturate:
-            r = np.where(over | inf, fmt.max, r)
-        elif toward_zero:
-            r = np.where(over, fmt.max, np.where(inf, huge, r))
-        else:
-            r = np.where(over | inf, huge, r)
+        r = np.where(np.isfinite(a) & (r > fmt.max), fmt.max if saturate or toward_zero else huge, r)
+        r = np.where(np.isinf(a), fmt.max if saturate else huge, r)
         r = np.where(np.isnan(a), np.nan, r)
         return encode(np.copysign(r, x), fmt)
 
@@ -286,18 +276,15 @@ def convert(data: np.ndarray, src_tt: Any, dst_tt: Any, storage: np.dtype, *, to
             ) -> np.ndarray | None:
     """The GPU's conversion of interpreter data ``data`` from ``src_tt`` to ``dst_tt``, in
     ``dst_tt``'s storage dtype; ``None`` when this module does not handle the pair."""
-    src, dst = _name(src_tt), _name(dst_tt)
+    src, dst = src_tt.name, dst_tt.name
     sfmt, dfmt = FORMATS.get(src), FORMATS.get(dst)
-    if sfmt is None and dfmt is None:
+    # Neither side a float handled here (int <-> int), or one a float that is not (float64,
+    # an fp8 variant not used on NVIDIA GPUs): the interpreter's own conversion.
+    if (sfmt is None and dfmt is None) or (src.startswith("fp") and sfmt is None) or (
+            dst.startswith("fp") and dfmt is None):
         return None
-    if (src.startswith("fp") and sfmt is None) or (dst.startswith("fp") and dfmt is None):
-        return None   # float64, or an fp8 variant not used on NVIDIA GPUs
-    if sfmt is not None:
-        vals = decode(data, sfmt)
-    elif np.issubdtype(data.dtype, np.integer) or data.dtype == np.bool_:
-        vals = data.astype(np.float64)   # exact below 2**53
-    else:
-        return None
+    # A source that is no handled float is an integer (or i1, held as bool).
+    vals = decode(data, sfmt) if sfmt is not None else data.astype(np.float64)   # exact below 2**53
     if dfmt is not None:
         out = round_float(vals, dfmt, toward_zero=toward_zero, saturate=dst in _SATURATING)
     elif np.issubdtype(storage, np.integer):
@@ -323,7 +310,7 @@ def install_numerics() -> None:
         def wrapper(self, src, dst_type, *rounding_mode):
             toward_zero = rounding_mode == (rtz,)
             # Round-toward-zero into a saturating fp8 type is not a GPU conversion.
-            out = None if toward_zero and _name(dst_type.scalar) in _SATURATING else convert(
+            out = None if toward_zero and dst_type.scalar.name in _SATURATING else convert(
                 src.data, src.dtype.scalar, dst_type.scalar, interp._get_np_dtype(dst_type), toward_zero=toward_zero)
             if out is None:
                 return orig(self, src, dst_type, *rounding_mode)
@@ -336,9 +323,8 @@ def install_numerics() -> None:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         # The interpreter keeps bf16 as uint16 storage and would multiply the raw bit
         # patterns; tensor cores multiply the bf16 values exactly and accumulate in fp32.
-        if _name(a.dtype.scalar) == "bf16" or _name(b.dtype.scalar) == "bf16":
-            a32, b32 = (_as_f32(x) for x in (a, b))
-            out = np.matmul(a32, b32, dtype=np.float32).astype(d.data.dtype) + d.data
+        if "bf16" in (a.dtype.scalar.name, b.dtype.scalar.name):
+            out = np.matmul(_as_f32(a), _as_f32(b), dtype=np.float32).astype(d.data.dtype) + d.data
             return interp.TensorHandle(out, d.dtype.scalar)
         return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
@@ -349,20 +335,7 @@ def install_numerics() -> None:
 
 def _as_f32(t) -> np.ndarray:
     # bf16 widens to fp32 exactly by putting its 16 bits in the high half.
-    if _name(t.dtype.scalar) == "bf16":
+    if t.dtype.scalar.name == "bf16":
         return (t.data.astype(np.uint32) << 16).view(np.float32)
     return t.data.astype(np.float32)
 
-
-def patch_scalar_index(scope: Any) -> None:
-    """Scalars used as Python ints (loop bounds, ``range``) under NumPy >= 2.4, which refuses
-    Triton 3.6-3.8's ``int(one-element array)``. ``scope`` is one launch's language patch,
-    which undoes this with everything else."""
-    import triton.language as tl
-
-    def first(self):
-        return np.asarray(self.handle.data).reshape(-1)[0]
-
-    scope.set_attr(tl.core.tensor, "__index__", lambda self: int(first(self)))
-    # Same rule as the interpreter's own (only a scalar has a truth value), read as a scalar.
-    scope.set_attr(tl.core.tensor, "__bool__", lambda self: bool(first(self)) if self.handle.data.size == 1 else True)

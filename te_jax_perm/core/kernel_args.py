@@ -58,10 +58,8 @@ def check_signature(decl: KernelDecl, scalars: Mapping[str, Any], constexprs: Ma
     names = list(decl.kernel.arg_names)
     n_ops, n_outs = len(decl.operands), len(decl.outputs)
     positional = n_ops + len(scalars) + 2 * n_outs
-    got_scalars = names[n_ops:n_ops + len(scalars)]
-    rest = set(names[positional:])
-    if (got_scalars != list(scalars) or len(names) != positional + len(constexprs)
-            or rest != set(constexprs)):
+    if (names[n_ops:n_ops + len(scalars)] != list(scalars) or len(names) != positional + len(constexprs)
+            or set(names[positional:]) != set(constexprs)):
         raise TypeError(
             f"{decl.name}: kernel {decl.kernel.fn.__name__}{tuple(names)} does not match its declaration: "
             f"{n_ops} operand pointers, scalars {list(scalars)}, {n_outs} prealloc + {n_outs} output "

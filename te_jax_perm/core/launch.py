@@ -24,8 +24,8 @@ from te_jax_perm.core.declaration import Config, Dims, KernelDecl, Operand, Para
 
 # -- operand and parameter checks -------------------------------------------------------------
 _KIND = {
-    # jnp.issubdtype: NumPy does not count ml_dtypes floats (bfloat16) as np.floating.
-    "float": lambda dt: jax.numpy.issubdtype(dt, jax.numpy.floating) or dt.name.startswith("float8"),
+    # By name: NumPy does not count ml_dtypes' floats (bfloat16, float8_*) as np.floating.
+    "float": lambda dt: dt.name.startswith(("float", "bfloat")),
     "int": lambda dt: np.issubdtype(dt, np.integer),
     "bool": lambda dt: dt == np.bool_,
 }
@@ -64,11 +64,9 @@ def _fmt_expected(op: Operand, dims: Mapping[str, int]) -> str:
 
 def check_static_params(decl: KernelDecl, params: Mapping[str, Any]) -> None:
     """Exactly the declared params, each a hashable Python value (it sets shapes or the grid)."""
-    missing = set(decl.params) - set(params)
-    extra = set(params) - set(decl.params)
-    if missing or extra:
-        raise TypeError(f"{decl.name}: static params mismatch: missing {sorted(missing)}, "
-                        f"unexpected {sorted(extra)}")
+    if set(params) != set(decl.params):
+        raise TypeError(f"{decl.name}: static params mismatch: missing {sorted(set(decl.params) - set(params))}, "
+                        f"unexpected {sorted(set(params) - set(decl.params))}")
     for k, v in params.items():
         if isinstance(v, (jax.core.Tracer, jax.Array)):
             raise TypeError(f"{decl.name}: parameter {k!r} must be a static Python value "
@@ -164,8 +162,7 @@ def configure(call: Call, config: Config) -> Launch:
     from te_jax_perm.core.kernel_args import check_signature
 
     decl, dims, params = call.decl, call.dims, call.params
-    why = decl.violated(dims, params, config)
-    if why:
+    if why := decl.violated(dims, params, config):
         raise ValueError(f"{decl.name}: {config} is invalid for dims {dict(dims)}: {why}")
     grid = tuple(int(g) for g in decl.grid(dims, params, config))
     constexprs = {**config.kw, **decl.constexprs(dims, params, config)}
@@ -176,17 +173,13 @@ def configure(call: Call, config: Config) -> Launch:
 
 def select_config(call: Call, explicit: Config | None) -> Config:
     """The config ``call`` launches with: ``explicit``, else the installed resolver's pick
-    (the autotuner's), else the declaration's default, which must meet its own constraints."""
+    (the autotuner's), else the declaration's default (:func:`configure` checks whichever
+    it is against the constraints)."""
     hooks.notify_call(call)
     if explicit is not None:
         return explicit
-    picked = hooks.resolve_config(call)
-    if picked is not None:
+    if (picked := hooks.resolve_config(call)) is not None:
         return picked
-    decl = call.decl
-    cfg = decl.default_config(call.dims, call.params)
-    why = decl.violated(call.dims, call.params, cfg)
-    if why:
-        raise ValueError(f"{decl.name}: default {cfg} violates its own constraint for {dict(call.dims)}: {why}")
-    logging.vlog(1, "%s: default config %s for %s", decl.name, cfg, dict(call.dims))
+    cfg = call.decl.default_config(call.dims, call.params)
+    logging.vlog(1, "%s: default config %s for %s", call.decl.name, cfg, dict(call.dims))
     return cfg

@@ -12,6 +12,7 @@ import jax
 import jax.extend  # noqa: F401  (jax.extend is not imported by `import jax`)
 import jax.numpy as jnp
 from jax.extend.core import Primitive
+from jax._src import dispatch
 from jax.interpreters import batching, mlir
 
 from te_jax_perm.core import backends, checks, sharding
@@ -25,8 +26,7 @@ class KernelPrimitive:
     """A declared kernel bound to a JAX primitive. Call it like a function."""
 
     def __init__(self, decl: KernelDecl):
-        clash = set(decl.params) & set(_RESERVED)
-        if clash:
+        if clash := set(decl.params) & set(_RESERVED):
             raise ValueError(f"{decl.name}: parameter names {sorted(clash)} are reserved")
         self.decl = decl
         # Sharding (core/sharding.py): `prim` lowers through custom_partitioning, whose
@@ -40,7 +40,9 @@ class KernelPrimitive:
         self.vmapped = self._primitive("_vmapped", functools.partial(sharding.vmapped_avals, self), partitioned)
         for prim in (self.prim, self.vmapped):
             batching.primitive_batchers[prim] = functools.partial(sharding.batch, self)
-            sharding.requires_devices(prim)
+            # custom_partitioning needs the device assignment at lowering time; so do we,
+            # since we emit it from our own lowering rule.
+            dispatch.prim_requires_devices_during_lowering.add(prim)
 
     def _primitive(self, suffix: str, abstract_eval: Callable, lower: Callable) -> Primitive:
         """One of the kernel's primitives; ``lower(platform, ctx, *args, **params)``."""
@@ -64,8 +66,7 @@ class KernelPrimitive:
         return tuple(self.prim.bind(*operands, backend=chosen, config=config, **params))
 
     # -- primitive rules --------------------------------------------------------------
-    def abstract_eval(self, *avals, backend: str, config: Config | None, **params):
-        del config
+    def abstract_eval(self, *avals, backend: str, config: Config | None, **params):   # a config sets no shape
         return list(bind_call(self.decl, avals, params, backend).out_avals)
 
     def _impl(self, prim: Primitive, *args, **kw):
@@ -99,14 +100,13 @@ class KernelPrimitive:
                     "jax.default_device(jax.devices('cpu')[0]) (te_jax_perm.sanitize.sanitize() scopes do this)")
             from te_jax_perm.core.interpret_backend import interpret_call
             return interpret_call
-        if backend == "triton":
-            if platform not in ("cuda", "rocm"):
-                raise backends.BackendUnavailableError(
-                    f"{self.decl.name}: backend 'triton' needs a GPU platform; this computation is placed "
-                    f"on {platform!r}. Use backend='interpret' or 'xla' on CPU.")
-            from te_jax_perm.core.triton_backend import triton_call
-            return triton_call
-        raise ValueError(f"unknown backend {backend!r}")
+        # Backend 'triton': the only other name resolve_backend lets through to a lowering.
+        if platform not in ("cuda", "rocm"):
+            raise backends.BackendUnavailableError(
+                f"{self.decl.name}: backend 'triton' needs a GPU platform; this computation is placed "
+                f"on {platform!r}. Use backend='interpret' or 'xla' on CPU.")
+        from te_jax_perm.core.triton_backend import triton_call
+        return triton_call
 
 
 def _validation_problem(decl: KernelDecl, dims, params, *operands) -> str | None:

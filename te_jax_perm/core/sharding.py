@@ -51,9 +51,6 @@ def partitioned(kp: "KernelPrimitive", fn: Callable, out_ranks: Sequence[int], i
         outs = [tuple(f"{o.name}.{i}" for i in range(r)) for o, r in zip(decl.outputs, out_ranks)]
         local: tuple[str, ...] = ()
     else:
-        if len(part.outputs) != len(decl.outputs):
-            raise ValueError(f"{decl.name}: partitioning names {len(part.outputs)} outputs, "
-                             f"the kernel has {len(decl.outputs)}")
         outs, local = [tuple(o) for o in part.outputs], tuple(part.local)
     if in_batched is not None:
         ops = [((BATCH_AXIS,) + d) if b else d for d, b in zip(ops, in_batched)]
@@ -71,15 +68,14 @@ def partitioned(kp: "KernelPrimitive", fn: Callable, out_ranks: Sequence[int], i
                     chosen.setdefault(n, ax)
         return tuple(NamedSharding(mesh, PartitionSpec(*(chosen.get(n) for n in dims))) for dims in dims_list)
 
-    def propagate(mesh, user_shape):
-        # Multi-output kernels get a tuple of ShapeDtypeStructs.
-        return tuple(u.sharding for u in user_shape) if isinstance(user_shape, tuple) else user_shape.sharding
-
     wrapped = custom_partitioning(fn)
     wrapped.def_partition(
         lambda mesh, args, result: (mesh, fn, shardings(mesh, args, outs), shardings(mesh, args, ops)),
         infer_sharding_from_operands=lambda mesh, args, result: shardings(mesh, args, outs),
-        propagate_user_sharding=propagate, sharding_rule=rule,
+        # A multi-output kernel's user shape is a tuple of ShapeDtypeStructs.
+        propagate_user_sharding=lambda mesh, user: (tuple(u.sharding for u in user) if isinstance(user, tuple)
+                                                    else user.sharding),
+        sharding_rule=rule,
         need_replication_factors=tuple(f for n, f in factors.items() if n not in local))
     return wrapped
 
@@ -141,22 +137,9 @@ def batch(kp: "KernelPrimitive", args: Sequence[jax.Array], dims: Sequence[Any],
 def _map(bind: Callable, args: Sequence[Any], batched: Sequence[bool]) -> tuple:
     """``bind`` per item of the leading axis of the ``batched`` args; the others are shared by
     every item rather than broadcast, so the loop moves no more bytes than its calls."""
-    idx = [i for i, b in enumerate(batched) if b]
-
     def body(xs):
-        full = list(args)
-        for i, x in zip(idx, xs):
-            full[i] = x
-        return tuple(bind(*full))
+        items = iter(xs)
+        return tuple(bind(*(next(items) if b else a for a, b in zip(args, batched))))
 
-    return tuple(jax.lax.map(body, tuple(args[i] for i in idx)))
+    return tuple(jax.lax.map(body, tuple(a for a, b in zip(args, batched) if b)))
 
-
-def requires_devices(prim) -> None:
-    """custom_partitioning needs the device assignment at lowering time; so do we, since we
-    emit it from our own lowering rule."""
-    try:
-        from jax._src import dispatch
-        dispatch.prim_requires_devices_during_lowering.add(prim)
-    except (ImportError, AttributeError):  # pragma: no cover - private registry moved
-        pass

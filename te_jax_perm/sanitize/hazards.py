@@ -105,8 +105,7 @@ class Report:
         for kernel in self.kernels():
             for i, o in sorted(self.in_place_unsafe(kernel)):
                 lines.append(f"  note: kernel {kernel!r} is not in-place safe for (input {i!r}, output {o!r})")
-        truncated = sum(s.truncated for s in self.launches)
-        if truncated:
+        if truncated := sum(s.truncated for s in self.launches):
             lines.append(f"  ({truncated} further hazard(s) not recorded: per-launch cap)")
         return "\n".join(lines)
 

@@ -9,6 +9,7 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
+import jax
 from absl import logging
 
 from te_jax_perm.core import env, errors, hooks
@@ -71,17 +72,13 @@ def sanitize(raise_on_first: bool = False) -> Iterator[Report]:
     :func:`check`. Computations go to the first CPU device, as the interpreter runs on host
     buffers; arrays committed to a GPU must be moved (:func:`check` moves its arguments).
     """
-    import jax
-
     session = _hub.open(raise_on_first)
     report = session[1]
     try:
         with jax.default_device(jax.devices("cpu")[0]):
             yield report
-    except HazardError:
-        raise
     except Exception as e:  # noqa: BLE001 - a hazard raised inside XLA's callback arrives wrapped
-        if raise_on_first and report.hazards:
+        if raise_on_first and report.hazards and not isinstance(e, HazardError):
             raise HazardError(report.hazards[0]) from e
         raise
     finally:
@@ -105,8 +102,6 @@ def hazard_error(err: BaseException) -> HazardError | None:
 def check(fn: Callable[..., Any], *args: Any, raise_on_first: bool = False, **kwargs: Any) -> Report:
     """Runs ``fn(*args, **kwargs)`` to completion under the sanitizer, its array arguments
     moved to the CPU (see :func:`sanitize`); returns the report."""
-    import jax
-
     cpu = jax.devices("cpu")[0]
     on_cpu = lambda v: jax.device_put(v, cpu) if isinstance(v, jax.Array) else v  # noqa: E731
     args, kwargs = jax.tree.map(on_cpu, (args, kwargs))

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import math
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -54,10 +56,9 @@ class RegionMap:
             regions.append(dataclasses.replace(b, role="input" if b.role == "input" else "output"))
         self.regions = regions
         # Base address -> region, preferring non-empty regions when addresses coincide
-        # (an empty buffer may sit at any address).
-        self.by_base: dict[int, int] = {}
-        for i in sorted(range(len(regions)), key=lambda i: (regions[i].nbytes == 0, regions[i].role == "input")):
-            self.by_base.setdefault(regions[i].address, i)
+        # (an empty buffer may sit at any address): the preferred one is assigned last.
+        order = sorted(range(len(regions)), key=lambda i: (regions[i].nbytes == 0, regions[i].role == "input"))
+        self.by_base = {regions[i].address: i for i in reversed(order)}
         starts = np.asarray([r.address for r in regions], dtype=np.int64)
         ends = starts + np.asarray([r.nbytes for r in regions], dtype=np.int64)
         self._all_idx = np.argsort(starts, kind="stable")           # every region, by address
@@ -105,8 +106,7 @@ class LaunchRecord:
         self.failed = False
 
     def pid_of(self, lin: int) -> Pid:
-        gx, gy, _ = self.grid
-        return (lin % gx, (lin // gx) % gy, lin // (gx * gy))
+        return tuple(int(i) for i in np.unravel_index(lin, self.grid, order="F"))
 
     def tag_of(self, handle) -> int | None:
         tag = handle.attr.get(_TAG)
@@ -128,13 +128,13 @@ class LaunchRecord:
         size = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
         # The region: the pointer's provenance, else the tensor descriptor's being accessed,
         # else a root argument's (by base address), else attributed by address.
-        tag = ptrs.attr.get(_TAG)
-        tag = self.forced_tag if tag is None else tag
+        tag = ptrs.attr.get(_TAG, self.forced_tag)
         tag = self.tag_of(ptrs) if tag is None else tag
         tag = self.regions.attribute(a) if tag is None else tag
         reg = self.regions.regions[tag]
         off = a - reg.address
         bad = (off < 0) | (off + size > reg.nbytes)
+        result = None
         if bad.any():
             eoff = np.floor_divide(off[bad], reg.itemsize)
             hz = Hazard(OOB, self.kernel, reg.name, (tuple(pid),), kind, (int(eoff.min()), int(eoff.max()) + 1),
@@ -144,14 +144,10 @@ class LaunchRecord:
                 self.failed = True
                 raise HazardError(hz)
             off = off[~bad]
-            new_mask = full.copy().reshape(-1)
-            new_mask[np.flatnonzero(flat_mask)[bad]] = False
-            result = new_mask.reshape(addrs.shape)
-        else:
-            result = None
+            flat_mask[np.flatnonzero(flat_mask)[bad]] = False   # a view of ``full``, this call's own array
+            result = full
         if off.size:
-            gx, gy, _ = self.grid
-            lin = pid[0] + gx * (pid[1] + gy * pid[2])
+            lin = int(np.ravel_multi_index(tuple(pid), self.grid, order="F"))
             self.accesses.append(Access(lin, tag, "atomic" if self.atomic else kind, off, size))
         return result
 
@@ -185,9 +181,8 @@ def _deriving(orig: Callable) -> Callable:
             # A root kernel argument is tagged on first use, by its base address.
             tags = {t for a in (*args, *kwargs.values()) if is_pointer(a) and (t := rec.tag_of(a)) is not None}
             if len(tags) == 1:
-                (tag,) = tags
                 for o in ptr_outs:
-                    o.attr[_TAG] = tag
+                    o.attr[_TAG] = next(iter(tags))
         return out
 
     return wrapper
@@ -208,8 +203,7 @@ def _install() -> None:
             rec = current()
             if rec is not None:
                 mask = args[mask_at]
-                new = rec.record(self.grid_idx, args[ptr_at], mask.data, kind)
-                if new is not None:
+                if (new := rec.record(self.grid_idx, args[ptr_at], mask.data, kind)) is not None:
                     args = args[:mask_at] + (TensorHandle(new, mask.dtype),) + args[mask_at + 1:]
             return orig[name](self, *args, **kwargs)
         return wrapper
@@ -262,22 +256,16 @@ def end() -> LaunchRecord:
 # -- analysis ----------------------------------------------------------------------------------
 def _keys(rec: LaunchRecord, region: int, kind: str, nprog: int) -> np.ndarray:
     """Sorted unique ``byte * nprog + pid`` of one region's accesses of one kind."""
-    parts = []
-    for a in rec.accesses:
-        if a.region == region and a.kind == kind:
-            b = (a.offsets[:, None] + np.arange(a.size, dtype=np.int64)).reshape(-1)
-            parts.append(b * nprog + a.pid)
-    if not parts:
-        return np.zeros(0, np.int64)
-    return np.unique(np.concatenate(parts))
+    parts = [(a.offsets[:, None] + np.arange(a.size, dtype=np.int64)).reshape(-1) * nprog + a.pid
+             for a in rec.accesses if a.region == region and a.kind == kind]
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
 
 
 def _by_pair(first: np.ndarray, second: np.ndarray, byte: np.ndarray, reg: BufferInfo
              ) -> Iterator[tuple[int, int, tuple[int, int], int]]:
     """Groups conflicting bytes by program pair: (first, second, element range, count)."""
     elem = byte // reg.itemsize
-    pair = np.stack([first, second], axis=1)
-    uniq, inv = np.unique(pair, axis=0, return_inverse=True)
+    uniq, inv = np.unique(np.stack([first, second], axis=1), axis=0, return_inverse=True)
     inv = inv.reshape(-1)
     for k, (p, q) in enumerate(uniq):
         e = elem[inv == k]
@@ -289,8 +277,7 @@ def _cross_reads(loads: np.ndarray, stores: np.ndarray, nprog: int):
     sb, sp = stores // nprog, stores % nprog
     lb, lp = loads // nprog, loads % nprog
     lo = np.searchsorted(sb, lb, side="left")
-    hi = np.searchsorted(sb, lb, side="right")
-    n = hi - lo
+    n = np.searchsorted(sb, lb, side="right") - lo   # stores of each loaded byte
     if sb.size == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     first = sp[np.minimum(lo, sb.size - 1)]
@@ -304,54 +291,45 @@ def analyse(rec: LaunchRecord) -> tuple[list[Hazard], list[Hazard], LaunchSummar
     """Hazards of the launch as run, ``in_place`` findings for hypothetical aliasing, and
     the launch summary."""
     regions = rec.regions.regions
-    gx, gy, gz = rec.grid
-    nprog = gx * gy * gz
+    nprog = math.prod(rec.grid)
     hazards: list[Hazard] = []
     in_place: list[Hazard] = []
     truncated = 0
     loaded, stored, atomic = {}, {}, {}
-    stores = {i: _keys(rec, i, "store", nprog) for i in range(len(regions))}
-    loads = {i: _keys(rec, i, "load", nprog) for i in range(len(regions))}
+    stores = [_keys(rec, i, "store", nprog) for i in range(len(regions))]
+    loads = [_keys(rec, i, "load", nprog) for i in range(len(regions))]
 
     def emit(kind: str, reg: BufferInfo, pairs, access: str, input_name: str | None = None) -> None:
         nonlocal truncated
-        into = in_place if kind == IN_PLACE else hazards
-        for n, (p, q, elems, count) in enumerate(pairs):
-            if n >= MAX_PER_CLASS:
-                truncated += 1
-                continue
+        into, pairs = in_place if kind == IN_PLACE else hazards, list(pairs)
+        truncated += max(0, len(pairs) - MAX_PER_CLASS)
+        for p, q, elems, count in pairs[:MAX_PER_CLASS]:
             progs = (rec.pid_of(p),) if q < 0 else (rec.pid_of(p), rec.pid_of(q))
             into.append(Hazard(kind, rec.kernel, reg.name, progs, access, elems, count, reg.elements, input_name))
 
-    for i, reg in enumerate(regions):
-        st, ld = stores[i], loads[i]
+    for i, (reg, st, ld) in enumerate(zip(regions, stores, loads)):
         stored[reg.name] = int(np.unique(st // nprog).size)
         loaded[reg.name] = int(np.unique(ld // nprog).size)
         atomic[reg.name] = int(np.unique(_keys(rec, i, "atomic", nprog) // nprog).size)
+        # Each class from its (possibly empty) conflicting bytes: no bytes, no pairs.
         sb, sp = st // nprog, st % nprog
-        if st.size and reg.role == "input":
+        if reg.role == "input":
             emit(INPUT_WRITE, reg, _by_pair(sp, np.full_like(sp, -1), sb, reg), "store")
         dup = np.flatnonzero(sb[1:] == sb[:-1])
-        if dup.size:
-            emit(WRITE_WRITE, reg, _by_pair(sp[dup], sp[dup + 1], sb[dup], reg), "store")
-        r, w, b = _cross_reads(ld, st, nprog)
-        if r.size:
-            emit(READ_WRITE, reg, _by_pair(r, w, b, reg), "load")
+        emit(WRITE_WRITE, reg, _by_pair(sp[dup], sp[dup + 1], sb[dup], reg), "store")
+        emit(READ_WRITE, reg, _by_pair(*_cross_reads(ld, st, nprog), reg), "load")
 
     # Hypothetical in-place use: input i placed on output j's memory (same shape/dtype),
     # so input i's loads become loads of output j's bytes.
     checked, unsafe = [], []
-    for i, src in enumerate(regions):
-        if src.role != "input":
+    for (i, src), (j, dst) in itertools.product(enumerate(regions), repeat=2):
+        if src.role != "input" or dst.role != "output" or dst.shape != src.shape or dst.dtype != src.dtype:
             continue
-        for j, dst in enumerate(regions):
-            if dst.role != "output" or dst.shape != src.shape or dst.dtype != src.dtype:
-                continue
-            checked.append((src.name, dst.name))
-            r, w, b = _cross_reads(loads[i], stores[j], nprog)
-            if r.size:
-                unsafe.append((src.name, dst.name))
-                emit(IN_PLACE, dst, _by_pair(r, w, b, dst), "load", src.name)
+        checked.append((src.name, dst.name))
+        r, w, b = _cross_reads(loads[i], stores[j], nprog)
+        if r.size:
+            unsafe.append((src.name, dst.name))
+            emit(IN_PLACE, dst, _by_pair(r, w, b, dst), "load", src.name)
 
     summary = LaunchSummary(rec.kernel, rec.grid, loaded, stored, atomic, tuple(checked), tuple(unsafe),
                             len(hazards) + len(rec.oob), truncated)
