@@ -84,71 +84,72 @@ def tma_configs(every: bool = False, programs: list[int] | tuple[int, ...] = ())
     return [Config.make(c.num_warps, c.num_stages, **{**c.kw, "PROGRAMS": p}) for c in picked for p in programs]
 
 
+# One fused reduction: a float32 copy of DeepSeek-V3's [256, 7168, 4096] weight gradient
+# would not fit beside the two results.
+_max_abs_diff = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def against_default(prim: Any, args: tuple, dims: dict[str, int], configs: Sequence[Config], backend: str,
+                    reps: int) -> tuple[Config, float, dict, dict]:
+    """``prim`` (bf16 operands ``args``) on its default config at ``dims`` and on each of
+    ``configs`` it admits there: ``(default, default_ms, times, diffs)``, ``times`` {config:
+    ms, or the error it raised}, ``diffs`` {config: largest difference from the default's
+    output}."""
+    def run(cfg):
+        return jax.jit(lambda *a: prim(*a, backend=backend, config=cfg, elem_bytes=2)[0])
+
+    default = prim.decl.default_config(dims, {"elem_bytes": 2})
+    default_ms = median_wall_ms(run(default), args, reps)
+    want = run(default)(*args)
+    times, diffs = {}, {}
+    for cfg in configs:
+        if prim.decl.violated(dims, {"elem_bytes": 2}, cfg):
+            continue
+        try:
+            f = run(cfg)
+            diffs[str(cfg)] = float(_max_abs_diff(f(*args), want))
+            times[str(cfg)] = median_wall_ms(f, args, reps)
+        except Exception as e:  # a config that fails to compile or launch is a finding, not a crash
+            times[str(cfg)] = repr(e)[:300]
+    return default, default_ms, times, diffs
+
+
+def _best_over(times: dict, default_ms: float) -> float | None:
+    """The fastest config's time over the default's (``None`` when none ran)."""
+    ok = [t for t in times.values() if isinstance(t, float)]
+    return min(ok) / default_ms if ok else None
+
+
 def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.Array, configs: Sequence[Config],
                    backend: str = "triton", reps: int = 5) -> dict:
     """The forward and the input gradient, each on its default config and on each of
-    ``configs`` the shape admits: times, and each config's largest difference from the
-    default's output (bf16 operands)."""
+    ``configs`` the shape admits (:func:`against_default`)."""
     m, k = lhs.shape
     g, _, n = rhs.shape
-    r = {}
+    r: dict[str, Any] = {"default_config": {}, "tma_max_abs_diff": {}}
     for what, prim, a, dims in (("fwd", D.grouped_gemm, lhs, {"M": m, "C": k, "D": n, "G": g}),
                                 ("dgrad", D.grouped_gemm_rhs_t, dout, {"M": m, "C": n, "D": k, "G": g})):
-        def run(cfg, prim=prim):
-            return jax.jit(lambda a, b, s: prim(a, b, s, backend=backend, config=cfg, elem_bytes=2)[0])
-
-        default = prim.decl.default_config(dims, {"elem_bytes": 2})
-        r.setdefault("default_config", {})[what] = str(default)
-        r[f"{what}_default_ms"] = median_wall_ms(run(default), (a, rhs, sizes), reps)
-        want = run(default)(a, rhs, sizes).astype(jnp.float32)
-        times, diffs = r.setdefault(f"tma_{what}_ms", {}), r.setdefault("tma_max_abs_diff", {})
-        for cfg in configs:
-            if prim.decl.violated(dims, {"elem_bytes": 2}, cfg):
-                continue
-            try:
-                f = run(cfg)
-                diffs[f"{what} {cfg}"] = float(jnp.max(jnp.abs(f(a, rhs, sizes).astype(jnp.float32) - want)))
-                times[str(cfg)] = median_wall_ms(f, (a, rhs, sizes), reps)
-            except Exception as e:  # a config that fails to compile or launch is a finding, not a crash
-                times[str(cfg)] = repr(e)[:300]
-        ok = [t for t in times.values() if isinstance(t, float)]
-        if ok:
-            r[f"best_tma_{what}_over_default"] = min(ok) / r[f"{what}_default_ms"]
+        default, r[f"{what}_default_ms"], r[f"tma_{what}_ms"], diffs = against_default(
+            prim, (a, rhs, sizes), dims, configs, backend, reps)
+        r["default_config"][what] = str(default)
+        r["tma_max_abs_diff"].update({f"{what} {c}": d for c, d in diffs.items()})
+        if (best := _best_over(r[f"tma_{what}_ms"], r[f"{what}_default_ms"])) is not None:
+            r[f"best_tma_{what}_over_default"] = best
     return r
 
 
 def wgrad_comparison(lhs: jax.Array, dout: jax.Array, sizes: jax.Array, configs: Sequence[Config],
                      backend: str = "triton", reps: int = 3) -> dict:
     """The weight gradient on its default config and on each of ``configs`` the shape
-    admits (pointer and TMA): ``wgrad_default_ms``, ``wgrad_ms`` ({config: ms, or the error
-    it raised}), ``wgrad_max_abs_diff`` ({config: largest difference from the default's
-    output}) and ``best_wgrad_over_default``."""
-    (m, k), (_, n), g = lhs.shape, dout.shape, sizes.shape[0]
-    dims, params, prim = {"M": m, "K": k, "N": n, "G": g}, {"elem_bytes": 2}, D.grouped_gemm_wgrad
-
-    def run(cfg):
-        return jax.jit(lambda a, d, s: prim(a, d, s, backend=backend, config=cfg, elem_bytes=2)[0])
-
-    # One fused reduction: a float32 copy of DeepSeek-V3's [256, 7168, 4096] gradient would
-    # not fit beside the two results.
-    diff = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-    default = prim.decl.default_config(dims, params)
-    r: dict[str, Any] = {"wgrad_default_config": str(default)}
-    r["wgrad_default_ms"] = median_wall_ms(run(default), (lhs, dout, sizes), reps)
-    want = run(default)(lhs, dout, sizes)
-    times, diffs = r.setdefault("wgrad_ms", {}), r.setdefault("wgrad_max_abs_diff", {})
-    for cfg in configs:
-        if prim.decl.violated(dims, params, cfg):
-            continue
-        try:
-            f = run(cfg)
-            diffs[str(cfg)] = float(diff(f(lhs, dout, sizes), want))
-            times[str(cfg)] = median_wall_ms(f, (lhs, dout, sizes), reps)
-        except Exception as e:  # a config that fails to compile or launch is a finding, not a crash
-            times[str(cfg)] = repr(e)[:300]
-    ok = [t for t in times.values() if isinstance(t, float)]
-    if ok:
-        r["best_wgrad_over_default"] = min(ok) / r["wgrad_default_ms"]
+    admits (pointer and TMA; :func:`against_default`): ``wgrad_default_ms``, ``wgrad_ms``,
+    ``wgrad_max_abs_diff`` and ``best_wgrad_over_default``."""
+    dims = {"M": lhs.shape[0], "K": lhs.shape[1], "N": dout.shape[1], "G": sizes.shape[0]}
+    default, default_ms, times, diffs = against_default(D.grouped_gemm_wgrad, (lhs, dout, sizes), dims, configs,
+                                                        backend, reps)
+    r: dict[str, Any] = {"wgrad_default_config": str(default), "wgrad_default_ms": default_ms, "wgrad_ms": times,
+                         "wgrad_max_abs_diff": diffs}
+    if (best := _best_over(times, default_ms)) is not None:
+        r["best_wgrad_over_default"] = best
     return r
 
 

@@ -370,10 +370,12 @@ def descriptor_count(monkeypatch):
     return made
 
 
-def _group_row_tiles(m: int, sizes, bm: int) -> int:
-    """The TMA schedule's row tiles inside the groups (the tiles past them load nothing)."""
+def _group_blocks(m: int, sizes, rows: int) -> int:
+    """Blocks of ``rows`` rows the groups' clamped rows split into, each group's separately:
+    the TMA forward's row tiles inside the groups (the tiles past them load nothing), the
+    TMA weight gradient's row slices per output block."""
     clamped = np.asarray(clamped_group_sizes(jnp.asarray(sizes, jnp.int32), m))
-    return int(sum(-(-int(n) // bm) for n in clamped))
+    return int(sum(-(-int(n) // rows) for n in clamped))
 
 
 @pytest.mark.parametrize("programs", [1, 2, 5])
@@ -403,7 +405,7 @@ def test_tma_configs_values_and_vjp_match_numpy(on_cpu, descriptor_count, m, k, 
     # an lhs and a weight load per K step (forward: n/16 column tiles, k/16 K steps; the
     # input gradient the other way round).
     assert descriptor_count["create_make_tensor_descriptor"] == 2 * 3 * programs
-    loads = 2 * 2 * _group_row_tiles(m, sizes, 16) * -(-n // 16) * -(-k // 16)
+    loads = 2 * 2 * _group_blocks(m, sizes, 16) * -(-n // 16) * -(-k // 16)
     assert descriptor_count["create_descriptor_load"] == loads
 
 
@@ -411,12 +413,6 @@ def _tma_wgrad(programs: int, br: int = 8) -> Config:
     """A TMA weight-gradient config small enough for the interpreter: several blocks per
     group matrix and several row slices per group, most groups ending inside a slice."""
     return Config.make(num_warps=4, num_stages=2, BK=16, BN=16, BR=br, TMA=True, PROGRAMS=programs)
-
-
-def _wgrad_slices(m: int, sizes, br: int) -> int:
-    """Row slices the TMA weight gradient reduces per block: each group's rows, by ``br``."""
-    clamped = np.asarray(clamped_group_sizes(jnp.asarray(sizes, jnp.int32), m))
-    return int(sum(-(-int(n) // br) for n in clamped))
 
 
 @pytest.mark.parametrize("programs", [1, 2, 5])
@@ -441,7 +437,7 @@ def test_tma_wgrad_matches_numpy(on_cpu, descriptor_count, m, k, n, sizes, progr
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     assert descriptor_count["create_make_tensor_descriptor"] == 3 * programs
     blocks = -(-k // 16) * -(-n // 16)
-    assert descriptor_count["create_descriptor_load"] == 2 * blocks * _wgrad_slices(m, sizes, 8)
+    assert descriptor_count["create_descriptor_load"] == 2 * blocks * _group_blocks(m, sizes, 8)
 
 
 def test_tma_configs_of_the_space_in_bf16_under_jit(on_cpu, descriptor_count):

@@ -37,46 +37,47 @@ def mm_fits(dims, params, config: Config) -> str | None:
     return None
 
 
-def _tma_needs(kw, eb, rows: dict, tile_bytes: int) -> str | None:
-    """What keeps a ``TMA=True`` config off: no program count, a row or block whose byte
+def _tma_problem(config: Config, eb: int, rows: dict, stage_elems: int, out_elems: int) -> str | None:
+    """What keeps a config off the TMA path, or ``None``: ``PROGRAMS`` set without
+    ``TMA``; or, for a ``TMA=True`` config, no program count, a row or block whose byte
     length is no 16-byte multiple (a tensor descriptor's rule; ``rows`` names each), or
-    ``tile_bytes`` (pipeline stages plus the output tile stored from shared memory) past
-    shared memory."""
+    its pipeline stages (``stage_elems`` each) plus the output tile it stores from
+    (``out_elems``) past shared memory."""
+    kw = config.kw
+    if not kw.get("TMA", False):
+        return "PROGRAMS is set only by TMA configs" if kw.get("PROGRAMS", 0) else None
     if kw.get("PROGRAMS", 0) < 1:
         return "a TMA config needs PROGRAMS >= 1 (its persistent program count)"
     for name, n in rows.items():
         if n * eb % 16:
             return f"tensor descriptors need rows and blocks of 16-byte multiples; {name}={n} elements of {eb} bytes"
-    if tile_bytes > _HOPPER_SMEM_BYTES:
-        return f"{tile_bytes} bytes of pipeline stages and output tile exceed shared memory"
+    # sm_90 builds with 4-byte operands were measured taking up to one more output tile
+    # beside the one stored from.
+    need = (config.num_stages * stage_elems + (2 if eb == 4 else 1) * out_elems) * eb
+    if need > _HOPPER_SMEM_BYTES:
+        return f"{need} bytes of pipeline stages and output tile exceed shared memory"
     return None
 
 
 def tma_fits(dims, params, config: Config) -> str | None:
-    """A ``TMA=True`` config of the forward or input gradient needs :func:`_tma_needs` for
-    ``lhs``, ``rhs`` and ``out``'s rows; other configs leave ``PROGRAMS`` unset."""
+    """:func:`_tma_problem` of a forward or input-gradient config: ``lhs``, ``rhs`` and
+    ``out``'s rows, stages of ``[BM, BK]`` and ``[BK, BN]`` tiles, a ``[BM, BN]`` output tile."""
     kw = config.kw
-    if not kw.get("TMA", False):
-        return "PROGRAMS is set only by TMA configs" if kw.get("PROGRAMS", 0) else None
-    eb = params["elem_bytes"]
-    # The output tile is stored from shared memory; sm_90 builds with 4-byte operands were
-    # measured taking up to one more output tile beside it.
-    out_tiles = 2 if eb == 4 else 1
-    need = (config.num_stages * (kw["BM"] * kw["BK"] + kw["BK"] * kw["BN"]) + out_tiles * kw["BM"] * kw["BN"]) * eb
-    return _tma_needs(kw, eb, {"C": dims["C"], "D": dims["D"], "BK": kw["BK"], "BN": kw["BN"]}, need)
+    return _tma_problem(config, params["elem_bytes"], {"C": dims["C"], "D": dims["D"], "BK": kw["BK"], "BN": kw["BN"]},
+                        kw["BM"] * kw["BK"] + kw["BK"] * kw["BN"], kw["BM"] * kw["BN"])
 
 
 def wgrad_fits(dims, params, config: Config) -> str | None:
+    """A weight-gradient config's :func:`_tma_problem` (row slices of ``lhs`` and ``dout``,
+    a ``[BK, BN]`` output block); for a pointer config, whether its pipeline fits in
+    shared memory."""
     kw = config.kw
-    eb = params["elem_bytes"]
-    if kw.get("TMA", False):
-        out_tiles = 2 if eb == 4 else 1
-        need = (config.num_stages * kw["BR"] * (kw["BK"] + kw["BN"]) + out_tiles * kw["BK"] * kw["BN"]) * eb
-        return _tma_needs(kw, eb, {"K": dims["K"], "N": dims["N"], "BK": kw["BK"], "BN": kw["BN"]}, need)
-    if kw.get("PROGRAMS", 0):
-        return "PROGRAMS is set only by TMA configs"
+    problem = _tma_problem(config, params["elem_bytes"], {"K": dims["K"], "N": dims["N"], "BK": kw["BK"], "BN": kw["BN"]},
+                           kw["BR"] * (kw["BK"] + kw["BN"]), kw["BK"] * kw["BN"])
+    if problem or kw.get("TMA", False):
+        return problem
     need = kw["BR"] * (kw["BK"] + kw["BN"])
-    if not _smem_fits(need, config.num_stages, eb):
+    if not _smem_fits(need, config.num_stages, params["elem_bytes"]):
         return f"{need} elements x {config.num_stages} stages exceed shared memory"
     return None
 
