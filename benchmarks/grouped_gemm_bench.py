@@ -24,6 +24,14 @@ Usage:
              own, 132: one per SM of an H100 SXM or an H200)
 --wgrad      also time the weight gradient on every config of its tuning space (pointer and
              TMA), each checked against its default's output (``wgrad_comparison``)
+--nobatched  skip the comparison with cuBLAS's batched GEMM (``batched_comparison``)
+
+Per shape, the batched comparison holds each of the three GEMMs of a training step (forward,
+input gradient, weight gradient) to XLA's batched dot (cuBLAS) at uniform group sizes
+(``M / G`` rows each): the same FLOPs and the same bytes as the grouped GEMM, so it is the
+speed a grouped GEMM could reach with cuBLAS's kernels were the sizes fixed on the host.
+``ours_uniform_{fwd,dgrad,wgrad}_ms`` (our default configs at those sizes), ``batched_*_ms``
+and ``{fwd,dgrad,wgrad}_over_batched`` (above 1: cuBLAS faster).
 
 Per shape, the TMA comparison writes ``fwd_default_ms`` / ``dgrad_default_ms`` (the default
 config, named in ``default_config``), ``tma_fwd_ms`` / ``tma_dgrad_ms`` ({config: ms, or the
@@ -64,6 +72,7 @@ _TMA = flags.DEFINE_bool("tma", True, "Time the forward and input gradient on th
 _TMA_ALL = flags.DEFINE_bool("tma_all", False, "Every TMA config of the tuning space, not the short list.")
 _PROGRAMS = flags.DEFINE_list("programs", [], "Persistent program counts for the TMA configs (default: theirs).")
 _WGRAD = flags.DEFINE_bool("wgrad", False, "Time the weight gradient on every config of its tuning space.")
+_BATCHED = flags.DEFINE_bool("batched", True, "Hold each GEMM to cuBLAS's batched GEMM at uniform group sizes.")
 
 # The TMA configs timed by default: (BM, BN, warps, stages) of decl.TMA_CONFIGS.
 TMA_SHORT = {(128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 8, 3)}
@@ -153,9 +162,50 @@ def wgrad_comparison(lhs: jax.Array, dout: jax.Array, sizes: jax.Array, configs:
     return r
 
 
+# The three GEMMs of a training step: (name, our declaration, its operands from (lhs, rhs,
+# dout), its dims, the batched dot of the same problem on [G, M/G, .] operands).
+_STEP_GEMMS = (
+    ("fwd", D.grouped_gemm, lambda lhs, rhs, dout: (lhs, rhs), lambda m, k, n, g: {"M": m, "C": k, "D": n, "G": g},
+     "gmk,gkn->gmn"),
+    ("dgrad", D.grouped_gemm_rhs_t, lambda lhs, rhs, dout: (dout, rhs),
+     lambda m, k, n, g: {"M": m, "C": n, "D": k, "G": g}, "gmn,gkn->gmk"),
+    ("wgrad", D.grouped_gemm_wgrad, lambda lhs, rhs, dout: (lhs, dout),
+     lambda m, k, n, g: {"M": m, "K": k, "N": n, "G": g}, "gmk,gmn->gkn"),
+)
+
+
+def batched_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, backend: str = "triton",
+                       reps: int = 5) -> dict:
+    """Each GEMM of a training step at uniform group sizes (``M / G`` rows each; ``{}`` when
+    ``G`` does not divide ``M``), ours on its default config and XLA's batched dot (cuBLAS on
+    a GPU) of the same operands reshaped to ``[G, M/G, .]``: ``ours_uniform_<gemm>_ms``,
+    ``batched_<gemm>_ms``, ``<gemm>_over_batched`` and ``batched_max_abs_diff`` (ours vs
+    batched, per GEMM)."""
+    m, k = lhs.shape
+    g, _, n = rhs.shape
+    if m % g:
+        return {}
+    sizes = jnp.full((g,), m // g, jnp.int32)
+    r: dict[str, Any] = {"batched_max_abs_diff": {}}
+    for what, prim, operands_of, dims_of, spec in _STEP_GEMMS:
+        a, b = operands_of(lhs, rhs, dout)
+        cfg = prim.decl.default_config(dims_of(m, k, n, g), {"elem_bytes": 2})
+        ours = jax.jit(lambda x, y, s, prim=prim, cfg=cfg: prim(x, y, s, backend=backend, config=cfg,
+                                                                 elem_bytes=2)[0])
+        # Rows split into groups (rhs is [G, ., .] already); a result of rows joined back.
+        split = lambda x: x.reshape(g, m // g, x.shape[1]) if x.ndim == 2 else x
+        joined = lambda y, spec: y.reshape(m, y.shape[2]) if spec.endswith(("gmn", "gmk")) else y
+        batched = jax.jit(lambda x, y, spec=spec: joined(jnp.einsum(spec, split(x), split(y)), spec))
+        r["batched_max_abs_diff"][what] = float(_max_abs_diff(ours(a, b, sizes), batched(a, b)))
+        r[f"ours_uniform_{what}_ms"] = median_wall_ms(ours, (a, b, sizes), reps)
+        r[f"batched_{what}_ms"] = median_wall_ms(batched, (a, b), reps)
+        r[f"{what}_over_batched"] = r[f"ours_uniform_{what}_ms"] / r[f"batched_{what}_ms"]
+    return r
+
+
 def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, sweep: Sequence[Config] = (),
               tma: Sequence[Config] | None = (), tokamax: Any = None,
-              wgrad: Sequence[Config] = ()) -> dict[str, Any]:
+              wgrad: Sequence[Config] = (), batched: bool = True) -> dict[str, Any]:
     """One shape's times, bf16: the dense dot, our forward (checked against the reference)
     and backward on ``backend``; the forward on each of ``sweep``'s configs; the default and
     ``tma`` configs compared (:func:`tma_comparison`; skipped when ``tma`` is None); the
@@ -190,6 +240,8 @@ def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, swee
         r.update(tma_comparison(lhs, rhs, dout, sizes, tma, backend=backend, reps=few))
     if wgrad:
         r.update(wgrad_comparison(lhs, dout, sizes, wgrad, backend=backend, reps=min(reps, 3)))
+    if batched:
+        r.update(batched_comparison(lhs, rhs, dout, backend=backend, reps=few))
     if tokamax is not None:
         try:
             tf = jax.jit(lambda a, b, s: tokamax.ragged_dot(a, b, s))
@@ -227,7 +279,8 @@ def main(argv: list[str]) -> None:
             logging.warning("budget spent; skipping %s", shape.name)
             continue
         wgrad = D.grouped_gemm_wgrad.decl.configs if _WGRAD.value else ()
-        r = shape_row(shape, sweep=SWEEP if _SWEEP.value else (), tma=tma, tokamax=tokamax, wgrad=wgrad)
+        r = shape_row(shape, sweep=SWEEP if _SWEEP.value else (), tma=tma, tokamax=tokamax, wgrad=wgrad,
+                      batched=_BATCHED.value)
         results["shapes"][shape.name] = r
         print(shape.name, json.dumps(r), flush=True)
         with open(os.path.join(_OUT.value, "grouped_gemm.json"), "w") as f:

@@ -577,6 +577,18 @@ def test_benchmark_row_writes_every_field_of_the_committed_results(on_cpu):
     assert r["check_max_abs_err"] < 0.1 and max(r["tma_max_abs_diff"].values()) < 0.1, r
     assert isinstance(r["sweep_fwd_ms"][str(sweep)], float) and len(r["tma_fwd_ms"]) == 1, r
     assert r["ours_fwd_over_dense"] == r["ours_fwd_ms"] / r["dense_ms"]
+    # Each GEMM of the step held to the batched dot of the same problem: equal results.
+    assert set(r["batched_max_abs_diff"]) == {"fwd", "dgrad", "wgrad"}, r
+    assert max(r["batched_max_abs_diff"].values()) < 0.1, r
+    assert r["wgrad_over_batched"] == r["ours_uniform_wgrad_ms"] / r["batched_wgrad_ms"]
+
+
+def test_batched_comparison_needs_groups_of_one_size(on_cpu):
+    """No uniform sizes exist where the groups do not divide the rows: no comparison."""
+    from benchmarks.grouped_gemm_bench import batched_comparison
+    lhs, rhs, _, dout = _problem(10, 16, 8, [3, 3, 4], "bfloat16", seed=1)
+    assert batched_comparison(jnp.asarray(lhs, jnp.bfloat16), jnp.asarray(rhs, jnp.bfloat16),
+                              jnp.asarray(dout, jnp.bfloat16), backend="interpret", reps=1) == {}
 
 
 @pytest.mark.gpu
