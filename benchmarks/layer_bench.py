@@ -24,8 +24,8 @@ outputs and temporaries) of
 
 Before timing, the loss and every gradient of ``ours`` and ``fused`` are checked against
 ``pure_jax`` (the same function, permuted another way) at the full size. With ``--profile``
-(GPU), a profile of ``ours`` gives the share of the step's kernel time spent in
-te_jax_perm's kernels.
+(GPU), a profile of each variant's step (``ours_profile``, ``fused_profile``) gives its
+kernel time per step, the share spent in te_jax_perm's kernels and its costliest kernels.
 
 After the layers, a grouped-GEMM table: our Triton grouped GEMM vs tokamax's (where
 installed) vs one dense dot of the same FLOPs, forward and fwd+bwd (``jax.lax.ragged_dot``,
@@ -133,11 +133,19 @@ def roofline_ms(flop_ms: float, nbytes: float, copy_gbps: float) -> float:
     return max(flop_ms, nbytes / (copy_gbps * 1e9) * 1e3)
 
 
-def copy_bandwidth_gbps(steps: int, nbytes: int) -> float:
-    """Read+write GB/s of XLA's elementwise copy of a bf16 buffer of ``nbytes``."""
+def copy_bandwidth_gbps(steps: int, nbytes: int, kernel_time: bool) -> float:
+    """Read+write GB/s of XLA's elementwise copy of a bf16 buffer of ``nbytes``, timed by the
+    profiler's kernel time with ``kernel_time`` (on a GPU: a wall time also holds the launch
+    and the host's wait, which at a millisecond's copy reads as a copy up to half as fast and
+    so a roofline up to twice as loose), else by wall time."""
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     one = jnp.ones((), jnp.bfloat16)
-    ms = median_wall_ms(jax.jit(lambda a, s: a * s), (x, one), steps)
+    scale = jax.jit(lambda a, s: a * s)
+    if kernel_time:
+        jax.block_until_ready(scale(x, one))
+        ms = trace_stats.profile(lambda: jax.block_until_ready(scale(x, one)), steps).kernel_us_per_step / 1e3
+    else:
+        ms = median_wall_ms(scale, (x, one), steps)
     return 2 * x.size * 2 / (ms * 1e-3) / 1e9
 
 
@@ -332,10 +340,11 @@ def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, ste
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     del want
     if profile:
-        try:
-            row["profile"] = kernel_share(steps_by_name["ours"], (params, x))
-        except Exception as e:  # noqa: BLE001 - the row says why instead of failing the run
-            row["profile"] = {"error": f"{type(e).__name__}: {e}"}
+        for name in VARIANTS:
+            try:
+                row[f"{name}_profile"] = kernel_share(steps_by_name[name], (params, x))
+            except Exception as e:  # noqa: BLE001 - the row says why instead of failing the run
+                row[f"{name}_profile"] = {"error": f"{type(e).__name__}: {e}"}
     del params, x
     dense_step, dense_args = dense_ffn_step(cfg)
     row["gemm_limit_ms"] = median_wall_ms(dense_step, dense_args, steps)
@@ -505,9 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{'available' if result['tokamax_available'] else 'NOT available'}"
         + ("; CPU SMOKE RUN: tiny shapes, times are not meaningful, no target verdicts" if smoke else ""))
     budget_left = lambda: args.budget_s - (time.perf_counter() - t_start)
-    # The copy bandwidth the rooflines use, measured in this run (1 GiB on a GPU).
-    result["copy_GBps"] = copy_bandwidth_gbps(steps, 1 << 30 if on_gpu else 1 << 24)
-    log(f"device copy: {result['copy_GBps']:.0f} GB/s (read + write)")
+    # The copy bandwidth the rooflines use, measured in this run (1 GiB, in kernel time, on a GPU).
+    result["copy_GBps"] = copy_bandwidth_gbps(steps, 1 << 30 if on_gpu else 1 << 24, kernel_time=on_gpu)
+    log(f"device copy: {result['copy_GBps']:.0f} GB/s (read + write, {'kernel' if on_gpu else 'wall'} time)")
 
     for shape in _pick(GPU_SHAPES if on_gpu else CPU_SHAPES, args.shapes):
         if budget_left() < 0:
@@ -535,11 +544,13 @@ def main(argv: list[str] | None = None) -> int:
             for name in VARIANTS:
                 if f"{name}_error" in row:
                     log(f"LAYER {shape.name} {name}: FAILED {row[f'{name}_error'][:300]}")
-            prof = row.get("profile")
-            if prof:
-                log(f"PROFILE {shape.name}: " + (f"unavailable: {prof['error']}" if "error" in prof else
-                    f"{prof['kernel_ms_per_step']:.2f} ms of GPU kernels per step, te_jax_perm's "
-                    f"{prof['ours_ms_per_step']:.2f} ms ({100 * prof['ours_share_of_kernel_time']:.1f}%)"))
+            for name in VARIANTS:
+                prof = row.get(f"{name}_profile")
+                if prof:
+                    log(f"PROFILE {shape.name} {name}: " + (f"unavailable: {prof['error']}" if "error" in prof else
+                        f"{prof['kernel_ms_per_step']:.2f} ms of GPU kernels per step, te_jax_perm's "
+                        f"{prof['ours_ms_per_step']:.2f} ms ({100 * prof['ours_share_of_kernel_time']:.1f}%); "
+                        + ", ".join(f"{k} {v:.2f}" for k, v in prof["top_kernels_ms_per_step"].items())))
         else:
             log(f"LAYER {shape.name}: FAILED {row['error'][:300]}")
 

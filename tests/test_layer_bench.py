@@ -6,6 +6,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from benchmarks import layer_bench
 
@@ -106,3 +107,13 @@ def test_profile_counts_our_kernels_by_name():
     assert "accumulate_rows_kernel" not in names          # only the library's kernels
     from benchmarks import trace_stats
     assert trace_stats.matches("permute_kernel_0d1d2d", names) and not trace_stats.matches("gemm_kernel", names)
+
+
+@pytest.mark.gpu
+def test_gpu_copy_bandwidth_in_kernel_time_is_not_below_wall_time():
+    """The roofline's copy speed comes from the profiler's kernel time, which leaves out the
+    launch and the host's wait that a wall time holds: never slower than the wall-time copy,
+    and within the device's reach (below 10 TB/s read + write)."""
+    kernel = layer_bench.copy_bandwidth_gbps(5, 1 << 30, kernel_time=True)
+    wall = layer_bench.copy_bandwidth_gbps(5, 1 << 30, kernel_time=False)
+    assert 0.97 * wall <= kernel < 10_000, (kernel, wall)
