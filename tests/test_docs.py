@@ -49,6 +49,18 @@ def test_code_blocks_run(doc, tmp_path, monkeypatch, on_cpu):
     runpy.run_path(str(path), run_name="__docs__")
 
 
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_python_block_is_extracted(doc):
+    """No block is passed over unseen: every fence opens a ```python block (which runs) or a
+    plain one (a diagram or printed output), never another language or an indented fence,
+    and every ```python line opens a block the extraction finds."""
+    text = doc.read_text()
+    fences = re.findall(r"^[ \t]*```+(.*)$", text, re.M)
+    assert set(fences) <= {"python", ""}, sorted(set(fences))
+    assert not re.search(r"^[ \t]+```", text, re.M)
+    assert len(python_blocks(text)) == text.count("\n```python\n") + text.startswith("```python\n")
+
+
 def test_block_extraction_honours_the_gpu_mark():
     text = "x\n```python\na = 1\n```\n\n" + GPU_MARK + "\n```python\nb = 2\n```\n```sh\nc\n```\n"
     assert python_blocks(text) == [(3, "a = 1\n", False), (8, "b = 2\n", True)]

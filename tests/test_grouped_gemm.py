@@ -18,7 +18,7 @@ from te_jax_perm.core import Config, hooks
 from te_jax_perm.ops.grouped_gemm import decl as D
 from te_jax_perm.ops.grouped_gemm.api import default_impl, grouped_gemm_triton, grouped_matmul, tokamax_available
 from te_jax_perm.ops.grouped_gemm.reference import clamped_group_sizes, grouped_matmul_reference
-from tests.conftest import ON_GPU, top_k_routing
+from tests.conftest import ON_GPU, compiled_for_sm90, top_k_routing
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
@@ -482,18 +482,12 @@ def test_tma_configs_are_pruned_where_descriptors_cannot_run():
 
 def _sm90_compiled(decl, dims, dtype, cfg):
     """``decl``'s kernel at ``cfg``, compiled here for sm_90 as the ``triton`` backend would."""
-    from te_jax_perm.core import bind_call, configure, triton_backend
+    from te_jax_perm.core import bind_call
     shapes = {"lhs": ("M", "C"), "rhs": tuple(op.dims for op in decl.operands if op.name == "rhs")[0],
               "group_sizes": ("G",)}
     avals = [jax.ShapeDtypeStruct(tuple(dims[d] for d in shapes[op.name]), "int32" if op.name == "group_sizes"
                                   else dtype) for op in decl.operands]
-    call = bind_call(decl, avals, {"elem_bytes": np.dtype(dtype).itemsize}, "triton")
-    try:
-        return triton_backend.compiled_for(configure(call, cfg), 90)
-    except Exception as e:  # no CUDA toolchain in this triton build
-        if "ptxas" in str(e).lower() or "cuda" in str(e).lower():
-            pytest.skip(f"cannot compile for sm_90 here: {e}")
-        raise
+    return compiled_for_sm90(bind_call(decl, avals, {"elem_bytes": np.dtype(dtype).itemsize}, "triton"), cfg)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

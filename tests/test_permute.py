@@ -10,7 +10,7 @@ import te_jax_perm
 from te_jax_perm.core import Config
 from te_jax_perm.ops.permute import decl as D
 from tests import numpy_reference as ref
-from tests.conftest import routing
+from tests.conftest import compiled_for_sm90, routing
 
 
 def _setup(seed=0, t=11, h=67, e=5, k=2, mode="skew", budget=1.0):
@@ -244,15 +244,10 @@ def test_lower_level_errors():
 def _sm90_ptx(decl, dims, params, dtypes):
     """PTX of ``decl``'s kernel at its default config for sm_90, compiled here (no GPU
     needed) exactly as the ``triton`` backend compiles it (same specialisation)."""
-    from te_jax_perm.core import bind_call, configure, triton_backend
+    from te_jax_perm.core import bind_call
     avals = [jax.ShapeDtypeStruct(tuple(dims[d] for d in op.dims), dtypes[op.name]) for op in decl.operands]
     call = bind_call(decl, avals, params, "triton")
-    try:
-        return triton_backend.compiled_for(configure(call, decl.default_config(call.dims, call.params)), 90).ptx
-    except Exception as e:  # no CUDA toolchain in this triton build
-        if "ptxas" in str(e).lower() or "cuda" in str(e).lower():
-            pytest.skip(f"cannot compile for sm_90 here: {e}")
-        raise
+    return compiled_for_sm90(call, decl.default_config(call.dims, call.params)).ptx
 
 
 def _row_kernels():

@@ -1,11 +1,12 @@
 """What a user reads names only files in this repository and nothing about how it was made.
 
-Scans the README, BUILD.md, docs/, the benchmark results' README, the examples' and
-benchmarks' sources, and the ``--help`` of the two command-line tools for
+Scans the README, BUILD.md, docs/, the benchmark results' README, the library's, examples'
+and benchmarks' sources (their comments, docstrings and log messages), and the ``--help`` of
+the two command-line tools for
 * paths (``dir/file.ext``, or a bare ``name.md``) that exist neither from the repository
-  root nor beside the file that names them, and
+  root nor beside the file that names them (nor, in the library, from the package root), and
 * phrases that point outside the repository or at how the project was run (notes files,
-  issue numbers, the machines it was developed on).
+  issue numbers, the machines it was developed on, what the code used to do).
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+PACKAGE = "te_jax_perm"
 TEXT_FILES = ("README.md", "BUILD.md", "docs/*.md", "benchmarks/results/README.md", "examples/*.py",
-              "benchmarks/*.py")
+              "benchmarks/*.py", f"{PACKAGE}/**/*.py")
 HELP_COMMANDS = (("te_jax_perm.autotune", "--help"), ("benchmarks.run", "--help"))
 
 _EXT = r"(?:py|md|sh|json|png|txt|log|toml|cfg|ya?ml|whl)"
@@ -35,13 +37,14 @@ BANNED = {
     r"lessons\.md|shapes\.md|perf\.md|style\.md|shared/": "a file outside the repository",
     r"\bissues? #?\d+|\bthe issue'?s?\b": "an issue of the project's tracker",
     r"\blent\b|final_session|device session": "the machines the project was developed on",
+    r"\bpreviously\b|\bno longer\b|\bused to be\b|\bsince (?:19|20)\d\d\b": "the project's history, not why",
 }
 
 
 def _texts() -> list[tuple[str, str]]:
     out = []
     for pattern in TEXT_FILES:
-        for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
+        for path in sorted(glob.glob(os.path.join(ROOT, pattern), recursive=True)):
             with open(path, encoding="utf-8") as f:
                 out.append((os.path.relpath(path, ROOT), f.read()))
     return out
@@ -60,15 +63,17 @@ def _help_texts() -> list[tuple[str, str]]:
 
 
 def missing_paths(name: str, text: str) -> list[str]:
-    """``name:line: path`` for each path in ``text`` that exists neither from the root nor beside ``name``."""
+    """``name:line: path`` for each path in ``text`` that exists neither from the root nor beside ``name``
+    (nor from the package root, for a library module: ``core/launch.py``)."""
     here = os.path.dirname(os.path.join(ROOT, name)) if os.path.exists(os.path.join(ROOT, name)) else ROOT
+    bases = (ROOT, here) + ((os.path.join(ROOT, PACKAGE),) if name.startswith(PACKAGE + "/") else ())
     bad = []
     for lineno, line in enumerate(text.splitlines(), 1):
         line = _URL.sub("", line)
         for path in dict.fromkeys(m.group(1) for rx in (_PATH, _BARE_MD) for m in rx.finditer(line)):
             if _PLACEHOLDER.match(path):
                 continue
-            if not any(os.path.exists(os.path.join(base, path)) for base in (ROOT, here)):
+            if not any(os.path.exists(os.path.join(base, path)) for base in bases):
                 bad.append(f"{name}:{lineno}: {path}")
     return bad
 
@@ -92,13 +97,18 @@ def test_the_scan_finds_what_it_should():
         "benchmarks/results/README.md:1: results/none.json"]
     found = banned_phrases("x", "as in shared/shapes.md (issue 6), on the lent GPU machine")
     assert len(found) == 4, found   # shapes.md, shared/, issue 6, lent
+    assert len(banned_phrases("x", "previously 8 warps; no longer padded, since 2024")) == 3
+    assert banned_phrases("x", "the map is used to find rows; since T > 0") == []
+    assert missing_paths("te_jax_perm/core/primitive.py", "rules in core/sharding.py") == []
+    assert missing_paths("README.md", "rules in core/sharding.py") == ["README.md:1: core/sharding.py"]
 
 
 @pytest.fixture(scope="module")
 def user_facing() -> list[tuple[str, str]]:
     texts = _texts() + _help_texts()
     names = {n for n, _ in texts}
-    assert {"README.md", "BUILD.md", "docs/sanitizer.md", "benchmarks/run.py"} <= names, names
+    assert {"README.md", "BUILD.md", "docs/sanitizer.md", "benchmarks/run.py", "te_jax_perm/core/primitive.py"} \
+        <= names, names
     return texts
 
 

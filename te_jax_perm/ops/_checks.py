@@ -107,6 +107,27 @@ def _not_zero_one(name: str, m: np.ndarray) -> str | None:
             f"te_jax_perm.topk_to_routing_map(indices, num_experts)")
 
 
+def routing_rows(routing_map: Any, tokens_name: str, tokens: Any, rows: int) -> Any:
+    """``routing_map`` flattened to ``[T, E]``, checked to route the ``rows`` tokens of
+    ``tokens`` (the op's argument ``tokens_name``, ``[T, H]`` or ``[B, S, H]``)."""
+    rm = flatten_rows("routing_map", routing_map, "T", "E")
+    if rm.shape[0] != rows:
+        raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected {rows} tokens like "
+                         f"{tokens_name} {tuple(tokens.shape)} (i.e. {tuple(tokens.shape[:-1]) + ('E',)})")
+    return rm
+
+
+def probs_like_map(probs: Any, routing_map: Any) -> jax.Array:
+    """``probs`` as an array of ``routing_map``'s shape and a probability dtype, flattened
+    to ``[T, E]`` as the map is."""
+    probs = jnp.asarray(probs)
+    if tuple(probs.shape) != tuple(routing_map.shape):
+        raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} "
+                         "(the routing_map shape)")
+    check_probs_dtype("probs", probs)
+    return probs.reshape(-1, routing_map.shape[-1])
+
+
 def check_float(name: str, x: Any) -> None:
     dt = _dt(x)
     if not jnp.issubdtype(dt, jnp.floating):

@@ -78,20 +78,12 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     x = jnp.asarray(x)
     xt = _checks.flatten_rows("x", x, "T", "H")
     routing_map = _checks.routing_map_array("routing_map", routing_map)
-    rm = _checks.flatten_rows("routing_map", routing_map, "T", "E")
     t, h = xt.shape
-    if rm.shape[0] != t:
-        raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected {t} tokens like x "
-                         f"{tuple(x.shape)} (i.e. {tuple(x.shape[:-1]) + ('E',)})")
+    rm = _checks.routing_rows(routing_map, "x", x, t)
     e = rm.shape[1]
     if e == 0:
         raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected at least one expert")
-    probs = jnp.asarray(probs)
-    if tuple(probs.shape) != tuple(routing_map.shape):
-        raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} "
-                         "(the routing_map shape)")
-    _checks.check_probs_dtype("probs", probs)
-    probs = probs.reshape(t, e)
+    probs = _checks.probs_like_map(probs, routing_map)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}; expected one of {tuple(ACTIVATIONS)}")
     gated = ACTIVATIONS[activation][1]

@@ -404,19 +404,11 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
     routing_map = _checks.routing_map_array("routing_map", routing_map)
     x = _checks.flatten_rows("inp", inp, "T", "H")
     _checks.check_token_dtype("inp", inp)
-    rm = _checks.flatten_rows("routing_map", routing_map, "T", "E")
-    if rm.shape[0] != x.shape[0]:
-        raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected {x.shape[0]} tokens "
-                         f"like inp {tuple(inp.shape)} (i.e. {tuple(inp.shape[:-1]) + ('E',)})")
+    rm = _checks.routing_rows(routing_map, "inp", inp, x.shape[0])
     num_out_tokens = _checks.check_static_int("num_out_tokens", num_out_tokens, 0)
     e = rm.shape[1]
     if probs is not None:
-        probs = jnp.asarray(probs)
-        if tuple(probs.shape) != tuple(routing_map.shape):
-            raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} "
-                             "(the routing_map shape)")
-        _checks.check_probs_dtype("probs", probs)
-        probs = probs.reshape(-1, e)
+        probs = _checks.probs_like_map(probs, routing_map)
     align_size, rows = dispatch_rows(num_out_tokens, e, align_size)
     # kept: rows per expert of the whole output (summed over token shards when sharded).
     out, permuted_probs, row_id_map, kept = _dispatch(x, rm, probs, num_out_tokens, align_size, rows,
