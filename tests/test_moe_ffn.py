@@ -229,19 +229,20 @@ def test_example_fused_layer_matches_its_dense_reference(kernel_backend):
 
 # -- each fused kernel against its reference, hostile tables included --------------------------
 def _kernel_operands(seed, hostile):
-    """Operands of every fused kernel: T=9 tokens, G=3 experts, M=20 rows; hostile: owners
-    that are negative, name tokens past T or sit past the groups, group sizes that are
-    negative or sum past M."""
+    """Operands of every fused kernel: T=30 tokens, G=3 experts, M=80 rows, groups of more
+    rows than one row tile or one weight-gradient slice holds (so tiles and slices follow
+    each other within a group, the last one partial); hostile: owners that are negative,
+    name tokens past T or sit past the groups, group sizes that are negative or sum past M."""
     rng = np.random.default_rng(seed)
-    t, g, m, c, d = 9, 3, 20, 24, 40
+    t, g, m, c, d = 30, 3, 80, 24, 40
     if hostile:
-        gs = np.array([-4, 12, 50], np.int32)
+        gs = np.array([-4, 45, 200], np.int32)
         owner = rng.integers(-5, t * g + 12, m).astype(np.int32)
         owner[[0, 5]] = 2**31 - 1
     else:
-        gs = np.array([6, 0, 9], np.int32)
+        gs = np.array([36, 0, 39], np.int32)
         owner = np.zeros(m, np.int32)
-        owner[:15] = rng.permutation(t * g)[:15] + 1
+        owner[:75] = rng.permutation(t * g)[:75] + 1
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)     # noqa: E731
     probs = jnp.asarray(rng.random((t, g)), jnp.float32)
     gs, owner = jnp.asarray(gs), jnp.asarray(owner)
