@@ -80,6 +80,11 @@ def test_verdicts_hold_each_model_to_its_limit():
         "TARGET FAIL m ours: 2.00 ms vs pure-JAX permutation 2.10 ms (1.05x; target >= 1.1)",
         "TARGET PASS m fused: step / gemm limit 1.20 (1.80 / 1.50 ms; target <= 1.25)",
         "TARGET PASS m fused: 1.80 ms vs pure-JAX permutation 2.10 ms (1.17x; target >= 1.1)"]
+    # With a profile, the line says how far a free permutation would get with the same GEMM.
+    rows[1].update(ours_profile={"permutation_ms_per_step": 0.25}, pure_jax_over_ours_free_permutation=2.1 / 1.75)
+    assert layer_bench.verdicts(rows)[4] == (
+        "TARGET FAIL m ours: 2.00 ms vs pure-JAX permutation 2.10 ms (1.05x; 1.20x were te_jax_perm's permutation "
+        "kernels (0.25 ms of kernel time) to take none; target >= 1.1)")
 
 
 def test_gemm_verdicts_against_dense_speed_and_roofline():
@@ -107,6 +112,11 @@ def test_profile_counts_our_kernels_by_name():
     assert "accumulate_rows_kernel" not in names          # only the library's kernels
     from benchmarks import trace_stats
     assert trace_stats.matches("permute_kernel_0d1d2d", names) and not trace_stats.matches("gemm_kernel", names)
+    # Split in two: the expert GEMMs' kernels and the permutation's.
+    gemm, permutation = layer_bench.our_kernel_names(gemm=True), layer_bench.our_kernel_names(gemm=False)
+    assert sorted(gemm + permutation) == names and not set(gemm) & set(permutation)
+    assert {"grouped_gemm_kernel", "grouped_gemm_wgrad_kernel", "moe_gather_gemm_kernel"} <= set(gemm)
+    assert {"permute_kernel", "unpermute_kernel", "sort_chunks_kernel"} <= set(permutation)
 
 
 @pytest.mark.gpu
