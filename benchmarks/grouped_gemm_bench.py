@@ -97,6 +97,31 @@ def tma_configs(every: bool = False, programs: list[int] | tuple[int, ...] = ())
 # would not fit beside the two results.
 _max_abs_diff = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
+# The three GEMMs of a training step over ``lhs`` [M, K], ``rhs`` [G, K, N] and ``dout``
+# [M, N]: (name, our declaration, its two operands, its dims, the batched dot of the same
+# problem on operands whose rows are split into [G, M/G, .]).
+_STEP_GEMMS = (
+    ("fwd", D.grouped_gemm, lambda lhs, rhs, dout: (lhs, rhs), lambda m, k, n, g: {"M": m, "C": k, "D": n, "G": g},
+     "gmk,gkn->gmn"),
+    ("dgrad", D.grouped_gemm_rhs_t, lambda lhs, rhs, dout: (dout, rhs),
+     lambda m, k, n, g: {"M": m, "C": n, "D": k, "G": g}, "gmn,gkn->gmk"),
+    ("wgrad", D.grouped_gemm_wgrad, lambda lhs, rhs, dout: (lhs, dout),
+     lambda m, k, n, g: {"M": m, "K": k, "N": n, "G": g}, "gmk,gmn->gkn"),
+)
+
+
+def _step_gemms(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, names: Sequence[str] | None = None) -> list[tuple]:
+    """``(name, declaration, operands, dims, batched spec)`` of each GEMM of ``_STEP_GEMMS``
+    (those in ``names`` where given)."""
+    (m, k), (g, _, n) = lhs.shape, rhs.shape
+    return [(what, prim, operands_of(lhs, rhs, dout), dims_of(m, k, n, g), spec)
+            for what, prim, operands_of, dims_of, spec in _STEP_GEMMS if names is None or what in names]
+
+
+def _jitted(prim: Any, cfg: Config, backend: str):
+    """``prim`` on bf16 operands at ``cfg``, jitted, returning its one output."""
+    return jax.jit(lambda *a: prim(*a, backend=backend, config=cfg, elem_bytes=2)[0])
+
 
 def against_default(prim: Any, args: tuple, dims: dict[str, int], configs: Sequence[Config], backend: str,
                     reps: int) -> tuple[Config, float, dict, dict]:
@@ -104,18 +129,16 @@ def against_default(prim: Any, args: tuple, dims: dict[str, int], configs: Seque
     ``configs`` it admits there: ``(default, default_ms, times, diffs)``, ``times`` {config:
     ms, or the error it raised}, ``diffs`` {config: largest difference from the default's
     output}."""
-    def run(cfg):
-        return jax.jit(lambda *a: prim(*a, backend=backend, config=cfg, elem_bytes=2)[0])
-
     default = prim.decl.default_config(dims, {"elem_bytes": 2})
-    default_ms = median_wall_ms(run(default), args, reps)
-    want = run(default)(*args)
+    ours = _jitted(prim, default, backend)
+    default_ms = median_wall_ms(ours, args, reps)
+    want = ours(*args)
     times, diffs = {}, {}
     for cfg in configs:
         if prim.decl.violated(dims, {"elem_bytes": 2}, cfg):
             continue
         try:
-            f = run(cfg)
+            f = _jitted(prim, cfg, backend)
             diffs[str(cfg)] = float(_max_abs_diff(f(*args), want))
             times[str(cfg)] = median_wall_ms(f, args, reps)
         except Exception as e:  # a config that fails to compile or launch is a finding, not a crash
@@ -133,13 +156,10 @@ def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.A
                    backend: str = "triton", reps: int = 5) -> dict:
     """The forward and the input gradient, each on its default config and on each of
     ``configs`` the shape admits (:func:`against_default`)."""
-    m, k = lhs.shape
-    g, _, n = rhs.shape
     r: dict[str, Any] = {"default_config": {}, "tma_max_abs_diff": {}}
-    for what, prim, a, dims in (("fwd", D.grouped_gemm, lhs, {"M": m, "C": k, "D": n, "G": g}),
-                                ("dgrad", D.grouped_gemm_rhs_t, dout, {"M": m, "C": n, "D": k, "G": g})):
+    for what, prim, operands, dims, _ in _step_gemms(lhs, rhs, dout, ("fwd", "dgrad")):
         default, r[f"{what}_default_ms"], r[f"tma_{what}_ms"], diffs = against_default(
-            prim, (a, rhs, sizes), dims, configs, backend, reps)
+            prim, (*operands, sizes), dims, configs, backend, reps)
         r["default_config"][what] = str(default)
         r["tma_max_abs_diff"].update({f"{what} {c}": d for c, d in diffs.items()})
         if (best := _best_over(r[f"tma_{what}_ms"], r[f"{what}_default_ms"])) is not None:
@@ -162,18 +182,6 @@ def wgrad_comparison(lhs: jax.Array, dout: jax.Array, sizes: jax.Array, configs:
     return r
 
 
-# The three GEMMs of a training step: (name, our declaration, its operands from (lhs, rhs,
-# dout), its dims, the batched dot of the same problem on [G, M/G, .] operands).
-_STEP_GEMMS = (
-    ("fwd", D.grouped_gemm, lambda lhs, rhs, dout: (lhs, rhs), lambda m, k, n, g: {"M": m, "C": k, "D": n, "G": g},
-     "gmk,gkn->gmn"),
-    ("dgrad", D.grouped_gemm_rhs_t, lambda lhs, rhs, dout: (dout, rhs),
-     lambda m, k, n, g: {"M": m, "C": n, "D": k, "G": g}, "gmn,gkn->gmk"),
-    ("wgrad", D.grouped_gemm_wgrad, lambda lhs, rhs, dout: (lhs, dout),
-     lambda m, k, n, g: {"M": m, "K": k, "N": n, "G": g}, "gmk,gmn->gkn"),
-)
-
-
 def batched_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, backend: str = "triton",
                        reps: int = 5) -> dict:
     """Each GEMM of a training step at uniform group sizes (``M / G`` rows each; ``{}`` when
@@ -181,22 +189,19 @@ def batched_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, backend:
     a GPU) of the same operands reshaped to ``[G, M/G, .]``: ``ours_uniform_<gemm>_ms``,
     ``batched_<gemm>_ms``, ``<gemm>_over_batched`` and ``batched_max_abs_diff`` (ours vs
     batched, per GEMM)."""
-    m, k = lhs.shape
-    g, _, n = rhs.shape
+    m, g = lhs.shape[0], rhs.shape[0]
     if m % g:
         return {}
     sizes = jnp.full((g,), m // g, jnp.int32)
+    split = lambda x: x.reshape(g, m // g, x.shape[1]) if x.ndim == 2 else x   # noqa: E731 - rhs is [G, ., .]
     r: dict[str, Any] = {"batched_max_abs_diff": {}}
-    for what, prim, operands_of, dims_of, spec in _STEP_GEMMS:
-        a, b = operands_of(lhs, rhs, dout)
-        cfg = prim.decl.default_config(dims_of(m, k, n, g), {"elem_bytes": 2})
-        ours = jax.jit(lambda x, y, s, prim=prim, cfg=cfg: prim(x, y, s, backend=backend, config=cfg,
-                                                                 elem_bytes=2)[0])
-        # Rows split into groups (rhs is [G, ., .] already); a result of rows joined back.
-        split = lambda x: x.reshape(g, m // g, x.shape[1]) if x.ndim == 2 else x
-        joined = lambda y, spec: y.reshape(m, y.shape[2]) if spec.endswith(("gmn", "gmk")) else y
-        batched = jax.jit(lambda x, y, spec=spec: joined(jnp.einsum(spec, split(x), split(y)), spec))
-        r["batched_max_abs_diff"][what] = float(_max_abs_diff(ours(a, b, sizes), batched(a, b)))
+    for what, prim, (a, b), dims, spec in _step_gemms(lhs, rhs, dout):
+        ours = _jitted(prim, prim.decl.default_config(dims, {"elem_bytes": 2}), backend)
+        got = ours(a, b, sizes)
+        # The batched result in our layout (rows joined back, or [G, K, N] as it is).
+        batched = jax.jit(lambda x, y, spec=spec, shape=got.shape: jnp.einsum(spec, split(x), split(y)).reshape(shape))
+        r["batched_max_abs_diff"][what] = float(_max_abs_diff(got, batched(a, b)))
+        del got
         r[f"ours_uniform_{what}_ms"] = median_wall_ms(ours, (a, b, sizes), reps)
         r[f"batched_{what}_ms"] = median_wall_ms(batched, (a, b), reps)
         r[f"{what}_over_batched"] = r[f"ours_uniform_{what}_ms"] / r[f"batched_{what}_ms"]
