@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -107,11 +108,11 @@ def _not_zero_one(name: str, m: np.ndarray) -> str | None:
             f"te_jax_perm.topk_to_routing_map(indices, num_experts)")
 
 
-def routing_rows(routing_map: Any, tokens_name: str, tokens: Any, rows: int) -> Any:
-    """``routing_map`` flattened to ``[T, E]``, checked to route the ``rows`` tokens of
-    ``tokens`` (the op's argument ``tokens_name``, ``[T, H]`` or ``[B, S, H]``)."""
+def routing_rows(routing_map: Any, tokens_name: str, tokens: Any) -> Any:
+    """``routing_map`` flattened to ``[T, E]``, checked to route the tokens of ``tokens``
+    (the op's argument ``tokens_name``, ``[T, H]`` or ``[B, S, H]``)."""
     rm = flatten_rows("routing_map", routing_map, "T", "E")
-    if rm.shape[0] != rows:
+    if rm.shape[0] != (rows := math.prod(tokens.shape[:-1])):
         raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected {rows} tokens like "
                          f"{tokens_name} {tuple(tokens.shape)} (i.e. {tuple(tokens.shape[:-1]) + ('E',)})")
     return rm

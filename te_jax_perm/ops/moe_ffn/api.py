@@ -79,7 +79,7 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     xt = _checks.flatten_rows("x", x, "T", "H")
     routing_map = _checks.routing_map_array("routing_map", routing_map)
     t, h = xt.shape
-    rm = _checks.routing_rows(routing_map, "x", x, t)
+    rm = _checks.routing_rows(routing_map, "x", x)
     e = rm.shape[1]
     if e == 0:
         raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected at least one expert")

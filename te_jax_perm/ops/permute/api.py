@@ -404,7 +404,7 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
     routing_map = _checks.routing_map_array("routing_map", routing_map)
     x = _checks.flatten_rows("inp", inp, "T", "H")
     _checks.check_token_dtype("inp", inp)
-    rm = _checks.routing_rows(routing_map, "inp", inp, x.shape[0])
+    rm = _checks.routing_rows(routing_map, "inp", inp)
     num_out_tokens = _checks.check_static_int("num_out_tokens", num_out_tokens, 0)
     e = rm.shape[1]
     if probs is not None:
