@@ -263,11 +263,19 @@ def wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, o
     n_ok = ncols < N
     rs = tl.arange(0, BR)
     acc = tl.zeros((BK, BN), dtype=tl.float32)
+    if GATHER_LHS or WEIGHTED_DOUT:
+        # Each slice's owners are loaded one slice ahead: a row's address then comes from the
+        # previous step, not from a load of the same step, and the software pipeline keeps all
+        # its stages for the rows (an owner load in the same step takes stages from them).
+        first = r_start + rs
+        tok_next, owned_next = row_tokens(owner_ptr, first, first < r_end, T, G)
     for r in range(r_start, r_end, BR):
         rows = r + rs
         r_ok = rows < r_end
         if GATHER_LHS or WEIGHTED_DOUT:
-            tok, owned = row_tokens(owner_ptr, rows, r_ok, T, G)
+            tok, owned = tok_next, owned_next
+            ahead = rows + BR
+            tok_next, owned_next = row_tokens(owner_ptr, ahead, ahead < r_end, T, G)
         if GATHER_LHS:
             x = tl.load(lhs_ptr + tok[:, None] * K + kcols[None, :], mask=owned[:, None] & k_ok[None, :], other=0.0)
         else:
