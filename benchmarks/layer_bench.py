@@ -177,19 +177,32 @@ def dense_ffn_step(cfg: example.MoEConfig) -> tuple[Callable, tuple]:
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (rows, w_in, w_out)
 
 
-# The kernel modules of the expert GEMMs; the others' kernels are the permutation's.
-GEMM_KERNEL_MODULES = ("grouped_gemm", "moe_ffn")
+# The ops whose kernels are the expert GEMMs'; every other kernel is the permutation's.
+GEMM_OPS = ("grouped_gemm", "moe_ffn")
+
+
+def gemm_kernel_modules() -> set[str]:
+    """The kernel modules the expert GEMMs' declarations launch from (read from the
+    declarations, so a kernel added to those ops is counted with them)."""
+    from te_jax_perm.core import KernelPrimitive
+    modules = set()
+    for op in GEMM_OPS:
+        decls = importlib.import_module(f"te_jax_perm.ops.{op}.decl")
+        modules |= {v.decl.kernel.fn.__module__ for v in vars(decls).values() if isinstance(v, KernelPrimitive)}
+    return modules
 
 
 def our_kernel_names(gemm: bool | None = None) -> list[str]:
     """The names of te_jax_perm's Triton kernels (GPU kernel events carry these names): all
     of them, or only the expert GEMMs' (``gemm=True``) or only the permutation's (``False``)."""
     import te_jax_perm.kernels as kernels_pkg
+    gemm_modules = gemm_kernel_modules()
     names = []
     for info in pkgutil.iter_modules(kernels_pkg.__path__):
-        if gemm is not None and (info.name in GEMM_KERNEL_MODULES) != gemm:
+        mod_name = f"te_jax_perm.kernels.{info.name}"
+        if gemm is not None and (mod_name in gemm_modules) != gemm:
             continue
-        mod = importlib.import_module(f"te_jax_perm.kernels.{info.name}")
+        mod = importlib.import_module(mod_name)
         names += [obj.fn.__name__ for obj in vars(mod).values()
                   if callable(getattr(obj, "fn", None)) and getattr(obj.fn, "__module__", "") == mod.__name__]
     return sorted(names)
