@@ -617,7 +617,7 @@ def test_gpu_tma_wgrad_matches_reference(sizes, programs):
 @pytest.mark.parametrize("sizes", [[300, 0, 1000, 700, 48], [0, 2048, 0, 0, 0], [-5, 2**31 - 1, 2**31 - 1, 7, 9]])
 def test_gpu_tma_configs_match_reference(sizes, programs):
     """The TMA configs compiled for this GPU (descriptors built on the device, in the global
-    scratch memory XLA's Triton call provides), bf16 with NaN garbage past the groups and
+    scratch, the workspace the call brings), bf16 with NaN garbage past the groups and
     hostile sizes: forward and VJP, the input gradient on its TMA config too."""
     m = 2304
     lhs, rhs, gs, dout = _problem(m, 256, 384, sizes, "bfloat16", seed=6)

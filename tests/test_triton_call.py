@@ -166,6 +166,57 @@ def test_kernels_are_compiled_once_per_specialisation():
     assert triton_backend.compile_cached.cache_info().misses == before  # same binary: H is a runtime scalar
 
 
+def _payload(call):
+    opaque = call.attributes["mhlo.backend_config"]["opaque"]
+    return json.loads(zlib.decompress(opaque.value_bytes if hasattr(opaque, "value_bytes") else
+                                      str(opaque).strip('"').encode("latin1")))
+
+
+def test_a_kernel_with_global_scratch_gets_a_workspace_xla_allocates():
+    """A TMA grouped GEMM builds tensor descriptors on the device, in global scratch. The
+    call brings that memory as one more result (programs x per-program bytes, never
+    returned), passed where Triton's kernel expects its scratch pointer, with a null
+    profile pointer after it; jaxlib is never asked to allocate it (its stream allocation
+    cannot live in a command buffer)."""
+    import numpy as np
+
+    from te_jax_perm.core import hooks
+    from te_jax_perm.ops.grouped_gemm import decl as D
+
+    m, c, d, g = 512, 128, 256, 4
+    dims, params = {"M": m, "C": c, "D": d, "G": g}, {"elem_bytes": 2}
+    cfg = next(c for c in D.TMA_CONFIGS if not D.grouped_gemm.decl.violated(dims, params, c))
+    lhs, rhs = jnp.ones((m, c), jnp.bfloat16), jnp.ones((g, c, d), jnp.bfloat16)
+    sizes = jnp.asarray([100, 0, 300, 50], jnp.int32)
+    with hooks.using_config_resolver(lambda call: cfg if call.decl.name == D.grouped_gemm.decl.name else None):
+        lowered, lib = _lower_for_cuda(
+            lambda a, b, s: D.grouped_gemm.prim.bind(a, b, s, backend="triton", config=None, elem_bytes=2)[0], lhs, rhs,
+            sizes)
+    (call,) = [c for c in _custom_calls(lowered) if triton_backend.FFI_TARGET in str(c.attributes["call_target_name"])]
+    payload = _payload(call)
+    (kernel,) = [k for k in lib.kernels if k[0] == payload["kernel"]["name"]]
+    assert payload["kernel"]["extra"] == [] and len(kernel) == 7
+    programs = payload["grid"][0] * payload["grid"][1] * payload["grid"][2]
+    # results: the output, then the workspace (uint8, programs x per-program scratch)
+    results = [str(t) for t in call.results.types]
+    assert len(results) == 2 and results[0] == f"tensor<{m}x{d}xbf16>"
+    size = int(re.fullmatch(r"tensor<(\d+)xui8>", results[1]).group(1))
+    assert size > 0 and size % programs == 0 and size // programs >= 3 * 128  # 3 descriptors of 128 bytes
+    # parameters: lhs, rhs, group sizes, M, out_prealloc, out, then workspace and null profile
+    assert payload["params"][-2:] == [{"array": [0, 128]}, {"scalar": [0, "u64"]}]
+    assert len(payload["params"]) == 8
+    # ... and the traced function returns only the output
+    assert lowered.out_info.shape == (m, d) and lowered.out_info.dtype == np.dtype(jnp.bfloat16)
+
+
+def test_a_call_whose_parameters_differ_from_the_compiled_entry_is_refused():
+    kernel = triton_backend.CompiledKernel("k", 4, 1, 0, ".entry k(\n.param .u64 k_param_0,\n.param .u64 k_param_1\n)",
+                                           90, 0, 1)
+    triton_backend.check_parameter_count(kernel, 2)
+    with pytest.raises(RuntimeError, match="takes 2 parameters; the call passes 3"):
+        triton_backend.check_parameter_count(kernel, 3)
+
+
 # -- the [cuda] extra against the compatibility table -----------------------------------------
 def _extra(name):
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

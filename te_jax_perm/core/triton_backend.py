@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
+import re
 import zlib
 from typing import Any, Sequence
 
@@ -166,8 +167,10 @@ def compile_cached(spec: CompileSpec, cc: int) -> CompiledKernel:
 # TritonKernelCall, create_array_parameter, create_scalar_parameter and
 # get_compute_capability when jaxlib has its CUDA plugin. TritonKernel's arguments:
 #   jaxlib >= 0.5: (name, num_warps, num_ctas, shared_mem_bytes, ptx, ttir, compute_capability
-#                   [, global_scratch_size, global_scratch_align  -- jaxlib > 0.11.0 only])
-# (older releases, which this library does not support, took cluster dims instead of num_ctas).
+#                   [, global_scratch_size, global_scratch_align  -- jaxlib > 0.11.0 only]);
+# this backend passes the first seven on every jaxlib and brings its own scratch
+# (:func:`kernel_call_proto`). Older releases, which it does not support, took cluster dims
+# instead of num_ctas.
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,18 +202,11 @@ def _check_ffi(lib: Any) -> None:
 
 
 def _triton_kernel(lib: Any, kernel: CompiledKernel) -> Any:
-    args = [kernel.name, kernel.num_warps, kernel.num_ctas, kernel.shared_mem_bytes, kernel.ptx, "",
-            kernel.compute_capability]
-    if kernel.global_scratch_size:
-        args += [kernel.global_scratch_size, kernel.global_scratch_align]
-    try:
-        return lib.TritonKernel(*args)
-    except TypeError as e:
-        if kernel.global_scratch_size:
-            raise BackendUnavailableError(
-                f"kernel {kernel.name} needs {kernel.global_scratch_size} bytes of global scratch memory, which "
-                "this jaxlib's Triton call cannot provide: pip install 'jax[cuda13]>0.11.0'") from e
-        raise
+    # Never jaxlib's own global scratch: it allocates that memory on the stream for each
+    # launch, which a command buffer cannot hold (CUDA refuses memory nodes in the child
+    # graph a captured custom call becomes). The call passes a workspace XLA allocates.
+    return lib.TritonKernel(kernel.name, kernel.num_warps, kernel.num_ctas, kernel.shared_mem_bytes, kernel.ptx,
+                            "", kernel.compute_capability)
 
 
 def compute_capability() -> int:
@@ -223,21 +219,43 @@ _PYTHON = {"i1": bool, "i32": int, "i64": int, "fp32": float}
 
 
 # -- the call ----------------------------------------------------------------------------------
-def kernel_call_proto(launch: Launch, lib: Any) -> bytes:
+def workspace_bytes(launch: Launch, kernel: CompiledKernel) -> int:
+    """Bytes of the global scratch ``kernel`` needs over ``launch``'s grid (each program
+    its own slice, e.g. for tensor descriptors it builds on the device); 0 for none."""
+    return int(np.prod(launch.grid3)) * kernel.num_ctas * kernel.global_scratch_size
+
+
+def kernel_call_proto(launch: Launch, lib: Any, kernel: CompiledKernel) -> bytes:
     """The serialized, compressed kernel call of ``launch`` (the custom call's payload). Its
     parameters follow the kernel's order: every pointer (operands, preallocs, then outputs,
     which XLA hands over after the operands) 16-byte aligned, never zeroed by the call
     (zeroed outputs arrive zeroed as their preallocated operands); scalars by value, except
-    those compiled in as constants (:func:`launch_spec`)."""
+    those compiled in as constants (:func:`launch_spec`). Triton appends two pointers to
+    every kernel, global then profile scratch: a kernel with global scratch gets the call's
+    workspace (its last output) and a null profile pointer; jaxlib appends its own two
+    after those, past the kernel's parameters, where CUDA never reads them."""
     spec = launch_spec(launch)
-    kernel = _triton_kernel(lib, compile_cached(spec, int(lib.get_compute_capability(0))))
     sig = dict(spec.signature)
     params = [lib.create_array_parameter(0, 16) if a.is_pointer
               else lib.create_scalar_parameter(_PYTHON[scalar_type(a.value)](a.value), scalar_type(a.value))
               for a in kernel_arguments(launch, launch.avals, launch.out_avals, launch.out_avals)
               if sig[a.name] != "constexpr"]
-    call = lib.TritonKernelCall(kernel, *launch.grid3, params)
+    check_parameter_count(kernel, len(params) + 2)
+    if kernel.global_scratch_size:
+        params += [lib.create_array_parameter(0, max(16, kernel.global_scratch_align)),
+                   lib.create_scalar_parameter(0, "u64")]
+    call = lib.TritonKernelCall(_triton_kernel(lib, kernel), *launch.grid3, params)
     return zlib.compress(call.to_proto(f"te_jax_perm.{launch.decl.name}", b""))
+
+
+def check_parameter_count(kernel: CompiledKernel, expected: int) -> None:
+    """The call hands CUDA one pointer per kernel parameter; a count that differs from the
+    compiled entry's would shift every argument after the first difference."""
+    entry = re.search(r"\.entry\s+" + re.escape(kernel.name) + r"\s*\(([^)]*)\)", kernel.ptx)
+    found = len(re.findall(r"\.param\b", entry.group(1))) if entry else None
+    if found != expected:
+        raise RuntimeError(f"kernel {kernel.name}: the compiled entry takes {found} parameters; the call passes "
+                           f"{expected} (its arguments, then Triton's global and profile scratch pointers)")
 
 
 def triton_call(launch: Launch, operands: Sequence[jax.Array],
@@ -250,8 +268,12 @@ def triton_call(launch: Launch, operands: Sequence[jax.Array],
         return preallocs  # CUDA rejects empty grids; the preallocated buffers are the result
     lib = kernel_call_lib()
     _check_ffi(lib)
+    kernel = compile_cached(launch_spec(launch), int(lib.get_compute_capability(0)))
     result_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in launch.out_avals]
-    payload = kernel_call_proto(launch, lib)
+    workspace = workspace_bytes(launch, kernel)
+    if workspace:  # an output no one reads after the kernel: XLA allocates it, and frees it
+        result_types.append(jax.ShapeDtypeStruct((workspace,), np.uint8))
+    payload = kernel_call_proto(launch, lib, kernel)
     with jax.named_scope(f"te_jax_perm.{launch.decl.name}"):
         call = jax.ffi.ffi_call(FFI_TARGET, result_types, input_output_aliases=plan.input_output_aliases)
-        return list(call(*operands, *preallocs, opaque=payload))
+        return list(call(*operands, *preallocs, opaque=payload))[:len(launch.out_avals)]

@@ -22,18 +22,19 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _run(tmp_path, name, command_buffers_on):
+def _run(tmp_path, name, command_buffers_on, *step):
     flags = re.sub(r"--xla_gpu_enable_command_buffer=\S*", "", os.environ.get("XLA_FLAGS", "")).strip()
     if not command_buffers_on:
         flags += " --xla_gpu_enable_command_buffer="
     env = dict(os.environ, XLA_FLAGS=flags.strip(), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     npz, js = tmp_path / f"{name}.npz", tmp_path / f"{name}.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.gpu.capture_step", "--npz", str(npz), "--json", str(js)],
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.capture_step", "--npz", str(npz), "--json", str(js), *step],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    with np.load(npz) as z:
+    report = json.loads(js.read_text())
+    with np.load(npz) as z:  # as bytes, and each in its dtype
         outs = [z[k] for k in sorted(z.files, key=lambda s: int(s.split("_")[1]))]
-    return outs, json.loads(js.read_text())
+    return outs, report
 
 
 @pytest.mark.gpu
@@ -53,3 +54,25 @@ def test_dispatch_combine_step_is_captured_in_command_buffers(tmp_path):
     # is one CUDA graph launch and no kernel is launched on its own.
     assert on["api_events_seen"], on
     assert on["graph_launches_per_step"] >= 1 and on["kernel_launches_per_step"] == 0, on
+
+
+@pytest.mark.gpu
+def test_tma_gemm_kernels_run_inside_command_buffers(tmp_path):
+    """The grouped GEMM's TMA kernels build tensor descriptors in global scratch memory.
+    A jitted training step of two expert layers (in a ``lax.scan``) with command buffers on
+    runs them inside the step's CUDA graph, and computes what the default configs compute.
+    (Scratch allocated on the stream at each launch cannot live in a captured graph: the
+    step would fail with CUDA_ERROR_NOT_SUPPORTED.)"""
+    import ml_dtypes
+    step = ["--step", "expert_gemms", "--tokens", "2048"]
+    default_outs, default = _run(tmp_path, "default", True, *step)
+    tma_outs, tma = _run(tmp_path, "tma", True, *step, "--configs", "tma")
+    print("default configs:", json.dumps({k: v for k, v in default.items() if k != "kernels"}))
+    print("TMA configs:", json.dumps({k: v for k, v in tma.items() if k != "kernels"}))
+    assert all("TMA=True" in c for c in tma["configs"].values()) and len(tma["configs"]) == 3, tma["configs"]
+    for a, b, dtype in zip(default_outs, tma_outs, tma["dtypes"]):
+        a, b = (v.view(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).astype(np.float32) for v in (a, b))
+        assert np.isfinite(b).all()
+        np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2)
+    assert tma["api_events_seen"], tma
+    assert tma["graph_launches_per_step"] >= 1 and tma["kernel_launches_per_step"] == 0, tma
