@@ -23,7 +23,8 @@ Usage:
 --programs   persistent program counts to time each TMA config at (default: the config's
              own, 132: one per SM of an H100 SXM or an H200)
 --wgrad      also time the weight gradient on every config of its tuning space (pointer and
-             TMA), each checked against its default's output (``wgrad_comparison``)
+             TMA), each checked against its default's output, and on a Hopper GPU the
+             warp-specialised kernel's configs against its default (``wgrad_comparison``)
 --nobatched  skip the comparison with cuBLAS's batched GEMM (``batched_comparison``)
 
 Per shape, the batched comparison holds each of the three GEMMs of a training step (forward,
@@ -98,24 +99,26 @@ def tma_configs(every: bool = False, programs: list[int] | tuple[int, ...] = ())
 _max_abs_diff = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 # The three GEMMs of a training step over ``lhs`` [M, K], ``rhs`` [G, K, N] and ``dout``
-# [M, N]: (name, our declaration, its two operands, its dims, the batched dot of the same
-# problem on operands whose rows are split into [G, M/G, .]).
+# [M, N]: (name, the declaration the library runs on a backend at these dims, its two
+# operands, its dims, the batched dot of the same problem on operands whose rows are split
+# into [G, M/G, .]).
 _STEP_GEMMS = (
-    ("fwd", D.grouped_gemm, lambda lhs, rhs, dout: (lhs, rhs), lambda m, k, n, g: {"M": m, "C": k, "D": n, "G": g},
-     "gmk,gkn->gmn"),
-    ("dgrad", D.grouped_gemm_rhs_t, lambda lhs, rhs, dout: (dout, rhs),
+    ("fwd", lambda backend, dims: D.grouped_gemm, lambda lhs, rhs, dout: (lhs, rhs),
+     lambda m, k, n, g: {"M": m, "C": k, "D": n, "G": g}, "gmk,gkn->gmn"),
+    ("dgrad", lambda backend, dims: D.grouped_gemm_rhs_t, lambda lhs, rhs, dout: (dout, rhs),
      lambda m, k, n, g: {"M": m, "C": n, "D": k, "G": g}, "gmn,gkn->gmk"),
-    ("wgrad", D.grouped_gemm_wgrad, lambda lhs, rhs, dout: (lhs, dout),
+    ("wgrad", lambda backend, dims: D.wgrad_for(backend, dims, {"elem_bytes": 2}), lambda lhs, rhs, dout: (lhs, dout),
      lambda m, k, n, g: {"M": m, "K": k, "N": n, "G": g}, "gmk,gmn->gkn"),
 )
 
 
-def _step_gemms(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, names: Sequence[str] | None = None) -> list[tuple]:
+def _step_gemms(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, backend: str,
+                names: Sequence[str] | None = None) -> list[tuple]:
     """``(name, declaration, operands, dims, batched spec)`` of each GEMM of ``_STEP_GEMMS``
-    (those in ``names`` where given)."""
+    (those in ``names`` where given) on ``backend``."""
     (m, k), (g, _, n) = lhs.shape, rhs.shape
-    return [(what, prim, operands_of(lhs, rhs, dout), dims_of(m, k, n, g), spec)
-            for what, prim, operands_of, dims_of, spec in _STEP_GEMMS if names is None or what in names]
+    return [(what, pick(backend, dims_of(m, k, n, g)), operands_of(lhs, rhs, dout), dims_of(m, k, n, g), spec)
+            for what, pick, operands_of, dims_of, spec in _STEP_GEMMS if names is None or what in names]
 
 
 def _jitted(prim: Any, cfg: Config, backend: str):
@@ -157,7 +160,7 @@ def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.A
     """The forward and the input gradient, each on its default config and on each of
     ``configs`` the shape admits (:func:`against_default`)."""
     r: dict[str, Any] = {"default_config": {}, "tma_max_abs_diff": {}}
-    for what, prim, operands, dims, _ in _step_gemms(lhs, rhs, dout, ("fwd", "dgrad")):
+    for what, prim, operands, dims, _ in _step_gemms(lhs, rhs, dout, backend, ("fwd", "dgrad")):
         default, r[f"{what}_default_ms"], r[f"tma_{what}_ms"], diffs = against_default(
             prim, (*operands, sizes), dims, configs, backend, reps)
         r["default_config"][what] = str(default)
@@ -171,7 +174,9 @@ def wgrad_comparison(lhs: jax.Array, dout: jax.Array, sizes: jax.Array, configs:
                      backend: str = "triton", reps: int = 3) -> dict:
     """The weight gradient on its default config and on each of ``configs`` the shape
     admits (pointer and TMA; :func:`against_default`): ``wgrad_default_ms``, ``wgrad_ms``,
-    ``wgrad_max_abs_diff`` and ``best_wgrad_over_default``."""
+    ``wgrad_max_abs_diff`` and ``best_wgrad_over_default``; where the library runs another
+    kernel on this GPU (the warp-specialised one on Hopper), that kernel's the same way
+    (``wgrad_ws_*``) and its default's time over the pointer default's."""
     dims = {"M": lhs.shape[0], "K": lhs.shape[1], "N": dout.shape[1], "G": sizes.shape[0]}
     default, default_ms, times, diffs = against_default(D.grouped_gemm_wgrad, (lhs, dout, sizes), dims, configs,
                                                         backend, reps)
@@ -179,6 +184,12 @@ def wgrad_comparison(lhs: jax.Array, dout: jax.Array, sizes: jax.Array, configs:
                          "wgrad_max_abs_diff": diffs}
     if (best := _best_over(times, default_ms)) is not None:
         r["best_wgrad_over_default"] = best
+    picked = D.wgrad_for(backend, dims, {"elem_bytes": 2})
+    if picked is not D.grouped_gemm_wgrad:  # the kernel this GPU runs by default, on its own configs
+        ws_default, r["wgrad_ws_default_ms"], r["wgrad_ws_ms"], r["wgrad_ws_max_abs_diff"] = against_default(
+            picked, (lhs, dout, sizes), dims, picked.decl.configs, backend, reps)
+        r["wgrad_ws_default_config"] = str(ws_default)
+        r["wgrad_ws_default_over_pointer_default"] = r["wgrad_ws_default_ms"] / default_ms
     return r
 
 
@@ -195,7 +206,7 @@ def batched_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, backend:
     sizes = jnp.full((g,), m // g, jnp.int32)
     split = lambda x: x.reshape(g, m // g, x.shape[1]) if x.ndim == 2 else x   # noqa: E731 - rhs is [G, ., .]
     r: dict[str, Any] = {"batched_max_abs_diff": {}}
-    for what, prim, (a, b), dims, spec in _step_gemms(lhs, rhs, dout):
+    for what, prim, (a, b), dims, spec in _step_gemms(lhs, rhs, dout, backend):
         ours = _jitted(prim, prim.decl.default_config(dims, {"elem_bytes": 2}), backend)
         got = ours(a, b, sizes)
         # The batched result in our layout (rows joined back, or [G, K, N] as it is).

@@ -490,6 +490,82 @@ def _sm90_compiled(decl, dims, dtype, cfg):
     return compiled_for_sm90(bind_call(decl, avals, {"elem_bytes": np.dtype(dtype).itemsize}, "triton"), cfg)
 
 
+# -- the warp-specialised weight gradient (Hopper; kernels/grouped_gemm_ws.py) ---------------
+def test_ws_wgrad_configs_compile_for_sm90_to_warp_partitions():
+    """At DeepSeek-V3's up-projection every config compiles for sm_90: 12 warps (8 MMA
+    warps and a loader warpgroup), asynchronous warpgroup MMAs, TMA loads and a TMA store of
+    descriptors built in the call's workspace, within Hopper's shared memory."""
+    from te_jax_perm.core.launch import bind_call
+    avals = [jax.ShapeDtypeStruct((65536, 7168), jnp.bfloat16), jax.ShapeDtypeStruct((65536, 4096), jnp.bfloat16),
+             jax.ShapeDtypeStruct((256,), jnp.int32)]
+    call = bind_call(D.grouped_gemm_wgrad_ws.decl, avals, {"elem_bytes": 2}, "triton")
+    for cfg in D.WS_WGRAD_CONFIGS:
+        assert D.grouped_gemm_wgrad_ws.decl.violated(call.dims, call.params, cfg) is None, cfg
+        k = compiled_for_sm90(call, cfg)
+        assert k.num_warps == 12 and k.global_scratch_size >= 3 * 128, (cfg, k.num_warps, k.global_scratch_size)
+        assert "wgmma.mma_async" in k.ptx and "mbarrier.try_wait" in k.ptx, cfg
+        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", k.ptx), cfg
+        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", k.ptx), cfg
+        assert k.shared_mem_bytes <= 227 * 1024, (cfg, k.shared_mem_bytes)
+
+
+def test_ws_wgrad_constraints_and_selection(monkeypatch):
+    """The warp-specialised weight gradient refuses, by reason, what its kernel does not
+    handle, and is picked only on the triton backend of a compute capability 9.0 GPU."""
+    from te_jax_perm.core import triton_backend
+    decl, cfg, dims = D.grouped_gemm_wgrad_ws.decl, D.WS_WGRAD_CONFIGS[0], {"M": 4096, "K": 1024, "N": 768, "G": 8}
+    assert decl.violated(dims, {"elem_bytes": 2}, cfg) is None
+    assert "16-bit" in decl.violated(dims, {"elem_bytes": 4}, cfg)
+    assert "multiple of BK" in decl.violated({**dims, "K": 1000}, {"elem_bytes": 2}, cfg)
+    assert "16-byte rows" in decl.violated({**dims, "N": 770 - 1}, {"elem_bytes": 2}, cfg)
+    assert "1 <= M, G" in decl.violated({**dims, "M": 0}, {"elem_bytes": 2}, cfg)
+    assert "2**31" in decl.violated({**dims, "G": 2**21, "K": 1024}, {"elem_bytes": 2}, cfg)
+    assert "8 warps" in decl.violated(dims, {"elem_bytes": 2}, Config.make(4, 1, **cfg.kw))
+    assert "shared memory" in decl.violated(dims, {"elem_bytes": 2}, Config.make(8, 1, **{**cfg.kw, "STAGES": 4}))
+    for cc, backend, want in [(90, "triton", D.grouped_gemm_wgrad_ws), (100, "triton", D.grouped_gemm_wgrad),
+                              (80, "triton", D.grouped_gemm_wgrad), (90, "interpret", D.grouped_gemm_wgrad)]:
+        monkeypatch.setattr(triton_backend, "compute_capability", lambda: cc)
+        assert D.wgrad_for(backend, dims, {"elem_bytes": 2}) is want, (cc, backend)
+    monkeypatch.setattr(triton_backend, "compute_capability", lambda: 90)
+    assert D.wgrad_for("triton", dims, {"elem_bytes": 4}) is D.grouped_gemm_wgrad  # fp32: the pointer kernel
+
+
+def test_ws_wgrad_is_refused_by_the_interpreter_by_name():
+    lhs, dout, sizes = jnp.ones((64, 128), jnp.bfloat16), jnp.ones((64, 256), jnp.bfloat16), jnp.asarray([64])
+    with pytest.raises(Exception, match="grouped_gemm_wgrad_ws: backend 'interpret' cannot run this kernel"):
+        D.grouped_gemm_wgrad_ws(lhs, dout, sizes, backend="interpret", elem_bytes=2)
+    # ... and its xla backend is the weight gradient's reference
+    out = D.grouped_gemm_wgrad_ws(lhs, dout, sizes, backend="xla", elem_bytes=2)[0]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.full((1, 128, 256), 64.0))
+
+
+WS_SIZES = [[300, 0, 1000, 700, 48], [0, 2048, 0, 0, 0], [-5, 2**31 - 1, 2**31 - 1, 7, 9], [63, 1, 65, 0, 0],
+            [0, 0, 0, 0, 0]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [132, 5])
+@pytest.mark.parametrize("sizes", WS_SIZES)
+def test_gpu_ws_wgrad_matches_reference(sizes, programs):
+    """Every warp-specialised config on this GPU (Hopper only), bf16 with NaN garbage in the
+    rows past the groups, empty and partial-slice groups, hostile sizes, N past a block's
+    edge, and a program count that leaves programs many blocks each."""
+    from te_jax_perm.core import triton_backend
+    if triton_backend.compute_capability() != 90:
+        pytest.skip("the warp-specialised weight gradient is for compute capability 9.0")
+    m, k, n = 2304, 512, 384
+    lhs, _, gs, dout = _problem(m, k, n, sizes, "bfloat16", seed=7)
+    dout = jnp.asarray(dout, jnp.bfloat16)
+    clean = np.nan_to_num(np.asarray(lhs, np.float32))
+    _, want = _reference_grads(clean, np.zeros((len(sizes), k, n)), np.asarray(sizes), np.asarray(dout, np.float32))
+    for cfg in D.WS_WGRAD_CONFIGS:
+        cfg = Config.make(cfg.num_warps, cfg.num_stages, **{**cfg.kw, "PROGRAMS": programs})
+        got = jax.jit(lambda a, d: D.grouped_gemm_wgrad_ws(a, d, gs, backend="triton", config=cfg, elem_bytes=2)[0])(
+            lhs, dout)
+        assert np.isfinite(np.asarray(got, np.float32)).all(), cfg
+        _close(got, want, "bfloat16", str(cfg))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("decl", [D.grouped_gemm.decl, D.grouped_gemm_rhs_t.decl], ids=lambda d: d.name)
 def test_tma_configs_compile_to_tma_for_sm90(decl, dtype):

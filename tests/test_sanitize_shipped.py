@@ -25,10 +25,11 @@ BE = "interpret"
 
 
 def shipped_kernels() -> dict[str, KernelPrimitive]:
-    """Module-level kernel primitives of every ``te_jax_perm.ops`` module, by decl name."""
+    """Module-level kernel primitives of every ``te_jax_perm.ops`` module and subpackage
+    module (each op's ``decl``), by decl name."""
     found = {}
-    for mod in pkgutil.iter_modules(te_jax_perm.ops.__path__):
-        m = importlib.import_module(f"te_jax_perm.ops.{mod.name}")
+    for mod in pkgutil.walk_packages(te_jax_perm.ops.__path__, "te_jax_perm.ops."):
+        m = importlib.import_module(mod.name)
         for _, v in inspect.getmembers(m, lambda v: isinstance(v, KernelPrimitive)):
             found[v.decl.name] = v
     return found
@@ -97,6 +98,23 @@ def run_grouped_gemm(M, K, N, sizes, seed=0):
     return out, vjp(jnp.ones_like(out))
 
 
+def run_moe_ffn(T, H, E, k, F, mode, *, drop=0, align=None, seed=0):
+    """The fused MoE experts (dispatch and combine inside the GEMMs), forward and backward."""
+    import te_jax_perm
+    rng = np.random.default_rng(seed)
+    rm = jnp.asarray(routing(rng, T, E, k, mode))
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    p = jnp.asarray(rng.random((T, E)), jnp.float32) * rm
+    w_in = jnp.asarray(rng.standard_normal((E, H, 2 * F)) / np.sqrt(H), jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((E, F, H)) / np.sqrt(F), jnp.float32)
+    num_out = max(int(rm.sum()) - drop, 0)
+
+    def f(x, p, w_in, w_out):
+        return te_jax_perm.moe_ffn(x, rm, p, w_in, w_out, num_out, align_size=align, backend=BE)
+    out, vjp = jax.vjp(f, x, p, w_in, w_out)
+    return out, vjp(jnp.ones_like(out))
+
+
 SCENARIOS = {
     "moe_T1_oddH": lambda: run_moe(1, 5, 4, 2, "topk"),
     "moe_topk_odd": lambda: run_moe(13, 33, 5, 2, "topk", dtype=jnp.bfloat16),
@@ -114,6 +132,7 @@ SCENARIOS = {
     # T*E large enough for the dispatch's two-launch map (counts, then the padded, owned fill).
     "moe_two_pass_map": lambda: run_moe(64, 8, 128, 2, "topk", align=4),
     "grouped_gemm_ragged": lambda: run_grouped_gemm(40, 24, 40, [10, 0, 25]),
+    "moe_ffn_dropping_padded": lambda: run_moe_ffn(12, 16, 4, 2, 8, "empty", drop=3, align=4),
 }
 
 # Scenarios re-run once per distinct unpruned config; together they launch every kernel.
@@ -236,5 +255,30 @@ def test_every_shipped_kernel_ran_under_the_sanitizer(launched):
             jax.block_until_ready(SCENARIOS[name]())
         assert not report, report.text()
         launched.update(s.kernel for s in report.launches)
-    missing = set(shipped_kernels()) - launched
+    missing = {name for name, k in shipped_kernels().items() if k.decl.interpretable} - launched
+    assert shipped_kernels(), "found no shipped kernel"
     assert not missing, f"shipped kernels never launched by the sanitizer sweep: {sorted(missing)}"
+
+
+def test_every_kernel_the_sanitizer_cannot_run_is_in_the_hostile_memcheck():
+    """A kernel the interpreter cannot run (a Gluon kernel) escapes the sanitizer sweep, so
+    a GPU test that launches it by name must be among the tests the GPU suite runs under
+    compute-sanitizer's memcheck."""
+    import pathlib
+    import re
+
+    from tests.gpu.hostile import HOSTILE_TESTS
+    root = pathlib.Path(__file__).resolve().parent.parent
+    sources = []
+    for target in HOSTILE_TESTS:
+        path, _, test = target.partition("::")
+        text = (root / path).read_text()
+        if test:  # that test's source only: from its def to the next top-level statement
+            text = re.search(rf"^def {re.escape(test)}\(.*?(?=^\S)", text + "\n#", re.S | re.M).group(0)
+        sources.append(text)
+    opaque = [name for name, k in shipped_kernels().items() if not k.decl.interpretable]
+    if not opaque:
+        pytest.skip("every shipped kernel runs under the sanitizer")
+    for name in opaque:
+        assert any(re.search(rf"\b{name}\(", src) for src in sources), (
+            f"{name} cannot run under the sanitizer and no test in tests/gpu/hostile.py's HOSTILE_TESTS launches it")

@@ -124,6 +124,9 @@ class KernelDecl:
     # (dims, params, dtypes by operand name, np.random.Generator) -> valid operands (e.g.
     # in-range indices) for autotuning trials.
     example_inputs: Callable[..., Sequence[Any]] | None = None
+    # False for a kernel Triton's interpreter cannot run (a Gluon kernel: warp partitions,
+    # barriers, asynchronous copies): backend "interpret" refuses it by name.
+    interpretable: bool = True
 
     def __post_init__(self):
         if self.partitioning is not None and len(self.partitioning.outputs) != len(self.outputs):

@@ -98,6 +98,10 @@ class KernelPrimitive:
                     f"{self.decl.name}: backend 'interpret' lowers for the CPU platform only, not {platform!r}; "
                     "call the op outside jit (eager calls run on the CPU), or jit it under "
                     "jax.default_device(jax.devices('cpu')[0]) (te_jax_perm.sanitize.sanitize() scopes do this)")
+            if not self.decl.interpretable:
+                raise backends.BackendUnavailableError(
+                    f"{self.decl.name}: backend 'interpret' cannot run this kernel (Triton's interpreter "
+                    "runs no Gluon kernel); use backend 'triton' on a GPU, or 'xla'")
             from te_jax_perm.core.interpret_backend import interpret_call
             return interpret_call
         # Backend 'triton': the only other name resolve_backend lets through to a lowering.

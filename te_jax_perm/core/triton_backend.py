@@ -98,6 +98,11 @@ class CompileSpec:
     num_stages: int
 
     @property
+    def is_gluon(self) -> bool:
+        """A Gluon kernel (``@gluon.jit``: explicit layouts, warp specialisation)."""
+        return bool(getattr(self.kernel, "is_gluon", lambda: False)())
+
+    @property
     def attrs(self) -> dict[tuple[int, ...], Any]:
         return {(i,): DIVISIBILITY for i in self.aligned}
 
@@ -108,6 +113,8 @@ class CompileSpec:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
+        if self.is_gluon:
+            from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
         source = ASTSource(fn=self.kernel, signature=dict(self.signature), constexprs=dict(self.constexprs),
                            attrs=self.attrs)
         return triton.compile(source, target=GPUTarget(*target),
@@ -156,7 +163,8 @@ def compile_cached(spec: CompileSpec, cc: int) -> CompiledKernel:
                                   "(profile scratch memory), which XLA's Triton call cannot provide; unset "
                                   "the Triton instrumentation options")
     return CompiledKernel(
-        name=compiled.metadata.name, num_warps=spec.num_warps, num_ctas=getattr(compiled.metadata, "num_ctas", 1),
+        # The compiled warp count: a warp-specialised kernel's adds its worker warps'.
+        name=compiled.metadata.name, num_warps=compiled.metadata.num_warps, num_ctas=getattr(compiled.metadata, "num_ctas", 1),
         shared_mem_bytes=compiled.metadata.shared, ptx=compiled.asm["ptx"], compute_capability=cc,
         global_scratch_size=getattr(compiled.metadata, "global_scratch_size", 0) or 0,
         global_scratch_align=getattr(compiled.metadata, "global_scratch_align", 1) or 1)

@@ -55,7 +55,9 @@ def expert_gemms(a) -> tuple[Callable, tuple, Callable]:
 
 
 def tma_configs(call) -> Any:
-    """The first TMA config the grouped GEMM's kernels admit for ``call`` (None elsewhere)."""
+    """The first TMA config the grouped GEMM's kernels admit for ``call`` (None elsewhere:
+    the default, e.g. the warp-specialised weight gradient's, whose descriptors are built
+    on the device too)."""
     from te_jax_perm.ops.grouped_gemm import decl as D
     pools = {D.grouped_gemm.decl.name: D.TMA_CONFIGS, D.grouped_gemm_rhs_t.decl.name: D.TMA_CONFIGS,
              D.grouped_gemm_wgrad.decl.name: D.WGRAD_TMA_CONFIGS}

@@ -9,7 +9,8 @@ Three implementations, one result:
 * ``"triton"``: our Triton grouped GEMM (:mod:`te_jax_perm.ops.grouped_gemm.decl`): one
   launch per GEMM whose tile schedule is computed on the device from ``group_sizes``, the
   input gradient reads ``rhs`` transposed in place, the weight gradient reduces each
-  group's rows. Runs on the op backend in effect (``triton`` on GPUs);
+  group's rows (on a Hopper GPU, 16-bit operands: a warp-specialised kernel,
+  :func:`~te_jax_perm.ops.grouped_gemm.decl.wgrad_for`). Runs on the op backend in effect (``triton`` on GPUs);
   :func:`grouped_gemm_triton` names the backend (``"interpret"`` on CPU for tests).
 * ``"tokamax"``: tokamax's ``ragged_dot`` (Pallas Mosaic GPU kernels for Hopper/Blackwell,
   Pallas Triton elsewhere on GPU). A real grouped GEMM: each row tile multiplies only its
@@ -39,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax_perm.core import env, resolve_backend
+from te_jax_perm.core.launch import bind_dims
 from te_jax_perm.ops.grouped_gemm import decl as D
 from te_jax_perm.ops.grouped_gemm import reference as R
 from te_jax_perm.ops.grouped_gemm.reference import RaggedDot
@@ -188,10 +190,16 @@ def _gemms(impl: str) -> tuple[Gemm, Gemm, Gemm]:
         return tuple(functools.partial(f, dot=dot) for f in (
             R.grouped_gemm_reference, R.grouped_gemm_rhs_t_reference, R.grouped_gemm_wgrad_reference))
 
-    def kernel(prim) -> Gemm:
-        return lambda a, b, group_sizes, out_dtype: prim(
-            a, b, group_sizes, backend=impl, elem_bytes=a.dtype.itemsize)[0].astype(out_dtype)
-    return kernel(D.grouped_gemm), kernel(D.grouped_gemm_rhs_t), kernel(D.grouped_gemm_wgrad)
+    def kernel(pick: Callable[[jax.Array, jax.Array, jax.Array, dict], Any]) -> Gemm:
+        def gemm(a, b, group_sizes, out_dtype):
+            params = {"elem_bytes": a.dtype.itemsize}
+            prim = pick(a, b, group_sizes, params)
+            return prim(a, b, group_sizes, backend=impl, **params)[0].astype(out_dtype)
+        return gemm
+
+    def wgrad(a, b, group_sizes, params):
+        return D.wgrad_for(impl, bind_dims(D.grouped_gemm_wgrad.decl, [a, b, group_sizes]), params)
+    return (kernel(lambda *args: D.grouped_gemm), kernel(lambda *args: D.grouped_gemm_rhs_t), kernel(wgrad))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
