@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sanitizer", required=True, help="path of compute-sanitizer")
     ap.add_argument("--out", required=True, help="directory for one log per test")
     ap.add_argument("--workers", type=int, default=4, help="sanitized test processes at once")
-    ap.add_argument("--timeout_s", type=float, default=180, help="limit of one sanitized test process")
+    ap.add_argument("--timeout_s", type=float, default=240, help="limit of one sanitized test process")
     ap.add_argument("--tests", default=",".join(HOSTILE_TESTS), help="comma-separated pytest targets")
     a = ap.parse_args(argv)
     root = pathlib.Path(__file__).resolve().parents[2]
