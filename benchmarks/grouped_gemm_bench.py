@@ -26,6 +26,8 @@ Usage:
              TMA), each checked against its default's output, and on a Hopper GPU the
              warp-specialised kernel's configs against its default (``wgrad_comparison``)
 --nobatched  skip the comparison with cuBLAS's batched GEMM (``batched_comparison``)
+--nows       skip, on a Hopper GPU, the warp-specialised forward and input gradient's configs
+             timed beside the default (``ws_comparison``)
 
 Per shape, the batched comparison holds each of the three GEMMs of a training step (forward,
 input gradient, weight gradient) to XLA's batched dot (cuBLAS) at uniform group sizes
@@ -73,6 +75,8 @@ _TMA = flags.DEFINE_bool("tma", True, "Time the forward and input gradient on th
 _TMA_ALL = flags.DEFINE_bool("tma_all", False, "Every TMA config of the tuning space, not the short list.")
 _PROGRAMS = flags.DEFINE_list("programs", [], "Persistent program counts for the TMA configs (default: theirs).")
 _WGRAD = flags.DEFINE_bool("wgrad", False, "Time the weight gradient on every config of its tuning space.")
+_WS = flags.DEFINE_bool("ws", True, "On a Hopper GPU, time the warp-specialised forward and input gradient on "
+                        "their configs beside the default.")
 _BATCHED = flags.DEFINE_bool("batched", True, "Hold each GEMM to cuBLAS's batched GEMM at uniform group sizes.")
 
 # The TMA configs timed by default: (BM, BN, warps, stages) of decl.TMA_CONFIGS.
@@ -170,6 +174,34 @@ def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.A
     return r
 
 
+def ws_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.Array, backend: str = "triton",
+                  reps: int = 5) -> dict:
+    """The warp-specialised forward and input gradient (Hopper) on each config they admit,
+    against the row-tile GEMMs' default: ``ws_<gemm>_ms`` {config: ms or the error},
+    ``ws_<gemm>_max_abs_diff`` (from the default's output) and ``best_ws_<gemm>_over_default``."""
+    r: dict[str, Any] = {}
+    ws = {"fwd": D.grouped_gemm_ws, "dgrad": D.grouped_gemm_rhs_t_ws}
+    for what, prim, operands, dims, _ in _step_gemms(lhs, rhs, dout, backend, tuple(ws)):
+        base = _jitted(prim, prim.decl.default_config(dims, {"elem_bytes": 2}), backend)
+        base_ms = median_wall_ms(base, (*operands, sizes), reps)
+        want = base(*operands, sizes)
+        times, diffs = {}, {}
+        for cfg in ws[what].decl.configs:
+            if ws[what].decl.violated(dims, {"elem_bytes": 2}, cfg):
+                continue
+            try:
+                f = _jitted(ws[what], cfg, backend)
+                diffs[str(cfg)] = float(_max_abs_diff(f(*operands, sizes), want))
+                times[str(cfg)] = median_wall_ms(f, (*operands, sizes), reps)
+            except Exception as e:  # a config that fails to compile or launch is a finding, not a crash
+                times[str(cfg)] = repr(e)[:300]
+        del want
+        r[f"ws_{what}_ms"], r[f"ws_{what}_max_abs_diff"] = times, diffs
+        if (best := _best_over(times, base_ms)) is not None:
+            r[f"best_ws_{what}_over_default"] = best
+    return r
+
+
 def wgrad_comparison(lhs: jax.Array, dout: jax.Array, sizes: jax.Array, configs: Sequence[Config],
                      backend: str = "triton", reps: int = 3) -> dict:
     """The weight gradient on its default config and on each of ``configs`` the shape
@@ -221,7 +253,7 @@ def batched_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, backend:
 
 def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, sweep: Sequence[Config] = (),
               tma: Sequence[Config] | None = (), tokamax: Any = None,
-              wgrad: Sequence[Config] = (), batched: bool = True) -> dict[str, Any]:
+              wgrad: Sequence[Config] = (), batched: bool = True, ws: bool = False) -> dict[str, Any]:
     """One shape's times, bf16: the dense dot, our forward (checked against the reference)
     and backward on ``backend``; the forward on each of ``sweep``'s configs; the default and
     ``tma`` configs compared (:func:`tma_comparison`; skipped when ``tma`` is None); the
@@ -252,6 +284,8 @@ def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, swee
                 r["sweep_fwd_ms"][str(cfg)] = median_wall_ms(f, (lhs, rhs, sizes), few)
             except Exception as e:  # a config that fails to compile is a finding, not a crash
                 r["sweep_fwd_ms"][str(cfg)] = repr(e)[:200]
+    if ws:
+        r.update(ws_comparison(lhs, rhs, dout, sizes, backend=backend, reps=few))
     if tma is not None:
         r.update(tma_comparison(lhs, rhs, dout, sizes, tma, backend=backend, reps=few))
     if wgrad:
@@ -289,6 +323,10 @@ def main(argv: list[str]) -> None:
         tokamax = None
         logging.info("tokamax not importable (%s); skipping it", e)
     tma = tma_configs(_TMA_ALL.value, [int(p) for p in _PROGRAMS.value]) if _TMA.value else None
+    ws = False
+    if _WS.value:
+        from te_jax_perm.core.triton_backend import compute_capability
+        ws = compute_capability() == 90
     t_start = time.time()
     for shape in shapes:
         if time.time() - t_start > _BUDGET.value:
@@ -296,7 +334,7 @@ def main(argv: list[str]) -> None:
             continue
         wgrad = D.grouped_gemm_wgrad.decl.configs if _WGRAD.value else ()
         r = shape_row(shape, sweep=SWEEP if _SWEEP.value else (), tma=tma, tokamax=tokamax, wgrad=wgrad,
-                      batched=_BATCHED.value)
+                      batched=_BATCHED.value, ws=ws)
         results["shapes"][shape.name] = r
         print(shape.name, json.dumps(r), flush=True)
         with open(os.path.join(_OUT.value, "grouped_gemm.json"), "w") as f:

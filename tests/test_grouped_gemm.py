@@ -539,6 +539,72 @@ def test_ws_wgrad_is_refused_by_the_interpreter_by_name():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.full((1, 128, 256), 64.0))
 
 
+@pytest.mark.parametrize("prim", [D.grouped_gemm_ws, D.grouped_gemm_rhs_t_ws], ids=lambda p: p.decl.name)
+def test_ws_row_tile_gemm_configs_compile_for_sm90(prim):
+    """The warp-specialised forward and input gradient at DeepSeek-V3's up-projection: every
+    config compiles for sm_90 to 12 warps, asynchronous warpgroup MMAs and TMA loads and
+    stores, within the shared memory its constraint counts (and Hopper's)."""
+    from te_jax_perm.core.launch import bind_call
+    trans = prim is D.grouped_gemm_rhs_t_ws
+    rhs = (256, 4096, 7168) if trans else (256, 7168, 4096)
+    avals = [jax.ShapeDtypeStruct((65536, 7168), jnp.bfloat16), jax.ShapeDtypeStruct(rhs, jnp.bfloat16),
+             jax.ShapeDtypeStruct((256,), jnp.int32)]
+    call = bind_call(prim.decl, avals, {"elem_bytes": 2}, "triton")
+    for cfg in D.WS_MM_CONFIGS:
+        assert prim.decl.violated(call.dims, call.params, cfg) is None, cfg
+        k = compiled_for_sm90(call, cfg)
+        assert k.num_warps == 12 and k.global_scratch_size >= 3 * 128, cfg
+        assert "wgmma.mma_async" in k.ptx and "mbarrier.try_wait" in k.ptx, cfg
+        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", k.ptx), cfg
+        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", k.ptx), cfg
+        counted = (cfg.kw["STAGES"] * 64 * (128 + cfg.kw["BN"]) + 128 * cfg.kw["BN"]) * 2 + 16 * cfg.kw["STAGES"] \
+            + D.WS_EPILOGUE_BYTES
+        assert k.shared_mem_bytes <= min(counted, 227 * 1024), (cfg, k.shared_mem_bytes, counted)
+
+
+def test_ws_row_tile_gemm_constraints():
+    decl, cfg = D.grouped_gemm_rhs_t_ws.decl, D.WS_MM_CONFIGS[0]
+    dims = {"M": 4096, "C": 1024, "D": 768, "G": 8}
+    assert decl.violated(dims, {"elem_bytes": 2}, cfg) is None
+    assert "16-bit" in decl.violated(dims, {"elem_bytes": 4}, cfg)
+    assert "multiple of BK" in decl.violated({**dims, "C": 1000}, {"elem_bytes": 2}, cfg)
+    assert "multiple of BN" in decl.violated({**dims, "D": 640}, {"elem_bytes": 2}, cfg)
+    assert D.grouped_gemm_ws.decl.violated({**dims, "D": 640}, {"elem_bytes": 2}, cfg) is None  # not transposed
+    assert "1 <= M, G" in decl.violated({**dims, "G": 0}, {"elem_bytes": 2}, cfg)
+    assert "8 warps" in decl.violated(dims, {"elem_bytes": 2}, Config.make(8, 1, **{**cfg.kw, "BM": 64}))
+    assert "shared memory" in decl.violated(dims, {"elem_bytes": 2}, Config.make(8, 1, **{**cfg.kw, "STAGES": 4}))
+
+
+@pytest.mark.gpu
+def test_gpu_ws_row_tile_gemms_match_reference():
+    """The warp-specialised forward (``grouped_gemm_ws``) and input gradient
+    (``grouped_gemm_rhs_t_ws``) on every config, Hopper only: NaN garbage in the rows past the
+    groups, empty groups, partial last tiles next to another group's rows, hostile sizes, D
+    past a tile's edge (forward), and a few programs with many tiles each."""
+    from te_jax_perm.core import triton_backend
+    if triton_backend.compute_capability() != 90:
+        pytest.skip("the warp-specialised GEMMs are for compute capability 9.0")
+    m, k, n = 2304, 512, 384
+    for sizes in WS_SIZES:
+        lhs, rhs, gs, dout = _problem(m, k, n, sizes, "bfloat16", seed=8)
+        dout = jnp.asarray(dout, jnp.bfloat16)
+        clean = np.nan_to_num(np.asarray(lhs, np.float32))
+        want_dlhs, _ = _reference_grads(clean, np.asarray(rhs, np.float32), np.asarray(sizes),
+                                        np.asarray(dout, np.float32))
+        want = grouped_matmul_reference(clean, np.asarray(rhs, np.float32), sizes)
+        for base in D.WS_MM_CONFIGS:
+            for programs in (132, 5):
+                cfg = Config.make(base.num_warps, base.num_stages, **{**base.kw, "PROGRAMS": programs})
+                out = jax.jit(lambda a, b, s: D.grouped_gemm_ws(a, b, s, backend="triton", config=cfg,
+                                                                 elem_bytes=2)[0])(lhs, rhs, gs)
+                _close(out, want, "bfloat16", f"forward {sizes} {cfg}")
+                if not D.grouped_gemm_rhs_t_ws.decl.violated({"M": m, "C": n, "D": k, "G": len(sizes)},
+                                                              {"elem_bytes": 2}, cfg):
+                    dlhs = jax.jit(lambda a, b, s: D.grouped_gemm_rhs_t_ws(a, b, s, backend="triton", config=cfg,
+                                                                            elem_bytes=2)[0])(dout, rhs, gs)
+                    _close(dlhs, want_dlhs, "bfloat16", f"input gradient {sizes} {cfg}")
+
+
 WS_SIZES = [[300, 0, 1000, 700, 48], [0, 2048, 0, 0, 0], [-5, 2**31 - 1, 2**31 - 1, 7, 9], [63, 1, 65, 0, 0],
             [0, 0, 0, 0, 0]]
 

@@ -157,3 +157,158 @@ def grouped_gemm_wgrad_ws_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_prea
         (_loader, (x_desc, dy_desc, group_sizes_ptr, M, xs, dys, ready, empty, K, N, G, G_P2, BK, BN, BR, STAGES,
                    PROGRAMS)),
     ], [1], [LOADER_REGS])
+
+
+# -- the forward and the input gradient: row tiles of each group --------------------------------
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _row_schedule(gs_ptr, M, G: gl.constexpr, G_P2: gl.constexpr, BM: gl.constexpr, WARPS: gl.constexpr):
+    """The row tiles of every group as vectors over the groups, as ``row_schedule`` makes
+    them: ``(idx, starts, ends, tiles, tile_ends, total, used)``; group ``g`` owns row tiles
+    ``[tile_ends[g] - tiles[g], tile_ends[g])``, ``total`` tiles cover the groups' rows and
+    ``used`` rows are in groups (int64: the sizes may add past 2**31)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    idx = gl.arange(0, G_P2, layout=layout)
+    sizes = gl.load(gs_ptr + idx, mask=idx < G, other=0).to(gl.int64)
+    sizes = gl.minimum(gl.maximum(sizes, 0), M)
+    incl = gl.associative_scan(sizes, 0, _add)
+    ends = gl.minimum(incl, M)
+    starts = gl.minimum(incl - sizes, M)
+    tiles = (ends - starts + BM - 1) // BM
+    tile_ends = gl.associative_scan(tiles, 0, _add)
+    return idx, starts, ends, tiles, tile_ends, gl.sum(tiles, 0), gl.max(ends, 0)
+
+
+@gluon.jit
+def _row_tile(rt, idx, starts, ends, tiles, tile_ends, total, used, BM: gl.constexpr):
+    """Row tile ``rt``: ``(g, first row, end row)``; past the groups' tiles, a tile of the
+    rows past every group (``g = -1``), whose output is zeros."""
+    if rt < total:
+        g = gl.sum(gl.where(tile_ends <= rt, 1, 0), 0)
+        sel = idx == g
+        first_tile = gl.sum(gl.where(sel, tile_ends - tiles, 0), 0)
+        r0 = gl.sum(gl.where(sel, starts, 0), 0) + (rt - first_tile) * BM
+        r1 = gl.sum(gl.where(sel, ends, 0), 0)
+    else:
+        g = -1
+        r0 = used + (rt - total) * BM
+        r1 = r0 + BM
+    return g, r0.to(gl.int32), r1.to(gl.int32)
+
+
+@gluon.jit
+def _mm_loader(a_desc, b_desc, gs_ptr, M, a_bufs, b_bufs, ready, empty, C: gl.constexpr, D: gl.constexpr,
+               G: gl.constexpr, G_P2: gl.constexpr, TRANS_RHS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+               BK: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr):
+    num_n: gl.constexpr = (D + BN - 1) // BN
+    idx, starts, ends, tiles, tile_ends, total, used = _row_schedule(gs_ptr, M, G, G_P2, BM, 1)
+    row_tiles = (total + (M - used + BM - 1) // BM).to(gl.int32)  # at most M / BM + G
+    it = 0
+    for t in range(gl.program_id(0), row_tiles * num_n, PROGRAMS):
+        g, r0, r1 = _row_tile(t // num_n, idx, starts, ends, tiles, tile_ends, total, used, BM)
+        n0 = (t % num_n) * BN
+        if g >= 0:
+            for k in range(0, C, BK):
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                _tma_load(a_desc, [r0, k], ready.index(s), a_bufs.index(s))
+                if TRANS_RHS:  # rhs [G, D, C] seen as [G * D, C]: rows g * D + n0 ..
+                    _tma_load(b_desc, [g * D + n0, k], ready.index(s), b_bufs.index(s))
+                else:          # rhs [G, C, D] seen as [G * C, D]: rows g * C + k ..
+                    _tma_load(b_desc, [g * C + k, n0], ready.index(s), b_bufs.index(s))
+                it += 1
+
+
+@gluon.jit
+def _mm_mma(out_desc, out_ptr, gs_ptr, M, a_bufs, b_bufs, cs, ready, empty, C: gl.constexpr, D: gl.constexpr,
+            G: gl.constexpr, G_P2: gl.constexpr, TRANS_RHS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+            BK: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr, WARPS: gl.constexpr):
+    num_n: gl.constexpr = (D + BN - 1) // BN
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                          instr_shape=[16, BN, 16])
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    idx, starts, ends, tiles, tile_ends, total, used = _row_schedule(gs_ptr, M, G, G_P2, BM, WARPS)
+    row_tiles = (total + (M - used + BM - 1) // BM).to(gl.int32)  # at most M / BM + G
+    it = 0
+    for t in range(gl.program_id(0), row_tiles * num_n, PROGRAMS):
+        g, r0, r1 = _row_tile(t // num_n, idx, starts, ends, tiles, tile_ends, total, used, BM)
+        n0 = (t % num_n) * BN
+        acc = gl.zeros((BM, BN), gl.float32, acc_layout)
+        if g >= 0:
+            for k in range(0, C, BK):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                if TRANS_RHS:
+                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+                else:
+                    acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=[acc])
+                mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=k > 0)
+                it += 1
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+        if r0 + BM <= r1:  # a whole tile of the group's rows: stored by TMA (clipped at D)
+            tma.store_wait(0)  # the previous tile's store has read ``cs``
+            _cta_barrier()
+            cs.store(acc.to(cs.dtype))
+            fence_async_shared()
+            _cta_barrier()
+            _tma_store(out_desc, [r0, n0], cs)
+        else:  # the group's last, partial tile (the next rows are another group's), or zeros
+            vals = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), store_layout)
+            rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(1, store_layout))
+            cols = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, store_layout))
+            mask = ((rows < r1) & (rows < M))[:, None] & (cols < D)[None, :]
+            gl.store(out_ptr + rows.to(gl.int64)[:, None] * D + cols[None, :], vals, mask=mask)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def grouped_gemm_ws_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
+                           C: gl.constexpr, D: gl.constexpr, G: gl.constexpr, G_P2: gl.constexpr,
+                           TRANS_RHS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                           STAGES: gl.constexpr, PROGRAMS: gl.constexpr, WARPS: gl.constexpr):
+    """out[rows of g] = lhs[rows of g] @ rhs[g] (``rhs[g].T`` with ``TRANS_RHS``), [M, D]:
+    ``grouped_gemm_kernel``'s product, warp-specialised. ``PROGRAMS`` programs stride over
+    the row tiles of every group (each group starting a tile) and the tiles of the rows past
+    them, times ``D``'s column tiles; a loader warp streams ``lhs`` and ``rhs`` slices by TMA
+    (``C`` and, with ``TRANS_RHS``, ``D`` multiples of the block, so no slice crosses into the
+    next group's matrix) and the MMA warpgroups store whole tiles by TMA, a group's partial
+    last tile and the zero rows past the groups with masked stores, so no program writes
+    another group's rows."""
+    dtype: gl.constexpr = lhs_ptr.dtype.element_ty
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], dtype)
+    if TRANS_RHS:
+        b_block: gl.constexpr = [BN, BK]
+    else:
+        b_block: gl.constexpr = [BK, BN]
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(b_block, dtype)
+    out_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
+    a_desc = tma.make_tensor_descriptor(lhs_ptr, shape=[M, C], strides=[C, 1], block_shape=[BM, BK], layout=a_layout)
+    if TRANS_RHS:
+        b_desc = tma.make_tensor_descriptor(rhs_ptr, shape=[G * D, C], strides=[C, 1], block_shape=b_block,
+                                            layout=b_layout)
+    else:
+        b_desc = tma.make_tensor_descriptor(rhs_ptr, shape=[G * C, D], strides=[D, 1], block_shape=b_block,
+                                            layout=b_layout)
+    out_desc = tma.make_tensor_descriptor(out_ptr, shape=[M, D], strides=[D, 1], block_shape=[BM, BN],
+                                          layout=out_layout)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_block, b_layout)
+    cs = gl.allocate_shared_memory(dtype, [BM, BN], out_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_mm_mma, (out_desc, out_ptr, group_sizes_ptr, M, a_bufs, b_bufs, cs, ready, empty, C, D, G, G_P2,
+                   TRANS_RHS, BM, BN, BK, STAGES, PROGRAMS, WARPS)),
+        (_mm_loader, (a_desc, b_desc, group_sizes_ptr, M, a_bufs, b_bufs, ready, empty, C, D, G, G_P2, TRANS_RHS,
+                      BM, BN, BK, STAGES, PROGRAMS)),
+    ], [1], [LOADER_REGS])

@@ -21,7 +21,7 @@ import triton
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels.grouped_gemm import grouped_gemm_kernel, grouped_gemm_wgrad_kernel
-from te_jax_perm.kernels.grouped_gemm_ws import grouped_gemm_wgrad_ws_kernel
+from te_jax_perm.kernels.grouped_gemm_ws import grouped_gemm_wgrad_ws_kernel, grouped_gemm_ws_kernel
 from te_jax_perm.ops.grouped_gemm.reference import (grouped_gemm_reference, grouped_gemm_rhs_t_reference,
                                                     grouped_gemm_wgrad_reference)
 
@@ -297,3 +297,61 @@ def wgrad_for(backend: str, dims, params):
         if compute_capability() == 90:
             return grouped_gemm_wgrad_ws
     return grouped_gemm_wgrad
+
+
+# -- the forward and input gradient on Hopper, warp-specialised: measured, not yet picked ------
+WS_MM_CONFIGS = tuple(Config.make(num_warps=8, num_stages=1, BM=128, BN=bn, BK=64, STAGES=s, PROGRAMS=132)
+                      for bn, s in ((256, 3), (128, 4), (128, 5)))
+
+
+# Beside the stages and the output tile, the shared memory the partial tiles' masked store
+# takes to change the accumulator's layout: 16 KiB and alignment in the sm_90 builds.
+WS_EPILOGUE_BYTES = 17 * 1024
+
+
+def ws_mm_fits(dims, params, config: Config) -> str | None:
+    """What keeps ``config`` from the warp-specialised row-tile GEMM at these dims, or
+    ``None``: 16-bit operands; 8 warps on 128-row tiles; ``C`` a multiple of ``BK`` (and,
+    for ``rhs`` read transposed, ``D`` of ``BN``: no slice crosses into the next group's
+    matrix); 16-byte rows; 32-bit extents; the stages and the output tile in shared memory."""
+    kw, eb = config.kw, params["elem_bytes"]
+    m, c, d, g = dims["M"], dims["C"], dims["D"], dims["G"]
+    if eb != 2:
+        return f"the warp-specialised GEMM takes 16-bit operands; these have {eb} bytes"
+    if config.num_warps != 8 or kw["BM"] != 128 or kw["BN"] > 256:
+        return f"8 warps on 128-row tiles at most 256 wide, not {config}"
+    if c % kw["BK"]:
+        return f"C={c} is no multiple of BK={kw['BK']}"
+    if params.get("trans_rhs") and d % kw["BN"]:
+        return f"D={d} is no multiple of BN={kw['BN']} (rhs read transposed)"
+    if c * eb % 16 or d * eb % 16:
+        return f"tensor descriptors need 16-byte rows; C={c}, D={d} of {eb} bytes"
+    if min(m, g) < 1 or m >= _INT32 or g * max(c, d) >= _INT32:
+        return f"needs 1 <= M, G and M, G*C, G*D < 2**31; M={m}, G={g}, C={c}, D={d}"
+    if kw["PROGRAMS"] < 1 or kw["STAGES"] < 2:
+        return f"needs PROGRAMS >= 1 and STAGES >= 2, not {config}"
+    need = ((kw["STAGES"] * kw["BK"] * (kw["BM"] + kw["BN"]) + kw["BM"] * kw["BN"]) * eb + 2 * 8 * kw["STAGES"]
+            + WS_EPILOGUE_BYTES)
+    if need > _HOPPER_SMEM_BYTES:
+        return f"{need} bytes of stages, output tile and epilogue exceed shared memory"
+    return None
+
+
+def _ws_mm_decl(base, trans_rhs: bool):
+    return declare(dataclasses.replace(
+        base.decl,
+        name=base.decl.name + "_ws",
+        kernel=grouped_gemm_ws_kernel,
+        grid=lambda dims, params, config: (config.kw["PROGRAMS"],),
+        constexprs=lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"],
+                                                  "G_P2": groups_p2(dims), "TRANS_RHS": trans_rhs,
+                                                  "WARPS": config.num_warps},
+        configs=WS_MM_CONFIGS,
+        constraints=(lambda dims, params, config: ws_mm_fits(dims, {**params, "trans_rhs": trans_rhs}, config),),
+        default_config=lambda dims, params: WS_MM_CONFIGS[0],
+        interpretable=False,
+    ))
+
+
+grouped_gemm_ws = _ws_mm_decl(grouped_gemm, trans_rhs=False)
+grouped_gemm_rhs_t_ws = _ws_mm_decl(grouped_gemm_rhs_t, trans_rhs=True)
