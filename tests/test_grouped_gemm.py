@@ -581,9 +581,7 @@ def test_gpu_ws_row_tile_gemms_match_reference():
     (``grouped_gemm_rhs_t_ws``) on every config, Hopper only: NaN garbage in the rows past the
     groups, empty groups, partial last tiles next to another group's rows, hostile sizes, D
     past a tile's edge (forward), and a few programs with many tiles each."""
-    from te_jax_perm.core import triton_backend
-    if triton_backend.compute_capability() != 90:
-        pytest.skip("the warp-specialised GEMMs are for compute capability 9.0")
+    _skip_unless_hopper()
     m, k, n = 2304, 512, 384
     for sizes in WS_SIZES:
         lhs, rhs, gs, dout = _problem(m, k, n, sizes, "bfloat16", seed=8)
@@ -605,6 +603,12 @@ def test_gpu_ws_row_tile_gemms_match_reference():
                     _close(dlhs, want_dlhs, "bfloat16", f"input gradient {sizes} {cfg}")
 
 
+def _skip_unless_hopper():
+    from te_jax_perm.core import triton_backend
+    if triton_backend.compute_capability() != 90:
+        pytest.skip("the warp-specialised kernels are for compute capability 9.0")
+
+
 WS_SIZES = [[300, 0, 1000, 700, 48], [0, 2048, 0, 0, 0], [-5, 2**31 - 1, 2**31 - 1, 7, 9], [63, 1, 65, 0, 0],
             [0, 0, 0, 0, 0]]
 
@@ -616,9 +620,7 @@ def test_gpu_ws_wgrad_matches_reference(programs):
     rows past the groups, empty and partial-slice groups, hostile sizes, N past a block's
     edge, and a program count that leaves programs many blocks each. (One process per
     program count: the GPU suite runs it under memcheck.)"""
-    from te_jax_perm.core import triton_backend
-    if triton_backend.compute_capability() != 90:
-        pytest.skip("the warp-specialised weight gradient is for compute capability 9.0")
+    _skip_unless_hopper()
     m, k, n = 2304, 512, 384
     for sizes in WS_SIZES:
         lhs, _, gs, dout = _problem(m, k, n, sizes, "bfloat16", seed=7)

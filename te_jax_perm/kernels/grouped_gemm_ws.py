@@ -49,6 +49,30 @@ def _tile_of(t, num_k: gl.constexpr, num_n: gl.constexpr):
 
 
 @gluon.jit
+def _barrier_ring(STAGES: gl.constexpr):
+    """``(ready, empty)``: one barrier per stage each, counting one arrival a phase (the
+    loader's expected bytes; the MMA warps' release)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
+def _store_tile(desc, row, col, cs, acc):
+    """``acc`` to global memory at ``[row, col]`` by TMA, through ``cs`` once the previous
+    tile's store has read it."""
+    tma.store_wait(0)
+    _cta_barrier()
+    cs.store(acc.to(cs.dtype))
+    fence_async_shared()  # the TMA store reads shared memory through the async proxy
+    _cta_barrier()
+    _tma_store(desc, [row, col], cs)
+
+
+@gluon.jit
 def _group_rows(gs_ptr, M, g, G: gl.constexpr, G_P2: gl.constexpr, WARPS: gl.constexpr):
     """Group ``g``'s rows ``[start, end)``: sizes clamped to ``[0, M]`` and their running
     sum (in int64, as the sizes may add past 2**31) to ``M``."""
@@ -118,12 +142,7 @@ def _mma(out_desc, gs_ptr, M, xs, dys, cs, ready, empty, K: gl.constexpr, N: gl.
             it += 1
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), pred=r1 > r0)
-        tma.store_wait(0)  # the previous block's store has read ``cs``
-        _cta_barrier()
-        cs.store(acc.to(cs.dtype))
-        fence_async_shared()
-        _cta_barrier()
-        _tma_store(out_desc, [g * K + tile_k * BK, tile_n * BN], cs)
+        _store_tile(out_desc, g * K + tile_k * BK, tile_n * BN, cs, acc)
     tma.store_wait(0)
 
 
@@ -146,11 +165,7 @@ def grouped_gemm_wgrad_ws_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_prea
     xs = gl.allocate_shared_memory(dtype, [STAGES, BR, BK], x_layout)
     dys = gl.allocate_shared_memory(dtype, [STAGES, BR, BN], dy_layout)
     cs = gl.allocate_shared_memory(dtype, [BK, BN], out_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = _barrier_ring(STAGES)
     gl.warp_specialize([
         (_mma, (out_desc, group_sizes_ptr, M, xs, dys, cs, ready, empty, K, N, G, G_P2, BK, BN, BR, STAGES,
                 PROGRAMS, WARPS)),
@@ -253,12 +268,7 @@ def _mm_mma(out_desc, out_ptr, gs_ptr, M, a_bufs, b_bufs, cs, ready, empty, C: g
             acc = warpgroup_mma_wait(0, deps=[acc])
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
         if r0 + BM <= r1:  # a whole tile of the group's rows: stored by TMA (clipped at D)
-            tma.store_wait(0)  # the previous tile's store has read ``cs``
-            _cta_barrier()
-            cs.store(acc.to(cs.dtype))
-            fence_async_shared()
-            _cta_barrier()
-            _tma_store(out_desc, [r0, n0], cs)
+            _store_tile(out_desc, r0, n0, cs, acc)
         else:  # the group's last, partial tile (the next rows are another group's), or zeros
             vals = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), store_layout)
             rows = r0 + gl.arange(0, BM, layout=gl.SliceLayout(1, store_layout))
@@ -301,11 +311,7 @@ def grouped_gemm_ws_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_pt
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BM, BK], a_layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_block, b_layout)
     cs = gl.allocate_shared_memory(dtype, [BM, BN], out_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = _barrier_ring(STAGES)
     gl.warp_specialize([
         (_mm_mma, (out_desc, out_ptr, group_sizes_ptr, M, a_bufs, b_bufs, cs, ready, empty, C, D, G, G_P2,
                    TRANS_RHS, BM, BN, BK, STAGES, PROGRAMS, WARPS)),
