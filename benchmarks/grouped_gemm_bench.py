@@ -131,13 +131,14 @@ def _jitted(prim: Any, cfg: Config, backend: str):
 
 
 def against_default(prim: Any, args: tuple, dims: dict[str, int], configs: Sequence[Config], backend: str,
-                    reps: int) -> tuple[Config, float, dict, dict]:
-    """``prim`` (bf16 operands ``args``) on its default config at ``dims`` and on each of
-    ``configs`` it admits there: ``(default, default_ms, times, diffs)``, ``times`` {config:
-    ms, or the error it raised}, ``diffs`` {config: largest difference from the default's
-    output}."""
-    default = prim.decl.default_config(dims, {"elem_bytes": 2})
-    ours = _jitted(prim, default, backend)
+                    reps: int, baseline: Any = None) -> tuple[Config, float, dict, dict]:
+    """``prim`` (bf16 operands ``args``) on each of ``configs`` it admits at ``dims``,
+    against the default config of ``baseline`` (another kernel of the same product;
+    default ``prim``): ``(default, default_ms, times, diffs)``, ``times`` {config: ms, or
+    the error it raised}, ``diffs`` {config: largest difference from the default's output}."""
+    baseline = prim if baseline is None else baseline
+    default = baseline.decl.default_config(dims, {"elem_bytes": 2})
+    ours = _jitted(baseline, default, backend)
     default_ms = median_wall_ms(ours, args, reps)
     want = ours(*args)
     times, diffs = {}, {}
@@ -182,22 +183,9 @@ def ws_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.Ar
     r: dict[str, Any] = {}
     ws = {"fwd": D.grouped_gemm_ws, "dgrad": D.grouped_gemm_rhs_t_ws}
     for what, prim, operands, dims, _ in _step_gemms(lhs, rhs, dout, backend, tuple(ws)):
-        base = _jitted(prim, prim.decl.default_config(dims, {"elem_bytes": 2}), backend)
-        base_ms = median_wall_ms(base, (*operands, sizes), reps)
-        want = base(*operands, sizes)
-        times, diffs = {}, {}
-        for cfg in ws[what].decl.configs:
-            if ws[what].decl.violated(dims, {"elem_bytes": 2}, cfg):
-                continue
-            try:
-                f = _jitted(ws[what], cfg, backend)
-                diffs[str(cfg)] = float(_max_abs_diff(f(*operands, sizes), want))
-                times[str(cfg)] = median_wall_ms(f, (*operands, sizes), reps)
-            except Exception as e:  # a config that fails to compile or launch is a finding, not a crash
-                times[str(cfg)] = repr(e)[:300]
-        del want
-        r[f"ws_{what}_ms"], r[f"ws_{what}_max_abs_diff"] = times, diffs
-        if (best := _best_over(times, base_ms)) is not None:
+        _, base_ms, r[f"ws_{what}_ms"], r[f"ws_{what}_max_abs_diff"] = against_default(
+            ws[what], (*operands, sizes), dims, ws[what].decl.configs, backend, reps, baseline=prim)
+        if (best := _best_over(r[f"ws_{what}_ms"], base_ms)) is not None:
             r[f"best_ws_{what}_over_default"] = best
     return r
 

@@ -73,13 +73,19 @@ def _store_tile(desc, row, col, cs, acc):
 
 
 @gluon.jit
-def _group_rows(gs_ptr, M, g, G: gl.constexpr, G_P2: gl.constexpr, WARPS: gl.constexpr):
-    """Group ``g``'s rows ``[start, end)``: sizes clamped to ``[0, M]`` and their running
-    sum (in int64, as the sizes may add past 2**31) to ``M``."""
+def _clamped_sizes(gs_ptr, M, G: gl.constexpr, G_P2: gl.constexpr, WARPS: gl.constexpr):
+    """``(idx, sizes)`` over ``G_P2`` lanes: each group's size clamped to ``[0, M]``, in
+    int64 (the sizes may add past 2**31); 0 past ``G``."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     idx = gl.arange(0, G_P2, layout=layout)
     sizes = gl.load(gs_ptr + idx, mask=idx < G, other=0).to(gl.int64)
-    sizes = gl.minimum(gl.maximum(sizes, 0), M)
+    return idx, gl.minimum(gl.maximum(sizes, 0), M)
+
+
+@gluon.jit
+def _group_rows(gs_ptr, M, g, G: gl.constexpr, G_P2: gl.constexpr, WARPS: gl.constexpr):
+    """Group ``g``'s rows ``[start, end)``: the clamped sizes' running sum clamped to ``M``."""
+    idx, sizes = _clamped_sizes(gs_ptr, M, G, G_P2, WARPS)
     start = gl.sum(gl.where(idx < g, sizes, 0), 0)
     end = start + gl.sum(gl.where(idx == g, sizes, 0), 0)
     return gl.minimum(start, M).to(gl.int32), gl.minimum(end, M).to(gl.int32)
@@ -186,10 +192,7 @@ def _row_schedule(gs_ptr, M, G: gl.constexpr, G_P2: gl.constexpr, BM: gl.constex
     them: ``(idx, starts, ends, tiles, tile_ends, total, used)``; group ``g`` owns row tiles
     ``[tile_ends[g] - tiles[g], tile_ends[g])``, ``total`` tiles cover the groups' rows and
     ``used`` rows are in groups (int64: the sizes may add past 2**31)."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    idx = gl.arange(0, G_P2, layout=layout)
-    sizes = gl.load(gs_ptr + idx, mask=idx < G, other=0).to(gl.int64)
-    sizes = gl.minimum(gl.maximum(sizes, 0), M)
+    idx, sizes = _clamped_sizes(gs_ptr, M, G, G_P2, WARPS)
     incl = gl.associative_scan(sizes, 0, _add)
     ends = gl.minimum(incl, M)
     starts = gl.minimum(incl - sizes, M)

@@ -80,8 +80,9 @@ def main() -> None:
     ours, configs = set(), {}
 
     def resolver(call):
-        configs[call.decl.name] = str(tma_configs(call))
-        return tma_configs(call)
+        cfg = tma_configs(call)
+        configs[call.decl.name] = str(cfg)
+        return cfg
 
     chosen = hooks.using_config_resolver(resolver) if a.configs == "tma" else contextlib.nullcontext()
     with chosen, hooks.observe_calls(lambda call: ours.add(call.decl.kernel.fn.__name__)):

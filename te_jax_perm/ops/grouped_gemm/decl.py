@@ -231,37 +231,55 @@ grouped_gemm_wgrad = declare(KernelDecl(
 ))
 
 
-
-# -- the weight gradient on Hopper: warp-specialised (kernels/grouped_gemm_ws.py) -------------
+# -- Hopper: warp-specialised kernels (kernels/grouped_gemm_ws.py) -------------------------------
 # The MMA warpgroups hold a [BK, BN] fp32 accumulator of 128 x 256 (128 registers a thread
-# on 8 warps); the tile may be 128 x 256 or 256 x 128. 132 programs: one per SM of an H100
-# SXM or an H200.
+# on 8 warps); the weight gradient's block may be 128 x 256 or 256 x 128. 132 programs: one
+# per SM of an H100 SXM or an H200.
 WS_WGRAD_CONFIGS = tuple(Config.make(num_warps=8, num_stages=1, BK=bk, BN=bn, BR=br, STAGES=s, PROGRAMS=132)
                          for bk, bn in ((128, 256), (256, 128)) for br, s in ((64, 3), (32, 5), (32, 6)))
+WS_MM_CONFIGS = tuple(Config.make(num_warps=8, num_stages=1, BM=128, BN=bn, BK=64, STAGES=s, PROGRAMS=132)
+                      for bn, s in ((256, 3), (128, 4), (128, 5)))
+# Beside the stages and the output tile, the shared memory the row-tile GEMMs' partial tiles
+# take to change the accumulator's layout for their masked store: 16 KiB and alignment in
+# the sm_90 builds.
+WS_EPILOGUE_BYTES = 17 * 1024
 _INT32 = 2**31
+
+
+def _ws_problem(config: Config, eb: int, rows: dict, tiles_bytes: int) -> str | None:
+    """What both warp-specialised kernels need, or ``None``: 16-bit operands, a program
+    count and a ring of at least two stages, rows of 16-byte multiples (``rows`` names each
+    row length, in elements) for the tensor descriptors, and ``tiles_bytes`` of stages and
+    output tile plus the ring's barriers within shared memory."""
+    kw = config.kw
+    if eb != 2:
+        return f"the warp-specialised kernels take 16-bit operands; these have {eb} bytes"
+    if kw["PROGRAMS"] < 1 or kw["STAGES"] < 2:
+        return f"needs PROGRAMS >= 1 and STAGES >= 2, not {config}"
+    for name, n in rows.items():
+        if n * eb % 16:
+            return f"tensor descriptors need 16-byte rows; {name}={n} elements of {eb} bytes"
+    need = tiles_bytes + 2 * 8 * kw["STAGES"]
+    if need > _HOPPER_SMEM_BYTES:
+        return f"{need} bytes of stages, output tile and epilogue exceed shared memory"
+    return None
 
 
 def ws_wgrad_fits(dims, params, config: Config) -> str | None:
     """What keeps ``config`` from the warp-specialised weight gradient at these dims, or
-    ``None``: 16-bit operands; 8 warps holding a 128 x 256 accumulator; ``K`` a multiple of
-    ``BK`` (a block never crosses into the next group's matrix); 16-byte rows (tensor
-    descriptors); 32-bit extents; the stages and the output tile in shared memory."""
+    ``None``: :func:`_ws_problem`; 8 warps holding a 128 x 256 accumulator; ``K`` a multiple
+    of ``BK`` (a block never crosses into the next group's matrix); 32-bit extents."""
     kw, eb = config.kw, params["elem_bytes"]
-    if eb != 2:
-        return f"the warp-specialised weight gradient takes 16-bit operands; these have {eb} bytes"
+    m, k, n, g = dims["M"], dims["K"], dims["N"], dims["G"]
+    stages = kw["STAGES"] * kw["BR"] * (kw["BK"] + kw["BN"])
+    if problem := _ws_problem(config, eb, {"K": k, "N": n}, (stages + kw["BK"] * kw["BN"]) * eb):
+        return problem
     if config.num_warps != 8 or kw["BK"] * kw["BN"] != 128 * 256 or kw["BK"] % 128 or kw["BN"] > 256:
         return f"8 warps with a 128x256 or 256x128 block, not {config}"
-    if dims["K"] % kw["BK"]:
-        return f"K={dims['K']} is no multiple of BK={kw['BK']}"
-    if dims["K"] * eb % 16 or dims["N"] * eb % 16:
-        return f"tensor descriptors need 16-byte rows; K={dims['K']}, N={dims['N']} of {eb} bytes"
-    if min(dims["M"], dims["G"]) < 1 or dims["M"] >= _INT32 or dims["G"] * dims["K"] >= _INT32 or dims["N"] >= _INT32:
-        return f"needs 1 <= M, G and M, G*K, N < 2**31; M={dims['M']}, G={dims['G']}, K={dims['K']}, N={dims['N']}"
-    if kw["PROGRAMS"] < 1 or kw["STAGES"] < 2:
-        return f"needs PROGRAMS >= 1 and STAGES >= 2, not {config}"
-    need = (kw["STAGES"] * kw["BR"] * (kw["BK"] + kw["BN"]) + kw["BK"] * kw["BN"]) * eb + 2 * 8 * kw["STAGES"]
-    if need > _HOPPER_SMEM_BYTES:
-        return f"{need} bytes of stages and output tile exceed shared memory"
+    if k % kw["BK"]:
+        return f"K={k} is no multiple of BK={kw['BK']}"
+    if min(m, g) < 1 or m >= _INT32 or g * k >= _INT32 or n >= _INT32:
+        return f"needs 1 <= M, G and M, G*K, N < 2**31; M={m}, G={g}, K={k}, N={n}"
     return None
 
 
@@ -299,41 +317,25 @@ def wgrad_for(backend: str, dims, params):
     return grouped_gemm_wgrad
 
 
-# -- the forward and input gradient on Hopper, warp-specialised: measured, not yet picked ------
-WS_MM_CONFIGS = tuple(Config.make(num_warps=8, num_stages=1, BM=128, BN=bn, BK=64, STAGES=s, PROGRAMS=132)
-                      for bn, s in ((256, 3), (128, 4), (128, 5)))
-
-
-# Beside the stages and the output tile, the shared memory the partial tiles' masked store
-# takes to change the accumulator's layout: 16 KiB and alignment in the sm_90 builds.
-WS_EPILOGUE_BYTES = 17 * 1024
-
-
 def ws_mm_fits(dims, params, config: Config) -> str | None:
     """What keeps ``config`` from the warp-specialised row-tile GEMM at these dims, or
-    ``None``: 16-bit operands; 8 warps on 128-row tiles; ``C`` a multiple of ``BK`` (and,
-    for ``rhs`` read transposed, ``D`` of ``BN``: no slice crosses into the next group's
-    matrix); 16-byte rows; 32-bit extents; the stages and the output tile in shared memory."""
+    ``None``: :func:`_ws_problem` (with :data:`WS_EPILOGUE_BYTES`); 8 warps on 128-row
+    tiles; ``C`` a multiple of ``BK`` (and, for ``rhs`` read transposed, ``D`` of ``BN``: no
+    slice crosses into the next group's matrix); 32-bit extents."""
     kw, eb = config.kw, params["elem_bytes"]
     m, c, d, g = dims["M"], dims["C"], dims["D"], dims["G"]
-    if eb != 2:
-        return f"the warp-specialised GEMM takes 16-bit operands; these have {eb} bytes"
+    stages = kw["STAGES"] * kw["BK"] * (kw["BM"] + kw["BN"])
+    if problem := _ws_problem(config, eb, {"C": c, "D": d},
+                              (stages + kw["BM"] * kw["BN"]) * eb + WS_EPILOGUE_BYTES):
+        return problem
     if config.num_warps != 8 or kw["BM"] != 128 or kw["BN"] > 256:
         return f"8 warps on 128-row tiles at most 256 wide, not {config}"
     if c % kw["BK"]:
         return f"C={c} is no multiple of BK={kw['BK']}"
     if params.get("trans_rhs") and d % kw["BN"]:
         return f"D={d} is no multiple of BN={kw['BN']} (rhs read transposed)"
-    if c * eb % 16 or d * eb % 16:
-        return f"tensor descriptors need 16-byte rows; C={c}, D={d} of {eb} bytes"
     if min(m, g) < 1 or m >= _INT32 or g * max(c, d) >= _INT32:
         return f"needs 1 <= M, G and M, G*C, G*D < 2**31; M={m}, G={g}, C={c}, D={d}"
-    if kw["PROGRAMS"] < 1 or kw["STAGES"] < 2:
-        return f"needs PROGRAMS >= 1 and STAGES >= 2, not {config}"
-    need = ((kw["STAGES"] * kw["BK"] * (kw["BM"] + kw["BN"]) + kw["BM"] * kw["BN"]) * eb + 2 * 8 * kw["STAGES"]
-            + WS_EPILOGUE_BYTES)
-    if need > _HOPPER_SMEM_BYTES:
-        return f"{need} bytes of stages, output tile and epilogue exceed shared memory"
     return None
 
 
