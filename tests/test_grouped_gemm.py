@@ -220,6 +220,12 @@ def test_gpu_grouped_gemm_matches_reference(impl, sizes):
         pytest.skip("tokamax is not installed")
     m = (sum(sizes) + 200 + 63) // 64 * 64  # tokamax's Mosaic kernel needs M in whole 64-row tiles
     lhs, rhs, gs, dout = _problem(m, 256, 384, sizes, "bfloat16", seed=5)
+    if impl == "triton":  # on Hopper these dims take the TMA default, forward and input gradient
+        from te_jax_perm.core.triton_backend import compute_capability
+        hopper = compute_capability() == 90
+        for trans_rhs, dims in ((False, {"M": m, "C": 256, "D": 384, "G": 5}), (True, {"M": m, "C": 384, "D": 256, "G": 5})):
+            cfg = D.mm_for("triton", trans_rhs).decl.default_config(dims, {"elem_bytes": 2})
+            assert (cfg == D.HOPPER_TMA_MM) == hopper, (trans_rhs, cfg)
     f = jax.jit(lambda a, b, d: jax.vjp(lambda a, b: grouped_matmul(a, b, gs, impl=impl), a, b)[1](d))
     out = jax.jit(lambda a, b: grouped_matmul(a, b, gs, impl=impl))(lhs, rhs)
     clean = jnp.nan_to_num(lhs)
@@ -528,6 +534,31 @@ def test_ws_wgrad_constraints_and_selection(monkeypatch):
         assert D.wgrad_for(backend, dims, {"elem_bytes": 2}) is want, (cc, backend)
     monkeypatch.setattr(triton_backend, "compute_capability", lambda: 90)
     assert D.wgrad_for("triton", dims, {"elem_bytes": 4}) is D.grouped_gemm_wgrad  # fp32: the pointer kernel
+
+
+def test_hopper_row_tile_default_and_selection(monkeypatch):
+    """On Hopper the forward and input gradient default to TMA 128x256 tiles where the
+    portable default takes 128x256 tiles and descriptors fit, else to the portable default;
+    their Hopper declarations are picked only on the triton backend of a 9.0 GPU."""
+    from te_jax_perm.core import triton_backend
+    big, bf16 = {"M": 8192, "C": 4096, "D": 2048, "G": 32}, {"elem_bytes": 2}
+    assert D.hopper_mm_default(big, bf16) == D.HOPPER_TMA_MM and D.HOPPER_TMA_MM in D.TMA_CONFIGS
+    assert D.grouped_gemm_hopper.decl.default_config(big, bf16) == D.HOPPER_TMA_MM
+    assert D.grouped_gemm_rhs_t_hopper.decl.default_config(big, bf16) == D.HOPPER_TMA_MM
+    for dims, params in [(big, {"elem_bytes": 4}),               # fp32 stages exceed shared memory
+                         ({**big, "M": 2048}, bf16),              # 64-row tiles
+                         ({**big, "D": 192}, bf16),               # 128-column tiles
+                         ({**big, "C": 4100}, bf16)]:             # rows of no 16-byte multiple
+        assert D.hopper_mm_default(dims, params) == D.mm_default(dims, params), (dims, params)
+        assert not D.hopper_mm_default(dims, params).kw.get("TMA", False)
+    for name in ("grouped_gemm", "grouped_gemm_rhs_t"):  # the same kernel and tuning space
+        base, hopper = getattr(D, name).decl, getattr(D, name + "_hopper").decl
+        assert (hopper.kernel, hopper.configs, hopper.operands) == (base.kernel, base.configs, base.operands)
+    for cc, backend, hop in [(90, "triton", True), (100, "triton", False), (80, "triton", False),
+                             (90, "interpret", False), (90, "xla", False)]:
+        monkeypatch.setattr(triton_backend, "compute_capability", lambda: cc)
+        want = (D.grouped_gemm_hopper, D.grouped_gemm_rhs_t_hopper) if hop else (D.grouped_gemm, D.grouped_gemm_rhs_t)
+        assert (D.mm_for(backend, trans_rhs=False), D.mm_for(backend, trans_rhs=True)) == want, (cc, backend)
 
 
 def test_ws_wgrad_is_refused_by_the_interpreter_by_name():

@@ -98,6 +98,20 @@ def run_grouped_gemm(M, K, N, sizes, seed=0):
     return out, vjp(jnp.ones_like(out))
 
 
+def run_hopper_row_tile_gemms(M, C, sizes, seed=0):
+    """The forward and input gradient's Hopper declarations on their own default (TMA
+    128x256 tiles where 16-bit operands make them fit), which a CPU run never picks."""
+    from te_jax_perm.ops.grouped_gemm import decl as GD
+
+    rng = np.random.default_rng(seed)
+    lhs = jnp.asarray(rng.standard_normal((M, C)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), C, C)), jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    assert GD.hopper_mm_default({"M": M, "C": C, "D": C, "G": len(sizes)}, {"elem_bytes": 2}) == GD.HOPPER_TMA_MM
+    return (GD.grouped_gemm_hopper(lhs, rhs, gs, backend=BE, elem_bytes=2),
+            GD.grouped_gemm_rhs_t_hopper(lhs, rhs, gs, backend=BE, elem_bytes=2))  # C == D: rhs read transposed
+
+
 def run_moe_ffn(T, H, E, k, F, mode, *, drop=0, align=None, seed=0):
     """The fused MoE experts (dispatch and combine inside the GEMMs), forward and backward."""
     import te_jax_perm
@@ -132,6 +146,7 @@ SCENARIOS = {
     # T*E large enough for the dispatch's two-launch map (counts, then the padded, owned fill).
     "moe_two_pass_map": lambda: run_moe(64, 8, 128, 2, "topk", align=4),
     "grouped_gemm_ragged": lambda: run_grouped_gemm(40, 24, 40, [10, 0, 25]),
+    "grouped_gemm_hopper_tma_tiles": lambda: run_hopper_row_tile_gemms(2176, 256, [1000, 0, 1100]),
     "moe_ffn_dropping_padded": lambda: run_moe_ffn(12, 16, 4, 2, 8, "empty", drop=3, align=4),
 }
 

@@ -219,16 +219,28 @@ def _row_tile(rt, idx, starts, ends, tiles, tile_ends, total, used, BM: gl.const
 
 
 @gluon.jit
+def _swizzled(t, row_tiles, num_n: gl.constexpr, GROUP_M: gl.constexpr):
+    """Tile ``t``'s ``(row tile, column tile)``: ``GROUP_M`` row tiles at a time, column by
+    column, so that the programs in flight share ``rhs`` column slices in L2 (row by row, a
+    wide ``D`` would stream the whole ``rhs`` once per row tile)."""
+    width = GROUP_M * num_n
+    first = (t // width) * GROUP_M
+    rows = gl.minimum(row_tiles - first, GROUP_M)
+    return first + (t % width) % rows, (t % width) // rows
+
+
+@gluon.jit
 def _mm_loader(a_desc, b_desc, gs_ptr, M, a_bufs, b_bufs, ready, empty, C: gl.constexpr, D: gl.constexpr,
                G: gl.constexpr, G_P2: gl.constexpr, TRANS_RHS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-               BK: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr):
+               BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr):
     num_n: gl.constexpr = (D + BN - 1) // BN
     idx, starts, ends, tiles, tile_ends, total, used = _row_schedule(gs_ptr, M, G, G_P2, BM, 1)
     row_tiles = (total + (M - used + BM - 1) // BM).to(gl.int32)  # at most M / BM + G
     it = 0
     for t in range(gl.program_id(0), row_tiles * num_n, PROGRAMS):
-        g, r0, r1 = _row_tile(t // num_n, idx, starts, ends, tiles, tile_ends, total, used, BM)
-        n0 = (t % num_n) * BN
+        rt, nt = _swizzled(t, row_tiles, num_n, GROUP_M)
+        g, r0, r1 = _row_tile(rt, idx, starts, ends, tiles, tile_ends, total, used, BM)
+        n0 = nt * BN
         if g >= 0:
             for k in range(0, C, BK):
                 s = it % STAGES
@@ -245,7 +257,8 @@ def _mm_loader(a_desc, b_desc, gs_ptr, M, a_bufs, b_bufs, ready, empty, C: gl.co
 @gluon.jit
 def _mm_mma(out_desc, out_ptr, gs_ptr, M, a_bufs, b_bufs, cs, ready, empty, C: gl.constexpr, D: gl.constexpr,
             G: gl.constexpr, G_P2: gl.constexpr, TRANS_RHS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-            BK: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr, WARPS: gl.constexpr):
+            BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr,
+            WARPS: gl.constexpr):
     num_n: gl.constexpr = (D + BN - 1) // BN
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                           instr_shape=[16, BN, 16])
@@ -254,8 +267,9 @@ def _mm_mma(out_desc, out_ptr, gs_ptr, M, a_bufs, b_bufs, cs, ready, empty, C: g
     row_tiles = (total + (M - used + BM - 1) // BM).to(gl.int32)  # at most M / BM + G
     it = 0
     for t in range(gl.program_id(0), row_tiles * num_n, PROGRAMS):
-        g, r0, r1 = _row_tile(t // num_n, idx, starts, ends, tiles, tile_ends, total, used, BM)
-        n0 = (t % num_n) * BN
+        rt, nt = _swizzled(t, row_tiles, num_n, GROUP_M)
+        g, r0, r1 = _row_tile(rt, idx, starts, ends, tiles, tile_ends, total, used, BM)
+        n0 = nt * BN
         acc = gl.zeros((BM, BN), gl.float32, acc_layout)
         if g >= 0:
             for k in range(0, C, BK):
@@ -285,11 +299,12 @@ def _mm_mma(out_desc, out_ptr, gs_ptr, M, a_bufs, b_bufs, cs, ready, empty, C: g
 def grouped_gemm_ws_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, out_ptr,
                            C: gl.constexpr, D: gl.constexpr, G: gl.constexpr, G_P2: gl.constexpr,
                            TRANS_RHS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                           STAGES: gl.constexpr, PROGRAMS: gl.constexpr, WARPS: gl.constexpr):
+                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr,
+                           WARPS: gl.constexpr):
     """out[rows of g] = lhs[rows of g] @ rhs[g] (``rhs[g].T`` with ``TRANS_RHS``), [M, D]:
     ``grouped_gemm_kernel``'s product, warp-specialised. ``PROGRAMS`` programs stride over
     the row tiles of every group (each group starting a tile) and the tiles of the rows past
-    them, times ``D``'s column tiles; a loader warp streams ``lhs`` and ``rhs`` slices by TMA
+    them, times ``D``'s column tiles (``GROUP_M`` row tiles at a time); a loader warp streams ``lhs`` and ``rhs`` slices by TMA
     (``C`` and, with ``TRANS_RHS``, ``D`` multiples of the block, so no slice crosses into the
     next group's matrix) and the MMA warpgroups store whole tiles by TMA, a group's partial
     last tile and the zero rows past the groups with masked stores, so no program writes
@@ -317,7 +332,7 @@ def grouped_gemm_ws_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_pt
     ready, empty = _barrier_ring(STAGES)
     gl.warp_specialize([
         (_mm_mma, (out_desc, out_ptr, group_sizes_ptr, M, a_bufs, b_bufs, cs, ready, empty, C, D, G, G_P2,
-                   TRANS_RHS, BM, BN, BK, STAGES, PROGRAMS, WARPS)),
+                   TRANS_RHS, BM, BN, BK, GROUP_M, STAGES, PROGRAMS, WARPS)),
         (_mm_loader, (a_desc, b_desc, group_sizes_ptr, M, a_bufs, b_bufs, ready, empty, C, D, G, G_P2, TRANS_RHS,
-                      BM, BN, BK, STAGES, PROGRAMS)),
+                      BM, BN, BK, GROUP_M, STAGES, PROGRAMS)),
     ], [1], [LOADER_REGS])

@@ -9,9 +9,10 @@ Three implementations, one result:
 * ``"triton"``: our Triton grouped GEMM (:mod:`te_jax_perm.ops.grouped_gemm.decl`): one
   launch per GEMM whose tile schedule is computed on the device from ``group_sizes``, the
   input gradient reads ``rhs`` transposed in place, the weight gradient reduces each
-  group's rows (on a Hopper GPU, 16-bit operands: a warp-specialised kernel,
-  :func:`~te_jax_perm.ops.grouped_gemm.decl.wgrad_for`). Runs on the op backend in effect (``triton`` on GPUs);
-  :func:`grouped_gemm_triton` names the backend (``"interpret"`` on CPU for tests).
+  group's rows. On a Hopper GPU the forward and input gradient move 128x256 tiles by TMA
+  where they fit (:func:`~te_jax_perm.ops.grouped_gemm.decl.mm_for`) and the weight gradient
+  of 16-bit operands is warp-specialised (:func:`~te_jax_perm.ops.grouped_gemm.decl.wgrad_for`).
+  Runs on the op backend in effect (``triton`` on GPUs); :func:`grouped_gemm_triton` names the backend (``"interpret"`` on CPU for tests).
 * ``"tokamax"``: tokamax's ``ragged_dot`` (Pallas Mosaic GPU kernels for Hopper/Blackwell,
   Pallas Triton elsewhere on GPU). A real grouped GEMM: each row tile multiplies only its
   own group's weights. Optional dependency (``pip install 'te_jax_perm[gemm]'``, Python
@@ -199,7 +200,8 @@ def _gemms(impl: str) -> tuple[Gemm, Gemm, Gemm]:
 
     def wgrad(a, b, group_sizes, params):
         return D.wgrad_for(impl, bind_dims(D.grouped_gemm_wgrad.decl, [a, b, group_sizes]), params)
-    return (kernel(lambda *args: D.grouped_gemm), kernel(lambda *args: D.grouped_gemm_rhs_t), kernel(wgrad))
+    return (kernel(lambda *args: D.mm_for(impl, trans_rhs=False)), kernel(lambda *args: D.mm_for(impl, trans_rhs=True)),
+            kernel(wgrad))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
