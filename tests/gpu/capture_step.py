@@ -58,10 +58,11 @@ def tma_configs(call) -> Any:
     """The first TMA config the grouped GEMM's kernels admit for ``call`` (None elsewhere:
     the default, e.g. the warp-specialised weight gradient's, whose descriptors are built
     on the device too)."""
+    from te_jax_perm.kernels.grouped_gemm import grouped_gemm_kernel, grouped_gemm_wgrad_kernel
     from te_jax_perm.ops.grouped_gemm import decl as D
-    pools = {D.grouped_gemm.decl.name: D.TMA_CONFIGS, D.grouped_gemm_rhs_t.decl.name: D.TMA_CONFIGS,
-             D.grouped_gemm_wgrad.decl.name: D.WGRAD_TMA_CONFIGS}
-    pool = pools.get(call.decl.name, ())
+    # By kernel: on Hopper the row-tile GEMMs run their Hopper declarations of the same kernel.
+    pools = {grouped_gemm_kernel: D.TMA_CONFIGS, grouped_gemm_wgrad_kernel: D.WGRAD_TMA_CONFIGS}
+    pool = pools.get(call.decl.kernel, ())
     return next((c for c in pool if not call.decl.violated(call.dims, call.params, c)), None)
 
 

@@ -90,7 +90,9 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
     sanitizer = compute_sanitizer() or "compute-sanitizer"
     memcheck = [sanitizer, *MEMCHECK_ARGS]
     return [
-        Step("pytest", 480, pytest + ["-n", str(f.workers)] + targets + f.pytest_args.split(), r"(passed|failed)"),
+        # One line a test as each finishes: a step cut off at its limit still names its failures.
+        Step("pytest", 480, [a for a in pytest if a != "-q"] + ["-v", "-n", str(f.workers)] + targets
+             + f.pytest_args.split(), r"(passed|failed)"),
         Step("capture", 100, pytest + ["-s", "tests/gpu/test_capture.py"], r"(passed|failed)", gpu_only=True),
         Step("stress", 240, [py, "-m", "tests.gpu.stress"] + (["--small", "--cases", "2", "--passes", "2",
                                                                 "--dtypes", "float32"] if dry else

@@ -58,8 +58,9 @@ def test_dispatch_combine_step_is_captured_in_command_buffers(tmp_path):
 
 @pytest.mark.gpu
 def test_tma_gemm_kernels_run_inside_command_buffers(tmp_path):
-    """The grouped GEMM's TMA kernels (and, on Hopper, its warp-specialised weight
-    gradient) build tensor descriptors in global scratch memory.
+    """The grouped GEMM's TMA kernels (on Hopper its default forward and input gradient at
+    these sizes, and its warp-specialised weight gradient) build tensor descriptors in
+    global scratch memory.
     A jitted training step of two expert layers (in a ``lax.scan``) with command buffers on
     runs them inside the step's CUDA graph, and computes what the default configs compute.
     (Scratch allocated on the stream at each launch cannot live in a captured graph: the

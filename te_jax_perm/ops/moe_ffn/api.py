@@ -153,7 +153,7 @@ def _bwd(activation, backend, res, dy):
     (dh,) = act_vjp((da_unscaled * p[:, None]).astype(x.dtype))
     # First GEMM and dispatch: each row's input gradient, summed into its token with the
     # probability gradients moved alongside (one gather, fixed order).
-    (dx_rows,) = GD.grouped_gemm_rhs_t(dh, w_in, group_sizes, **kw)
+    (dx_rows,) = GD.mm_for(backend, trans_rhs=True)(dh, w_in, group_sizes, **kw)
     (dw_in,) = D.moe_gather_wgrad(x, dh, group_sizes, owner, **kw)
     dx, dprobs = P.permute_bwd_probs(dx_rows, rid, unread_pad(w_in.shape[0]), dprobs_rows.astype(probs.dtype),
                                      backend=backend, padded=False)
