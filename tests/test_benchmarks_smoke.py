@@ -226,11 +226,12 @@ def test_gpu_driver_hostile_memcheck_selects_existing_tests():
     assert not any("[xla" in i for i in ids)
 
 
-def test_gpu_driver_hostile_memcheck_reruns_a_crash_once_and_fails_on_errors(tmp_path):
+def test_gpu_driver_hostile_memcheck_reruns_a_crash_or_hang_once_and_fails_on_errors(tmp_path):
     """The hostile-input memcheck runs each test in a sanitized process of its own: a process
-    killed by a signal without a report is rerun once; a memcheck report fails the run.
-    Here a stand-in sanitizer (a script that drops the sanitizer's arguments) crashes on
-    its first call, then runs the test; a second stand-in reports a memcheck error."""
+    killed by a signal or past its time limit without a report is rerun once; a memcheck
+    report fails the run. Here stand-in sanitizers (scripts that drop the sanitizer's
+    arguments) crash, or hang, on their first call and then run the test; another reports a
+    memcheck error."""
     import pathlib
     import subprocess
     import sys
@@ -241,20 +242,26 @@ def test_gpu_driver_hostile_memcheck_reruns_a_crash_once_and_fails_on_errors(tmp
     crash_once.write_text(f"#!/bin/sh\nshift {len(MEMCHECK_ARGS)}\n"
                           f"if [ ! -e {tmp_path}/crashed ]; then touch {tmp_path}/crashed; kill -SEGV $$; fi\n"
                           'exec "$@"\n')
+    hang_once = tmp_path / "hang_once.sh"
+    hang_once.write_text(f"#!/bin/sh\nshift {len(MEMCHECK_ARGS)}\n"
+                         f"if [ ! -e {tmp_path}/hung ]; then touch {tmp_path}/hung; exec sleep 120; fi\n"
+                         'exec "$@"\n')
     reports = tmp_path / "reports.sh"
     reports.write_text(f"#!/bin/sh\nshift {len(MEMCHECK_ARGS)}\n\"$@\"\n"
                        "echo '========= ERROR SUMMARY: 1 error'\nexit 99\n")
     env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
     runs = {}
-    for script in (crash_once, reports):
+    for script in (crash_once, hang_once, reports):
         script.chmod(0o755)
         runs[script.stem] = subprocess.run(
             [sys.executable, "-m", "tests.gpu.hostile", f"--sanitizer={script}", f"--out={tmp_path / script.stem}",
-             f"--tests={test}"], cwd=root, capture_output=True, text=True, timeout=600, env=env)
-    crash = runs["crash_once"]
-    assert crash.returncode == 0, crash.stdout + crash.stderr
-    assert "MEMCHECK-HOSTILE PASS: 1 of 1" in crash.stdout and "1 passed on a rerun" in crash.stdout, crash.stdout
-    assert "(try 2)" in crash.stdout
+             f"--tests={test}", "--timeout_s=30"], cwd=root, capture_output=True, text=True, timeout=600, env=env)
+    for name in ("crash_once", "hang_once"):  # died or hung without a report: rerun once
+        run = runs[name]
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "MEMCHECK-HOSTILE PASS: 1 of 1" in run.stdout and "1 passed on a rerun" in run.stdout, run.stdout
+        assert "(try 2)" in run.stdout
+    assert "TIMEOUT" in runs["hang_once"].stdout
     report = runs["reports"]
     assert report.returncode == 1, report.stdout + report.stderr
     assert "MEMCHECK-HOSTILE FAIL: 0 of 1" in report.stdout and "memcheck: " + test in report.stdout, report.stdout

@@ -92,7 +92,7 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
     return [
         # One line a test as each finishes: a step cut off at its limit still names its failures.
         Step("pytest", 480, [a for a in pytest if a != "-q"] + ["-v", "-n", str(f.workers)] + targets
-             + f.pytest_args.split(), r"(passed|failed)"),
+             + f.pytest_args.split(), r"^=+ .*(passed|failed)"),
         Step("capture", 100, pytest + ["-s", "tests/gpu/test_capture.py"], r"(passed|failed)", gpu_only=True),
         Step("stress", 240, [py, "-m", "tests.gpu.stress"] + (["--small", "--cases", "2", "--passes", "2",
                                                                 "--dtypes", "float32"] if dry else
