@@ -215,9 +215,9 @@ grouped_gemm_rhs_t = declare(_mm_decl("grouped_gemm_rhs_t", trans_rhs=True))
 
 # Hopper's row-tile default where the pointer default takes 128x256 tiles: the same tiles,
 # warps and stages in 132 persistent programs (one per SM of an H100 SXM or an H200) that
-# move them by TMA. On an H100, at nine expert-GEMM shapes from Mixtral to DeepSeek-V3
-# (G = 8 to 256, routing-like group sizes), 0.88-0.98x the pointer default's forward time and
-# 0.87-1.00x its input gradient's.
+# move them by TMA. On an H100, at eight expert-GEMM shapes from Mixtral to DeepSeek-V3
+# (G = 8 to 256, routing-like group sizes), 0.82-1.01x the pointer default's forward time and
+# 0.90-1.03x its input gradient's.
 HOPPER_TMA_MM = Config.make(num_warps=8, num_stages=3, BM=128, BN=256, BK=64, GROUP_M=8, TMA=True, PROGRAMS=132)
 
 
