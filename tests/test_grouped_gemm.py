@@ -351,14 +351,23 @@ def _tma(programs: int, bm: int = 16, bn: int = 16, bk: int = 16) -> Config:
 @contextlib.contextmanager
 def _tma_for_row_tile_gemms(cfg: Config):
     """Every forward and input-gradient launch traced inside runs ``cfg`` (the weight
-    gradient keeps its default)."""
-    names = {D.grouped_gemm.decl.name, D.grouped_gemm_rhs_t.decl.name}
-    with hooks.using_config_resolver(lambda call: cfg if call.decl.name in names else None):
+    gradient keeps its default). Matched by kernel: on Hopper they run the Hopper
+    declarations of the same kernel; and the block must have lowered at least one."""
+    used = []
+
+    def resolve(call):
+        if call.decl.kernel is D.grouped_gemm.decl.kernel:
+            used.append(call.decl.name)
+            return cfg
+        return None
+
+    with hooks.using_config_resolver(resolve):
         jax.clear_caches()  # the resolver runs at lowering time
         try:
             yield
         finally:
             jax.clear_caches()
+    assert used, f"no forward or input-gradient launch was lowered with {cfg}"
 
 
 @pytest.fixture
