@@ -643,6 +643,31 @@ def test_gpu_ws_row_tile_gemms_match_reference():
                     _close(dlhs, want_dlhs, "bfloat16", f"input gradient {sizes} {cfg}")
 
 
+@pytest.mark.gpu
+def test_gpu_default_row_tile_gemms_on_hostile_sizes():
+    """The forward and input gradient as ``grouped_matmul`` runs them on this GPU, on their
+    default config (on Hopper, 128x256 TMA tiles in 132 persistent programs), at the sizes
+    the warp-specialised test takes: NaN garbage past the groups, empty groups, partial last
+    tiles, sizes negative or near 2**31; forward and VJP (in the hostile memcheck list)."""
+    from te_jax_perm.core import triton_backend
+    m, k, n = 2304, 512, 384
+    for trans_rhs, dims in ((False, {"M": m, "C": k, "D": n, "G": 5}), (True, {"M": m, "C": n, "D": k, "G": 5})):
+        cfg = D.mm_for("triton", trans_rhs).decl.default_config(dims, {"elem_bytes": 2})
+        assert (cfg == D.HOPPER_TMA_MM) == (triton_backend.compute_capability() == 90), cfg
+    f = jax.jit(lambda a, b, s, d: jax.vjp(lambda a, b: grouped_matmul(a, b, s, impl="triton"), a, b)[1](d))
+    for sizes in WS_SIZES:
+        lhs, rhs, gs, dout = _problem(m, k, n, sizes, "bfloat16", seed=9)
+        dout = jnp.asarray(dout, jnp.bfloat16)
+        clean = np.nan_to_num(np.asarray(lhs, np.float32))
+        want_dlhs, want_drhs = _reference_grads(clean, np.asarray(rhs, np.float32), np.asarray(sizes),
+                                                np.asarray(dout, np.float32))
+        out = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, impl="triton"))(lhs, rhs, gs)
+        _close(out, grouped_matmul_reference(clean, np.asarray(rhs, np.float32), sizes), "bfloat16", f"forward {sizes}")
+        dlhs, drhs = f(lhs, rhs, gs, dout)
+        _close(dlhs, want_dlhs, "bfloat16", f"input gradient {sizes}")
+        _close(drhs, want_drhs, "bfloat16", f"weight gradient {sizes}")
+
+
 def _skip_unless_hopper():
     from te_jax_perm.core import triton_backend
     if triton_backend.compute_capability() != 90:

@@ -246,6 +246,7 @@ HOSTILE = {
     # Group sizes are data: negative, summing past M, or near 2**31 must stay inside the rows.
     "grouped_gemm_sizes_negative_and_past_M": lambda: run_grouped_gemm(17, 16, 24, [-3, 7, 2, 100]),
     "grouped_gemm_sizes_2^31-1": lambda: run_grouped_gemm(9, 8, 8, [2**31 - 1, 2**31 - 1]),
+    "grouped_gemm_hopper_tma_tiles_hostile_sizes": lambda: run_hopper_row_tile_gemms(2176, 256, [-3, 1000, 2**31 - 1]),
 }
 
 

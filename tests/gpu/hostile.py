@@ -35,6 +35,8 @@ HOSTILE_TESTS = [
     "tests/test_permute.py::test_gathers_add_every_entry_of_a_hostile_map",
     "tests/test_dispatch.py::test_zero_tokens_give_zero_size_results",
     "tests/test_grouped_gemm.py::test_values_and_vjp_match_numpy",
+    # The device's default row-tile GEMMs at sizes where Hopper's is TMA tiles.
+    "tests/test_grouped_gemm.py::test_gpu_default_row_tile_gemms_on_hostile_sizes",
     # Kernels the interpreter cannot run, so the sanitizer never saw them.
     "tests/test_grouped_gemm.py::test_gpu_ws_wgrad_matches_reference",
     "tests/test_grouped_gemm.py::test_gpu_ws_row_tile_gemms_match_reference",
