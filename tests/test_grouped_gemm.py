@@ -622,14 +622,9 @@ def test_gpu_ws_row_tile_gemms_match_reference():
     groups, empty groups, partial last tiles next to another group's rows, hostile sizes, D
     past a tile's edge (forward), and a few programs with many tiles each."""
     _skip_unless_hopper()
-    m, k, n = 2304, 512, 384
+    m, k, n = WS_DIMS
     for sizes in WS_SIZES:
-        lhs, rhs, gs, dout = _problem(m, k, n, sizes, "bfloat16", seed=8)
-        dout = jnp.asarray(dout, jnp.bfloat16)
-        clean = np.nan_to_num(np.asarray(lhs, np.float32))
-        want_dlhs, _ = _reference_grads(clean, np.asarray(rhs, np.float32), np.asarray(sizes),
-                                        np.asarray(dout, np.float32))
-        want = grouped_matmul_reference(clean, np.asarray(rhs, np.float32), sizes)
+        (lhs, rhs, gs, dout), (want, want_dlhs, _) = _hostile_problem(sizes, seed=8)
         for base in D.WS_MM_CONFIGS:
             for programs in (132, 5):
                 cfg = Config.make(base.num_warps, base.num_stages, **{**base.kw, "PROGRAMS": programs})
@@ -650,19 +645,15 @@ def test_gpu_default_row_tile_gemms_on_hostile_sizes():
     the warp-specialised test takes: NaN garbage past the groups, empty groups, partial last
     tiles, sizes negative or near 2**31; forward and VJP (in the hostile memcheck list)."""
     from te_jax_perm.core import triton_backend
-    m, k, n = 2304, 512, 384
+    m, k, n = WS_DIMS
     for trans_rhs, dims in ((False, {"M": m, "C": k, "D": n, "G": 5}), (True, {"M": m, "C": n, "D": k, "G": 5})):
         cfg = D.mm_for("triton", trans_rhs).decl.default_config(dims, {"elem_bytes": 2})
         assert (cfg == D.HOPPER_TMA_MM) == (triton_backend.compute_capability() == 90), cfg
     f = jax.jit(lambda a, b, s, d: jax.vjp(lambda a, b: grouped_matmul(a, b, s, impl="triton"), a, b)[1](d))
     for sizes in WS_SIZES:
-        lhs, rhs, gs, dout = _problem(m, k, n, sizes, "bfloat16", seed=9)
-        dout = jnp.asarray(dout, jnp.bfloat16)
-        clean = np.nan_to_num(np.asarray(lhs, np.float32))
-        want_dlhs, want_drhs = _reference_grads(clean, np.asarray(rhs, np.float32), np.asarray(sizes),
-                                                np.asarray(dout, np.float32))
+        (lhs, rhs, gs, dout), (want, want_dlhs, want_drhs) = _hostile_problem(sizes, seed=9)
         out = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, impl="triton"))(lhs, rhs, gs)
-        _close(out, grouped_matmul_reference(clean, np.asarray(rhs, np.float32), sizes), "bfloat16", f"forward {sizes}")
+        _close(out, want, "bfloat16", f"forward {sizes}")
         dlhs, drhs = f(lhs, rhs, gs, dout)
         _close(dlhs, want_dlhs, "bfloat16", f"input gradient {sizes}")
         _close(drhs, want_drhs, "bfloat16", f"weight gradient {sizes}")
@@ -676,6 +667,17 @@ def _skip_unless_hopper():
 
 WS_SIZES = [[300, 0, 1000, 700, 48], [0, 2048, 0, 0, 0], [-5, 2**31 - 1, 2**31 - 1, 7, 9], [63, 1, 65, 0, 0],
             [0, 0, 0, 0, 0]]
+WS_DIMS = (2304, 512, 384)  # M, K, N: D past a 256-column tile's edge in the forward
+
+
+def _hostile_problem(sizes, seed):
+    """bf16 ``(lhs, rhs, group_sizes, dout)`` at :data:`WS_DIMS` with NaN garbage past the
+    groups, and the float64 references ``(out, dlhs, drhs)`` (garbage rows read as zeros)."""
+    lhs, rhs, gs, dout = _problem(*WS_DIMS, sizes, "bfloat16", seed=seed)
+    dout = jnp.asarray(dout, jnp.bfloat16)
+    clean, rhs32 = np.nan_to_num(np.asarray(lhs, np.float32)), np.asarray(rhs, np.float32)
+    want_dlhs, want_drhs = _reference_grads(clean, rhs32, np.asarray(sizes), np.asarray(dout, np.float32))
+    return (lhs, rhs, gs, dout), (grouped_matmul_reference(clean, rhs32, sizes), want_dlhs, want_drhs)
 
 
 @pytest.mark.gpu
