@@ -597,7 +597,7 @@ def test_ws_row_tile_gemm_configs_compile_for_sm90(prim):
         assert "wgmma.mma_async" in k.ptx and "mbarrier.try_wait" in k.ptx, cfg
         assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", k.ptx), cfg
         assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", k.ptx), cfg
-        counted = (cfg.kw["STAGES"] * 64 * (128 + cfg.kw["BN"]) + 128 * cfg.kw["BN"]) * 2 + 16 * cfg.kw["STAGES"] \
+        counted = (cfg.kw["STAGES"] * cfg.kw["BK"] * (128 + cfg.kw["BN"]) + 128 * cfg.kw["BN"]) * 2 + 16 * cfg.kw["STAGES"] \
             + D.WS_EPILOGUE_BYTES
         assert k.shared_mem_bytes <= min(counted, 227 * 1024), (cfg, k.shared_mem_bytes, counted)
 

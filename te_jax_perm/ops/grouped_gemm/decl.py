@@ -281,8 +281,10 @@ grouped_gemm_wgrad = declare(KernelDecl(
 # per SM of an H100 SXM or an H200.
 WS_WGRAD_CONFIGS = tuple(Config.make(num_warps=8, num_stages=1, BK=bk, BN=bn, BR=br, STAGES=s, PROGRAMS=132)
                          for bk, bn in ((128, 256), (256, 128)) for br, s in ((64, 3), (32, 5), (32, 6)))
-WS_MM_CONFIGS = tuple(Config.make(num_warps=8, num_stages=1, BM=128, BN=bn, BK=64, GROUP_M=8, STAGES=s, PROGRAMS=132)
-                      for bn, s in ((256, 3), (128, 4), (128, 5)))
+# 128x256 tiles in 32-wide slices: twice the stages in flight of the 64-wide ones, in the same
+# shared memory.
+WS_MM_CONFIGS = tuple(Config.make(num_warps=8, num_stages=1, BM=128, BN=bn, BK=bk, GROUP_M=8, STAGES=s, PROGRAMS=132)
+                      for bn, bk, s in ((256, 64, 3), (128, 64, 4), (128, 64, 5), (256, 32, 6)))
 # Beside the stages and the output tile, the shared memory the row-tile GEMMs' partial tiles
 # take to change the accumulator's layout for their masked store: 16 KiB and alignment in
 # the sm_90 builds.
