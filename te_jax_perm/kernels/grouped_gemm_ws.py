@@ -304,9 +304,9 @@ def grouped_gemm_ws_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_pt
     """out[rows of g] = lhs[rows of g] @ rhs[g] (``rhs[g].T`` with ``TRANS_RHS``), [M, D]:
     ``grouped_gemm_kernel``'s product, warp-specialised. ``PROGRAMS`` programs stride over
     the row tiles of every group (each group starting a tile) and the tiles of the rows past
-    them, times ``D``'s column tiles (``GROUP_M`` row tiles at a time); a loader warp streams ``lhs`` and ``rhs`` slices by TMA
-    (``C`` and, with ``TRANS_RHS``, ``D`` multiples of the block, so no slice crosses into the
-    next group's matrix) and the MMA warpgroups store whole tiles by TMA, a group's partial
+    them, times ``D``'s column tiles (``GROUP_M`` row tiles at a time); a loader warp
+    streams ``lhs`` and ``rhs`` slices by TMA (``C`` and, with ``TRANS_RHS``, ``D``
+    multiples of the block, so no slice crosses into the next group's matrix) and the MMA warpgroups store whole tiles by TMA, a group's partial
     last tile and the zero rows past the groups with masked stores, so no program writes
     another group's rows."""
     dtype: gl.constexpr = lhs_ptr.dtype.element_ty

@@ -12,7 +12,8 @@ Three implementations, one result:
   group's rows. On a Hopper GPU the forward and input gradient move 128x256 tiles by TMA
   where they fit (:func:`~te_jax_perm.ops.grouped_gemm.decl.mm_for`) and the weight gradient
   of 16-bit operands is warp-specialised (:func:`~te_jax_perm.ops.grouped_gemm.decl.wgrad_for`).
-  Runs on the op backend in effect (``triton`` on GPUs); :func:`grouped_gemm_triton` names the backend (``"interpret"`` on CPU for tests).
+  Runs on the op backend in effect (``triton`` on GPUs); :func:`grouped_gemm_triton` names
+  the backend (``"interpret"`` on CPU for tests).
 * ``"tokamax"``: tokamax's ``ragged_dot`` (Pallas Mosaic GPU kernels for Hopper/Blackwell,
   Pallas Triton elsewhere on GPU). A real grouped GEMM: each row tile multiplies only its
   own group's weights. Optional dependency (``pip install 'te_jax_perm[gemm]'``, Python

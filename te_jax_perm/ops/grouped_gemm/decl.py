@@ -254,6 +254,7 @@ def mm_for(backend: str, trans_rhs: bool):
         return grouped_gemm_rhs_t_hopper if trans_rhs else grouped_gemm_hopper
     return grouped_gemm_rhs_t if trans_rhs else grouped_gemm
 
+
 grouped_gemm_wgrad = declare(KernelDecl(
     name="grouped_gemm_wgrad",
     kernel=grouped_gemm_wgrad_kernel,
