@@ -282,10 +282,12 @@ grouped_gemm_wgrad = declare(KernelDecl(
 # per SM of an H100 SXM or an H200.
 WS_WGRAD_CONFIGS = tuple(Config.make(num_warps=8, num_stages=1, BK=bk, BN=bn, BR=br, STAGES=s, PROGRAMS=132)
                          for bk, bn in ((128, 256), (256, 128)) for br, s in ((64, 3), (32, 5), (32, 6)))
-# 128x256 tiles in 32-wide slices: twice the stages in flight of the 64-wide ones, in the same
-# shared memory.
-WS_MM_CONFIGS = tuple(Config.make(num_warps=8, num_stages=1, BM=128, BN=bn, BK=bk, GROUP_M=8, STAGES=s, PROGRAMS=132)
-                      for bn, bk, s in ((256, 64, 3), (128, 64, 4), (128, 64, 5), (256, 32, 6)))
+# 32-wide slices keep twice the stages in flight of 64-wide ones in the same shared memory.
+# 256x128 tiles (two warpgroups of 128 rows) read each rhs slice once for 256 rows: with a
+# few hundred rows a group, once for most of a group's rows.
+WS_MM_CONFIGS = tuple(Config.make(num_warps=8, num_stages=1, BM=bm, BN=bn, BK=bk, GROUP_M=8, STAGES=s, PROGRAMS=132)
+                      for bm, bn, bk, s in ((128, 256, 64, 3), (128, 128, 64, 4), (128, 128, 64, 5),
+                                            (128, 256, 32, 6), (256, 128, 64, 3), (256, 128, 32, 6)))
 # Beside the stages and the output tile, the shared memory the row-tile GEMMs' partial tiles
 # take to change the accumulator's layout for their masked store: 16 KiB and alignment in
 # the sm_90 builds.
@@ -364,8 +366,8 @@ def wgrad_for(backend: str, dims, params):
 
 def ws_mm_fits(dims, params, config: Config) -> str | None:
     """What keeps ``config`` from the warp-specialised row-tile GEMM at these dims, or
-    ``None``: :func:`_ws_problem` (with :data:`WS_EPILOGUE_BYTES`); 8 warps on 128-row
-    tiles; ``C`` a multiple of ``BK`` (and, for ``rhs`` read transposed, ``D`` of ``BN``: no
+    ``None``: :func:`_ws_problem` (with :data:`WS_EPILOGUE_BYTES`); 8 warps on 128- or
+    256-row tiles of at most 128 x 256 accumulators; ``C`` a multiple of ``BK`` (and, for ``rhs`` read transposed, ``D`` of ``BN``: no
     slice crosses into the next group's matrix); 32-bit extents."""
     kw, eb = config.kw, params["elem_bytes"]
     m, c, d, g = dims["M"], dims["C"], dims["D"], dims["G"]
@@ -373,8 +375,8 @@ def ws_mm_fits(dims, params, config: Config) -> str | None:
     if problem := _ws_problem(config, eb, {"C": c, "D": d},
                               (stages + kw["BM"] * kw["BN"]) * eb + WS_EPILOGUE_BYTES):
         return problem
-    if config.num_warps != 8 or kw["BM"] != 128 or kw["BN"] > 256:
-        return f"8 warps on 128-row tiles at most 256 wide, not {config}"
+    if config.num_warps != 8 or kw["BM"] not in (128, 256) or kw["BM"] * kw["BN"] > 128 * 256:
+        return f"8 warps on 128- or 256-row tiles of at most 128 x 256, not {config}"
     if c % kw["BK"]:
         return f"C={c} is no multiple of BK={kw['BK']}"
     if params.get("trans_rhs") and d % kw["BN"]:
