@@ -23,15 +23,30 @@ class KernelTimes:
     calls: int
     kernels: list[tuple[str, float]]   # (kernel name, µs)
 
+    def per_call_sums(self, name_filter: Callable[[str], bool] | None = None) -> list[float]:
+        """Each call's summed kernel time, in call order; ``[]`` when there are no kernels or
+        they do not split evenly by call (then only their mean is known)."""
+        ks = [us for n, us in self.kernels if name_filter is None or name_filter(n)]
+        if not ks or self.calls <= 0 or len(ks) % self.calls:
+            return []
+        per = len(ks) // self.calls
+        return [sum(ks[i * per:(i + 1) * per]) for i in range(self.calls)]
+
     def per_call_us(self, name_filter: Callable[[str], bool] | None = None) -> float:
         """Median over calls of the summed kernel time of a call (kernels split evenly by call)."""
+        if sums := self.per_call_sums(name_filter):
+            return statistics.median(sums)
         ks = [us for n, us in self.kernels if name_filter is None or name_filter(n)]
-        if not ks or self.calls <= 0:
-            return float("nan")
-        if len(ks) % self.calls:
-            return sum(ks) / self.calls
-        per = len(ks) // self.calls
-        return statistics.median(sum(ks[i * per:(i + 1) * per]) for i in range(self.calls))
+        return sum(ks) / self.calls if ks and self.calls > 0 else float("nan")
+
+    def spread_pct(self) -> float | None:
+        """The calls' interquartile range over their median, in percent: how far apart two
+        measurements of the same work land in this run (``None`` below four even calls)."""
+        sums = self.per_call_sums()
+        if len(sums) < 4:
+            return None
+        q1, _, q3 = statistics.quantiles(sums, n=4)
+        return 100 * (q3 - q1) / statistics.median(sums)
 
     def by_name(self) -> dict[str, float]:
         """Kernel name -> µs per call (summed over the label's calls, divided by calls)."""

@@ -15,7 +15,9 @@ the profile.
 
 Writes ``DIR/peer.json``, ``DIR/peer.png`` and ``DIR/peer_summary.txt``, whose
 ``TARGET`` lines compare, per shape: each op's kernel time with TE's (ours <= TE), with
-the ``xla`` backend's, and each backward with its forward (<= 1.1x).
+the ``xla`` backend's, and each backward with its forward (<= 1.1x). Each comparison also
+gives both sides' call-to-call spread (the calls' interquartile range over their median):
+a gap smaller than it is within what reruns of the same kernel move.
 """
 from __future__ import annotations
 
@@ -136,10 +138,17 @@ def measure_shape(shape: MoEShape, te, calls: int, log) -> list[dict]:
         bw = nbytes[name] / (us * 1e-6)
         rows.append({"shape": shape.name, "model": shape.model, "T": shape.T, "H": shape.H, "E": shape.E,
                      "k": shape.k, "op": name, "impl": impl, "kernel_us": us, "bytes": nbytes[name],
-                     "pct_copy": 100 * bw / copy_bw, "copy_GBps": copy_bw / 1e9,
+                     "pct_copy": 100 * bw / copy_bw, "copy_GBps": copy_bw / 1e9, "spread_pct": t.spread_pct(),
                      "kernels_per_call": t.count_per_call(), "kernels": t.by_name()})
         log(f"{shape.name:40s} {name:26s} {impl:5s} {us:9.1f} µs  {100 * bw / copy_bw:6.1f}% of copy")
     return rows
+
+
+def _spreads(mine: dict, other: dict) -> str:
+    """Both sides' call-to-call spread (interquartile range over median), where measured: a
+    gap smaller than these is within what reruns of the same kernel move."""
+    a, b = mine.get("spread_pct"), other.get("spread_pct")
+    return "" if a is None or b is None else f"; call-to-call spread {a:.1f}% and {b:.1f}%"
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -163,7 +172,8 @@ def targets(rows: list[dict]) -> list[str]:
                     ok = ours <= other["kernel_us"]
                     lines.append(f"TARGET {'PASS' if ok else 'FAIL'} {shape} {op}: ours {ours:.1f} µs <= {peer} "
                                  f"{other['kernel_us']:.1f} µs (ratio {other['kernel_us'] / ours:.2f}x; "
-                                 f"{mine['pct_copy']:.1f}% and {other['pct_copy']:.1f}% of the device copy)")
+                                 f"{mine['pct_copy']:.1f}% and {other['pct_copy']:.1f}% of the device copy"
+                                 f"{_spreads(mine, other)})")
             fwd = by.get((shape, op[:-4] + ".fwd", "ours")) if op.endswith(".bwd") else None
             if fwd:
                 per_byte = (ours / mine["bytes"]) / (fwd["kernel_us"] / fwd["bytes"])

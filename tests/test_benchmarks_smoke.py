@@ -6,6 +6,7 @@ comparison must catch a single flipped bit.
 """
 import json
 import os
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -286,9 +287,11 @@ def test_peer_targets_compare_kernel_times_and_time_per_byte(tmp_path):
 
     rows = [row("token_combine.fwd", "ours", 10.0, 1000, 95.0), row("token_combine.fwd", "te", 9.0, 1000, 99.0),
             row("token_combine.bwd", "ours", 25.0, 2000, 80.0), row("token_combine.bwd", "te", 30.0, 2000, 70.0)]
+    rows[0]["spread_pct"], rows[1]["spread_pct"] = 0.4, 1.3  # older results carry none: no spread is shown
     lines = peer.targets(rows)
-    assert lines[0].startswith("TARGET FAIL S token_combine.fwd: ours 10.0 µs <= te 9.0 µs (ratio 0.90x; "
-                               "95.0% and 99.0% of the device copy)")
+    assert lines[0] == ("TARGET FAIL S token_combine.fwd: ours 10.0 µs <= te 9.0 µs (ratio 0.90x; "
+                        "95.0% and 99.0% of the device copy; call-to-call spread 0.4% and 1.3%)")
+    assert lines[1].endswith("80.0% and 70.0% of the device copy)")
     assert lines[1].startswith("TARGET PASS S token_combine.bwd: ours 25.0 µs <= te 30.0 µs")
     # 25 µs for 2000 bytes against 10 µs for 1000: 1.25x the forward's time per byte.
     assert lines[2].startswith("TARGET FAIL S token_combine.bwd: time per byte <= 1.1x forward's (1.25x;")
@@ -297,6 +300,19 @@ def test_peer_targets_compare_kernel_times_and_time_per_byte(tmp_path):
     assert peer.main(["--summary", str(path)]) == 0
     assert json.loads(path.read_text())["targets"] == lines
     assert (tmp_path / "peer_summary.txt").read_text() == "\n".join(lines) + "\n"
+
+def test_kernel_times_split_by_call_and_their_spread():
+    from benchmarks.kernel_timer import KernelTimes
+    t = KernelTimes("x", 4, [("a", 1.0), ("b", 9.0), ("a", 1.0), ("b", 10.0), ("a", 1.0), ("b", 11.0),
+                             ("a", 2.0), ("b", 30.0)])
+    assert t.per_call_sums() == [10.0, 11.0, 12.0, 32.0] and t.per_call_us() == 11.5
+    q1, _, q3 = statistics.quantiles([10.0, 11.0, 12.0, 32.0], n=4)
+    assert t.spread_pct() == 100 * (q3 - q1) / 11.5
+    assert t.per_call_us(lambda n: n == "a") == 1.0
+    uneven = KernelTimes("y", 2, [("a", 1.0), ("a", 2.0), ("a", 3.0)])  # kernels not split evenly by call
+    assert uneven.per_call_sums() == [] and uneven.per_call_us() == 3.0 and uneven.spread_pct() is None
+    assert KernelTimes("z", 3, [("a", 1.0)] * 3).spread_pct() is None   # fewer than four calls
+
 
 def test_wall_ms_blocks_on_every_timed_call_after_one_untimed_one():
     calls = [0]
