@@ -189,16 +189,18 @@ def _add(a, b):
 @gluon.jit
 def _row_schedule(gs_ptr, M, G: gl.constexpr, G_P2: gl.constexpr, BM: gl.constexpr, WARPS: gl.constexpr):
     """The row tiles of every group as vectors over the groups, as ``row_schedule`` makes
-    them: ``(idx, starts, ends, tiles, tile_ends, total, used)``; group ``g`` owns row tiles
-    ``[tile_ends[g] - tiles[g], tile_ends[g])``, ``total`` tiles cover the groups' rows and
-    ``used`` rows are in groups (int64: the sizes may add past 2**31)."""
+    them: ``(idx, starts, ends, tiles, tile_ends, total, used, row_tiles)``; group ``g`` owns
+    row tiles ``[tile_ends[g] - tiles[g], tile_ends[g])``, ``total`` tiles cover the groups'
+    rows, ``used`` rows are in groups (int64: the sizes may add past 2**31) and ``row_tiles``
+    tiles cover those and the rows past them (at most M / BM + G)."""
     idx, sizes = _clamped_sizes(gs_ptr, M, G, G_P2, WARPS)
     incl = gl.associative_scan(sizes, 0, _add)
     ends = gl.minimum(incl, M)
     starts = gl.minimum(incl - sizes, M)
     tiles = (ends - starts + BM - 1) // BM
     tile_ends = gl.associative_scan(tiles, 0, _add)
-    return idx, starts, ends, tiles, tile_ends, gl.sum(tiles, 0), gl.max(ends, 0)
+    total, used = gl.sum(tiles, 0), gl.max(ends, 0)
+    return idx, starts, ends, tiles, tile_ends, total, used, (total + (M - used + BM - 1) // BM).to(gl.int32)
 
 
 @gluon.jit
@@ -219,14 +221,17 @@ def _row_tile(rt, idx, starts, ends, tiles, tile_ends, total, used, BM: gl.const
 
 
 @gluon.jit
-def _swizzled(t, row_tiles, num_n: gl.constexpr, GROUP_M: gl.constexpr):
-    """Tile ``t``'s ``(row tile, column tile)``: ``GROUP_M`` row tiles at a time, column by
-    column, so that the programs in flight share ``rhs`` column slices in L2 (row by row, a
-    wide ``D`` would stream the whole ``rhs`` once per row tile)."""
+def _mm_tile(t, idx, starts, ends, tiles, tile_ends, total, used, row_tiles, num_n: gl.constexpr,
+             GROUP_M: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """Tile ``t`` of :func:`_row_schedule`'s row tiles times ``num_n`` column tiles: ``(g,
+    first row, end row, first column)``. ``GROUP_M`` row tiles at a time, column by column,
+    so that the programs in flight share ``rhs`` column slices in L2 (row by row, a wide
+    ``D`` would stream the whole ``rhs`` once per row tile)."""
     width = GROUP_M * num_n
     first = (t // width) * GROUP_M
     rows = gl.minimum(row_tiles - first, GROUP_M)
-    return first + (t % width) % rows, (t % width) // rows
+    g, r0, r1 = _row_tile(first + (t % width) % rows, idx, starts, ends, tiles, tile_ends, total, used, BM)
+    return g, r0, r1, (t % width) // rows * BN
 
 
 @gluon.jit
@@ -234,13 +239,11 @@ def _mm_loader(a_desc, b_desc, gs_ptr, M, a_bufs, b_bufs, ready, empty, C: gl.co
                G: gl.constexpr, G_P2: gl.constexpr, TRANS_RHS: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                BK: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PROGRAMS: gl.constexpr):
     num_n: gl.constexpr = (D + BN - 1) // BN
-    idx, starts, ends, tiles, tile_ends, total, used = _row_schedule(gs_ptr, M, G, G_P2, BM, 1)
-    row_tiles = (total + (M - used + BM - 1) // BM).to(gl.int32)  # at most M / BM + G
+    idx, starts, ends, tiles, tile_ends, total, used, row_tiles = _row_schedule(gs_ptr, M, G, G_P2, BM, 1)
     it = 0
     for t in range(gl.program_id(0), row_tiles * num_n, PROGRAMS):
-        rt, nt = _swizzled(t, row_tiles, num_n, GROUP_M)
-        g, r0, r1 = _row_tile(rt, idx, starts, ends, tiles, tile_ends, total, used, BM)
-        n0 = nt * BN
+        g, r0, r1, n0 = _mm_tile(t, idx, starts, ends, tiles, tile_ends, total, used, row_tiles, num_n, GROUP_M,
+                                 BM, BN)
         if g >= 0:
             for k in range(0, C, BK):
                 s = it % STAGES
@@ -263,13 +266,11 @@ def _mm_mma(out_desc, out_ptr, gs_ptr, M, a_bufs, b_bufs, cs, ready, empty, C: g
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                           instr_shape=[16, BN, 16])
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    idx, starts, ends, tiles, tile_ends, total, used = _row_schedule(gs_ptr, M, G, G_P2, BM, WARPS)
-    row_tiles = (total + (M - used + BM - 1) // BM).to(gl.int32)  # at most M / BM + G
+    idx, starts, ends, tiles, tile_ends, total, used, row_tiles = _row_schedule(gs_ptr, M, G, G_P2, BM, WARPS)
     it = 0
     for t in range(gl.program_id(0), row_tiles * num_n, PROGRAMS):
-        rt, nt = _swizzled(t, row_tiles, num_n, GROUP_M)
-        g, r0, r1 = _row_tile(rt, idx, starts, ends, tiles, tile_ends, total, used, BM)
-        n0 = nt * BN
+        g, r0, r1, n0 = _mm_tile(t, idx, starts, ends, tiles, tile_ends, total, used, row_tiles, num_n, GROUP_M,
+                                 BM, BN)
         acc = gl.zeros((BM, BN), gl.float32, acc_layout)
         if g >= 0:
             for k in range(0, C, BK):
