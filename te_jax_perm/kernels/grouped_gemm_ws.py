@@ -24,6 +24,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+# The weight gradient's block order is the pointer kernel's (a Triton function Gluon calls).
+from te_jax_perm.kernels.grouped_gemm import wgrad_tile_of
+
 # Names that Triton releases after 3.6 changed: the CTA barrier, and TMA's copies.
 _cta_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier")
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -31,21 +34,6 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 # The loader warp holds a few scalars: the fewest registers a warpgroup may be given, in
 # steps of 8, leaving the rest to the MMA warpgroups' accumulator.
 LOADER_REGS = gl.constexpr(40)
-
-
-@gluon.jit
-def _tile_of(t, num_k: gl.constexpr, num_n: gl.constexpr):
-    # The order of ``wgrad_tile_of``: consecutive blocks step along the side with fewer
-    # blocks, sharing one operand's slice while the smaller one stays in L2.
-    g = t // (num_k * num_n)
-    rest = t % (num_k * num_n)
-    if num_k < num_n:
-        tile_n = rest // num_k
-        tile_k = rest % num_k
-    else:
-        tile_k = rest // num_n
-        tile_n = rest % num_n
-    return g, tile_k, tile_n
 
 
 @gluon.jit
@@ -99,7 +87,7 @@ def _loader(x_desc, dy_desc, gs_ptr, M, xs, dys, ready, empty, K: gl.constexpr, 
     num_n: gl.constexpr = (N + BN - 1) // BN
     it = 0
     for t in range(gl.program_id(0), G * num_k * num_n, PROGRAMS):
-        g, tile_k, tile_n = _tile_of(t, num_k, num_n)
+        g, tile_k, tile_n = wgrad_tile_of(t, num_k, num_n)
         r0, r1 = _group_rows(gs_ptr, M, g, G, G_P2, 1)
         for r in range(r0, r1, BR):
             s = it % STAGES
@@ -130,7 +118,7 @@ def _mma(out_desc, gs_ptr, M, xs, dys, cs, ready, empty, K: gl.constexpr, N: gl.
                                                           instr_shape=[16, BN, 16])
     it = 0
     for t in range(gl.program_id(0), G * num_k * num_n, PROGRAMS):
-        g, tile_k, tile_n = _tile_of(t, num_k, num_n)
+        g, tile_k, tile_n = wgrad_tile_of(t, num_k, num_n)
         r0, r1 = _group_rows(gs_ptr, M, g, G, G_P2, WARPS)
         acc = gl.zeros((BK, BN), gl.float32, acc_layout)
         for r in range(r0, r1, BR):
