@@ -226,9 +226,8 @@ def hopper_mm_default(dims, params) -> Config:
     :func:`mm_default` takes 128x256 tiles and ``tma_fits`` admits it (16-byte rows; 16-bit
     operands: fp32 stages and tiles exceed shared memory), else :func:`mm_default`."""
     cfg = mm_default(dims, params)
-    if (cfg.kw["BM"], cfg.kw["BN"]) == (128, 256) and tma_fits(dims, params, HOPPER_TMA_MM) is None:
-        return HOPPER_TMA_MM
-    return cfg
+    same_tiles = all(cfg.kw[k] == HOPPER_TMA_MM.kw[k] for k in ("BM", "BN", "BK"))
+    return HOPPER_TMA_MM if same_tiles and tma_fits(dims, params, HOPPER_TMA_MM) is None else cfg
 
 
 grouped_gemm_hopper = declare(dataclasses.replace(grouped_gemm.decl, name="grouped_gemm_hopper",
