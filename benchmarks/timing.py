@@ -10,7 +10,8 @@ an op look slower. The figure per call is (wall time of the chain, blocked until
 n; we report the median over ``reps`` chains and the spread.
 
 For steps of milliseconds, whose host dispatch is negligible beside them, :func:`wall_ms`
-times plain calls instead.
+times plain calls instead, each waited for; :func:`back_to_back_ms` times calls enqueued one
+after another, as a training loop runs its steps.
 """
 from __future__ import annotations
 
@@ -126,3 +127,22 @@ def wall_ms(fn: Callable[..., Any], args: Sequence[Any], reps: int) -> list[floa
 def median_wall_ms(fn: Callable[..., Any], args: Sequence[Any], reps: int) -> float:
     """The median of :func:`wall_ms`."""
     return statistics.median(wall_ms(fn, args, reps))
+
+
+def back_to_back_ms(fn: Callable[..., Any], args: Sequence[Any], calls: int, reps: int = 3) -> float:
+    """Milliseconds per call of ``calls`` calls ``fn(*args)`` enqueued back to back, the host
+    waiting only for the last (median over ``reps`` such runs, after one untimed call that
+    compiles): a training loop's time per step, where the host enqueues a step while the
+    device still runs the one before, so the host's per-call cost (argument handling,
+    command-buffer updates) overlaps device work instead of adding to it. Each call's
+    results are dropped before the next is enqueued, so one call's buffers are live at a time."""
+    jax.block_until_ready(fn(*args))
+    calls = max(1, calls)
+    per_call = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        for _ in range(calls - 1):
+            fn(*args)
+        jax.block_until_ready(fn(*args))
+        per_call.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(per_call)

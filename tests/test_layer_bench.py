@@ -33,7 +33,7 @@ def test_cpu_smoke_run_writes_json_and_png(tmp_path):
         assert row[f"{name}_over_roofline"] == row[f"{name}_ms"] / row["roofline_ms"]
         assert row[f"pure_jax_over_{name}"] == row["pure_jax_ms"] / row[f"{name}_ms"]
     for key in ("ours_ms", "fused_ms", "pure_jax_ms", "gemm_limit_ms", "roofline_ms"):
-        assert row[key] > 0, key
+        assert row[key] > 0 and row[key.replace("_ms", "_blocking_ms")] > 0, key
     # Peak memory from XLA's buffer assignment: at least the parameters and the input.
     params_bytes = 4 * (16 * 4 + 4 * 16 * 2 * 32 + 4 * 32 * 16) + 4 * 37 * 16
     for name in ("ours", "fused", "pure_jax"):
@@ -85,6 +85,12 @@ def test_verdicts_hold_each_model_to_its_limit():
     assert layer_bench.verdicts(rows)[4] == (
         "TARGET FAIL m ours: 2.00 ms vs pure-JAX permutation 2.10 ms (1.05x; 1.20x were te_jax_perm's permutation "
         "kernels (0.25 ms of kernel time) to take none; target >= 1.1)")
+    # Beside the back-to-back steps, the same ratio over calls each waited for.
+    rows[1].update(ours_blocking_ms=2.5, gemm_limit_blocking_ms=2.0, pure_jax_blocking_ms=2.6)
+    lines = layer_bench.verdicts(rows)
+    assert lines[3] == ("TARGET FAIL m ours: step / gemm limit 1.33 (2.00 / 1.50 ms; target <= 1.25); "
+                        "calls waited for: 2.50 / 2.00 ms = 1.25")
+    assert lines[4].endswith("; target >= 1.1); calls waited for: 2.60 / 2.50 ms = 1.04")
 
 
 def test_gemm_verdicts_against_dense_speed_and_roofline():
