@@ -40,7 +40,8 @@ Per shape, the TMA comparison writes ``fwd_default_ms`` / ``dgrad_default_ms`` (
 config, named in ``default_config``), ``tma_fwd_ms`` / ``tma_dgrad_ms`` ({config: ms, or the
 error it raised}), ``tma_max_abs_diff`` ({config: largest difference from the default's
 output}) and ``best_tma_fwd_over_default`` / ``best_tma_dgrad_over_default`` (below 1: a
-TMA config is faster); where this GPU's default is not the portable one (Hopper's TMA tiles),
+TMA config is faster); where this GPU's default is not the portable one (on Hopper, TMA tiles
+or the warp-specialised forward),
 ``fwd_default_over_pointer_default`` / ``dgrad_default_over_pointer_default`` (below 1: this
 GPU's default is faster).
 """
@@ -109,9 +110,9 @@ _max_abs_diff = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.a
 # operands, its dims, the batched dot of the same problem on operands whose rows are split
 # into [G, M/G, .]).
 _STEP_GEMMS = (
-    ("fwd", lambda backend, dims: D.mm_for(backend, trans_rhs=False), lambda lhs, rhs, dout: (lhs, rhs),
+    ("fwd", lambda backend, dims: D.mm_for(backend, False, dims, {"elem_bytes": 2}), lambda lhs, rhs, dout: (lhs, rhs),
      lambda m, k, n, g: {"M": m, "C": k, "D": n, "G": g}, "gmk,gkn->gmn"),
-    ("dgrad", lambda backend, dims: D.mm_for(backend, trans_rhs=True), lambda lhs, rhs, dout: (dout, rhs),
+    ("dgrad", lambda backend, dims: D.mm_for(backend, True, dims, {"elem_bytes": 2}), lambda lhs, rhs, dout: (dout, rhs),
      lambda m, k, n, g: {"M": m, "C": n, "D": k, "G": g}, "gmn,gkn->gmk"),
     ("wgrad", lambda backend, dims: D.wgrad_for(backend, dims, {"elem_bytes": 2}), lambda lhs, rhs, dout: (lhs, dout),
      lambda m, k, n, g: {"M": m, "K": k, "N": n, "G": g}, "gmk,gmn->gkn"),
@@ -167,13 +168,16 @@ def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.A
     """The forward and the input gradient, each on its default config and on each of
     ``configs`` the shape admits (:func:`against_default`)."""
     r: dict[str, Any] = {"default_config": {}, "tma_max_abs_diff": {}}
+    portable = {"fwd": D.grouped_gemm, "dgrad": D.grouped_gemm_rhs_t}
     for what, prim, operands, dims, _ in _step_gemms(lhs, rhs, dout, backend, ("fwd", "dgrad")):
         default, r[f"{what}_default_ms"], r[f"tma_{what}_ms"], diffs = against_default(
-            prim, (*operands, sizes), dims, configs, backend, reps)
-        r["default_config"][what] = str(default)
+            portable[what], (*operands, sizes), dims, configs, backend, reps, baseline=prim)
+        r["default_config"][what] = f"{prim.decl.name} {default}"
         pointer = D.mm_default(dims, {"elem_bytes": 2})
-        if pointer != default:  # this GPU's default (Hopper's TMA tiles) against the portable one
-            ms = median_wall_ms(_jitted(prim, pointer, backend), (*operands, sizes), reps)
+        if (prim, default) != (portable[what], pointer):
+            # This GPU's default (on Hopper: TMA tiles, or the warp-specialised forward)
+            # against the portable one.
+            ms = median_wall_ms(_jitted(portable[what], pointer, backend), (*operands, sizes), reps)
             r[f"{what}_default_over_pointer_default"] = r[f"{what}_default_ms"] / ms
         r["tma_max_abs_diff"].update({f"{what} {c}": d for c, d in diffs.items()})
         if (best := _best_over(r[f"tma_{what}_ms"], r[f"{what}_default_ms"])) is not None:

@@ -220,12 +220,8 @@ def test_gpu_grouped_gemm_matches_reference(impl, sizes):
         pytest.skip("tokamax is not installed")
     m = (sum(sizes) + 200 + 63) // 64 * 64  # tokamax's Mosaic kernel needs M in whole 64-row tiles
     lhs, rhs, gs, dout = _problem(m, 256, 384, sizes, "bfloat16", seed=5)
-    if impl == "triton":  # on Hopper these dims take the TMA default, forward and input gradient
-        from te_jax_perm.core.triton_backend import compute_capability
-        hopper = compute_capability() == 90
-        for trans_rhs, dims in ((False, {"M": m, "C": 256, "D": 384, "G": 5}), (True, {"M": m, "C": 384, "D": 256, "G": 5})):
-            cfg = D.mm_for("triton", trans_rhs).decl.default_config(dims, {"elem_bytes": 2})
-            assert (cfg == D.HOPPER_TMA_MM) == hopper, (trans_rhs, cfg)
+    if impl == "triton":  # on Hopper: the warp-specialised forward, the input gradient on TMA tiles
+        _assert_hopper_defaults(m, 256, 384, 5)
     f = jax.jit(lambda a, b, d: jax.vjp(lambda a, b: grouped_matmul(a, b, gs, impl=impl), a, b)[1](d))
     out = jax.jit(lambda a, b: grouped_matmul(a, b, gs, impl=impl))(lhs, rhs)
     clean = jnp.nan_to_num(lhs)
@@ -550,7 +546,7 @@ def test_hopper_row_tile_default_and_selection(monkeypatch):
     portable default takes 128x256 tiles and descriptors fit, else to the portable default;
     their Hopper declarations are picked only on the triton backend of a 9.0 GPU."""
     from te_jax_perm.core import triton_backend
-    big, bf16 = {"M": 8192, "C": 4096, "D": 2048, "G": 32}, {"elem_bytes": 2}
+    big, bf16 = {"M": 8192, "C": 4096, "D": 2048, "G": 8}, {"elem_bytes": 2}   # 1024 rows a group
     assert D.hopper_mm_default(big, bf16) == D.HOPPER_TMA_MM and D.HOPPER_TMA_MM in D.TMA_CONFIGS
     assert D.grouped_gemm_hopper.decl.default_config(big, bf16) == D.HOPPER_TMA_MM
     assert D.grouped_gemm_rhs_t_hopper.decl.default_config(big, bf16) == D.HOPPER_TMA_MM
@@ -567,7 +563,20 @@ def test_hopper_row_tile_default_and_selection(monkeypatch):
                              (90, "interpret", False), (90, "xla", False)]:
         monkeypatch.setattr(triton_backend, "compute_capability", lambda: cc)
         want = (D.grouped_gemm_hopper, D.grouped_gemm_rhs_t_hopper) if hop else (D.grouped_gemm, D.grouped_gemm_rhs_t)
-        assert (D.mm_for(backend, trans_rhs=False), D.mm_for(backend, trans_rhs=True)) == want, (cc, backend)
+        got = tuple(D.mm_for(backend, t, big, bf16) for t in (False, True))
+        assert got == want, (cc, backend)
+        # A few hundred rows a group and a reduction of at most 4096 (Qwen3-235B's expert
+        # GEMMs): the warp-specialised forward on Hopper; the input gradient stays on TMA tiles.
+        qwen3 = {"M": 65536, "C": 4096, "D": 3072, "G": 128}
+        got = tuple(D.mm_for(backend, t, qwen3, bf16) for t in (False, True))
+        assert got == ((D.grouped_gemm_ws, D.grouped_gemm_rhs_t_hopper) if hop else want), (cc, backend)
+    assert D.ws_forward_wins({"M": 65536, "C": 1536, "D": 4096, "G": 128}, bf16)      # Qwen3's down-projection
+    assert D.ws_forward_wins({"M": 65536, "C": 2048, "D": 7168, "G": 256}, bf16)      # DeepSeek-V3's
+    for dims, params in [({"M": 65536, "C": 7168, "D": 4096, "G": 256}, bf16),       # DeepSeek-V3 up: long reduction
+                         ({"M": 16384, "C": 4096, "D": 28672, "G": 8}, bf16),        # Mixtral: 2048 rows a group
+                         ({"M": 65536, "C": 4096, "D": 3072, "G": 128}, {"elem_bytes": 4}),  # fp32
+                         ({"M": 65536, "C": 4000, "D": 3072, "G": 128}, bf16)]:      # C no multiple of BK=64
+        assert not D.ws_forward_wins(dims, params), (dims, params)
 
 
 def test_ws_wgrad_is_refused_by_the_interpreter_by_name():
@@ -647,22 +656,40 @@ def test_gpu_ws_row_tile_gemms_match_reference():
 @pytest.mark.gpu
 def test_gpu_default_row_tile_gemms_on_hostile_sizes():
     """The forward and input gradient as ``grouped_matmul`` runs them on this GPU, on their
-    default config (on Hopper, 128x256 TMA tiles in 132 persistent programs), at the sizes
-    the warp-specialised test takes: NaN garbage past the groups, empty groups, partial last
-    tiles, sizes negative or near 2**31; forward and VJP (in the hostile memcheck list)."""
-    from te_jax_perm.core import triton_backend
+    default config (on Hopper, the warp-specialised forward and 128x256 TMA tiles in 132
+    persistent programs), at the sizes the warp-specialised test takes: NaN garbage past the
+    groups, empty groups, partial last tiles, sizes negative or near 2**31; forward and VJP
+    (in the hostile memcheck list)."""
     m, k, n = WS_DIMS
-    for trans_rhs, dims in ((False, {"M": m, "C": k, "D": n, "G": 5}), (True, {"M": m, "C": n, "D": k, "G": 5})):
-        cfg = D.mm_for("triton", trans_rhs).decl.default_config(dims, {"elem_bytes": 2})
-        assert (cfg == D.HOPPER_TMA_MM) == (triton_backend.compute_capability() == 90), cfg
+    hopper = _assert_hopper_defaults(m, k, n, 5)
     f = jax.jit(lambda a, b, s, d: jax.vjp(lambda a, b: grouped_matmul(a, b, s, impl="triton"), a, b)[1](d))
+    # On Hopper the forward here runs the warp-specialised kernel: its TMA-tile declaration,
+    # the default at other sizes, runs these sizes too.
+    tma_fwd = jax.jit(lambda a, b, s: D.grouped_gemm_hopper(a, b, s, backend="triton", elem_bytes=2)[0])
     for sizes in WS_SIZES:
         (lhs, rhs, gs, dout), (want, want_dlhs, want_drhs) = _hostile_problem(sizes, seed=9)
         out = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, impl="triton"))(lhs, rhs, gs)
         _close(out, want, "bfloat16", f"forward {sizes}")
+        if hopper:
+            _close(tma_fwd(lhs, rhs, gs), want, "bfloat16", f"TMA forward {sizes}")
         dlhs, drhs = f(lhs, rhs, gs, dout)
         _close(dlhs, want_dlhs, "bfloat16", f"input gradient {sizes}")
         _close(drhs, want_drhs, "bfloat16", f"weight gradient {sizes}")
+
+
+def _assert_hopper_defaults(m: int, k: int, n: int, g: int) -> bool:
+    """Asserts what ``grouped_matmul`` runs at ``[m, k] x [g, k, n]`` on this GPU (on
+    Hopper, where these few rows a group make it so: the warp-specialised forward on its
+    default config and the input gradient on TMA 128x256 tiles; elsewhere the portable
+    kernels on their defaults); returns whether this GPU is a Hopper."""
+    from te_jax_perm.core import triton_backend
+    hopper, bf16 = triton_backend.compute_capability() == 90, {"elem_bytes": 2}
+    fwd_dims, dgrad_dims = {"M": m, "C": k, "D": n, "G": g}, {"M": m, "C": n, "D": k, "G": g}
+    fwd, dgrad = D.mm_for("triton", False, fwd_dims, bf16), D.mm_for("triton", True, dgrad_dims, bf16)
+    assert D.ws_forward_wins(fwd_dims, bf16)
+    assert fwd is (D.grouped_gemm_ws if hopper else D.grouped_gemm), fwd.decl.name
+    assert (dgrad.decl.default_config(dgrad_dims, bf16) == D.HOPPER_TMA_MM) == hopper, dgrad.decl.name
+    return hopper
 
 
 def _skip_unless_hopper():

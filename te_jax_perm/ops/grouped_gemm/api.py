@@ -10,8 +10,9 @@ Three implementations, one result:
   launch per GEMM whose tile schedule is computed on the device from ``group_sizes``, the
   input gradient reads ``rhs`` transposed in place, the weight gradient reduces each
   group's rows. On a Hopper GPU the forward and input gradient move 128x256 tiles by TMA
-  where they fit (:func:`~te_jax_perm.ops.grouped_gemm.decl.mm_for`) and the weight gradient
-  of 16-bit operands is warp-specialised (:func:`~te_jax_perm.ops.grouped_gemm.decl.wgrad_for`).
+  where they fit, the forward of a few hundred rows a group is warp-specialised
+  (:func:`~te_jax_perm.ops.grouped_gemm.decl.mm_for`), and so is the weight gradient of
+  16-bit operands (:func:`~te_jax_perm.ops.grouped_gemm.decl.wgrad_for`).
   Runs on the op backend in effect (``triton`` on GPUs); :func:`grouped_gemm_triton` names
   the backend (``"interpret"`` on CPU for tests).
 * ``"tokamax"``: tokamax's ``ragged_dot`` (Pallas Mosaic GPU kernels for Hopper/Blackwell,
@@ -199,10 +200,14 @@ def _gemms(impl: str) -> tuple[Gemm, Gemm, Gemm]:
             return prim(a, b, group_sizes, backend=impl, **params)[0].astype(out_dtype)
         return gemm
 
+    def row_tile(trans_rhs: bool):
+        base = D.grouped_gemm_rhs_t if trans_rhs else D.grouped_gemm
+        return lambda a, b, group_sizes, params: D.mm_for(impl, trans_rhs, bind_dims(base.decl, [a, b, group_sizes]),
+                                                          params)
+
     def wgrad(a, b, group_sizes, params):
         return D.wgrad_for(impl, bind_dims(D.grouped_gemm_wgrad.decl, [a, b, group_sizes]), params)
-    return (kernel(lambda *args: D.mm_for(impl, trans_rhs=False)), kernel(lambda *args: D.mm_for(impl, trans_rhs=True)),
-            kernel(wgrad))
+    return kernel(row_tile(False)), kernel(row_tile(True)), kernel(wgrad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

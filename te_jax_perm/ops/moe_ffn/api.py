@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax_perm.core import resolve_backend
+from te_jax_perm.core.launch import bind_dims
 from te_jax_perm.ops import _checks
 from te_jax_perm.ops.grouped_gemm import decl as GD
 from te_jax_perm.ops.grouped_gemm.api import KERNEL_DTYPES
@@ -153,7 +154,9 @@ def _bwd(activation, backend, res, dy):
     (dh,) = act_vjp((da_unscaled * p[:, None]).astype(x.dtype))
     # First GEMM and dispatch: each row's input gradient, summed into its token with the
     # probability gradients moved alongside (one gather, fixed order).
-    (dx_rows,) = GD.mm_for(backend, trans_rhs=True)(dh, w_in, group_sizes, **kw)
+    dgrad = GD.mm_for(backend, True, bind_dims(GD.grouped_gemm_rhs_t.decl, [dh, w_in, group_sizes]),
+                      {"elem_bytes": kw["elem_bytes"]})
+    (dx_rows,) = dgrad(dh, w_in, group_sizes, **kw)
     (dw_in,) = D.moe_gather_wgrad(x, dh, group_sizes, owner, **kw)
     dx, dprobs = P.permute_bwd_probs(dx_rows, rid, unread_pad(w_in.shape[0]), dprobs_rows.astype(probs.dtype),
                                      backend=backend, padded=False)
