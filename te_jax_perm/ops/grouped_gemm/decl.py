@@ -415,7 +415,8 @@ def ws_forward_wins(dims, params) -> bool:
     which must fit): a few hundred rows a group (top-8 routing over 128 or 256 experts) and
     a reduction of at most 4096. On an H100, in a training step of the whole layer, it took
     3-4% less forward kernel time than the TMA default at Qwen3-235B's two expert GEMMs and
-    DeepSeek-V3's down-projection; at DeepSeek-V3's up-projection (a 7168 reduction) it
-    was 7-23% slower, and with thousands of rows a group (Mixtral's) 0-5% slower."""
+    DeepSeek-V3's down-projection. In the grouped-GEMM benchmark it was 13-23% slower at
+    DeepSeek-V3's up-projection (a 7168 reduction) and 0-5% slower with thousands of rows a
+    group (Mixtral's)."""
     return (dims["M"] <= 512 * max(dims["G"], 1) and dims["C"] <= 4096
             and ws_mm_fits(dims, {**params, "trans_rhs": False}, WS_MM_CONFIGS[0]) is None)
