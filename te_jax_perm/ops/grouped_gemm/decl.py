@@ -418,5 +418,6 @@ def ws_forward_wins(dims, params) -> bool:
     DeepSeek-V3's down-projection. In the grouped-GEMM benchmark it was 13-23% slower at
     DeepSeek-V3's up-projection (a 7168 reduction) and 0-5% slower with thousands of rows a
     group (Mixtral's)."""
+    decl = grouped_gemm_ws.decl
     return (dims["M"] <= 512 * max(dims["G"], 1) and dims["C"] <= 4096
-            and ws_mm_fits(dims, {**params, "trans_rhs": False}, WS_MM_CONFIGS[0]) is None)
+            and decl.violated(dims, params, decl.default_config(dims, params)) is None)
