@@ -460,3 +460,29 @@ def test_layer_gemm_row_at_deepseek_v3_holds_no_float32_copy_of_the_weights():
                 jaxpr = jax.make_jaxpr(fn)(lhs, rhs[name])
                 assert not wide_arrays(jaxpr, weights), (name, wide_arrays(jaxpr, weights))
             assert jaxpr.out_avals[-1].shape == rhs[name].shape and jaxpr.out_avals[-1].dtype == jnp.bfloat16
+
+
+def test_ncu_movers_summary_groups_launches_by_shape_and_compares_time_per_byte():
+    from benchmarks import ncu_movers as N
+    cols = ["ID", "Kernel Name", N._TIME, N._PCT, N._READ, N._WRITE]
+
+    def row(i, kernel, ns, pct, rd, wr):
+        return ",".join(f'"{v}"' for v in (i, kernel, f"{ns:,}", pct, f"{rd:,}", f"{wr:,}"))
+    lines = [f"{N.SHAPE_MARK}A", f"{N.SHAPE_MARK}B", ",".join(f'"{c}"' for c in cols), '"","","nsecond","%","byte","byte"']
+    i = 0
+    for scale in (1, 2):      # two shapes: fwd, fwd, bwd, copy each (a kernel launched twice is averaged)
+        for kernel, ns, rd, wr in (("unpermute_weighted_kernel(...)", 100_000, 900, 100),
+                                   ("unpermute_weighted_kernel(...)", 100_000, 900, 100),
+                                   ("unpermute_bwd_weighted_kernel", 220_000, 1000, 1000),
+                                   ("some_other_kernel", 5_000, 1, 1),
+                                   ("device_copy_kernel", 200_000 * scale, 1000, 1000)):
+            lines.append(row(i, kernel, ns, 80.0, rd, wr))
+            i += 1
+    rows, names = N.read_rows(lines)
+    assert names == ["A", "B"] and len(rows) == 8 and {r["kernel"] for r in rows} == set(N.KERNELS)
+    out = N.summarize(rows, names)
+    # bwd: 220 us / 2000 B; fwd: 100 us / 1000 B -> 1.1; copy: 200 (A) or 400 (B) us / 2000 B.
+    assert "A: combine.bwd time per DRAM byte / the forward's: 1.100" in out
+    assert "A: combine.bwd time per DRAM byte / the copy's: 1.100" in out
+    assert "B: combine.bwd time per DRAM byte / the copy's: 0.550" in out
+    assert sum(l.startswith("B: ") for l in out) == 5
