@@ -9,7 +9,8 @@ outputs and temporaries) of the variants below. A step's time (``<name>_ms``) is
 steps enqueued back to back, as a training loop runs them: the host prepares a step while
 the device runs the one before. ``<name>_blocking_ms`` is the time of a call waited for,
 which adds the host's time before the device starts (about 0.4-0.9 ms at these sizes on an
-H100 host) to every step.
+H100 host) to every step. The variants and the GEMM limit are timed in turns
+(``benchmarks.timing.interleaved_ms``), so that their ratios are taken at the same GPU clock.
 
 * ``ours``: ``token_dispatch`` -> grouped GEMM experts -> ``token_combine`` (the layer of
   ``examples/moe_permute.py``, imported from it);
@@ -71,7 +72,7 @@ import numpy as np
 from benchmarks import gemm_problems, trace_stats
 from benchmarks.gemm_problems import GemmShape
 from benchmarks.shapes import by_substrings
-from benchmarks.timing import back_to_back_ms, median_wall_ms
+from benchmarks.timing import interleaved_ms, median_wall_ms
 from examples import moe_permute as example
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops.grouped_gemm.api import default_impl, grouped_matmul, tokamax_available
@@ -354,7 +355,7 @@ def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, ste
         except Exception as e:  # noqa: BLE001 - e.g. a buffer assignment that cannot fit the device
             row[f"{name}_peak_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     # Same function, permuted other ways: the loss and every gradient must agree before times mean anything.
-    want = None
+    want, timed = None, {}
     for name in ("pure_jax", *VARIANTS):
         try:
             got = jax.device_get(steps_by_name[name](params, x))
@@ -363,19 +364,25 @@ def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, ste
             else:
                 row[f"{name}_vs_pure_jax_max_rel_diff"] = _max_rel_diff(got, want)
             del got
-            row[f"{name}_ms"], row[f"{name}_blocking_ms"] = step_ms(steps_by_name[name], (params, x), steps)
+            timed[name] = (steps_by_name[name], (params, x))
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: the row says so, the others go on
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     del want
+    timed["gemm_limit"] = dense_ffn_step(cfg)
+    try:
+        # In turns: a ratio of two steps is taken at the same GPU clock (timing.interleaved_ms).
+        for name, (b2b, waited) in interleaved_ms(timed, steps).items():
+            row[f"{name}_ms"], row[f"{name}_blocking_ms"] = b2b, waited
+    except Exception as e:  # noqa: BLE001 - the row says why instead of failing the run
+        for name in timed:
+            row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     if profile:
         for name in VARIANTS:
             try:
                 row[f"{name}_profile"] = kernel_share(steps_by_name[name], (params, x))
             except Exception as e:  # noqa: BLE001 - the row says why instead of failing the run
                 row[f"{name}_profile"] = {"error": f"{type(e).__name__}: {e}"}
-    del params, x
-    dense_step, dense_args = dense_ffn_step(cfg)
-    row["gemm_limit_ms"], row["gemm_limit_blocking_ms"] = step_ms(dense_step, dense_args, steps)
+    del params, x, timed
     if copy_gbps:
         row["roofline_ms"] = roofline_ms(row["gemm_limit_ms"], row["gemm_bytes_per_step"], copy_gbps)
         row["roofline_blocking_ms"] = roofline_ms(row["gemm_limit_blocking_ms"], row["gemm_bytes_per_step"], copy_gbps)
@@ -391,14 +398,6 @@ def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, ste
                 if perm is not None:
                     row[f"pure_jax_over_{name}_free_permutation"] = row["pure_jax_ms"] / (row[f"{name}_ms"] - perm)
     return row
-
-
-def step_ms(step: Callable, args: tuple, steps: int) -> tuple[float, float]:
-    """A step's time as a training loop sees it, ``steps`` calls enqueued back to back (the
-    host prepares one step while the device runs the one before), and the median of
-    ``steps`` calls each waited for, whose host time before the device starts adds to
-    every call."""
-    return back_to_back_ms(step, args, steps), median_wall_ms(step, args, steps)
 
 
 def _verdict(ok: bool, what: str) -> str:

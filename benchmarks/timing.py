@@ -11,7 +11,9 @@ n; we report the median over ``reps`` chains and the spread.
 
 For steps of milliseconds, whose host dispatch is negligible beside them, :func:`wall_ms`
 times plain calls instead, each waited for; :func:`back_to_back_ms` times calls enqueued one
-after another, as a training loop runs its steps.
+after another, as a training loop runs its steps; :func:`interleaved_ms` times several steps
+both ways in turns, so that a ratio of two of them is taken at the same GPU temperature and
+clock (a busy GPU's steps slow down by a few percent over seconds of work).
 """
 from __future__ import annotations
 
@@ -146,3 +148,34 @@ def back_to_back_ms(fn: Callable[..., Any], args: Sequence[Any], calls: int, rep
         jax.block_until_ready(fn(*args))
         per_call.append((time.perf_counter() - t0) * 1e3 / calls)
     return statistics.median(per_call)
+
+
+def interleaved_ms(fns: dict[str, tuple[Callable[..., Any], Sequence[Any]]], calls: int,
+                   rounds: int = 3) -> dict[str, tuple[float, float]]:
+    """``name -> (back-to-back ms, waited-for ms)`` per call of each ``fn(*args)``, timed in
+    ``rounds`` turns: every turn runs each function's ``calls`` calls back to back once and
+    then ``calls`` calls each waited for, the functions in an order rotated by one each turn.
+    Back-to-back: the median over turns of :func:`back_to_back_ms`'s figure; waited for: the
+    median of every waited-for call. Sustained load heats a GPU and lowers its clock within
+    seconds (steps of one function 3% slower after a few seconds of back-to-back steps on an
+    H100), so functions timed one after another would be timed at different clocks; in
+    turns each sees the same mix."""
+    names = list(fns)
+    for fn, args in fns.values():
+        jax.block_until_ready(fn(*args))  # compiles, outside the timing
+    b2b: dict[str, list[float]] = {n: [] for n in names}
+    waited: dict[str, list[float]] = {n: [] for n in names}
+    calls = max(1, calls)
+    for r in range(max(1, rounds)):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn, args = fns[name]
+            t0 = time.perf_counter()
+            for _ in range(calls - 1):
+                fn(*args)
+            jax.block_until_ready(fn(*args))
+            b2b[name].append((time.perf_counter() - t0) * 1e3 / calls)
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                waited[name].append((time.perf_counter() - t0) * 1e3)
+    return {n: (statistics.median(b2b[n]), statistics.median(waited[n])) for n in names}

@@ -486,3 +486,25 @@ def test_ncu_movers_summary_groups_launches_by_shape_and_compares_time_per_byte(
     assert "A: combine.bwd time per DRAM byte / the copy's: 1.100" in out
     assert "B: combine.bwd time per DRAM byte / the copy's: 0.550" in out
     assert sum(l.startswith("B: ") for l in out) == 5
+
+
+def test_interleaved_ms_times_every_function_in_rotating_turns(monkeypatch):
+    order = []
+
+    def op(tag):
+        def f(x):
+            jax.debug.callback(lambda: order.append(tag))
+            return x + 1
+        return jax.jit(f)
+
+    fns = {"a": (op("a"), (jnp.zeros(3),)), "b": (op("b"), (jnp.zeros(3),)), "c": (op("c"), (jnp.zeros(3),))}
+    out = timing.interleaved_ms(fns, calls=2, rounds=3)
+    jax.effects_barrier()
+    assert set(out) == {"a", "b", "c"} and all(b2b > 0 and waited > 0 for b2b, waited in out.values())
+    # One compiling call each, then per turn each function's 2 back-to-back and 2 waited-for calls,
+    # the turns starting at a, then b, then c.
+    runs = order[3:]
+    assert order[:3] == ["a", "b", "c"] and len(runs) == 3 * 3 * 4
+    starts = [runs[i] for i in range(0, len(runs), 12)]
+    assert starts == ["a", "b", "c"]
+    assert runs[:12] == ["a"] * 4 + ["b"] * 4 + ["c"] * 4
