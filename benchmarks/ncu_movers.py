@@ -10,8 +10,8 @@ dram__bytes_write.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__
 forward's and backward's main kernels on the operands the ops hand them (default configs),
 then our Triton device copy of about the backward's bytes, each twice after compiling.
 ``summarize`` reads ncu's CSV and prints, per shape, each kernel's time, DRAM bytes read and
-written, DRAM throughput as a share of its peak, and two ratios: the backward's time per
-DRAM byte over the forward's, and over the copy's. The combine backward writes almost as
+written, DRAM throughput as a share of its peak, and three ratios of time per DRAM byte: the
+backward's over the forward's and over the copy's, and the copy's over the forward's. The combine backward writes almost as
 many bytes as it reads and the forward mostly reads; where the backward moves its bytes as
 fast as a copy does, no kernel with its reads and writes can come closer to the forward's
 time per byte.
@@ -25,8 +25,8 @@ from typing import Iterable
 
 KERNELS = {"unpermute_weighted_kernel": "combine.fwd", "unpermute_bwd_weighted_kernel": "combine.bwd",
            "device_copy_kernel": "copy"}
-_TIME, _PCT = "gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed"
-_READ, _WRITE = "dram__bytes_read.sum", "dram__bytes_write.sum"
+TIME, DRAM_PCT = "gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed"
+READ, WRITE = "dram__bytes_read.sum", "dram__bytes_write.sum"
 SHAPE_MARK = "ncu_movers shape: "
 
 
@@ -88,8 +88,8 @@ def read_rows(lines: Iterable[str]) -> tuple[list[dict], list[str]]:
             kernel = next((k for k in KERNELS if name.startswith(k)), None)
             if kernel:
                 # gpu__time_duration is in ns in the raw page.
-                rows.append({"kernel": kernel, "us": _number(d[_TIME]) / 1e3, "dram_pct": _number(d[_PCT]),
-                             "read_bytes": _number(d[_READ]), "write_bytes": _number(d[_WRITE])})
+                rows.append({"kernel": kernel, "us": _number(d[TIME]) / 1e3, "dram_pct": _number(d[DRAM_PCT]),
+                             "read_bytes": _number(d[READ]), "write_bytes": _number(d[WRITE])})
     return rows, names
 
 
@@ -114,10 +114,12 @@ def summarize(rows: list[dict], names: list[str] = ()) -> list[str]:
             lines.append(f"{shape}: {KERNELS[k]:12s} {m['us']:9.1f} us, DRAM read {m['read_bytes'] / 1e6:8.1f} MB "
                          f"write {m['write_bytes'] / 1e6:8.1f} MB, {total / m['us'] / 1e6:5.2f} TB/s, "
                          f"{m['dram_pct']:5.1f}% of DRAM peak")
-        bwd = per_byte.get("unpermute_bwd_weighted_kernel")
-        for other, label in (("unpermute_weighted_kernel", "forward's"), ("device_copy_kernel", "copy's")):
-            if bwd and other in per_byte:
-                lines.append(f"{shape}: combine.bwd time per DRAM byte / the {label}: {bwd / per_byte[other]:.3f}")
+        fwd, bwd, copy = (per_byte.get(k) for k in KERNELS)
+        for mine, other, what in ((bwd, fwd, "combine.bwd time per DRAM byte / the forward's"),
+                                  (bwd, copy, "combine.bwd time per DRAM byte / the copy's"),
+                                  (copy, fwd, "copy time per DRAM byte / the forward's")):
+            if mine and other:
+                lines.append(f"{shape}: {what}: {mine / other:.3f}")
     return lines
 
 

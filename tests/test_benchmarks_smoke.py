@@ -464,7 +464,7 @@ def test_layer_gemm_row_at_deepseek_v3_holds_no_float32_copy_of_the_weights():
 
 def test_ncu_movers_summary_groups_launches_by_shape_and_compares_time_per_byte():
     from benchmarks import ncu_movers as N
-    cols = ["ID", "Kernel Name", N._TIME, N._PCT, N._READ, N._WRITE]
+    cols = ["ID", "Kernel Name", N.TIME, N.DRAM_PCT, N.READ, N.WRITE]
 
     def row(i, kernel, ns, pct, rd, wr):
         return ",".join(f'"{v}"' for v in (i, kernel, f"{ns:,}", pct, f"{rd:,}", f"{wr:,}"))
@@ -485,7 +485,8 @@ def test_ncu_movers_summary_groups_launches_by_shape_and_compares_time_per_byte(
     assert "A: combine.bwd time per DRAM byte / the forward's: 1.100" in out
     assert "A: combine.bwd time per DRAM byte / the copy's: 1.100" in out
     assert "B: combine.bwd time per DRAM byte / the copy's: 0.550" in out
-    assert sum(l.startswith("B: ") for l in out) == 5
+    assert "B: copy time per DRAM byte / the forward's: 2.000" in out
+    assert sum(l.startswith("B: ") for l in out) == 6
 
 
 def test_interleaved_ms_times_every_function_in_rotating_turns(monkeypatch):
