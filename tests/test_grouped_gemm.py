@@ -451,6 +451,36 @@ def test_tma_wgrad_matches_numpy(on_cpu, descriptor_count, m, k, n, sizes, progr
     assert descriptor_count["create_descriptor_load"] == 2 * blocks * _group_blocks(m, sizes, 8)
 
 
+def test_split_store_writes_whole_tiles_in_two_halves(on_cpu, monkeypatch):
+    """Hopper's input-gradient default stores a whole 128x256 tile as two 128x128 halves:
+    through the interpreter, on tiles wholly inside a group (stored by descriptor) and on a
+    group's partial last tile (masked), the result equals the reference, the rows past the
+    groups are zero, and every whole tile took two descriptor stores."""
+    from triton.runtime.interpreter import InterpreterBuilder
+    stores = collections.Counter()
+    orig = InterpreterBuilder.create_descriptor_store
+
+    def counting(self, *args, **kwargs):
+        stores["n"] += 1
+        return orig(self, *args, **kwargs)
+    monkeypatch.setattr(InterpreterBuilder, "create_descriptor_store", counting)
+    rng = np.random.default_rng(5)
+    m, c, d, sizes = 420, 64, 256, [300, 0, 100]    # whole tiles: rows 0-255 of group 0
+    dout = jnp.asarray(rng.standard_normal((m, c)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((3, d, c)) / 8, jnp.bfloat16)
+    cfg = Config.make(8, 4, **{**D.HOPPER_TMA_DGRAD.kw, "PROGRAMS": 4})
+    assert cfg.kw["SPLIT_STORE"] and D.grouped_gemm_rhs_t.decl.violated({"M": m, "C": c, "D": d, "G": 3},
+                                                                        {"elem_bytes": 2}, cfg) is None
+    (got,) = D.grouped_gemm_rhs_t(dout, rhs, jnp.asarray(sizes, jnp.int32), backend="interpret", config=cfg,
+                                  elem_bytes=2)
+    got = np.asarray(got, np.float32)
+    want = grouped_matmul_reference(np.asarray(dout, np.float32),
+                                    np.swapaxes(np.asarray(rhs, np.float32), 1, 2), sizes)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=5e-2)
+    assert not got[400:].any()
+    assert stores["n"] == 2 * 2    # group 0's two whole 128-row tiles, one column tile each
+
+
 def test_tma_configs_of_the_space_in_bf16_under_jit(on_cpu, descriptor_count):
     """Every TMA config of the tuning space, as the tuner would run it (132 programs, full
     tiles), bf16 with traced sizes: the rows past the groups come out zero, not poison."""
@@ -470,7 +500,7 @@ def test_tma_configs_of_the_space_in_bf16_under_jit(on_cpu, descriptor_count):
         out = np.asarray(f(lhs, rhs, jnp.asarray(sizes, jnp.int32)), np.float32)
         np.testing.assert_allclose(out, ref, rtol=2e-2, atol=5e-2, err_msg=str(cfg))
         assert not out[160:].any(), cfg
-    assert len(ran) == 4 and descriptor_count  # BM x BN, each on the TMA path
+    assert len(ran) == 5 and descriptor_count  # BM x BN, and 128 x 256 stored in halves, each on the TMA path
 
 
 def test_tma_configs_are_pruned_where_descriptors_cannot_run():
@@ -549,13 +579,18 @@ def test_hopper_row_tile_default_and_selection(monkeypatch):
     big, bf16 = {"M": 8192, "C": 4096, "D": 2048, "G": 8}, {"elem_bytes": 2}   # 1024 rows a group
     assert D.hopper_mm_default(big, bf16) == D.HOPPER_TMA_MM and D.HOPPER_TMA_MM in D.TMA_CONFIGS
     assert D.grouped_gemm_hopper.decl.default_config(big, bf16) == D.HOPPER_TMA_MM
-    assert D.grouped_gemm_rhs_t_hopper.decl.default_config(big, bf16) == D.HOPPER_TMA_MM
+    # The input gradient: the same tiles stored in halves, with a fourth stage.
+    assert D.grouped_gemm_rhs_t_hopper.decl.default_config(big, bf16) == D.HOPPER_TMA_DGRAD
+    assert D.HOPPER_TMA_DGRAD in D.TMA_CONFIGS and D.HOPPER_TMA_DGRAD.kw["SPLIT_STORE"]
+    assert D.grouped_gemm_rhs_t.decl.violated(big, bf16, D.HOPPER_TMA_DGRAD) is None
+    assert D.grouped_gemm_rhs_t.decl.violated(big, bf16, Config.make(8, 4, **D.HOPPER_TMA_MM.kw))  # no room unsplit
     for dims, params in [(big, {"elem_bytes": 4}),               # fp32 stages exceed shared memory
                          ({**big, "M": 2048}, bf16),              # 64-row tiles
                          ({**big, "D": 192}, bf16),               # 128-column tiles
                          ({**big, "C": 4100}, bf16)]:             # rows of no 16-byte multiple
         assert D.hopper_mm_default(dims, params) == D.mm_default(dims, params), (dims, params)
         assert not D.hopper_mm_default(dims, params).kw.get("TMA", False)
+        assert D.hopper_dgrad_default(dims, params) == D.mm_default(dims, params), (dims, params)
     for name in ("grouped_gemm", "grouped_gemm_rhs_t"):  # the same kernel and tuning space
         base, hopper = getattr(D, name).decl, getattr(D, name + "_hopper").decl
         assert (hopper.kernel, hopper.configs, hopper.operands) == (base.kernel, base.configs, base.operands)
@@ -680,7 +715,7 @@ def test_gpu_default_row_tile_gemms_on_hostile_sizes():
 def _assert_hopper_defaults(m: int, k: int, n: int, g: int) -> bool:
     """Asserts what ``grouped_matmul`` runs at ``[m, k] x [g, k, n]`` on this GPU (on
     Hopper, where these few rows a group make it so: the warp-specialised forward on its
-    default config and the input gradient on TMA 128x256 tiles; elsewhere the portable
+    default config and the input gradient on TMA 128x256 tiles stored in halves; elsewhere the portable
     kernels on their defaults); returns whether this GPU is a Hopper."""
     from te_jax_perm.core import triton_backend
     hopper, bf16 = triton_backend.compute_capability() == 90, {"elem_bytes": 2}
@@ -688,7 +723,7 @@ def _assert_hopper_defaults(m: int, k: int, n: int, g: int) -> bool:
     fwd, dgrad = D.mm_for("triton", False, fwd_dims, bf16), D.mm_for("triton", True, dgrad_dims, bf16)
     assert D.ws_forward_wins(fwd_dims, bf16)
     assert fwd is (D.grouped_gemm_ws if hopper else D.grouped_gemm), fwd.decl.name
-    assert (dgrad.decl.default_config(dgrad_dims, bf16) == D.HOPPER_TMA_MM) == hopper, dgrad.decl.name
+    assert (dgrad.decl.default_config(dgrad_dims, bf16) == D.HOPPER_TMA_DGRAD) == hopper, dgrad.decl.name
     return hopper
 
 

@@ -100,14 +100,17 @@ def run_grouped_gemm(M, K, N, sizes, seed=0):
 
 def run_hopper_row_tile_gemms(M, C, sizes, seed=0):
     """The forward and input gradient's Hopper declarations on their own default (TMA
-    128x256 tiles where 16-bit operands make them fit), which a CPU run never picks."""
+    128x256 tiles where 16-bit operands make them fit; the input gradient's stored in
+    halves), which a CPU run never picks."""
     from te_jax_perm.ops.grouped_gemm import decl as GD
 
     rng = np.random.default_rng(seed)
     lhs = jnp.asarray(rng.standard_normal((M, C)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((len(sizes), C, C)), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
-    assert GD.hopper_mm_default({"M": M, "C": C, "D": C, "G": len(sizes)}, {"elem_bytes": 2}) == GD.HOPPER_TMA_MM
+    dims = {"M": M, "C": C, "D": C, "G": len(sizes)}
+    assert GD.hopper_mm_default(dims, {"elem_bytes": 2}) == GD.HOPPER_TMA_MM
+    assert GD.hopper_dgrad_default(dims, {"elem_bytes": 2}) == GD.HOPPER_TMA_DGRAD
     return (GD.grouped_gemm_hopper(lhs, rhs, gs, backend=BE, elem_bytes=2),
             GD.grouped_gemm_rhs_t_hopper(lhs, rhs, gs, backend=BE, elem_bytes=2))  # C == D: rhs read transposed
 

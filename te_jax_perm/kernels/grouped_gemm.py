@@ -116,7 +116,7 @@ def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, 
                         C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                         TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-                        TMA: tl.constexpr, PROGRAMS: tl.constexpr):
+                        TMA: tl.constexpr, PROGRAMS: tl.constexpr, SPLIT_STORE: tl.constexpr):
     """out[rows of g] = lhs[rows of g] @ B_g for every group g; other rows get zeros.
 
     lhs is [M, C]. Without TRANS_RHS, rhs is [G, C, D] and B_g = rhs[g]; with TRANS_RHS,
@@ -127,7 +127,7 @@ def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, 
     """
     if TMA:
         tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C, D, G, G_P2, TRANS_RHS, BM, BN, BK, GROUP_M,
-                  PRECISION, PROGRAMS)
+                  PRECISION, PROGRAMS, SPLIT_STORE)
     else:
         g, is_group_tile, row0, row_end, tile_n = group_tile(group_sizes_ptr, M, D, G, G_P2, BM, BN, GROUP_M)
         rows = row0 + tl.arange(0, BM)
@@ -143,7 +143,7 @@ def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, 
 @triton.jit
 def tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
               G_P2: tl.constexpr, TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PROGRAMS: tl.constexpr):
+              GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PROGRAMS: tl.constexpr, SPLIT_STORE: tl.constexpr):
     """``grouped_gemm_kernel``'s tiles, Hopper's way: the PROGRAMS programs stride over every
     tile of the schedule (computed here from ``group_sizes``, exactly as many row tiles as
     the groups and the rows past them need), loading through tensor descriptors (TMA on
@@ -157,6 +157,8 @@ def tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C: tl.constexpr, D:
     inside its group stores through an ``[M, D]`` descriptor; a group's last, partial tile
     stores with a row mask at the group's end, so no other group's rows are written. Needs
     16-byte row strides (``C`` and ``D`` times the element size), which the declaration checks.
+    ``SPLIT_STORE``: a whole tile is stored as two ``[BM, BN / 2]`` halves, so the store
+    stages half a tile in shared memory and a pipeline stage more fits beside it.
     """
     num_n: tl.constexpr = (D + BN - 1) // BN
     g_idx, starts, ends, tiles, tile_ends, total_tiles, used_rows = row_schedule(group_sizes_ptr, M, G, G_P2, BM)
@@ -167,7 +169,10 @@ def tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C: tl.constexpr, D:
         b_desc = tl.make_tensor_descriptor(rhs_ptr, shape=[G, D, C], strides=[D * C, C, 1], block_shape=[1, BN, BK])
     else:
         b_desc = tl.make_tensor_descriptor(rhs_ptr, shape=[G, C, D], strides=[C * D, D, 1], block_shape=[1, BK, BN])
-    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, D], strides=[D, 1], block_shape=[BM, BN])
+    if SPLIT_STORE:
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, D], strides=[D, 1], block_shape=[BM, BN // 2])
+    else:
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, D], strides=[D, 1], block_shape=[BM, BN])
     for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True):
         tile_m, tile_n = swizzled_tile(t, num_m, num_n, GROUP_M)
         g, is_group_tile, row0, row_end = tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, total_tiles,
@@ -186,7 +191,12 @@ def tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C: tl.constexpr, D:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         tile = acc.to(out_ptr.dtype.element_ty)
         if row0 + BM <= row_end:
-            out_desc.store([row0, col0], tile)
+            if SPLIT_STORE:
+                lo, hi = tl.split(tl.permute(tl.reshape(tile, (BM, 2, BN // 2)), (0, 2, 1)))
+                out_desc.store([row0, col0], lo)
+                out_desc.store([row0, col0 + BN // 2], hi)
+            else:
+                out_desc.store([row0, col0], tile)
         else:
             rows = row0 + tl.arange(0, BM)
             cols = col0 + tl.arange(0, BN)
