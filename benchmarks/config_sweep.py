@@ -98,6 +98,18 @@ def _subjaxprs(eqn, n_in: int) -> list:
     return out
 
 
+def mover_call(problem, case_name: str, kernel: str) -> tuple:
+    """``(call, operands)``: the operands the op of case ``case_name`` hands ``kernel`` at
+    ``problem`` (a ``cases.Problem``) on the ``triton`` backend, and the backend call of
+    ``kernel``'s declaration bound to them."""
+    from benchmarks import cases
+    from te_jax_perm.core.launch import bind_call
+    from te_jax_perm.ops.permute import decl as movers
+    built = next(c for c in cases.CASES if c.name == case_name).build(problem, "triton")
+    operands, params = capture_operands(built.fn, built.args, kernel)
+    return bind_call(getattr(movers, kernel).decl, operands, params, "triton"), operands
+
+
 def _candidates(decl, dims, params, stages=None, quick: bool = False) -> list:
     """The declaration's valid configs at ``stages`` (all of them if none has those);
     ``quick``: only one token per program, its whole row or half of it per tile (the shapes
@@ -180,7 +192,7 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
     import jax
     import numpy as np
     from benchmarks import cases
-    from te_jax_perm.core.launch import bind_call, configure
+    from te_jax_perm.core.launch import configure
     from te_jax_perm.core.triton_backend import triton_call
     rows, t0 = [], time.monotonic()
     # Forward movers at every shape first, so a short budget still covers them.
@@ -196,12 +208,8 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
             p = None  # free the previous shape's buffers first
             p = cases.Problem.make(shape)
         try:
-            case = next(c for c in cases.CASES if c.name == case_name)
-            built = case.build(p, "triton")
-            operands, params = capture_operands(built.fn, built.args, kname)
-            from te_jax_perm.ops.permute import decl as movers
-            decl = getattr(movers, kname).decl
-            call = bind_call(decl, operands, params, "triton")
+            call, operands = mover_call(p, case_name, kname)
+            decl = call.decl
             default = decl.default_config(call.dims, call.params)
             want = [np.asarray(o) for o in jax.jit(lambda ops: triton_call(configure(call, default), ops))(operands)]
             cands = _candidates(decl, call.dims, call.params, {1 if quick else FIRST_STAGES}, quick)

@@ -35,12 +35,11 @@ def run(shape_names: list[str]) -> None:
     import jax
     import jax.numpy as jnp
     from benchmarks import cases
-    from benchmarks.config_sweep import capture_operands
+    from benchmarks.config_sweep import mover_call
     from benchmarks.copy_baseline import device_copy
     from benchmarks.shapes import GPU_SHAPES, OFF_LIST_SHAPES
-    from te_jax_perm.core.launch import bind_call, configure
+    from te_jax_perm.core.launch import configure
     from te_jax_perm.core.triton_backend import triton_call
-    from te_jax_perm.ops.permute import decl as movers
 
     shapes = {s.name: s for s in GPU_SHAPES + OFF_LIST_SHAPES}
     for name in shape_names:
@@ -50,11 +49,8 @@ def run(shape_names: list[str]) -> None:
         problem = cases.Problem.make(shape)
         for case_name, kernel in (("token_combine.fwd", "unpermute_weighted"),
                                   ("token_combine.bwd", "unpermute_bwd_weighted")):
-            built = next(c for c in cases.CASES if c.name == case_name).build(problem, "triton")
-            operands, params = capture_operands(built.fn, built.args, kernel)
-            decl = getattr(movers, kernel).decl
-            call = bind_call(decl, operands, params, "triton")
-            launch = configure(call, decl.default_config(call.dims, call.params))
+            call, operands = mover_call(problem, case_name, kernel)
+            launch = configure(call, call.decl.default_config(call.dims, call.params))
             exe = jax.jit(lambda ops, launch=launch: triton_call(launch, ops)).lower(operands).compile()
             for _ in range(2):
                 jax.block_until_ready(exe(operands))

@@ -10,10 +10,10 @@ an op look slower. The figure per call is (wall time of the chain, blocked until
 n; we report the median over ``reps`` chains and the spread.
 
 For steps of milliseconds, whose host dispatch is negligible beside them, :func:`wall_ms`
-times plain calls instead, each waited for; :func:`back_to_back_ms` times calls enqueued one
-after another, as a training loop runs its steps; :func:`interleaved_ms` times several steps
-both ways in turns, so that a ratio of two of them is taken at the same GPU temperature and
-clock (a busy GPU's steps slow down by a few percent over seconds of work).
+times plain calls instead, each waited for; :func:`interleaved_ms` times several steps both
+that way and enqueued one after another (as a training loop runs its steps), in turns, so
+that a ratio of two of them is taken at the same GPU temperature and clock (a busy GPU's
+steps slow down by a few percent over seconds of work).
 """
 from __future__ import annotations
 
@@ -114,16 +114,32 @@ def time_fn(fn: Callable[..., Any], args: Sequence[Any], n: int, reps: int, warm
     return Timing(statistics.median(per_call), q[0], q[-1], per_call[0], n, reps, compile_s)
 
 
+def _waited_ms(fn: Callable[..., Any], args: Sequence[Any]) -> float:
+    """Wall milliseconds of one call ``fn(*args)``, waited for."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _back_to_back_ms(fn: Callable[..., Any], args: Sequence[Any], calls: int) -> float:
+    """Milliseconds per call of ``calls`` calls ``fn(*args)`` enqueued back to back, the host
+    waiting only for the last: a training loop's time per step, where the host enqueues a
+    step while the device still runs the one before, so the host's per-call cost (argument
+    handling, command-buffer updates) overlaps device work instead of adding to it. Each
+    call's results are dropped before the next is enqueued, so one call's buffers are live
+    at a time."""
+    t0 = time.perf_counter()
+    for _ in range(calls - 1):
+        fn(*args)
+    jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - t0) * 1e3 / calls
+
+
 def wall_ms(fn: Callable[..., Any], args: Sequence[Any], reps: int) -> list[float]:
     """Wall milliseconds of each of ``reps`` calls ``fn(*args)`` (at least one), each blocked
     until ready, after one untimed call that compiles."""
     jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(max(1, reps)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return [_waited_ms(fn, args) for _ in range(max(1, reps))]
 
 
 def median_wall_ms(fn: Callable[..., Any], args: Sequence[Any], reps: int) -> float:
@@ -131,31 +147,12 @@ def median_wall_ms(fn: Callable[..., Any], args: Sequence[Any], reps: int) -> fl
     return statistics.median(wall_ms(fn, args, reps))
 
 
-def back_to_back_ms(fn: Callable[..., Any], args: Sequence[Any], calls: int, reps: int = 3) -> float:
-    """Milliseconds per call of ``calls`` calls ``fn(*args)`` enqueued back to back, the host
-    waiting only for the last (median over ``reps`` such runs, after one untimed call that
-    compiles): a training loop's time per step, where the host enqueues a step while the
-    device still runs the one before, so the host's per-call cost (argument handling,
-    command-buffer updates) overlaps device work instead of adding to it. Each call's
-    results are dropped before the next is enqueued, so one call's buffers are live at a time."""
-    jax.block_until_ready(fn(*args))
-    calls = max(1, calls)
-    per_call = []
-    for _ in range(max(1, reps)):
-        t0 = time.perf_counter()
-        for _ in range(calls - 1):
-            fn(*args)
-        jax.block_until_ready(fn(*args))
-        per_call.append((time.perf_counter() - t0) * 1e3 / calls)
-    return statistics.median(per_call)
-
-
 def interleaved_ms(fns: dict[str, tuple[Callable[..., Any], Sequence[Any]]], calls: int,
                    rounds: int = 3) -> dict[str, tuple[float, float]]:
     """``name -> (back-to-back ms, waited-for ms)`` per call of each ``fn(*args)``, timed in
-    ``rounds`` turns: every turn runs each function's ``calls`` calls back to back once and
-    then ``calls`` calls each waited for, the functions in an order rotated by one each turn.
-    Back-to-back: the median over turns of :func:`back_to_back_ms`'s figure; waited for: the
+    ``rounds`` turns: every turn runs each function's ``calls`` calls back to back once
+    (:func:`_back_to_back_ms`) and then ``calls`` calls each waited for, the functions in an
+    order rotated by one each turn. Back-to-back: the median over turns; waited for: the
     median of every waited-for call. Sustained load heats a GPU and lowers its clock within
     seconds (steps of one function 3% slower after a few seconds of back-to-back steps on an
     H100), so functions timed one after another would be timed at different clocks; in
@@ -169,13 +166,6 @@ def interleaved_ms(fns: dict[str, tuple[Callable[..., Any], Sequence[Any]]], cal
     for r in range(max(1, rounds)):
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn, args = fns[name]
-            t0 = time.perf_counter()
-            for _ in range(calls - 1):
-                fn(*args)
-            jax.block_until_ready(fn(*args))
-            b2b[name].append((time.perf_counter() - t0) * 1e3 / calls)
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*args))
-                waited[name].append((time.perf_counter() - t0) * 1e3)
+            b2b[name].append(_back_to_back_ms(fn, args, calls))
+            waited[name] += [_waited_ms(fn, args) for _ in range(calls)]
     return {n: (statistics.median(b2b[n]), statistics.median(waited[n])) for n in names}

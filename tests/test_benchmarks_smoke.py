@@ -326,20 +326,6 @@ def test_wall_ms_blocks_on_every_timed_call_after_one_untimed_one():
     assert timing.median_wall_ms(jax.jit(op), (jnp.zeros(3),), reps=0) > 0   # at least one timed call
 
 
-def test_back_to_back_ms_waits_only_for_each_runs_last_call(monkeypatch):
-    calls, waits = [0], [0]
-
-    def op(x):
-        jax.debug.callback(lambda: calls.__setitem__(0, calls[0] + 1))
-        return x + 1
-
-    block = jax.block_until_ready
-    monkeypatch.setattr(timing.jax, "block_until_ready", lambda x: (waits.__setitem__(0, waits[0] + 1), block(x))[1])
-    ms = timing.back_to_back_ms(jax.jit(op), (jnp.zeros(3),), calls=5, reps=3)
-    jax.effects_barrier()
-    assert ms > 0 and calls[0] == 1 + 3 * 5 and waits[0] == 1 + 3   # the compiling call, then each run's last
-
-
 # -- the grouped-GEMM problems of grouped_gemm_bench and layer_bench -------------------------
 def _arrays(closed_jaxpr) -> list:
     """The aval of every value a jaxpr computes, its sub-jaxprs' (jit, scan, custom VJP) included."""
@@ -498,9 +484,15 @@ def test_interleaved_ms_times_every_function_in_rotating_turns(monkeypatch):
             return x + 1
         return jax.jit(f)
 
+    waits = [0]
+    block = jax.block_until_ready
+    monkeypatch.setattr(timing.jax, "block_until_ready", lambda x: (waits.__setitem__(0, waits[0] + 1), block(x))[1])
     fns = {"a": (op("a"), (jnp.zeros(3),)), "b": (op("b"), (jnp.zeros(3),)), "c": (op("c"), (jnp.zeros(3),))}
     out = timing.interleaved_ms(fns, calls=2, rounds=3)
     jax.effects_barrier()
+    # The compiling calls, then per turn and function: the back-to-back run's last call, and
+    # each waited-for call.
+    assert waits[0] == 3 + 3 * 3 * (1 + 2)
     assert set(out) == {"a", "b", "c"} and all(b2b > 0 and waited > 0 for b2b, waited in out.values())
     # One compiling call each, then per turn each function's 2 back-to-back and 2 waited-for calls,
     # the turns starting at a, then b, then c.

@@ -49,14 +49,15 @@ def mm_fits(dims, params, config: Config) -> str | None:
 
 
 def _tma_problem(config: Config, eb: int, rows: dict, stage_elems: int, out_elems: int) -> str | None:
-    """What keeps a config off the TMA path, or ``None``: ``PROGRAMS`` set without
-    ``TMA``; or, for a ``TMA=True`` config, no program count, a row or block whose byte
+    """What keeps a config off the TMA path, or ``None``: ``PROGRAMS`` or ``SPLIT_STORE``
+    set without ``TMA``; or, for a ``TMA=True`` config, no program count, a row or block whose byte
     length is no 16-byte multiple (a tensor descriptor's rule; ``rows`` names each), or
     its pipeline stages (``stage_elems`` each) plus the output tile it stores from
     (``out_elems``) past shared memory."""
     kw = config.kw
     if not kw.get("TMA", False):
-        return "PROGRAMS is set only by TMA configs" if kw.get("PROGRAMS", 0) else None
+        given = [k for k in ("PROGRAMS", "SPLIT_STORE") if kw.get(k)]
+        return f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set only by TMA configs" if given else None
     if kw.get("PROGRAMS", 0) < 1:
         return "a TMA config needs PROGRAMS >= 1 (its persistent program count)"
     for name, n in rows.items():
@@ -74,8 +75,6 @@ def tma_fits(dims, params, config: Config) -> str | None:
     """:func:`_tma_problem` of a forward or input-gradient config: ``lhs``, ``rhs`` and
     ``out``'s rows, stages of ``[BM, BK]`` and ``[BK, BN]`` tiles, a ``[BM, BN]`` output tile."""
     kw = config.kw
-    if kw.get("SPLIT_STORE", False) and not kw.get("TMA", False):
-        return "SPLIT_STORE is set only by TMA configs"
     return _tma_problem(config, params["elem_bytes"], {"C": dims["C"], "D": dims["D"], "BK": kw["BK"], "BN": kw["BN"]},
                         kw["BM"] * kw["BK"] + kw["BK"] * kw["BN"],
                         kw["BM"] * kw["BN"] // (2 if kw.get("SPLIT_STORE", False) else 1))
@@ -162,13 +161,27 @@ def wgrad_grid(dims, params, config: Config) -> tuple[int]:
 MM_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BM=bm, BN=bn, BK=bk, GROUP_M=8)
                    for bm in (64, 128) for bn in (128, 256) for bk in (64, 128)
                    for w in (4, 8) for s in (3, 4))
+# Hopper's row-tile default where the pointer default takes 128x256 tiles: the same tiles,
+# warps and stages in 132 persistent programs (one per SM of an H100 SXM or an H200) that
+# move them by TMA. On an H100, at eight expert-GEMM shapes from Mixtral to DeepSeek-V3
+# (G = 8 to 256, routing-like group sizes), 0.82-1.01x the pointer default's forward time and
+# 0.90-1.03x its input gradient's.
+HOPPER_TMA_MM = Config.make(num_warps=8, num_stages=3, BM=128, BN=256, BK=64, GROUP_M=8, TMA=True, PROGRAMS=132)
+
+# The input gradient's: the same tiles stored in two 128 x 128 halves, which frees the
+# shared memory of a fourth pipeline stage. On an H100 (kernel time, one run, both configs
+# in turns) 1-6% faster than HOPPER_TMA_MM at six of seven expert-GEMM shapes (Mixtral to
+# DeepSeek-V3, G = 8 to 256: Qwen3-235B's up-projection 6%, DeepSeek-V3's down-projection
+# and 32 groups of 1024 rows 5%), 3% slower at 32 groups of 2048 rows with a 2048 reduction.
+# Not the forward's: where the forward runs TMA tiles it was 0-3% slower at 8 and 32 groups
+# and took 1.6x the time at DeepSeek-V3's up-projection.
+HOPPER_TMA_DGRAD = Config.make(num_warps=8, num_stages=4, **{**HOPPER_TMA_MM.kw, "SPLIT_STORE": True})
+
 # The grouped GEMM's TMA configs, beside MM_CONFIGS in its tuning space. 132 programs:
 # one per SM of an H100 SXM or an H200.
 TMA_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BM=bm, BN=bn, BK=64, GROUP_M=8, TMA=True, PROGRAMS=132)
-                    for bm in (64, 128) for bn in (128, 256) for w in (4, 8) for s in (3, 4)) + (
-    # 128 x 256 tiles stored in two halves: room for a fourth stage (the input gradient's
-    # default on Hopper).
-    Config.make(num_warps=8, num_stages=4, BM=128, BN=256, BK=64, GROUP_M=8, TMA=True, PROGRAMS=132, SPLIT_STORE=True),)
+                    for bm in (64, 128) for bn in (128, 256) for w in (4, 8) for s in (3, 4)) + (HOPPER_TMA_DGRAD,)
+
 WGRAD_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BK=bk, BN=bn, BR=br)
                       for bk in (64, 128) for bn in (128, 256) for br in (32, 64)
                       for w in (4, 8) for s in (3, 4))
@@ -222,14 +235,6 @@ def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
 grouped_gemm = declare(_mm_decl("grouped_gemm", trans_rhs=False))
 grouped_gemm_rhs_t = declare(_mm_decl("grouped_gemm_rhs_t", trans_rhs=True))
 
-# Hopper's row-tile default where the pointer default takes 128x256 tiles: the same tiles,
-# warps and stages in 132 persistent programs (one per SM of an H100 SXM or an H200) that
-# move them by TMA. On an H100, at eight expert-GEMM shapes from Mixtral to DeepSeek-V3
-# (G = 8 to 256, routing-like group sizes), 0.82-1.01x the pointer default's forward time and
-# 0.90-1.03x its input gradient's.
-HOPPER_TMA_MM = Config.make(num_warps=8, num_stages=3, BM=128, BN=256, BK=64, GROUP_M=8, TMA=True, PROGRAMS=132)
-
-
 def hopper_mm_default(dims, params) -> Config:
     """The row-tile GEMMs' default on Hopper: :data:`HOPPER_TMA_MM` where
     :func:`mm_default` takes 128x256 tiles and ``tma_fits`` admits it (16-byte rows; 16-bit
@@ -237,16 +242,6 @@ def hopper_mm_default(dims, params) -> Config:
     cfg = mm_default(dims, params)
     same_tiles = all(cfg.kw[k] == HOPPER_TMA_MM.kw[k] for k in ("BM", "BN", "BK"))
     return HOPPER_TMA_MM if same_tiles and tma_fits(dims, params, HOPPER_TMA_MM) is None else cfg
-
-
-# The input gradient's: the same tiles stored in two 128 x 128 halves, which frees the
-# shared memory of a fourth pipeline stage. On an H100 (kernel time, one run, both configs
-# in turns) 1-6% faster than HOPPER_TMA_MM at six of seven expert-GEMM shapes (Mixtral to
-# DeepSeek-V3, G = 8 to 256: Qwen3-235B's up-projection 6%, DeepSeek-V3's down-projection
-# and 32 groups of 1024 rows 5%), 3% slower at 32 groups of 2048 rows with a 2048 reduction.
-# Not the forward's: where the forward runs TMA tiles it was 0-3% slower at 8 and 32 groups
-# and took 1.6x the time at DeepSeek-V3's up-projection.
-HOPPER_TMA_DGRAD = Config.make(num_warps=8, num_stages=4, **{**HOPPER_TMA_MM.kw, "SPLIT_STORE": True})
 
 
 def hopper_dgrad_default(dims, params) -> Config:
