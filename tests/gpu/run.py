@@ -99,7 +99,9 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
                                                                ["--cases", "40", "--passes", "4"]), r"^STRESS"),
         Step("memcheck", 90, memcheck + [py, "-m", "tests.gpu.memcheck_ops"], r"ERROR SUMMARY|^MEMCHECK-OPS",
              gpu_only=True, env=MEMCHECK_ENV),
-        Step("memcheck_hostile", 300, [py, "-m", "tests.gpu.hostile", f"--sanitizer={sanitizer}",
+        # About 50 tests in processes of their own, four at a time, about 20 s each under the
+        # sanitizer on an H100: 300 s was not enough for all of them.
+        Step("memcheck_hostile", 480, [py, "-m", "tests.gpu.hostile", f"--sanitizer={sanitizer}",
                                        f"--out={out / 'memcheck_hostile'}"], r"^(MEMCHECK-HOSTILE|  \w+: )",
              gpu_only=True),
         Step("bench", 300, [py, "-m", "benchmarks.run", "--out", str(out), "--mode", mode, "--log"]
