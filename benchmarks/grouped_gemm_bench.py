@@ -28,6 +28,10 @@ Usage:
 --nobatched  skip the comparison with cuBLAS's batched GEMM (``batched_comparison``)
 --nows       skip, on a Hopper GPU, the warp-specialised forward and input gradient's configs
              timed beside the default (``ws_comparison``)
+--layouts    also time the forward on its default config at three layouts of the same rows
+             (``layout_comparison``): routing-like group sizes, equal groups of whole row
+             tiles, and one group holding every row; kernel time from the profiler, each
+             layout and the dense dot in turns
 
 Per shape, the batched comparison holds each of the three GEMMs of a training step (forward,
 input gradient, weight gradient) to XLA's batched dot (cuBLAS) at uniform group sizes
@@ -35,6 +39,13 @@ input gradient, weight gradient) to XLA's batched dot (cuBLAS) at uniform group 
 speed a grouped GEMM could reach with cuBLAS's kernels were the sizes fixed on the host.
 ``ours_uniform_{fwd,dgrad,wgrad}_ms`` (our default configs at those sizes), ``batched_*_ms``
 and ``{fwd,dgrad,wgrad}_over_batched`` (above 1: cuBLAS faster).
+
+Per shape, the layout comparison (``layouts``) gives, per layout, the forward's kernel time
+per call over the dense dot's (``dense_over``, below 1: the dense dot faster), the row tiles
+its groups take (each group starts a tile, so a group whose size is no multiple of the tile
+height ends in a partial tile), the row tiles times the column tiles, and those over the
+persistent programs (``waves``): where the routing-like layout is slower than the aligned
+one, the difference is the groups' partial tiles, which cost a whole tile of MMA work.
 
 Per shape, the TMA comparison writes ``fwd_default_ms`` / ``dgrad_default_ms`` (the default
 config, named in ``default_config``), ``tma_fwd_ms`` / ``tma_dgrad_ms`` ({config: ms, or the
@@ -56,6 +67,7 @@ from typing import Any, Sequence
 from absl import flags, logging
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Run as a script: the repository root, for the benchmarks package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,6 +93,8 @@ _WGRAD = flags.DEFINE_bool("wgrad", False, "Time the weight gradient on every co
 _WS = flags.DEFINE_bool("ws", True, "On a Hopper GPU, time the warp-specialised forward and input gradient on "
                         "their configs beside the default.")
 _BATCHED = flags.DEFINE_bool("batched", True, "Hold each GEMM to cuBLAS's batched GEMM at uniform group sizes.")
+_LAYOUTS = flags.DEFINE_bool("layouts", False, "Time the forward's default at routing-like, tile-aligned and "
+                              "one-group group sizes beside the dense dot (kernel time).")
 
 # The TMA configs timed by default: (BM, BN, warps, stages) of decl.TMA_CONFIGS.
 TMA_SHORT = {(128, 256, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (64, 256, 8, 3)}
@@ -249,9 +263,73 @@ def batched_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, backend:
     return r
 
 
+LAYOUTS = ("routing", "aligned", "one_group")
+
+
+def layout_sizes(layout: str, m: int, g: int, tile_rows: int) -> np.ndarray:
+    """``g`` group sizes summing to ``m``: ``routing`` as ``gemm_problems.group_sizes`` draws
+    them; ``aligned``, equal groups of whole ``tile_rows``-row tiles (the last group takes
+    what is left); ``one_group``, every row in group 0."""
+    if layout == "routing":
+        return gemm_problems.group_sizes(m, g)
+    sizes = np.zeros(g, np.int32)
+    if layout == "one_group":
+        sizes[0] = m
+    elif layout == "aligned":
+        sizes[:] = m // g // tile_rows * tile_rows
+        sizes[-1] = m - sizes[:-1].sum()
+    else:
+        raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
+    return sizes
+
+
+def row_tiles(sizes: np.ndarray, m: int, tile_rows: int) -> int:
+    """The row tiles of the row-tile GEMMs' schedule: each group's rows in whole tiles from
+    its first row, then the rows past every group."""
+    return int(sum(-(-int(s) // tile_rows) for s in sizes) + -(-(m - int(sum(sizes))) // tile_rows))
+
+
+def layout_comparison(lhs: jax.Array, rhs: jax.Array, dense_rhs: jax.Array, backend: str = "triton",
+                      rounds: int = 3, steps: int = 3) -> dict:
+    """The forward on its default config at each of :data:`LAYOUTS` and the dense dot,
+    profiled in turns (``rounds`` rounds of ``steps`` calls each, the order rotated): per
+    layout ``kernel_us`` (each round's kernel time per call), ``dense_over`` (the dense dot's
+    fastest round over this layout's), ``row_tiles``, ``tiles`` and ``waves`` (tiles over the
+    default's persistent programs, where it has a count)."""
+    from benchmarks import trace_stats
+    (m, k), (g, _, n) = lhs.shape, rhs.shape
+    dims = {"M": m, "C": k, "D": n, "G": g}
+    prim = D.mm_for(backend, False, dims, {"elem_bytes": 2})
+    cfg = prim.decl.default_config(dims, {"elem_bytes": 2})
+    bm, bn, programs = cfg.kw["BM"], cfg.kw["BN"], cfg.kw.get("PROGRAMS")
+    fwd = _jitted(prim, cfg, backend)
+    dense = jax.jit(gemm_problems.dense_dot)
+    r: dict[str, Any] = {"config": str(cfg), "kernel": prim.decl.name}
+    calls = {"dense": lambda: dense(lhs, dense_rhs)}
+    for layout in LAYOUTS:
+        sizes = layout_sizes(layout, m, g, bm)
+        tiles = row_tiles(sizes, m, bm) * -(-n // bn)
+        r[layout] = {"row_tiles": row_tiles(sizes, m, bm), "tiles": tiles,
+                     "waves": tiles / programs if programs else None, "kernel_us": []}
+        calls[layout] = lambda s=jnp.asarray(sizes): fwd(lhs, rhs, s)
+    r["dense"] = {"kernel_us": []}
+    names = list(calls)
+    for name in names:
+        jax.block_until_ready(calls[name]())
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            stats = trace_stats.profile(lambda f=calls[name]: jax.block_until_ready(f()), steps)
+            r[name]["kernel_us"].append(stats.kernel_us_per_step)
+    best = {name: min(r[name]["kernel_us"]) for name in names}
+    for layout in LAYOUTS:
+        r[layout]["dense_over"] = best["dense"] / best[layout] if best[layout] else None
+    return r
+
+
 def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, sweep: Sequence[Config] = (),
               tma: Sequence[Config] | None = (), tokamax: Any = None,
-              wgrad: Sequence[Config] = (), batched: bool = True, ws: bool = False) -> dict[str, Any]:
+              wgrad: Sequence[Config] = (), batched: bool = True, ws: bool = False,
+              layouts: bool = False) -> dict[str, Any]:
     """One shape's times, bf16: the dense dot, our forward (checked against the reference)
     and backward on ``backend``; the forward on each of ``sweep``'s configs; the default and
     ``tma`` configs compared (:func:`tma_comparison`; skipped when ``tma`` is None); the
@@ -290,6 +368,8 @@ def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, swee
         r.update(wgrad_comparison(lhs, dout, sizes, wgrad, backend=backend, reps=min(reps, 3)))
     if batched:
         r.update(batched_comparison(lhs, rhs, dout, backend=backend, reps=few))
+    if layouts:
+        r["layouts"] = layout_comparison(lhs, rhs, ops.dense_rhs, backend=backend)
     if tokamax is not None:
         try:
             tf = jax.jit(lambda a, b, s: tokamax.ragged_dot(a, b, s))
@@ -332,7 +412,7 @@ def main(argv: list[str]) -> None:
             continue
         wgrad = D.grouped_gemm_wgrad.decl.configs if _WGRAD.value else ()
         r = shape_row(shape, sweep=SWEEP if _SWEEP.value else (), tma=tma, tokamax=tokamax, wgrad=wgrad,
-                      batched=_BATCHED.value, ws=ws)
+                      batched=_BATCHED.value, ws=ws, layouts=_LAYOUTS.value)
         results["shapes"][shape.name] = r
         print(shape.name, json.dumps(r), flush=True)
         with open(os.path.join(_OUT.value, "grouped_gemm.json"), "w") as f:

@@ -938,3 +938,62 @@ def test_gpu_tma_configs_match_reference(sizes, programs):
     want_dlhs, want_drhs = _reference_grads(clean, rhs, gs, np.asarray(jnp.asarray(dout, jnp.bfloat16), np.float32))
     _close(dlhs, want_dlhs, "bfloat16", f"{cfg} dlhs")
     _close(drhs, want_drhs, "bfloat16", f"{cfg} drhs")
+
+
+@pytest.mark.parametrize("m, g, tile", [(16384, 8, 128), (32768, 32, 128), (100, 3, 16), (7, 4, 16)])
+def test_layouts_hold_every_row_and_count_the_tiles_of_the_schedule(m, g, tile):
+    """benchmarks/grouped_gemm_bench.py's group layouts: each sums to the rows; the aligned
+    groups' boundaries fall on whole tiles; the row tiles counted are the schedule's (a
+    partial tile per group whose size is no multiple of the tile, none for empty groups)."""
+    from benchmarks.grouped_gemm_bench import LAYOUTS, layout_sizes, row_tiles
+    for layout in LAYOUTS:
+        sizes = layout_sizes(layout, m, g, tile)
+        assert sizes.shape == (g,) and sizes.sum() == m and (sizes >= 0).all(), (layout, sizes)
+        assert row_tiles(sizes, m, tile) == sum(int(np.ceil(s / tile)) for s in sizes), (layout, sizes)
+    assert (np.cumsum(layout_sizes("aligned", m, g, tile))[:-1] % tile == 0).all()
+    assert list(layout_sizes("one_group", m, g, tile)) == [m] + [0] * (g - 1)
+    # Rows past every group take tiles of their own.
+    assert row_tiles(np.array([tile + 1, 0]), 3 * tile, tile) == 2 + 2
+    with pytest.raises(ValueError, match="layout 'sorted'"):
+        layout_sizes("sorted", m, g, tile)
+
+
+def test_layout_comparison_times_each_layout_and_the_dense_dot_in_turns(on_cpu, monkeypatch):
+    """The layout comparison on the interpreter at a CPU shape: each layout's call runs the
+    forward over that layout's group sizes; every layout and the dense dot are profiled
+    once a round, the order rotated by one each round; the ratio to the dense dot is taken
+    from each one's fastest round; the tiles of the default config's schedule beside them."""
+    from benchmarks import grouped_gemm_bench as B, trace_stats
+    from benchmarks.gemm_problems import CPU_SHAPES, dense_dot, operands
+    from te_jax_perm.ops.grouped_gemm.reference import grouped_gemm_reference
+    shape = CPU_SHAPES[0]
+    ops = operands(shape, "bfloat16")
+    bm = D.mm_for("interpret", False, {"M": shape.M, "C": shape.K, "D": shape.N, "G": shape.G},
+                  {"elem_bytes": 2}).decl.default_config(
+        {"M": shape.M, "C": shape.K, "D": shape.N, "G": shape.G}, {"elem_bytes": 2}).kw["BM"]
+    # The dense dot on group 1's weights: its result differs from the one-group layout's.
+    dense_rhs = ops.rhs[1]
+    want = {"dense": np.asarray(dense_dot(ops.lhs, dense_rhs), np.float32)}
+    for layout in B.LAYOUTS:
+        sizes = jnp.asarray(B.layout_sizes(layout, shape.M, shape.G, bm))
+        want[layout] = np.asarray(grouped_gemm_reference(ops.lhs, ops.rhs, sizes), np.float32)
+    fake_us = {"dense": 10.0, "routing": 20.0, "aligned": 12.5, "one_group": 12.5}
+    order = []
+
+    def profile(fn, steps):
+        got = np.asarray(fn(), np.float32)
+        name = min(want, key=lambda n: float(np.abs(want[n] - got).max()))
+        assert np.abs(want[name] - got).max() < 0.1, name
+        order.append(name)
+        return trace_stats.TraceStats(steps=steps, kernel_ns={"k": fake_us[name] * 1e3 * steps},
+                                      kernel_count={"k": steps}, graph_launches=0, kernel_launches=steps,
+                                      api_events_seen=True)
+    monkeypatch.setattr(trace_stats, "profile", profile)
+    r = B.layout_comparison(ops.lhs, ops.rhs, dense_rhs, backend="interpret", rounds=2, steps=1)
+    assert order == ["dense", "routing", "aligned", "one_group", "routing", "aligned", "one_group", "dense"], order
+    for layout in B.LAYOUTS:
+        assert r[layout]["kernel_us"] == [fake_us[layout]] * 2
+        assert r[layout]["dense_over"] == 10.0 / fake_us[layout]
+        assert r[layout]["row_tiles"] == B.row_tiles(B.layout_sizes(layout, shape.M, shape.G, bm), shape.M, bm)
+    assert r["dense"]["kernel_us"] == [10.0, 10.0] and r["kernel"] == "grouped_gemm"
+    assert r["one_group"]["row_tiles"] <= r["aligned"]["row_tiles"] <= r["routing"]["row_tiles"]
