@@ -28,8 +28,6 @@ Usage:
 --nobatched  skip the comparison with cuBLAS's batched GEMM (``batched_comparison``)
 --nows       skip, on a Hopper GPU, the warp-specialised forward and input gradient's configs
              timed beside the default (``ws_comparison``)
---strips     also time this GPU's TMA default against itself with each of these tail strip counts
-             (``strips_comparison``, e.g. --strips=2,4,8) on four group-size draws, kernel time
 --layouts    also time the forward on its default config at three layouts of the same rows
              (``layout_comparison``): routing-like group sizes, equal groups of whole row
              tiles, and one group holding every row; kernel time from the profiler, each
@@ -95,8 +93,6 @@ _WGRAD = flags.DEFINE_bool("wgrad", False, "Time the weight gradient on every co
 _WS = flags.DEFINE_bool("ws", True, "On a Hopper GPU, time the warp-specialised forward and input gradient on "
                         "their configs beside the default.")
 _BATCHED = flags.DEFINE_bool("batched", True, "Hold each GEMM to cuBLAS's batched GEMM at uniform group sizes.")
-_STRIPS = flags.DEFINE_list("strips", [], "Also time this GPU's TMA default against itself with each of these "
-                            "TAIL_STRIPS (strips_comparison), on several group-size draws; kernel time.")
 _LAYOUTS = flags.DEFINE_bool("layouts", False, "Time the forward's default at routing-like, tile-aligned and "
                               "one-group group sizes beside the dense dot (kernel time).")
 
@@ -330,73 +326,6 @@ def layout_comparison(lhs: jax.Array, rhs: jax.Array, dense_rhs: jax.Array, back
     return r
 
 
-def strip_variants(prim: Any, dims: dict[str, int], strips: Sequence[int]) -> dict[str, Config]:
-    """``prim``'s default config at ``dims`` (``"default"``) and, where it is a TMA config,
-    the same config with each of ``strips`` as its ``TAIL_STRIPS`` that the shape admits."""
-    base = prim.decl.default_config(dims, {"elem_bytes": 2})
-    variants = {"default": base}
-    if base.kw.get("TMA", False):
-        for s in strips:
-            cfg = Config.make(base.num_warps, base.num_stages, **{**base.kw, "TAIL_STRIPS": s})
-            if not prim.decl.violated(dims, {"elem_bytes": 2}, cfg):
-                variants[f"strips{s}"] = cfg
-    return variants
-
-
-def tail_of(sizes: np.ndarray, m: int, cols: int, cfg: Config) -> tuple[int, int]:
-    """``(tiles, tail)`` of a config's schedule: its row tiles times column tiles, and how
-    many of them are past the last whole wave of its persistent programs (``None`` for a
-    config of one program per tile)."""
-    tiles = row_tiles(sizes, m, cfg.kw["BM"]) * -(-cols // cfg.kw["BN"])
-    return tiles, tiles % cfg.kw["PROGRAMS"] if cfg.kw.get("PROGRAMS") else None
-
-
-def strips_comparison(shape: GemmShape, strips: Sequence[int], draws: int = 4, rounds: int = 3, calls: int = 3,
-                      backend: str = "triton", measure: Any = None) -> dict:
-    """The forward and the input gradient on this GPU's TMA default against the same config
-    with ``TAIL_STRIPS`` (:func:`strip_variants`), on ``draws`` routing-like group-size draws
-    (the table's, then other seeds: the tail each leaves differs), the forward beside the
-    dense dot: kernel time per call from one profile per draw (``measure``, default
-    ``kernel_timer.measure``), the variants in ``rounds`` rotated turns, the fastest round
-    kept. Per GEMM and draw: ``tiles``, ``tail``, ``kernel_us``, ``over_default`` (below 1:
-    faster), ``dense_over`` (forward), ``max_abs_diff`` from the default's output."""
-    if measure is None:
-        from benchmarks.kernel_timer import measure
-    m, k, n, g = shape.M, shape.K, shape.N, shape.G
-    ops = gemm_problems.operands(shape, jnp.bfloat16, cotangent=True)
-    dense = jax.jit(gemm_problems.dense_dot)
-    size_draws = [gemm_problems.group_sizes(m, g)] + [
-        np.random.default_rng(seed).multinomial(m, np.full(g, 1.0 / g)).astype(np.int32) for seed in range(1, draws)]
-    gemms = {"fwd": (D.grouped_gemm_hopper, {"M": m, "C": k, "D": n, "G": g}, (ops.lhs, ops.rhs)),
-             "dgrad": (D.grouped_gemm_rhs_t_hopper, {"M": m, "C": n, "D": k, "G": g}, (ops.dout, ops.rhs))}
-    r: dict[str, Any] = {}
-    for what, (prim, dims, operands) in gemms.items():
-        variants = strip_variants(prim, dims, strips)
-        fns = {name: _jitted(prim, cfg, backend) for name, cfg in variants.items()}
-        out: dict[str, Any] = {"configs": {name: str(cfg) for name, cfg in variants.items()}, "draws": []}
-        for sizes in size_draws:
-            s = jnp.asarray(sizes)
-            calls_of = {name: (lambda f=f, s=s: f(*operands, s)) for name, f in fns.items()}
-            if what == "fwd":
-                calls_of["dense"] = lambda: dense(ops.lhs, ops.dense_rhs)
-            want = calls_of["default"]()
-            names = list(calls_of)
-            items = [(name, calls_of[name]) for i in range(rounds) for name in names[i % len(names):] + names[:i % len(names)]]
-            per_name: dict[str, list[float]] = {name: [] for name in names}
-            for t in measure(items, calls=calls, warmup=1):
-                per_name[t.label].append(t.per_call_us())
-            best = {name: min(v) for name, v in per_name.items()}
-            tiles, tail = tail_of(sizes, m, dims["D"], variants["default"])
-            d = {"tiles": tiles, "tail": tail, "kernel_us": per_name,
-                 "over_default": {name: best[name] / best["default"] for name in fns},
-                 "max_abs_diff": {name: float(_max_abs_diff(calls_of[name](), want)) for name in fns if name != "default"}}
-            if what == "fwd":
-                d["dense_over"] = {name: best["dense"] / best[name] for name in fns}
-            out["draws"].append(d)
-        r[what] = out
-    return r
-
-
 def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, sweep: Sequence[Config] = (),
               tma: Sequence[Config] | None = (), tokamax: Any = None,
               wgrad: Sequence[Config] = (), batched: bool = True, ws: bool = False,
@@ -484,8 +413,6 @@ def main(argv: list[str]) -> None:
         wgrad = D.grouped_gemm_wgrad.decl.configs if _WGRAD.value else ()
         r = shape_row(shape, sweep=SWEEP if _SWEEP.value else (), tma=tma, tokamax=tokamax, wgrad=wgrad,
                       batched=_BATCHED.value, ws=ws, layouts=_LAYOUTS.value)
-        if _STRIPS.value:
-            r["strips"] = strips_comparison(shape, [int(v) for v in _STRIPS.value])
         results["shapes"][shape.name] = r
         print(shape.name, json.dumps(r), flush=True)
         with open(os.path.join(_OUT.value, "grouped_gemm.json"), "w") as f:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import re
-import types
 
 import jax
 import jax.numpy as jnp
@@ -388,58 +387,6 @@ def _group_blocks(m: int, sizes, rows: int) -> int:
     TMA weight gradient's row slices per output block."""
     clamped = np.asarray(clamped_group_sizes(jnp.asarray(sizes, jnp.int32), m))
     return int(sum(-(-int(n) // rows) for n in clamped))
-
-
-def _tail_strip_programs(m: int, sizes, n: int, bm: int, bn: int, programs: int, strips: int) -> int:
-    """The programs that run a tail strip (``tma_tiles``): the tiles past the last whole
-    wave, each cut into ``strips`` strips when they all fit on ``programs`` programs."""
-    clamped = np.asarray(clamped_group_sizes(jnp.asarray(sizes, jnp.int32), m)).astype(np.int64)
-    used = int(np.cumsum(clamped).max(initial=0))
-    row_tiles = _group_blocks(m, sizes, bm) + -(-(m - used) // bm)
-    tail = row_tiles * -(-n // bn) % programs
-    return tail * strips if tail * strips <= programs else 0
-
-
-@pytest.mark.parametrize("programs,strips", [(3, 2), (5, 2), (7, 4), (16, 4)])
-@pytest.mark.parametrize("m,k,n,sizes", CASES + [(52, 24, 40, [20, 12, 3, 17]), (100, 16, 64, [37, 0, 50, 9])])
-def test_tma_tail_strips_values_and_vjp_match_numpy(on_cpu, descriptor_count, m, k, n, sizes, programs, strips):
-    """TAIL_STRIPS in Triton's interpreter, forward and VJP, hostile group sizes included:
-    the tiles past the last whole wave, cut into column strips one program each, write
-    exactly what whole tiles write (outputs start poisoned, so a strip left out fails),
-    and the programs that run strips build their two strip descriptors; cases with and
-    without a tail to cut are both among these (the count is checked to be right either way)."""
-    rng = np.random.default_rng(m * 5 + n)
-    lhs = rng.standard_normal((m, k)).astype(np.float32)
-    rhs = rng.standard_normal((len(sizes), k, n)).astype(np.float32)
-    dout = rng.standard_normal((m, n)).astype(np.float32)
-    gs = jnp.asarray(sizes, jnp.int32)
-    cfg = Config.make(num_warps=4, num_stages=2, BM=16, BN=32, BK=16, GROUP_M=2, TMA=True, PROGRAMS=programs,
-                      TAIL_STRIPS=strips)
-    assert D.grouped_gemm.decl.violated({"M": m, "C": k, "D": n, "G": len(sizes)}, {"elem_bytes": 4}, cfg) is None
-    with _tma_for_row_tile_gemms(cfg):
-        out, vjp = jax.vjp(lambda a, b: grouped_gemm_triton(a, b, gs, backend="interpret"), lhs, rhs)
-        dlhs, drhs = vjp(dout)
-    tol = dict(rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(out), grouped_matmul_reference(lhs, rhs, sizes), **tol)
-    ref_dlhs, ref_drhs = _reference_grads(lhs, rhs, sizes, dout)
-    np.testing.assert_allclose(np.asarray(dlhs), ref_dlhs, **tol)
-    np.testing.assert_allclose(np.asarray(drhs), ref_drhs, **tol)
-    # Forward (n output columns) and input gradient (k output columns): 3 descriptors a
-    # program, 2 more for each program that runs a strip.
-    striped = sum(_tail_strip_programs(m, sizes, cols, 16, 32, programs, strips) for cols in (n, k))
-    assert descriptor_count["create_make_tensor_descriptor"] == 2 * 3 * programs + 2 * striped
-
-
-def test_tail_strips_constraint():
-    """TAIL_STRIPS must divide BN into 16-byte strips, and only TMA configs take it."""
-    decl, dims, bf16 = D.grouped_gemm.decl, {"M": 4096, "C": 256, "D": 512, "G": 4}, {"elem_bytes": 2}
-    base = D.HOPPER_TMA_MM.kw
-    assert decl.violated(dims, bf16, Config.make(8, 3, **{**base, "TAIL_STRIPS": 4})) is None
-    assert "TAIL_STRIPS=3" in decl.violated(dims, bf16, Config.make(8, 3, **{**base, "TAIL_STRIPS": 3}))
-    assert "16-byte" in decl.violated(dims, bf16, Config.make(8, 3, **{**base, "TAIL_STRIPS": 64}))
-    pointer = {k: v for k, v in base.items() if k not in ("TMA", "PROGRAMS")}
-    assert "TAIL_STRIPS is set only by TMA" in decl.violated(dims, bf16, Config.make(8, 3, **{**pointer,
-                                                                                              "TAIL_STRIPS": 4}))
 
 
 @pytest.mark.parametrize("programs", [1, 2, 5])
@@ -1050,39 +997,3 @@ def test_layout_comparison_times_each_layout_and_the_dense_dot_in_turns(on_cpu, 
         assert r[layout]["row_tiles"] == B.row_tiles(B.layout_sizes(layout, shape.M, shape.G, bm), shape.M, bm)
     assert r["dense"]["kernel_us"] == [10.0, 10.0] and r["kernel"] == "grouped_gemm"
     assert r["one_group"]["row_tiles"] <= r["aligned"]["row_tiles"] <= r["routing"]["row_tiles"]
-
-
-def test_strips_comparison_times_each_variant_in_turns_on_every_draw(on_cpu):
-    """benchmarks/grouped_gemm_bench.py's tail-strip comparison with a stand-in timer: the
-    TMA default and its TAIL_STRIPS variants (a count that does not divide BN left out), the
-    forward beside the dense dot, each label once a round in rotated order on every draw;
-    ratios from the fastest round; the tail is the tiles past the last whole wave."""
-    from benchmarks import grouped_gemm_bench as B
-    from benchmarks.gemm_problems import GemmShape
-    shape = GemmShape("tiny", 4096, 256, 512, 4)   # Hopper's default, both GEMMs: 128x256 TMA tiles
-    fake_us = {"default": 20.0, "strips2": 19.0, "strips4": 18.0, "dense": 15.0}
-    rounds_seen = []
-
-    def measure(items, calls, warmup):
-        labels = [label for label, _ in items]
-        rounds_seen.append(labels)
-        for _, fn in items:
-            jax.block_until_ready(fn())
-        return [types.SimpleNamespace(label=label, per_call_us=lambda label=label: fake_us[label]) for label in labels]
-
-    r = B.strips_comparison(shape, [2, 4, 3], draws=2, rounds=3, backend="xla", measure=measure)
-    assert set(r["fwd"]["configs"]) == set(r["dgrad"]["configs"]) == {"default", "strips2", "strips4"}
-    assert "TAIL_STRIPS=4" in r["fwd"]["configs"]["strips4"]
-    fwd_labels = ["default", "strips2", "strips4", "dense"]
-    assert rounds_seen[0] == fwd_labels + fwd_labels[1:] + fwd_labels[:1] + fwd_labels[2:] + fwd_labels[:2]
-    assert len(rounds_seen) == 4 and all("dense" not in labels for labels in rounds_seen[2:])
-    for what in ("fwd", "dgrad"):
-        assert len(r[what]["draws"]) == 2
-        for d in r[what]["draws"]:
-            assert d["over_default"] == {"default": 1.0, "strips2": 0.95, "strips4": 0.9}
-            assert d["max_abs_diff"] == {"strips2": 0.0, "strips4": 0.0}
-            assert 0 <= d["tail"] < 132 and d["tail"] == d["tiles"] % 132
-    assert r["fwd"]["draws"][0]["dense_over"]["strips4"] == pytest.approx(15.0 / 18.0)
-    sizes = B.gemm_problems.group_sizes(4096, 4)
-    assert B.tail_of(sizes, 4096, 512, D.HOPPER_TMA_MM) == (B.row_tiles(sizes, 4096, 128) * 2,
-                                                            B.row_tiles(sizes, 4096, 128) * 2 % 132)

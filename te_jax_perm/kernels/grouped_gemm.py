@@ -116,19 +116,18 @@ def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, 
                         C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                         TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-                        TMA: tl.constexpr, PROGRAMS: tl.constexpr, SPLIT_STORE: tl.constexpr,
-                        TAIL_STRIPS: tl.constexpr, TAIL_STAGES: tl.constexpr):
+                        TMA: tl.constexpr, PROGRAMS: tl.constexpr, SPLIT_STORE: tl.constexpr):
     """out[rows of g] = lhs[rows of g] @ B_g for every group g; other rows get zeros.
 
     lhs is [M, C]. Without TRANS_RHS, rhs is [G, C, D] and B_g = rhs[g]; with TRANS_RHS,
     rhs is [G, D, C] and B_g = rhs[g].T (the input-gradient GEMM, no transposed copy).
     With TMA, the launch's PROGRAMS programs loop over the tiles and move them by tensor
     descriptors (``tma_tiles``); otherwise each program computes one tile with pointer loads
-    (and PROGRAMS and the TAIL_ constants are unused).
+    (and PROGRAMS is unused).
     """
     if TMA:
         tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C, D, G, G_P2, TRANS_RHS, BM, BN, BK, GROUP_M,
-                  PRECISION, PROGRAMS, SPLIT_STORE, TAIL_STRIPS, TAIL_STAGES)
+                  PRECISION, PROGRAMS, SPLIT_STORE)
     else:
         g, is_group_tile, row0, row_end, tile_n = group_tile(group_sizes_ptr, M, D, G, G_P2, BM, BN, GROUP_M)
         rows = row0 + tl.arange(0, BM)
@@ -142,57 +141,9 @@ def grouped_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_prealloc_ptr, 
 
 
 @triton.jit
-def _tma_acc(a_desc, b_desc, gi, row0, col0, k_end, TRANS_RHS: tl.constexpr, BM: tl.constexpr, W: tl.constexpr,
-             BK: tl.constexpr, PRECISION: tl.constexpr, K_STAGES: tl.constexpr):
-    """The fp32 ``[BM, W]`` tile ``lhs[row0:, :] @ B_gi[:, col0:]`` over ``k_end`` reduction
-    columns (0 for a fill tile: no K step, zeros), loaded through ``W``-wide descriptors;
-    ``K_STAGES`` (0: the kernel's own pipeline) loads in flight over the K steps."""
-    acc = tl.zeros((BM, W), dtype=tl.float32)
-    for k in tl.range(0, k_end, BK, num_stages=K_STAGES if K_STAGES > 0 else None):
-        a = a_desc.load([row0, k])
-        if TRANS_RHS:
-            b = tl.trans(tl.reshape(b_desc.load([gi, col0, k]), (W, BK)))
-        else:
-            b = tl.reshape(b_desc.load([gi, k, col0]), (BK, W))
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def _tma_store(out_desc, out_ptr, tile, row0, col0, row_end, D: tl.constexpr, BM: tl.constexpr, W: tl.constexpr,
-               HALVES: tl.constexpr):
-    """Store a ``[BM, W]`` output tile: whole through ``out_desc`` (in ``HALVES``, ``W / 2``
-    wide, if set) where it lies inside its group, else with a row mask at the group's end."""
-    if row0 + BM <= row_end:
-        if HALVES:
-            lo, hi = tl.split(tl.permute(tl.reshape(tile, (BM, 2, W // 2)), (0, 2, 1)))
-            out_desc.store([row0, col0], lo)
-            out_desc.store([row0, col0 + W // 2], hi)
-        else:
-            out_desc.store([row0, col0], tile)
-    else:
-        rows = row0 + tl.arange(0, BM)
-        cols = col0 + tl.arange(0, W)
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], tile,
-                 mask=(rows < row_end)[:, None] & (cols < D)[None, :])
-
-
-@triton.jit
-def _rhs_desc(rhs_ptr, C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, TRANS_RHS: tl.constexpr,
-              W: tl.constexpr, BK: tl.constexpr):
-    """The weights' three-dimensional descriptor in ``W``-wide column blocks."""
-    if TRANS_RHS:
-        desc = tl.make_tensor_descriptor(rhs_ptr, shape=[G, D, C], strides=[D * C, C, 1], block_shape=[1, W, BK])
-    else:
-        desc = tl.make_tensor_descriptor(rhs_ptr, shape=[G, C, D], strides=[C * D, D, 1], block_shape=[1, BK, W])
-    return desc
-
-
-@triton.jit
 def tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
               G_P2: tl.constexpr, TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PROGRAMS: tl.constexpr, SPLIT_STORE: tl.constexpr,
-              TAIL_STRIPS: tl.constexpr, TAIL_STAGES: tl.constexpr):
+              GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PROGRAMS: tl.constexpr, SPLIT_STORE: tl.constexpr):
     """``grouped_gemm_kernel``'s tiles, Hopper's way: the PROGRAMS programs stride over every
     tile of the schedule (computed here from ``group_sizes``, exactly as many row tiles as
     the groups and the rows past them need), loading through tensor descriptors (TMA on
@@ -208,32 +159,21 @@ def tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C: tl.constexpr, D:
     16-byte row strides (``C`` and ``D`` times the element size), which the declaration checks.
     ``SPLIT_STORE``: a whole tile is stored as two ``[BM, BN / 2]`` halves, so the store
     stages half a tile in shared memory and a pipeline stage more fits beside it.
-
-    ``TAIL_STRIPS`` (above 1): where the tiles past the last whole wave of PROGRAMS tiles
-    (the tail, which group sizes decide on the device) would leave most programs idle, each
-    tail tile is cut into TAIL_STRIPS column strips ``BN / TAIL_STRIPS`` wide, one strip per
-    program, if the strips fit on the PROGRAMS programs, their K steps pipelined
-    ``TAIL_STAGES`` deep (a strip's stages are smaller, and alone a strip is bound by its
-    loads' latency, not by its MMAs). Otherwise the tail's few programs
-    each run a whole tile while the rest wait for them: up to one tile's time per call (about
-    6% of a 16-wave GEMM). Every output element is still written by exactly one program.
     """
     num_n: tl.constexpr = (D + BN - 1) // BN
     g_idx, starts, ends, tiles, tile_ends, total_tiles, used_rows = row_schedule(group_sizes_ptr, M, G, G_P2, BM)
     # The group tiles, then the tiles that zero-fill the rows past the groups.
     num_m = total_tiles + (M - used_rows + BM - 1) // BM
-    total = num_m * num_n
     a_desc = tl.make_tensor_descriptor(lhs_ptr, shape=[M, C], strides=[C, 1], block_shape=[BM, BK])
-    b_desc = _rhs_desc(rhs_ptr, C, D, G, TRANS_RHS, BN, BK)
+    if TRANS_RHS:
+        b_desc = tl.make_tensor_descriptor(rhs_ptr, shape=[G, D, C], strides=[D * C, C, 1], block_shape=[1, BN, BK])
+    else:
+        b_desc = tl.make_tensor_descriptor(rhs_ptr, shape=[G, C, D], strides=[C * D, D, 1], block_shape=[1, BK, BN])
     if SPLIT_STORE:
         out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, D], strides=[D, 1], block_shape=[BM, BN // 2])
     else:
         out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, D], strides=[D, 1], block_shape=[BM, BN])
-    main_end = total
-    if TAIL_STRIPS > 1:
-        tail = total % PROGRAMS
-        main_end = tl.where(tail * TAIL_STRIPS <= PROGRAMS, total - tail, total)
-    for t in tl.range(tl.program_id(0), main_end, PROGRAMS, flatten=True):
+    for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True):
         tile_m, tile_n = swizzled_tile(t, num_m, num_n, GROUP_M)
         g, is_group_tile, row0, row_end = tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, total_tiles,
                                                     used_rows, G, BM)
@@ -241,27 +181,27 @@ def tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C: tl.constexpr, D:
         col0 = (tile_n * BN).to(tl.int32)
         gi = tl.where(is_group_tile, g, 0).to(tl.int32)
         # A fill tile runs no K step: its accumulator stays zero.
-        acc = _tma_acc(a_desc, b_desc, gi, row0, col0, tl.where(is_group_tile, C, 0), TRANS_RHS, BM, BN, BK,
-                       PRECISION, 0)
-        _tma_store(out_desc, out_ptr, acc.to(out_ptr.dtype.element_ty), row0, col0, row_end, D, BM, BN, SPLIT_STORE)
-    if TAIL_STRIPS > 1:
-        # The tail's strips (none where it ran whole above): strip s of tail tile j is
-        # program j * TAIL_STRIPS + s's, so a tile's strips run side by side and share its
-        # lhs rows in L2.
-        SW: tl.constexpr = BN // TAIL_STRIPS
-        strip = tl.program_id(0)
-        if main_end + strip // TAIL_STRIPS < total:
-            tile_m, tile_n = swizzled_tile(main_end + strip // TAIL_STRIPS, num_m, num_n, GROUP_M)
-            g, is_group_tile, row0, row_end = tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends,
-                                                        total_tiles, used_rows, G, BM)
-            row0 = row0.to(tl.int32)
-            col0 = (tile_n * BN + (strip % TAIL_STRIPS) * SW).to(tl.int32)
-            gi = tl.where(is_group_tile, g, 0).to(tl.int32)
-            bs_desc = _rhs_desc(rhs_ptr, C, D, G, TRANS_RHS, SW, BK)
-            os_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, D], strides=[D, 1], block_shape=[BM, SW])
-            acc = _tma_acc(a_desc, bs_desc, gi, row0, col0, tl.where(is_group_tile, C, 0), TRANS_RHS, BM, SW, BK,
-                           PRECISION, TAIL_STAGES)
-            _tma_store(os_desc, out_ptr, acc.to(out_ptr.dtype.element_ty), row0, col0, row_end, D, BM, SW, False)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.where(is_group_tile, C, 0), BK):
+            a = a_desc.load([row0, k])
+            if TRANS_RHS:
+                b = tl.trans(tl.reshape(b_desc.load([gi, col0, k]), (BN, BK)))
+            else:
+                b = tl.reshape(b_desc.load([gi, k, col0]), (BK, BN))
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        tile = acc.to(out_ptr.dtype.element_ty)
+        if row0 + BM <= row_end:
+            if SPLIT_STORE:
+                lo, hi = tl.split(tl.permute(tl.reshape(tile, (BM, 2, BN // 2)), (0, 2, 1)))
+                out_desc.store([row0, col0], lo)
+                out_desc.store([row0, col0 + BN // 2], hi)
+            else:
+                out_desc.store([row0, col0], tile)
+        else:
+            rows = row0 + tl.arange(0, BM)
+            cols = col0 + tl.arange(0, BN)
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :], tile,
+                     mask=(rows < row_end)[:, None] & (cols < D)[None, :])
 
 
 @triton.jit

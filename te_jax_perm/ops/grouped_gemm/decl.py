@@ -49,14 +49,14 @@ def mm_fits(dims, params, config: Config) -> str | None:
 
 
 def _tma_problem(config: Config, eb: int, rows: dict, stage_elems: int, out_elems: int) -> str | None:
-    """What keeps a config off the TMA path, or ``None``: ``PROGRAMS``, ``SPLIT_STORE`` or
-    ``TAIL_STRIPS`` set without ``TMA``; or, for a ``TMA=True`` config, no program count, a row or block whose byte
+    """What keeps a config off the TMA path, or ``None``: ``PROGRAMS`` or ``SPLIT_STORE``
+    set without ``TMA``; or, for a ``TMA=True`` config, no program count, a row or block whose byte
     length is no 16-byte multiple (a tensor descriptor's rule; ``rows`` names each), or
     its pipeline stages (``stage_elems`` each) plus the output tile it stores from
     (``out_elems``) past shared memory."""
     kw = config.kw
     if not kw.get("TMA", False):
-        given = [k for k in ("PROGRAMS", "SPLIT_STORE", "TAIL_STRIPS") if kw.get(k)]
+        given = [k for k in ("PROGRAMS", "SPLIT_STORE") if kw.get(k)]
         return f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set only by TMA configs" if given else None
     if kw.get("PROGRAMS", 0) < 1:
         return "a TMA config needs PROGRAMS >= 1 (its persistent program count)"
@@ -71,31 +71,12 @@ def _tma_problem(config: Config, eb: int, rows: dict, stage_elems: int, out_elem
     return None
 
 
-def tail_stages(config: Config, elem_bytes: int, most: int = 8) -> int:
-    """The pipeline depth of a TMA config's tail strips (``tma_tiles``): as many ``[BM, BK]``
-    and ``[BK, BN / TAIL_STRIPS]`` stages as fit in shared memory beside the strip's output
-    tile, at most ``most`` and never fewer than the config's own stages (0 without strips)."""
-    kw = config.kw
-    if not kw.get("TAIL_STRIPS", 0) or not kw.get("TMA", False):
-        return 0
-    sw = kw["BN"] // kw["TAIL_STRIPS"]
-    fit = (_HOPPER_SMEM_BYTES - kw["BM"] * sw * elem_bytes) // ((kw["BM"] * kw["BK"] + kw["BK"] * sw) * elem_bytes)
-    return max(config.num_stages, min(most, fit))
-
-
 def tma_fits(dims, params, config: Config) -> str | None:
     """:func:`_tma_problem` of a forward or input-gradient config: ``lhs``, ``rhs`` and
-    ``out``'s rows, stages of ``[BM, BK]`` and ``[BK, BN]`` tiles, a ``[BM, BN]`` output tile;
-    with ``TAIL_STRIPS``, strips ``BN / TAIL_STRIPS`` wide (the tail's tiles, see
-    ``tma_tiles``) that divide ``BN``."""
+    ``out``'s rows, stages of ``[BM, BK]`` and ``[BK, BN]`` tiles, a ``[BM, BN]`` output tile."""
     kw = config.kw
-    rows = {"C": dims["C"], "D": dims["D"], "BK": kw["BK"], "BN": kw["BN"]}
-    strips = kw.get("TAIL_STRIPS", 0)
-    if strips and kw.get("TMA", False):
-        if strips < 2 or kw["BN"] % strips:
-            return f"TAIL_STRIPS={strips}: expected a count of at least 2 that divides BN={kw['BN']}"
-        rows["BN / TAIL_STRIPS"] = kw["BN"] // strips
-    return _tma_problem(config, params["elem_bytes"], rows, kw["BM"] * kw["BK"] + kw["BK"] * kw["BN"],
+    return _tma_problem(config, params["elem_bytes"], {"C": dims["C"], "D": dims["D"], "BK": kw["BK"], "BN": kw["BN"]},
+                        kw["BM"] * kw["BK"] + kw["BK"] * kw["BN"],
                         kw["BM"] * kw["BN"] // (2 if kw.get("SPLIT_STORE", False) else 1))
 
 
@@ -242,9 +223,7 @@ def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
                                                   "PRECISION": precision(params),
                                                   "TMA": config.kw.get("TMA", False),
                                                   "PROGRAMS": config.kw.get("PROGRAMS", 0),
-                                                  "SPLIT_STORE": config.kw.get("SPLIT_STORE", False),
-                                                  "TAIL_STRIPS": config.kw.get("TAIL_STRIPS", 0),
-                                                  "TAIL_STAGES": tail_stages(config, params["elem_bytes"])},
+                                                  "SPLIT_STORE": config.kw.get("SPLIT_STORE", False)},
         configs=MM_CONFIGS + TMA_CONFIGS,
         constraints=(mm_fits, tma_fits),
         key_dims=("M", "C", "D", "G"),
