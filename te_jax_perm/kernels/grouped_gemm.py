@@ -244,27 +244,10 @@ def wgrad_tile(group_sizes_ptr, M, K: tl.constexpr, N: tl.constexpr, G: tl.const
 
 
 @triton.jit
-def row_tokens(owner_ptr, rows, live, T, G: tl.constexpr):
-    """(token int64, owned) of each of ``rows`` through an owner table (``moe_ffn``'s rows:
-    ``owner[r] = t*G + j + 1``, 0 for none): owned where ``live`` and the owner names a token
-    in ``[0, T)``; token 0 where not owned (an address that is never read)."""
-    own = tl.load(owner_ptr + rows, mask=live, other=0)
-    tok = (tl.maximum(own, 1) - 1) // G
-    owned = live & (own > 0) & (tok < T)
-    return tl.where(owned, tok, 0).to(tl.int64), owned
-
-
-@triton.jit
-def wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr,
-               K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-               GATHER_LHS: tl.constexpr, WEIGHTED_DOUT: tl.constexpr,
-               BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
+def wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_ptr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
+               G_P2: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
     """out[g] = lhs[rows of g].T @ dout[rows of g] for this program's [BK, BN] block
-    (``wgrad_tile``), reduced over that group's rows. With GATHER_LHS, ``lhs`` is [T, K]
-    and row r reads token ``row_tokens(r)``'s row; with WEIGHTED_DOUT, ``dout`` is [T, N]
-    and row r reads its token's row times ``probs[token, g]`` ([T, G]), rounded to the
-    operand dtype. Rows without an owner read zeros. (``owner``, ``probs`` and ``T`` are
-    unread with both off.)"""
+    (``wgrad_tile``), reduced over that group's rows."""
     # g < G always: the grid has G * (K blocks) * (N blocks) programs.
     g, tile_k, tile_n, r_start, r_end = wgrad_tile(group_sizes_ptr, M, K, N, G, G_P2, BK, BN)
     kcols = tile_k * BK + tl.arange(0, BK)
@@ -273,31 +256,13 @@ def wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, o
     n_ok = ncols < N
     rs = tl.arange(0, BR)
     acc = tl.zeros((BK, BN), dtype=tl.float32)
-    if GATHER_LHS or WEIGHTED_DOUT:
-        # Each slice's owners are loaded one slice ahead: a row's address then comes from the
-        # previous step, not from a load of the same step, and the software pipeline keeps all
-        # its stages for the rows (an owner load in the same step takes stages from them).
-        first = r_start + rs
-        tok_next, owned_next = row_tokens(owner_ptr, first, first < r_end, T, G)
     for r in range(r_start, r_end, BR):
         rows = r + rs
         r_ok = rows < r_end
-        if GATHER_LHS or WEIGHTED_DOUT:
-            tok, owned = tok_next, owned_next
-            ahead = rows + BR
-            tok_next, owned_next = row_tokens(owner_ptr, ahead, ahead < r_end, T, G)
-        if GATHER_LHS:
-            x = tl.load(lhs_ptr + tok[:, None] * K + kcols[None, :], mask=owned[:, None] & k_ok[None, :], other=0.0)
-        else:
-            x = tl.load(lhs_ptr + rows[:, None].to(tl.int64) * K + kcols[None, :],
-                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        if WEIGHTED_DOUT:
-            dy = tl.load(dout_ptr + tok[:, None] * N + ncols[None, :], mask=owned[:, None] & n_ok[None, :], other=0.0)
-            p = tl.load(probs_ptr + tok * G + g, mask=owned, other=0.0).to(tl.float32)
-            dy = (dy.to(tl.float32) * p[:, None]).to(dout_ptr.dtype.element_ty)
-        else:
-            dy = tl.load(dout_ptr + rows[:, None].to(tl.int64) * N + ncols[None, :],
-                         mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        x = tl.load(lhs_ptr + rows[:, None].to(tl.int64) * K + kcols[None, :],
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        dy = tl.load(dout_ptr + rows[:, None].to(tl.int64) * N + ncols[None, :],
+                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(x), dy, acc, input_precision=PRECISION)
     out_ptrs = out_ptr + g.to(tl.int64) * K * N + kcols[:, None].to(tl.int64) * N + ncols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
@@ -319,8 +284,7 @@ def grouped_gemm_wgrad_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_preallo
         tma_wgrad_tiles(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_ptr, K, N, G, G_P2, BK, BN, BR, PRECISION,
                         PROGRAMS)
     else:
-        wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, lhs_ptr, lhs_ptr, M, 0, out_ptr, K, N, G, G_P2,
-                   False, False, BK, BN, BR, PRECISION)
+        wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_ptr, K, N, G, G_P2, BK, BN, BR, PRECISION)
 
 
 @triton.jit

@@ -1,36 +1,43 @@
-"""Triton sources of the fused MoE expert GEMMs (``moe_ffn``).
+"""Triton sources of the fused MoE expert GEMMs (``moe_ffn``'s forward).
 
 The GEMMs run over the ``M`` expert-sorted rows a dispatch would produce (grouped by expert,
-``group_sizes`` rows each, the grouped GEMM's tile schedule: ``group_tile`` / ``wgrad_body``
-of :mod:`te_jax_perm.kernels.grouped_gemm`), but the token rows are never copied into them:
+``group_sizes`` rows each, the grouped GEMM's tile schedule: ``group_tile`` of
+:mod:`te_jax_perm.kernels.grouped_gemm`), but the token rows are never copied into them:
 ``owner[r]``, the row's one writing map entry ``t*E + j + 1`` (0 for none, as ``row_owner``
-computes it), names the token ``t = (owner[r] - 1) // E`` whose row the GEMM reads or writes
+computes it), names the token ``t = (owner[r] - 1) // E`` whose row the GEMM reads
 (``row_tokens``).
 
-* ``moe_gather_gemm_kernel``: ``out[r] = x[token(r)] @ B_g``, the first expert GEMM (and,
-  with ``TRANS_RHS``, the second one's input gradient, ``dy[token(r)] @ w[g].T``).
+* ``moe_gather_gemm_kernel``: ``out[r] = x[token(r)] @ B_g``, the first expert GEMM.
 * ``moe_weighted_gemm_kernel``: ``out[r] = probs[token(r), g] * (lhs[r] @ B_g)``, the second
   expert GEMM with each row's routing probability applied in fp32 before the rounding.
-* ``moe_gather_wgrad_kernel``: ``out[g] = x[token(rows of g)].T @ dout[rows of g]``.
-* ``moe_weighted_wgrad_kernel``: ``out[g] = lhs[rows of g].T @ (probs * dout[token(rows)])``,
-  the scaled rows rounded to the operand dtype as the unfused combine's gradient rounds them.
 
 Every output element is written by exactly one program (no atomics): row tiles own disjoint
-rows, weight-gradient programs disjoint blocks. Rows with no owner (padding, unused budget),
-rows past the groups, and rows whose owner names a token outside ``[0, T)`` read zeros and
-are written as zeros; group sizes are clamped as the grouped GEMM clamps them. Whatever
-``owner`` and ``group_sizes`` hold, no program addresses memory outside its buffers.
+rows. Rows with no owner (padding, unused budget), rows past the groups, and rows whose
+owner names a token outside ``[0, T)`` read zeros and are written as zeros; group sizes are
+clamped as the grouped GEMM clamps them. Whatever ``owner`` and ``group_sizes`` hold, no
+program addresses memory outside its buffers.
 """
 import triton
 import triton.language as tl
 
-from te_jax_perm.kernels.grouped_gemm import group_tile, row_tokens, tile_dot, wgrad_body
+from te_jax_perm.kernels.grouped_gemm import group_tile, tile_dot
+
+
+@triton.jit
+def row_tokens(owner_ptr, rows, live, T, G: tl.constexpr):
+    """(token int64, owned) of each of ``rows`` through an owner table (``owner[r] = t*G + j + 1``,
+    0 for none): owned where ``live`` and the owner names a token in ``[0, T)``; token 0 where
+    not owned (an address that is never read)."""
+    own = tl.load(owner_ptr + rows, mask=live, other=0)
+    tok = (tl.maximum(own, 1) - 1) // G
+    owned = live & (own > 0) & (tok < T)
+    return tl.where(owned, tok, 0).to(tl.int64), owned
 
 
 @triton.jit
 def _gemm_body(a_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr,
                C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-               TRANS_RHS: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
+               GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                PRECISION: tl.constexpr):
     g, is_group_tile, row0, row_end, tile_n = group_tile(group_sizes_ptr, M, D, G, G_P2, BM, BN, GROUP_M)
@@ -49,7 +56,7 @@ def _gemm_body(a_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_
         src_ok = row_ok
     cols = tile_n * BN + tl.arange(0, BN)
     col_ok = cols < D
-    acc = tile_dot(a_ptr, src, src_ok, rhs_ptr, g, is_group_tile, cols, col_ok, C, D, TRANS_RHS, BM, BN, BK,
+    acc = tile_dot(a_ptr, src, src_ok, rhs_ptr, g, is_group_tile, cols, col_ok, C, D, False, BM, BN, BK,
                    PRECISION)
     if WEIGHTED:
         # probs [T, G]: the row's token and its group's expert. A select, not a product, for
@@ -63,39 +70,18 @@ def _gemm_body(a_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_
 @triton.jit
 def moe_gather_gemm_kernel(x_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, M, T, out_prealloc_ptr, out_ptr,
                            C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-                           TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    """out [M, D]: row r = x[token(r)] @ B_g (x [T, C]); rhs [G, C, D], or [G, D, C] used
-    transposed with TRANS_RHS."""
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    """out [M, D]: row r = x[token(r)] @ rhs[g] (x [T, C], rhs [G, C, D])."""
     _gemm_body(x_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, x_ptr, M, T, out_ptr, C, D, G, G_P2,
-               TRANS_RHS, True, False, BM, BN, BK, GROUP_M, PRECISION)
+               True, False, BM, BN, BK, GROUP_M, PRECISION)
 
 
 @triton.jit
 def moe_weighted_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T,
                              out_prealloc_ptr, out_ptr, C: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                             G_P2: tl.constexpr, TRANS_RHS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             G_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                              BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    """out [M, D]: row r = probs[token(r), g] * (lhs[r] @ B_g) (lhs [M, C], probs [T, G])."""
+    """out [M, D]: row r = probs[token(r), g] * (lhs[r] @ rhs[g]) (lhs [M, C], probs [T, G])."""
     _gemm_body(lhs_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr, C, D, G, G_P2,
-               TRANS_RHS, False, True, BM, BN, BK, GROUP_M, PRECISION)
-
-
-@triton.jit
-def moe_gather_wgrad_kernel(x_ptr, dout_ptr, group_sizes_ptr, owner_ptr, M, T, out_prealloc_ptr, out_ptr,
-                            K: tl.constexpr, N: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-                            BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PRECISION: tl.constexpr):
-    """out [G, K, N]: out[g] = x[token(rows of g)].T @ dout[rows of g] (x [T, K], dout [M, N])."""
-    wgrad_body(x_ptr, dout_ptr, group_sizes_ptr, owner_ptr, x_ptr, M, T, out_ptr, K, N, G, G_P2,
-                True, False, BK, BN, BR, PRECISION)
-
-
-@triton.jit
-def moe_weighted_wgrad_kernel(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T,
-                              out_prealloc_ptr, out_ptr, K: tl.constexpr, N: tl.constexpr, G: tl.constexpr,
-                              G_P2: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                              PRECISION: tl.constexpr):
-    """out [G, K, N]: out[g] = lhs[rows of g].T @ (probs[token, g] * dout[token]) over the
-    rows of g (lhs [M, K], dout [T, N], probs [T, G])."""
-    wgrad_body(lhs_ptr, dout_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr, K, N, G, G_P2,
-                False, True, BK, BN, BR, PRECISION)
+               False, True, BM, BN, BK, GROUP_M, PRECISION)

@@ -183,7 +183,7 @@ def _tokamax_dot(a, b, group_sizes, dims, out_dtype):
 Gemm = Callable[[jax.Array, jax.Array, jax.Array, Any], jax.Array]
 
 
-def _gemms(impl: str) -> tuple[Gemm, Gemm, Gemm]:
+def gemms(impl: str) -> tuple[Gemm, Gemm, Gemm]:
     """The selector: the forward, input-gradient and weight-gradient GEMMs of ``impl``, each
     ``(a, b, group_sizes, out_dtype) -> out``. ``"xla"`` and ``"tokamax"`` are the pure-JAX
     references over that ragged dot; a kernel backend (``"triton"``, ``"interpret"``) runs
@@ -212,7 +212,7 @@ def _gemms(impl: str) -> tuple[Gemm, Gemm, Gemm]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, impl: str, out_dtype: Any) -> jax.Array:
-    return _gemms(impl)[0](lhs, rhs, group_sizes, out_dtype)
+    return gemms(impl)[0](lhs, rhs, group_sizes, out_dtype)
 
 
 def _fwd(lhs, rhs, group_sizes, impl, out_dtype):
@@ -222,7 +222,7 @@ def _fwd(lhs, rhs, group_sizes, impl, out_dtype):
 def _bwd(impl, out_dtype, res, dout):
     del out_dtype
     lhs, rhs, group_sizes = res
-    _, dgrad, wgrad = _gemms(impl)
+    _, dgrad, wgrad = gemms(impl)
     dlhs = dgrad(dout.astype(rhs.dtype), rhs, group_sizes, lhs.dtype)
     drhs = wgrad(lhs, dout.astype(lhs.dtype), group_sizes, rhs.dtype)
     # group_sizes is an integer input: its cotangent is symbolic zero.

@@ -16,13 +16,15 @@ The forward pass, every launch a declared kernel (:mod:`te_jax_perm.ops.moe_ffn.
    the ``unpermute`` gather kernel. A token's rows come from different experts' tiles, so
    summing them inside the GEMM would need atomics; the gather keeps the sum deterministic.
 
-The backward pass (one custom VJP) reads the token rows through the owners too: the output
-gradient's rows for the second GEMM's input gradient (``moe_gather_gemm_rhs_t``) and, scaled
-by the probabilities, for its weight gradient (``moe_weighted_wgrad``); ``x``'s rows for
-the first GEMM's weight gradient (``moe_gather_wgrad``). The input gradient of the first
-GEMM is the grouped GEMM's (``grouped_gemm_rhs_t``), and one ``permute_bwd_probs`` gather
-sums each token's rows into ``dx`` and moves each row's probability gradient into place.
-No kernel uses float atomics.
+The backward pass (one custom VJP) moves the output gradient's token rows into the
+expert-sorted order once (the dispatch's ``permute`` kernel) and runs the grouped GEMM's own
+kernels on them (on Hopper its TMA and warp-specialised ones, which gather no rows): the
+second GEMM's input gradient (its dot with each row's activation is the probability's
+gradient) and weight gradient (with the activations scaled by the probabilities); the
+first GEMM's input gradient and, from ``x``'s rows moved the same way, its weight gradient.
+One ``permute_bwd_probs`` gather sums each token's rows into ``dx`` and moves each row's
+probability gradient into place. The two row copies live only inside the backward pass;
+the forward keeps none. No kernel uses float atomics.
 """
 from __future__ import annotations
 
@@ -33,14 +35,12 @@ import jax
 import jax.numpy as jnp
 
 from te_jax_perm.core import resolve_backend
-from te_jax_perm.core.launch import bind_dims
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops.grouped_gemm import decl as GD
-from te_jax_perm.ops.grouped_gemm.api import KERNEL_DTYPES
+from te_jax_perm.ops.grouped_gemm.api import KERNEL_DTYPES, gemms
 from te_jax_perm.ops.moe_ffn import decl as D
 from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS, activate, row_probs
 from te_jax_perm.ops.permute import decl as P
-from te_jax_perm.ops.permute.api import dispatch_rows, local_budget, unread_pad
+from te_jax_perm.ops.permute.api import dispatch_rows, local_budget, permute_fwd, unread_pad
 from te_jax_perm.ops.row_id_map.api import dispatch_map
 from te_jax_perm.ops.row_id_map.reference import padded_counts_of
 
@@ -138,27 +138,33 @@ def _fwd(x, w_in, w_out, probs, rid, group_sizes, owner, activation, backend):
     return y, (x, w_in, w_out, probs, rid, group_sizes, owner, h)
 
 
+def _rows(v, rid, owner, num_groups, backend):
+    """``[M, K]``: each expert-sorted row's token row of ``v [T, K]`` (zeros for rows no
+    token owns), moved by the dispatch's ``permute`` kernel along the owner table."""
+    (rows, _), _ = permute_fwd(v, None, rid, unread_pad(num_groups), owner.shape[0], False, backend, owner)
+    return rows
+
+
 def _bwd(activation, backend, res, dy):
     x, w_in, w_out, probs, rid, group_sizes, owner, h = res
-    kw = _kernel_kw(x, backend)
-    dy = dy.astype(x.dtype)
-    a, act_vjp = jax.vjp(lambda v: activate(activation, v).astype(x.dtype), h)
+    dt, e = x.dtype, w_in.shape[0]
+    _, dgrad, wgrad = gemms(backend)
+    a, act_vjp = jax.vjp(lambda v: activate(activation, v).astype(dt), h)
+    p, _ = row_probs(probs, group_sizes, owner)
     # Second GEMM and combine: y[t] = sum_r p_r * (a_r @ w_out[g]). Row r's gradient before
     # its probability, dy[token] @ w_out[g].T, gives both the probability's gradient (its dot
-    # with a_r) and, scaled, a_r's.
-    (da_unscaled,) = D.moe_gather_gemm_rhs_t(dy, w_out, group_sizes, owner, **kw)
-    da_unscaled = da_unscaled.astype(jnp.float32)
+    # with a_r) and, scaled, a_r's; w_out[g]'s is sum_r (p_r a_r).T dy[token], the scaling
+    # on the narrower operand (fused with the activation's recomputation).
+    dy_rows = _rows(dy.astype(dt), rid, owner, e, backend)
+    da_unscaled = dgrad(dy_rows, w_out, group_sizes, jnp.float32)
     dprobs_rows = jnp.sum(da_unscaled * a.astype(jnp.float32), axis=-1)
-    p, _ = row_probs(probs, group_sizes, owner)
-    (dw_out,) = D.moe_weighted_wgrad(a, dy, group_sizes, owner, probs, **kw)
-    (dh,) = act_vjp((da_unscaled * p[:, None]).astype(x.dtype))
+    dw_out = wgrad((a.astype(jnp.float32) * p[:, None]).astype(dt), dy_rows, group_sizes, dt)
+    (dh,) = act_vjp((da_unscaled * p[:, None]).astype(dt))
     # First GEMM and dispatch: each row's input gradient, summed into its token with the
     # probability gradients moved alongside (one gather, fixed order).
-    dgrad = GD.mm_for(backend, True, bind_dims(GD.grouped_gemm_rhs_t.decl, [dh, w_in, group_sizes]),
-                      {"elem_bytes": kw["elem_bytes"]})
-    (dx_rows,) = dgrad(dh, w_in, group_sizes, **kw)
-    (dw_in,) = D.moe_gather_wgrad(x, dh, group_sizes, owner, **kw)
-    dx, dprobs = P.permute_bwd_probs(dx_rows, rid, unread_pad(w_in.shape[0]), dprobs_rows.astype(probs.dtype),
+    dx_rows = dgrad(dh, w_in, group_sizes, dt)
+    dw_in = wgrad(_rows(x, rid, owner, e, backend), dh, group_sizes, dt)
+    dx, dprobs = P.permute_bwd_probs(dx_rows, rid, unread_pad(e), dprobs_rows.astype(probs.dtype),
                                      backend=backend, padded=False)
     # The map, group sizes and owners are integers: their cotangents are symbolic zeros.
     return dx, dw_in, dw_out, dprobs, None, None, None

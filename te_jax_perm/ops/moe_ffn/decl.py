@@ -1,8 +1,7 @@
 """Kernel declarations of the fused MoE expert GEMMs (:mod:`te_jax_perm.kernels.moe_ffn`):
-the first expert GEMM reading token rows through the row owners (``moe_gather_gemm``), the
-second applying each row's routing probability (``moe_weighted_gemm``), and for the
-backward pass the gathered input-gradient GEMM (``moe_gather_gemm_rhs_t``) and the two
-weight gradients (``moe_gather_wgrad``, ``moe_weighted_wgrad``).
+the first expert GEMM reading token rows through the row owners (``moe_gather_gemm``) and
+the second applying each row's routing probability (``moe_weighted_gemm``). The backward
+pass runs the grouped GEMM's own kernels on rows moved into place (:mod:`te_jax_perm.ops.moe_ffn.api`).
 
 They tile as the grouped GEMM does (its tile schedule, tuning spaces, shared-memory rule and
 default configs); their references are :mod:`te_jax_perm.ops.moe_ffn.reference`'s, the public
@@ -15,8 +14,7 @@ import triton
 
 from te_jax_perm.core import KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels import moe_ffn as K
-from te_jax_perm.ops.grouped_gemm.decl import (FLOATS, MM_CONFIGS, WGRAD_CONFIGS, groups_p2, mm_default, mm_fits,
-                                               mm_grid, precision, wgrad_default, wgrad_fits, wgrad_grid)
+from te_jax_perm.ops.grouped_gemm.decl import FLOATS, MM_CONFIGS, groups_p2, mm_default, mm_fits, mm_grid, precision
 from te_jax_perm.ops.moe_ffn import reference as R
 from te_jax_perm.ops.permute.decl import PROB_DTYPES
 from te_jax_perm.ops.permute.reference import row_owner_reference
@@ -62,75 +60,31 @@ def _example(kind: str):
         if kind == "gather":
             return (_rand(rng, (t, dims["C"]), dtypes["x"]), _rand(rng, (g, dims["C"], dims["D"]), dtypes["rhs"]),
                     gs, owner)
-        if kind == "gather_rhs_t":
-            return (_rand(rng, (t, dims["C"]), dtypes["x"]), _rand(rng, (g, dims["D"], dims["C"]), dtypes["rhs"]),
-                    gs, owner)
-        if kind == "weighted":
-            return (_rand(rng, (m, dims["C"]), dtypes["lhs"]), _rand(rng, (g, dims["C"], dims["D"]), dtypes["rhs"]),
-                    gs, owner, probs())
-        if kind == "gather_wgrad":
-            return (_rand(rng, (t, dims["K"]), dtypes["x"]), _rand(rng, (m, dims["N"]), dtypes["dout"]), gs, owner)
-        return (_rand(rng, (m, dims["K"]), dtypes["lhs"]), _rand(rng, (t, dims["N"]), dtypes["dout"]), gs, owner,
-                probs())
+        return (_rand(rng, (m, dims["C"]), dtypes["lhs"]), _rand(rng, (g, dims["C"], dims["D"]), dtypes["rhs"]),
+                gs, owner, probs())
     return make
 
 
 # -- declarations ----------------------------------------------------------------------------
-def _mm_constexprs(trans_rhs: bool):
-    return lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"], "G_P2": groups_p2(dims),
-                                         "TRANS_RHS": trans_rhs, "PRECISION": precision(params)}
-
-
-def _mm(name: str, kernel, operands: tuple[Operand, ...], reference, trans_rhs: bool, example: str) -> KernelDecl:
+def _mm(name: str, kernel, operands: tuple[Operand, ...], reference, example: str) -> KernelDecl:
     """A row-tile GEMM with ``M`` output rows of width ``D``, in the first operand's dtype."""
     first = operands[0].name
     return KernelDecl(
         name=name, kernel=kernel, operands=operands,
         outputs=(Output("out", lambda dims, params: (dims["M"], dims["D"]), lambda dtypes, params: dtypes[first]),),
-        reference=reference, grid=mm_grid, constexprs=_mm_constexprs(trans_rhs),
-        configs=MM_CONFIGS, constraints=(mm_fits,), key_dims=("M", "C", "D", "G"), default_config=mm_default,
-        example_inputs=_example(example), **_SHARED)
-
-
-def _wgrad(name: str, kernel, operands: tuple[Operand, ...], reference, example: str) -> KernelDecl:
-    """A weight gradient ``[G, K, N]`` in the first operand's dtype."""
-    first = operands[0].name
-    return KernelDecl(
-        name=name, kernel=kernel, operands=operands,
-        outputs=(Output("out", lambda dims, params: (dims["G"], dims["K"], dims["N"]),
-                        lambda dtypes, params: dtypes[first]),),
-        reference=reference, grid=wgrad_grid,
-        constexprs=lambda dims, params, config: {"K": dims["K"], "N": dims["N"], "G": dims["G"],
+        reference=reference, grid=mm_grid,
+        constexprs=lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"],
                                                   "G_P2": groups_p2(dims), "PRECISION": precision(params)},
-        configs=WGRAD_CONFIGS, constraints=(wgrad_fits,), key_dims=("M", "K", "N", "G"), default_config=wgrad_default,
+        configs=MM_CONFIGS, constraints=(mm_fits,), key_dims=("M", "C", "D", "G"), default_config=mm_default,
         example_inputs=_example(example), **_SHARED)
 
 
 moe_gather_gemm = declare(_mm(
     "moe_gather_gemm", K.moe_gather_gemm_kernel,
     (Operand("x", ("T", "C"), FLOATS), Operand("rhs", ("G", "C", "D"), FLOATS), _GS, _OWNER),
-    lambda x, rhs, gs, owner, elem_bytes: R.moe_gather_gemm_reference(x, rhs, gs, owner, elem_bytes=elem_bytes),
-    trans_rhs=False, example="gather"))
-
-# The second GEMM's input gradient: the output gradient's token rows times w_out[g].T.
-moe_gather_gemm_rhs_t = declare(_mm(
-    "moe_gather_gemm_rhs_t", K.moe_gather_gemm_kernel,
-    (Operand("x", ("T", "C"), FLOATS), Operand("rhs", ("G", "D", "C"), FLOATS), _GS, _OWNER),
-    lambda x, rhs, gs, owner, elem_bytes: R.moe_gather_gemm_reference(x, rhs, gs, owner, elem_bytes=elem_bytes,
-                                                                      trans_rhs=True),
-    trans_rhs=True, example="gather_rhs_t"))
+    R.moe_gather_gemm_reference, example="gather"))
 
 moe_weighted_gemm = declare(_mm(
     "moe_weighted_gemm", K.moe_weighted_gemm_kernel,
     (Operand("lhs", ("M", "C"), FLOATS), Operand("rhs", ("G", "C", "D"), FLOATS), _GS, _OWNER, _PROBS),
-    R.moe_weighted_gemm_reference, trans_rhs=False, example="weighted"))
-
-moe_gather_wgrad = declare(_wgrad(
-    "moe_gather_wgrad", K.moe_gather_wgrad_kernel,
-    (Operand("x", ("T", "K"), FLOATS), Operand("dout", ("M", "N"), FLOATS), _GS, _OWNER),
-    R.moe_gather_wgrad_reference, example="gather_wgrad"))
-
-moe_weighted_wgrad = declare(_wgrad(
-    "moe_weighted_wgrad", K.moe_weighted_wgrad_kernel,
-    (Operand("lhs", ("M", "K"), FLOATS), Operand("dout", ("T", "N"), FLOATS), _GS, _OWNER, _PROBS),
-    R.moe_weighted_wgrad_reference, example="weighted_wgrad"))
+    R.moe_weighted_gemm_reference, example="weighted"))

@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax_perm.ops.grouped_gemm.reference import (clamped_group_sizes, grouped_gemm_reference,
-                                                    grouped_gemm_rhs_t_reference, grouped_gemm_wgrad_reference)
+from te_jax_perm.ops.grouped_gemm.reference import clamped_group_sizes, grouped_gemm_reference
 
 # name -> (function of the first GEMM's float32 output, whether w_in holds gate and up side
 # by side, [E, H, 2F], the activation being act(gate) * up).
@@ -74,13 +73,11 @@ def gather_rows(x: jax.Array, owner: jax.Array, num_groups: int) -> jax.Array:
     return jnp.where(owned[:, None], x[tok], jnp.zeros((), x.dtype))
 
 
-def moe_gather_gemm_reference(x, rhs, group_sizes, owner, *, elem_bytes, trans_rhs=False):
-    """Kernel ``moe_gather_gemm`` (``_rhs_t``): ``[M, D]``, row r = ``x[token(r)] @ B_g``."""
+def moe_gather_gemm_reference(x, rhs, group_sizes, owner, *, elem_bytes):
+    """Kernel ``moe_gather_gemm``: ``[M, D]``, row r = ``x[token(r)] @ rhs[g]``."""
     del elem_bytes
-    # Rows past the groups read nothing in the kernel: the reference GEMMs zero them.
-    rows = gather_rows(x, owner, group_sizes.shape[0])
-    gemm = grouped_gemm_rhs_t_reference if trans_rhs else grouped_gemm_reference
-    return (gemm(rows, rhs, group_sizes),)
+    # Rows past the groups read nothing in the kernel: the reference GEMM zeros them.
+    return (grouped_gemm_reference(gather_rows(x, owner, group_sizes.shape[0]), rhs, group_sizes),)
 
 
 def moe_weighted_gemm_reference(lhs, rhs, group_sizes, owner, probs, *, elem_bytes):
@@ -90,22 +87,6 @@ def moe_weighted_gemm_reference(lhs, rhs, group_sizes, owner, probs, *, elem_byt
     out = grouped_gemm_reference(lhs, rhs, group_sizes, jnp.float32)
     p, owned = row_probs(probs, group_sizes, owner)
     return (jnp.where(owned[:, None], out * p[:, None], 0.0).astype(lhs.dtype),)
-
-
-def moe_gather_wgrad_reference(x, dout, group_sizes, owner, *, elem_bytes):
-    """Kernel ``moe_gather_wgrad``: ``[G, K, N]``, ``x[token(rows of g)].T @ dout[rows of g]``."""
-    del elem_bytes
-    return (grouped_gemm_wgrad_reference(gather_rows(x, owner, group_sizes.shape[0]), dout, group_sizes),)
-
-
-def moe_weighted_wgrad_reference(lhs, dout, group_sizes, owner, probs, *, elem_bytes):
-    """Kernel ``moe_weighted_wgrad``: ``[G, K, N]``, ``lhs[rows of g].T @ (p * dout[token])``
-    with the scaled rows rounded to ``dout``'s dtype."""
-    del elem_bytes
-    p, owned = row_probs(probs, group_sizes, owner)
-    rows = gather_rows(dout, owner, group_sizes.shape[0]).astype(jnp.float32)
-    scaled = jnp.where(owned[:, None], rows * p[:, None], 0.0).astype(dout.dtype)
-    return (grouped_gemm_wgrad_reference(lhs, scaled, group_sizes),)
 
 
 # -- the op's NumPy reference ----------------------------------------------------------------
