@@ -120,17 +120,13 @@ def _check_weights(w_in: Any, w_out: Any, e: int, h: int, gated: bool) -> int:
 
 
 # -- the fused layer and its VJP ---------------------------------------------------------------
-def _kernel_kw(x, backend):
-    return dict(backend=backend, elem_bytes=x.dtype.itemsize)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _moe_ffn(x, w_in, w_out, probs, rid, group_sizes, owner, activation, backend):
     return _fwd(x, w_in, w_out, probs, rid, group_sizes, owner, activation, backend)[0]
 
 
 def _fwd(x, w_in, w_out, probs, rid, group_sizes, owner, activation, backend):
-    kw = _kernel_kw(x, backend)
+    kw = dict(backend=backend, elem_bytes=x.dtype.itemsize)
     (h,) = D.moe_gather_gemm(x, w_in, group_sizes, owner, **kw)
     a = activate(activation, h).astype(x.dtype)
     (z,) = D.moe_weighted_gemm(a, w_out, group_sizes, owner, probs, **kw)
@@ -153,8 +149,9 @@ def _bwd(activation, backend, res, dy):
     p, _ = row_probs(probs, group_sizes, owner)
     # Second GEMM and combine: y[t] = sum_r p_r * (a_r @ w_out[g]). Row r's gradient before
     # its probability, dy[token] @ w_out[g].T, gives both the probability's gradient (its dot
-    # with a_r) and, scaled, a_r's; w_out[g]'s is sum_r (p_r a_r).T dy[token], the scaling
-    # on the narrower operand (fused with the activation's recomputation).
+    # with a_r) and, scaled, a_r's; w_out[g]'s is sum_r (p_r a_r).T dy[token]: the
+    # probabilities scale the activations, which this pass recomputes anyway, so the scaled
+    # copy is written by the same fused loop (dy's rows stay unscaled for the input gradient).
     dy_rows = _rows(dy.astype(dt), rid, owner, e, backend)
     da_unscaled = dgrad(dy_rows, w_out, group_sizes, jnp.float32)
     dprobs_rows = jnp.sum(da_unscaled * a.astype(jnp.float32), axis=-1)
