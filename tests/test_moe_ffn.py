@@ -231,8 +231,8 @@ def test_example_fused_layer_matches_its_dense_reference(kernel_backend):
 def _kernel_operands(seed, hostile):
     """Operands of every fused kernel: T=30 tokens, G=3 experts, M=80 rows, groups of more
     rows than one row tile holds (so tiles follow each other within a group, the last one
-    partial); hostile: owners that are negative,
-    name tokens past T or sit past the groups, group sizes that are negative or sum past M."""
+    partial); hostile: owners that are negative, name tokens past T or sit past the groups,
+    group sizes that are negative or sum past M."""
     rng = np.random.default_rng(seed)
     t, g, m, c, d = 30, 3, 80, 24, 40
     if hostile:
