@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import statistics
 import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -207,10 +208,14 @@ class GpuRunner(HostRunner):
 
     Time per launch is taken on the device: a chain of ``chain`` dependent launches (each
     writes the buffers the next is handed) minus a single launch, over ``chain - 1``, so the
-    host's dispatch and synchronisation cost cancels out.
+    host's dispatch and synchronisation cost cancels out. A chain holds at least
+    ``min_chain_s`` of device work (it grows, up to ``max_chain`` launches, for small
+    kernels): the host's jitter on a loaded machine is tens of microseconds, and a shorter
+    chain would drown a few-microsecond kernel in it.
     """
 
     backend, reps, warmup = "triton", 15, 1
+    min_chain_s, max_chain = 1e-3, 256
     _put = staticmethod(jax.device_put)
     _copy = staticmethod(jax.numpy.copy)
 
@@ -248,11 +253,16 @@ class GpuRunner(HostRunner):
     def launch(self, config: Config) -> float:
         """One launch on the current buffers (its outputs are kept for checking); returns the
         device time of a launch, from a chain of launches on a copy of the same buffers."""
-        single, chained = self._exe(config, 1), self._exe(config, self.chain)
         spare = jax.block_until_ready([self._copy(b) for b in self.buffers[self.n_in:]])
-        t1, self.buffers[self.n_in:] = self._timed(single, self.buffers[self.n_in:])
-        tn, _ = self._timed(chained, spare)
-        return max(tn - t1, 0.0) / (self.chain - 1)
+        t1, self.buffers[self.n_in:] = self._timed(self._exe(config, 1), self.buffers[self.n_in:])
+        while True:
+            tn, spare = self._timed(self._exe(config, self.chain), spare)
+            extra = tn - t1
+            if extra >= self.min_chain_s or self.chain >= self.max_chain:
+                return max(extra, 0.0) / (self.chain - 1)
+            # Long enough next time (every later config keeps the longer chain too).
+            grow = math.ceil(2 * self.min_chain_s / extra) if extra > 0 else 4
+            self.chain = min(self.max_chain, self.chain * max(2, grow))
 
     def mismatch(self, expected: Sequence[np.ndarray]) -> str | None:
         """The reference comparison on the device: a 100+ MB output is compared where it lies."""
