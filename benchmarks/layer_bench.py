@@ -226,7 +226,8 @@ def kernel_share(step: Callable, args: tuple, steps: int = 3) -> dict[str, Any]:
     top = sorted(stats.kernel_ns.items(), key=lambda kv: -kv[1])[:8]
     return {"kernel_ms_per_step": total / steps / 1e6, "ours_ms_per_step": ours_ns / steps / 1e6,
             "ours_share_of_kernel_time": ours_ns / total, "permutation_ms_per_step": permutation_ns / steps / 1e6,
-            "top_kernels_ms_per_step": {k: v / steps / 1e6 for k, v in top}}
+            "top_kernels_ms_per_step": {k: v / steps / 1e6 for k, v in top},
+            "largest_gaps_us": [{"us": us, "after": a, "before": b} for us, a, b in stats.gaps]}
 
 
 # -- the MaxText-style permutation ----------------------------------------------------------
@@ -605,7 +606,10 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"PROFILE {shape.name} {name}: " + (f"unavailable: {prof['error']}" if "error" in prof else
                         f"{prof['kernel_ms_per_step']:.2f} ms of GPU kernels per step, te_jax_perm's "
                         f"{prof['ours_ms_per_step']:.2f} ms ({100 * prof['ours_share_of_kernel_time']:.1f}%); "
-                        + ", ".join(f"{k} {v:.2f}" for k, v in prof["top_kernels_ms_per_step"].items())))
+                        + ", ".join(f"{k} {v:.2f}" for k, v in prof["top_kernels_ms_per_step"].items())
+                        + "; device idle between kernels, longest: "
+                        + ", ".join(f"{g['us']:.0f} µs ({g['after'][:40]} -> {g['before'][:40]})"
+                                    for g in prof["largest_gaps_us"][:6])))
         else:
             log(f"LAYER {shape.name}: FAILED {row['error'][:300]}")
 

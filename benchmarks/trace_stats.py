@@ -26,6 +26,10 @@ class TraceStats:
     graph_launches: int               # CUDA graph launches seen on the host (0 if CUPTI API events absent)
     kernel_launches: int              # single-kernel launches seen on the host
     api_events_seen: bool             # whether the trace holds launch API events at all
+    # The device's idle stretches between consecutive kernels of one stream, longest first:
+    # (microseconds, kernel before, kernel after). Between profiled calls the host waits, so
+    # the steps - 1 longest are usually those; the rest show a stall inside a step.
+    gaps: list[tuple[float, str, str]] = dataclasses.field(default_factory=list)
 
     @property
     def kernel_us_per_step(self) -> float:
@@ -40,6 +44,7 @@ class TraceStats:
                 "graph_launches_per_step": self.graph_launches / self.steps,
                 "kernel_launches_per_step": self.kernel_launches / self.steps,
                 "api_events_seen": self.api_events_seen,
+                "largest_gaps_us": [{"us": us, "after": a, "before": b} for us, a, b in self.gaps],
                 "kernels": {k: {"count": self.kernel_count[k], "us": v / 1e3} for k, v in sorted(self.kernel_ns.items())}}
 
 
@@ -68,14 +73,19 @@ def parse(path: str, steps: int) -> TraceStats:
     kernel_count: dict[str, int] = collections.Counter()
     graph = single = 0
     api = False
+    gaps: list[tuple[float, str, str]] = []
     for plane in data.planes:
         device = plane.name.startswith("/device:GPU")
         for line in plane.lines:
             stream = device and line.name.lower().startswith("stream")
-            for ev in line.events:
+            prev = None
+            for ev in sorted(line.events, key=lambda e: e.start_ns) if stream else line.events:
                 if stream:
                     kernel_ns[ev.name] += ev.duration_ns
                     kernel_count[ev.name] += 1
+                    if prev is not None and ev.start_ns > prev.end_ns:
+                        gaps.append(((ev.start_ns - prev.end_ns) / 1e3, prev.name, ev.name))
+                    prev = ev if prev is None or ev.end_ns > prev.end_ns else prev
                 elif not device:
                     if _GRAPH_LAUNCH.search(ev.name):
                         graph += 1
@@ -83,4 +93,5 @@ def parse(path: str, steps: int) -> TraceStats:
                     elif _KERNEL_LAUNCH.search(ev.name):
                         single += 1
                         api = True
-    return TraceStats(steps, dict(kernel_ns), dict(kernel_count), graph, single, api)
+    gaps.sort(key=lambda g: -g[0])
+    return TraceStats(steps, dict(kernel_ns), dict(kernel_count), graph, single, api, gaps[:steps + 8])

@@ -244,11 +244,9 @@ def _kernel_operands(seed, hostile):
         owner = np.zeros(m, np.int32)
         owner[:75] = rng.permutation(t * g)[:75] + 1
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)     # noqa: E731
-    probs = jnp.asarray(rng.random((t, g)), jnp.float32)
     gs, owner = jnp.asarray(gs), jnp.asarray(owner)
     return {
         D.moe_gather_gemm: (f(t, c), f(g, c, d), gs, owner),
-        D.moe_weighted_gemm: (f(m, c), f(g, c, d), gs, owner, probs),
     }
 
 
@@ -272,9 +270,11 @@ def test_the_op_sanitizes_clean_forward_and_backward(on_cpu):
             a[0], rm, a[1], a[2], a[3], 17, align_size=4, backend="interpret") ** 2), argnums=(0, 1, 2, 3))(
                 x, probs, w_in, w_out))
     launched = {s.kernel for s in report.launches}
-    # The forward's fused GEMMs; the backward's row moves, the grouped GEMM's input and
-    # weight gradients on the moved rows, and the gather into the tokens.
-    backward = {"permute", "grouped_gemm_rhs_t", "grouped_gemm_wgrad", "permute_bwd_probs"}
+    # The forward's gathering GEMM, the grouped GEMM on the scaled activations and the
+    # combine's gather; the backward's row moves, the grouped GEMM's input and weight
+    # gradients on the moved rows, and the gather into the tokens.
+    backward = {"grouped_gemm", "unpermute", "permute", "grouped_gemm_rhs_t", "grouped_gemm_wgrad",
+                "permute_bwd_probs"}
     assert {d.decl.name for d in _kernel_operands(0, False)} | backward <= launched, launched
     assert not report, report.text()
 

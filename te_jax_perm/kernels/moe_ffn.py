@@ -1,15 +1,11 @@
-"""Triton sources of the fused MoE expert GEMMs (``moe_ffn``'s forward).
+"""Triton source of the fused MoE layer's first expert GEMM (``moe_ffn``'s forward).
 
-The GEMMs run over the ``M`` expert-sorted rows a dispatch would produce (grouped by expert,
-``group_sizes`` rows each, the grouped GEMM's tile schedule: ``group_tile`` of
-:mod:`te_jax_perm.kernels.grouped_gemm`), but the token rows are never copied into them:
-``owner[r]``, the row's one writing map entry ``t*E + j + 1`` (0 for none, as ``row_owner``
-computes it), names the token ``t = (owner[r] - 1) // E`` whose row the GEMM reads
-(``row_tokens``).
-
-* ``moe_gather_gemm_kernel``: ``out[r] = x[token(r)] @ B_g``, the first expert GEMM.
-* ``moe_weighted_gemm_kernel``: ``out[r] = probs[token(r), g] * (lhs[r] @ B_g)``, the second
-  expert GEMM with each row's routing probability applied in fp32 before the rounding.
+``moe_gather_gemm_kernel``: ``out[r] = x[token(r)] @ B_g`` over the ``M`` expert-sorted rows a
+dispatch would produce (grouped by expert, ``group_sizes`` rows each, the grouped GEMM's tile
+schedule: ``group_tile`` of :mod:`te_jax_perm.kernels.grouped_gemm`), but the token rows are
+never copied into them: ``owner[r]``, the row's one writing map entry ``t*E + j + 1`` (0 for
+none, as ``row_owner`` computes it), names the token ``t = (owner[r] - 1) // E`` whose row the
+GEMM reads (``row_tokens``).
 
 Every output element is written by exactly one program (no atomics): row tiles own disjoint
 rows. Rows with no owner (padding, unused budget), rows past the groups, and rows whose
@@ -35,53 +31,21 @@ def row_tokens(owner_ptr, rows, live, T, G: tl.constexpr):
 
 
 @triton.jit
-def _gemm_body(a_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr,
-               C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-               GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-               PRECISION: tl.constexpr):
-    g, is_group_tile, row0, row_end, tile_n = group_tile(group_sizes_ptr, M, D, G, G_P2, BM, BN, GROUP_M)
-    rows = row0 + tl.arange(0, BM)
-    row_ok = rows < row_end
-    # Only group tiles have owners: a fill tile's rows may be named by a stale table, but
-    # they belong to no group (and ``g`` names none), so they read and weigh nothing. (A
-    # bound rather than ``row_ok & is_group_tile``: Triton's interpreter gives a block ANDed
-    # with a scalar the wrong mask dtype.)
-    tok, owned = row_tokens(owner_ptr, rows, rows < tl.where(is_group_tile, row_end, 0), T, G)
-    if GATHER:
-        src = tok
-        src_ok = owned
-    else:
-        src = rows.to(tl.int64)
-        src_ok = row_ok
-    cols = tile_n * BN + tl.arange(0, BN)
-    col_ok = cols < D
-    acc = tile_dot(a_ptr, src, src_ok, rhs_ptr, g, is_group_tile, cols, col_ok, C, D, False, BM, BN, BK,
-                   PRECISION)
-    if WEIGHTED:
-        # probs [T, G]: the row's token and its group's expert. A select, not a product, for
-        # rows without an owner, so that a non-finite value there cannot survive as NaN.
-        p = tl.load(probs_ptr + tok * G + tl.where(is_group_tile, g, 0), mask=owned, other=0.0)
-        acc = tl.where(owned[:, None], acc * p.to(tl.float32)[:, None], 0.0)
-    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
 def moe_gather_gemm_kernel(x_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, M, T, out_prealloc_ptr, out_ptr,
                            C: tl.constexpr, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                            PRECISION: tl.constexpr):
     """out [M, D]: row r = x[token(r)] @ rhs[g] (x [T, C], rhs [G, C, D])."""
-    _gemm_body(x_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, x_ptr, M, T, out_ptr, C, D, G, G_P2,
-               True, False, BM, BN, BK, GROUP_M, PRECISION)
-
-
-@triton.jit
-def moe_weighted_gemm_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T,
-                             out_prealloc_ptr, out_ptr, C: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                             G_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                             BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    """out [M, D]: row r = probs[token(r), g] * (lhs[r] @ rhs[g]) (lhs [M, C], probs [T, G])."""
-    _gemm_body(lhs_ptr, rhs_ptr, group_sizes_ptr, owner_ptr, probs_ptr, M, T, out_ptr, C, D, G, G_P2,
-               False, True, BM, BN, BK, GROUP_M, PRECISION)
+    g, is_group_tile, row0, row_end, tile_n = group_tile(group_sizes_ptr, M, D, G, G_P2, BM, BN, GROUP_M)
+    rows = row0 + tl.arange(0, BM)
+    row_ok = rows < row_end
+    # Only group tiles have owners: a fill tile's rows may be named by a stale table, but
+    # they belong to no group (and ``g`` names none), so they read nothing. (A bound rather
+    # than ``row_ok & is_group_tile``: Triton's interpreter gives a block ANDed with a scalar
+    # the wrong mask dtype.)
+    tok, owned = row_tokens(owner_ptr, rows, rows < tl.where(is_group_tile, row_end, 0), T, G)
+    cols = tile_n * BN + tl.arange(0, BN)
+    col_ok = cols < D
+    acc = tile_dot(x_ptr, tok, owned, rhs_ptr, g, is_group_tile, cols, col_ok, C, D, False, BM, BN, BK, PRECISION)
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * D + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

@@ -3,15 +3,18 @@ expert GEMMs: ``moe_ffn`` computes what ``token_dispatch`` → ``grouped_matmul(
 activation → ``grouped_matmul(w_out)`` → ``token_combine(merging_probs=probs)`` computes,
 without the dispatched copy of the tokens.
 
-The forward pass, every launch a declared kernel (:mod:`te_jax_perm.ops.moe_ffn.decl`):
+The forward pass (kernels declared in :mod:`te_jax_perm.ops.moe_ffn.decl` and the grouped
+GEMM's):
 
 1. the dispatch's row-id map and its row owners (each expert-sorted row's one writing map
    entry, so its token), built on the device as ``token_dispatch`` builds them;
 2. ``moe_gather_gemm``: row ``r`` of the first GEMM reads its token's row of ``x`` through
    the owner table (no ``[R, H]`` copy of the tokens); rows without a token are zeros;
-3. the activation, in float32, rounded to the compute dtype (XLA fuses it);
-4. ``moe_weighted_gemm``: the second GEMM, each row multiplied by its routing probability
-   in float32 before the rounding;
+3. the activation, in float32, times each row's routing probability, rounded once to the
+   compute dtype (XLA fuses it): the probability rides on the activations, so the second
+   GEMM is the grouped GEMM's own (on Hopper its TMA or warp-specialised kernel) and no
+   epilogue of its own is needed;
+4. the second GEMM, ``grouped_matmul``'s forward kernel;
 5. the combine: each token sums its rows in a fixed order (its map's columns, float32) in
    the ``unpermute`` gather kernel. A token's rows come from different experts' tiles, so
    summing them inside the GEMM would need atomics; the gather keeps the sum deterministic.
@@ -20,7 +23,7 @@ The backward pass (one custom VJP) moves the output gradient's token rows into t
 expert-sorted order once (the dispatch's ``permute`` kernel) and runs the grouped GEMM's own
 kernels on them (on Hopper its TMA and warp-specialised ones, which gather no rows): the
 second GEMM's input gradient (its dot with each row's activation is the probability's
-gradient) and weight gradient (with the activations scaled by the probabilities); the
+gradient) and weight gradient (on the scaled activations the forward multiplied); the
 first GEMM's input gradient and, from ``x``'s rows moved the same way, its weight gradient.
 One ``permute_bwd_probs`` gather sums each token's rows into ``dx`` and moves each row's
 probability gradient into place. The two row copies live only inside the backward pass;
@@ -126,10 +129,13 @@ def _moe_ffn(x, w_in, w_out, probs, rid, group_sizes, owner, activation, backend
 
 
 def _fwd(x, w_in, w_out, probs, rid, group_sizes, owner, activation, backend):
-    kw = dict(backend=backend, elem_bytes=x.dtype.itemsize)
-    (h,) = D.moe_gather_gemm(x, w_in, group_sizes, owner, **kw)
-    a = activate(activation, h).astype(x.dtype)
-    (z,) = D.moe_weighted_gemm(a, w_out, group_sizes, owner, probs, **kw)
+    (h,) = D.moe_gather_gemm(x, w_in, group_sizes, owner, backend=backend, elem_bytes=x.dtype.itemsize)
+    p, _ = row_probs(probs, group_sizes, owner)
+    # The probability rides on the activations, rounded once with them. A row without an
+    # owner has h = 0, so act = 0, and p = 0: it stays zero.
+    a = activate(activation, h) * p[:, None]
+    fwd, _, _ = gemms(backend)
+    z = fwd(a.astype(x.dtype), w_out, group_sizes, x.dtype)
     (y,) = P.unpermute(z, rid, unread_pad(w_in.shape[0]), backend=backend, padded=False)
     return y, (x, w_in, w_out, probs, rid, group_sizes, owner, h)
 
@@ -145,18 +151,18 @@ def _bwd(activation, backend, res, dy):
     x, w_in, w_out, probs, rid, group_sizes, owner, h = res
     dt, e = x.dtype, w_in.shape[0]
     _, dgrad, wgrad = gemms(backend)
-    a, act_vjp = jax.vjp(lambda v: activate(activation, v).astype(dt), h)
+    a, act_vjp = jax.vjp(lambda v: activate(activation, v), h)
     p, _ = row_probs(probs, group_sizes, owner)
-    # Second GEMM and combine: y[t] = sum_r p_r * (a_r @ w_out[g]). Row r's gradient before
-    # its probability, dy[token] @ w_out[g].T, gives both the probability's gradient (its dot
-    # with a_r) and, scaled, a_r's; w_out[g]'s is sum_r (p_r a_r).T dy[token]: the
-    # probabilities scale the activations, which this pass recomputes anyway, so the scaled
-    # copy is written by the same fused loop (dy's rows stay unscaled for the input gradient).
+    # Second GEMM and combine: y[t] = sum_r (p_r a_r) @ w_out[g]. Row r's gradient before its
+    # probability, dy[token] @ w_out[g].T, gives both the probability's gradient (its dot
+    # with a_r) and, scaled, a_r's; w_out[g]'s is the scaled rows the forward multiplied,
+    # transposed, times dy's rows (dy's rows stay unscaled for the input gradient).
     dy_rows = _rows(dy.astype(dt), rid, owner, e, backend)
-    da_unscaled = dgrad(dy_rows, w_out, group_sizes, jnp.float32)
-    dprobs_rows = jnp.sum(da_unscaled * a.astype(jnp.float32), axis=-1)
-    dw_out = wgrad((a.astype(jnp.float32) * p[:, None]).astype(dt), dy_rows, group_sizes, dt)
-    (dh,) = act_vjp((da_unscaled * p[:, None]).astype(dt))
+    # In the kernels' dtype, widened where it is read: a float32 copy would double its bytes.
+    da_unscaled = dgrad(dy_rows, w_out, group_sizes, dt).astype(jnp.float32)
+    dprobs_rows = jnp.sum(da_unscaled * a, axis=-1)
+    dw_out = wgrad((a * p[:, None]).astype(dt), dy_rows, group_sizes, dt)
+    (dh,) = act_vjp(da_unscaled * p[:, None])
     # First GEMM and dispatch: each row's input gradient, summed into its token with the
     # probability gradients moved alongside (one gather, fixed order).
     dx_rows = dgrad(dh, w_in, group_sizes, dt)

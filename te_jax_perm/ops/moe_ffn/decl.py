@@ -1,11 +1,11 @@
-"""Kernel declarations of the fused MoE expert GEMMs (:mod:`te_jax_perm.kernels.moe_ffn`):
-the first expert GEMM reading token rows through the row owners (``moe_gather_gemm``) and
-the second applying each row's routing probability (``moe_weighted_gemm``). The backward
-pass runs the grouped GEMM's own kernels on rows moved into place (:mod:`te_jax_perm.ops.moe_ffn.api`).
+"""Kernel declaration of the fused MoE layer's first expert GEMM (:mod:`te_jax_perm.kernels.moe_ffn`),
+which reads token rows through the row owners (``moe_gather_gemm``). The rest of the layer,
+forward and backward, runs the grouped GEMM's and the permutation's own kernels
+(:mod:`te_jax_perm.ops.moe_ffn.api`).
 
-They tile as the grouped GEMM does (its tile schedule, tuning spaces, shared-memory rule and
-default configs); their references are :mod:`te_jax_perm.ops.moe_ffn.reference`'s, the public
-op and its VJP :mod:`te_jax_perm.ops.moe_ffn.api`.
+It tiles as the grouped GEMM does (its tile schedule, tuning space, shared-memory rule and
+default configs); its reference is :mod:`te_jax_perm.ops.moe_ffn.reference`'s, the public op
+and its VJP :mod:`te_jax_perm.ops.moe_ffn.api`.
 """
 from __future__ import annotations
 
@@ -16,25 +16,11 @@ from te_jax_perm.core import KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels import moe_ffn as K
 from te_jax_perm.ops.grouped_gemm.decl import FLOATS, MM_CONFIGS, groups_p2, mm_default, mm_fits, mm_grid, precision
 from te_jax_perm.ops.moe_ffn import reference as R
-from te_jax_perm.ops.permute.decl import PROB_DTYPES
 from te_jax_perm.ops.permute.reference import row_owner_reference
 from te_jax_perm.ops.row_id_map.reference import row_id_map_reference
 
 _GS = Operand("group_sizes", ("G",), ("int32",))
 _OWNER = Operand("owner", ("M",), ("int32",))
-_PROBS = Operand("probs", ("T", "G"), PROB_DTYPES)
-
-# As the grouped GEMM's: the operand width sets the tile budget and the precision; rows
-# bucketed to powers of two in tuning keys (the token count T only sizes the gather's source,
-# so it stays out of the key); a tolerance, since fp32 accumulation order differs by tiling.
-_SHARED = dict(
-    params=("elem_bytes",),
-    scalars=lambda dims, params: {"M": dims["M"], "T": dims["T"]},
-    key_params=("elem_bytes",),
-    key_bucket=lambda name, v: triton.next_power_of_2(v) if name == "M" else v,
-    exact=False, rtol=2e-2, atol=2e-2,
-)
-
 
 # -- valid tuning operands: an owner table and group sizes from a real top-k dispatch --------
 def _layout(t: int, g: int, m: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -48,43 +34,28 @@ def _layout(t: int, g: int, m: int, rng: np.random.Generator) -> tuple[np.ndarra
     return np.asarray(kept, np.int32), np.asarray(owner, np.int32)
 
 
-def _rand(rng, shape, dtype, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
+def _example(dims, params, dtypes, rng):
+    t, g, m = dims["T"], dims["G"], dims["M"]
+    gs, owner = _layout(t, g, m, rng)
+    rand = lambda *shape: (rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
+    return rand(t, dims["C"]).astype(dtypes["x"]), rand(g, dims["C"], dims["D"]).astype(dtypes["rhs"]), gs, owner
 
 
-def _example(kind: str):
-    def make(dims, params, dtypes, rng):
-        t, g, m = dims["T"], dims["G"], dims["M"]
-        gs, owner = _layout(t, g, m, rng)
-        probs = lambda: rng.random((t, g)).astype(dtypes["probs"])  # noqa: E731
-        if kind == "gather":
-            return (_rand(rng, (t, dims["C"]), dtypes["x"]), _rand(rng, (g, dims["C"], dims["D"]), dtypes["rhs"]),
-                    gs, owner)
-        return (_rand(rng, (m, dims["C"]), dtypes["lhs"]), _rand(rng, (g, dims["C"], dims["D"]), dtypes["rhs"]),
-                gs, owner, probs())
-    return make
-
-
-# -- declarations ----------------------------------------------------------------------------
-def _mm(name: str, kernel, operands: tuple[Operand, ...], reference, example: str) -> KernelDecl:
-    """A row-tile GEMM with ``M`` output rows of width ``D``, in the first operand's dtype."""
-    first = operands[0].name
-    return KernelDecl(
-        name=name, kernel=kernel, operands=operands,
-        outputs=(Output("out", lambda dims, params: (dims["M"], dims["D"]), lambda dtypes, params: dtypes[first]),),
-        reference=reference, grid=mm_grid,
-        constexprs=lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"],
-                                                  "G_P2": groups_p2(dims), "PRECISION": precision(params)},
-        configs=MM_CONFIGS, constraints=(mm_fits,), key_dims=("M", "C", "D", "G"), default_config=mm_default,
-        example_inputs=_example(example), **_SHARED)
-
-
-moe_gather_gemm = declare(_mm(
-    "moe_gather_gemm", K.moe_gather_gemm_kernel,
-    (Operand("x", ("T", "C"), FLOATS), Operand("rhs", ("G", "C", "D"), FLOATS), _GS, _OWNER),
-    R.moe_gather_gemm_reference, example="gather"))
-
-moe_weighted_gemm = declare(_mm(
-    "moe_weighted_gemm", K.moe_weighted_gemm_kernel,
-    (Operand("lhs", ("M", "C"), FLOATS), Operand("rhs", ("G", "C", "D"), FLOATS), _GS, _OWNER, _PROBS),
-    R.moe_weighted_gemm_reference, example="weighted"))
+# -- declaration -----------------------------------------------------------------------------
+moe_gather_gemm = declare(KernelDecl(
+    name="moe_gather_gemm", kernel=K.moe_gather_gemm_kernel,
+    operands=(Operand("x", ("T", "C"), FLOATS), Operand("rhs", ("G", "C", "D"), FLOATS), _GS, _OWNER),
+    # M output rows of width D, in x's dtype.
+    outputs=(Output("out", lambda dims, params: (dims["M"], dims["D"]), lambda dtypes, params: dtypes["x"]),),
+    reference=R.moe_gather_gemm_reference, grid=mm_grid,
+    constexprs=lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"],
+                                              "G_P2": groups_p2(dims), "PRECISION": precision(params)},
+    configs=MM_CONFIGS, constraints=(mm_fits,), default_config=mm_default, example_inputs=_example,
+    params=("elem_bytes",), scalars=lambda dims, params: {"M": dims["M"], "T": dims["T"]},
+    # As the grouped GEMM's: the operand width sets the tile budget and the precision; rows
+    # bucketed to powers of two in tuning keys (the token count T only sizes the gather's
+    # source, so it stays out of the key); a tolerance, since fp32 accumulation order
+    # differs by tiling.
+    key_dims=("M", "C", "D", "G"), key_params=("elem_bytes",),
+    key_bucket=lambda name, v: triton.next_power_of_2(v) if name == "M" else v,
+    exact=False, rtol=2e-2, atol=2e-2))

@@ -1,5 +1,5 @@
-"""Pure-JAX references of the fused MoE expert GEMMs (their ``xla`` backend), the
-activations ``moe_ffn`` applies between them, and the float64 NumPy
+"""Pure-JAX reference of the fused MoE layer's gathering GEMM (its ``xla`` backend), the
+activations ``moe_ffn`` applies between its expert GEMMs, and the float64 NumPy
 :func:`moe_ffn_reference` the tests hold every path to.
 
 Row semantics every path shares (those of :mod:`te_jax_perm.kernels.moe_ffn`): ``M``
@@ -51,7 +51,11 @@ def row_tokens(owner: jax.Array, num_groups: int, num_tokens: int) -> tuple[jax.
 def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
     """Each of ``rows`` rows' group, int32 ``[rows]``; ``G`` for rows past the groups."""
     ends = jnp.cumsum(clamped_group_sizes(group_sizes, rows))
-    return jnp.searchsorted(ends, jnp.arange(rows, dtype=ends.dtype), side="right").astype(jnp.int32)
+    # Every row against every end (one fused reduction): the default binary search is a
+    # loop, which on a GPU reads its condition back to the host at every step, stalling
+    # the stream in the middle of a training step.
+    return jnp.searchsorted(ends, jnp.arange(rows, dtype=ends.dtype), side="right",
+                            method="compare_all").astype(jnp.int32)
 
 
 def row_probs(probs: jax.Array, group_sizes: jax.Array, owner: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -78,15 +82,6 @@ def moe_gather_gemm_reference(x, rhs, group_sizes, owner, *, elem_bytes):
     del elem_bytes
     # Rows past the groups read nothing in the kernel: the reference GEMM zeros them.
     return (grouped_gemm_reference(gather_rows(x, owner, group_sizes.shape[0]), rhs, group_sizes),)
-
-
-def moe_weighted_gemm_reference(lhs, rhs, group_sizes, owner, probs, *, elem_bytes):
-    """Kernel ``moe_weighted_gemm``: ``[M, D]``, row r = ``probs[token(r), g] * (lhs[r] @ rhs[g])``,
-    the product taken in float32 before the rounding; zeros for rows without an owner."""
-    del elem_bytes
-    out = grouped_gemm_reference(lhs, rhs, group_sizes, jnp.float32)
-    p, owned = row_probs(probs, group_sizes, owner)
-    return (jnp.where(owned[:, None], out * p[:, None], 0.0).astype(lhs.dtype),)
 
 
 # -- the op's NumPy reference ----------------------------------------------------------------
