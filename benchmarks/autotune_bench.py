@@ -1,6 +1,6 @@
 """Autotuner benchmark: pool vs in-process compile time, and tuned vs default-config time.
 
-    # GPU (H100): the real MoE sizes of benchmarks/shapes.py in priority order, bf16, within 280 s
+    # GPU (H100): the real MoE sizes of te_jax_perm/workloads.py in priority order, bf16, within 280 s
     python benchmarks/autotune_bench.py --out=/tmp/autotune_bench --budget-s=280
     # CPU (compile time for sm_90 + interpreter tuning at a small shape)
     python benchmarks/autotune_bench.py --small --dtype=float32 --out=/tmp/autotune_bench

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax_perm.workloads import DEEPSEEK_V3, MIXTRAL_8X7B, QWEN3_235B, MoEModel
+
 
 @dataclasses.dataclass(frozen=True)
 class GemmShape:
@@ -45,16 +47,20 @@ class GemmShape:
         return float(jnp.dtype(dtype).itemsize * (m * k + g * k * n + m * n))
 
 
-# Expert GEMMs of MoE layers at T = 8192 tokens (M = T x top-k rows; the up-projection's
-# N = 2 x ffn, gate and up fused; the down-projection's K = ffn), and generic ones at 8 and
-# 32 groups, one of them at DeepSeek-V3's hidden size.
+def _expert_gemms(label: str, model: MoEModel, T: int) -> tuple[GemmShape, GemmShape]:
+    """The two expert GEMMs of ``model``'s layer at ``T`` tokens: M = T*k rows; the
+    up-projection's N = 2F (gate and up fused), the down-projection's K = F."""
+    m = T * model.k
+    return (GemmShape(f"{label}_up_T{T}", m, model.H, 2 * model.F, model.E),
+            GemmShape(f"{label}_down_T{T}", m, model.F, model.H, model.E))
+
+
+# Expert GEMMs of MoE layers at T = 8192 tokens, and generic ones at 8 and 32 groups, one of
+# them at DeepSeek-V3's hidden size.
 SHAPES = (
-    GemmShape("deepseek_v3_up_T8192", 65536, 7168, 4096, 256),
-    GemmShape("deepseek_v3_down_T8192", 65536, 2048, 7168, 256),
-    GemmShape("qwen3_up_T8192", 65536, 4096, 3072, 128),
-    GemmShape("qwen3_down_T8192", 65536, 1536, 4096, 128),
-    GemmShape("mixtral_up_T8192", 16384, 4096, 28672, 8),
-    GemmShape("mixtral_down_T8192", 16384, 14336, 4096, 8),
+    *_expert_gemms("deepseek_v3", DEEPSEEK_V3, 8192),
+    *_expert_gemms("qwen3", QWEN3_235B, 8192),
+    *_expert_gemms("mixtral", MIXTRAL_8X7B, 8192),
     GemmShape("g8_16384x4096x4096", 16384, 4096, 4096, 8),
     GemmShape("g32_32768x4096x2048", 32768, 4096, 2048, 32),
     GemmShape("g32_65536x7168x2048", 65536, 7168, 2048, 32),

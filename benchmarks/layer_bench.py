@@ -76,6 +76,7 @@ from benchmarks.timing import interleaved_ms, median_wall_ms
 from examples import moe_permute as example
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops.grouped_gemm.api import default_impl, grouped_matmul, tokamax_available
+from te_jax_perm.workloads import DEEPSEEK_V3, MIXTRAL_8X7B, QWEN3_235B
 
 # Targets (H100): the step over its limit, by model (the GEMM limit, or for DeepSeek-V3,
 # whose 256 experts' weights can outweigh its FLOPs, the roofline); the speed-up over the
@@ -101,11 +102,7 @@ class LayerShape:
         return f"{self.model}/T{self.T}/H{self.H}/F{self.F}/E{self.E}/k{self.k}"
 
 
-GPU_SHAPES = (
-    LayerShape("DeepSeek-V3", 8192, 7168, 2048, 256, 8),
-    LayerShape("Qwen3-235B-A22B", 8192, 4096, 1536, 128, 8),
-    LayerShape("Mixtral-8x7B", 8192, 4096, 14336, 8, 2),
-)
+GPU_SHAPES = tuple(LayerShape(m.name, 8192, m.H, m.F, m.E, m.k) for m in (DEEPSEEK_V3, QWEN3_235B, MIXTRAL_8X7B))
 CPU_SHAPES = (
     LayerShape("smoke", 64, 32, 64, 8, 2),
     LayerShape("smoke", 37, 16, 32, 4, 3),

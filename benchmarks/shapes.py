@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from te_jax_perm.workloads import (DBRX, DEEPSEEK_V3, GPT_OSS_120B, LLAMA_4_SCOUT, MIXTRAL_8X7B, QWEN2_57B, QWEN3_30B,
+                                   QWEN3_235B, MoEModel)
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEShape:
@@ -25,26 +28,19 @@ class MoEShape:
         return self.T * self.k
 
 
+def _layers(model: MoEModel, *tokens: int) -> tuple[MoEShape, ...]:
+    return tuple(MoEShape(model.name, T, model.H, model.E, model.k) for T in tokens)
+
+
 # DeepSeek-V3, Qwen3, gpt-oss and Mixtral layers. DeepSeek-V3 at T=16384 is there for the row-id-map target
 # ("make_row_id_map for T=16384, E=256: <= 10% of the dispatch time at H=7168").
-GPU_SHAPES: tuple[MoEShape, ...] = (
-    MoEShape("Mixtral-8x7B", 8192, 4096, 8, 2),
-    MoEShape("Mixtral-8x7B", 16384, 4096, 8, 2),
-    MoEShape("Qwen3-235B-A22B", 8192, 4096, 128, 8),
-    MoEShape("DeepSeek-V3", 4096, 7168, 256, 8),
-    MoEShape("DeepSeek-V3", 8192, 7168, 256, 8),
-    MoEShape("DeepSeek-V3", 16384, 7168, 256, 8),
-    MoEShape("gpt-oss-120b", 8192, 2880, 128, 4),
-)
+GPU_SHAPES: tuple[MoEShape, ...] = (*_layers(MIXTRAL_8X7B, 8192, 16384), *_layers(QWEN3_235B, 8192),
+                                    *_layers(DEEPSEEK_V3, 4096, 8192, 16384), *_layers(GPT_OSS_120B, 8192))
 
 # Real MoE layers outside the shapes the defaults were first tuned on: a default rule has to
 # hold here too (H=2048/3584/5120/6144, E=16/64, k=1/4).
-OFF_LIST_SHAPES: tuple[MoEShape, ...] = (
-    MoEShape("Qwen3-30B-A3B", 8192, 2048, 128, 8),
-    MoEShape("DBRX", 8192, 6144, 16, 4),
-    MoEShape("Qwen2-57B-A14B", 8192, 3584, 64, 8),
-    MoEShape("Llama-4-Scout", 8192, 5120, 16, 1),
-)
+OFF_LIST_SHAPES: tuple[MoEShape, ...] = tuple(s for m in (QWEN3_30B, DBRX, QWEN2_57B, LLAMA_4_SCOUT)
+                                              for s in _layers(m, 8192))
 
 # CPU smoke: small enough for the Triton interpreter (T<=64, H<=96), odd sizes included.
 CPU_SHAPES: tuple[MoEShape, ...] = (

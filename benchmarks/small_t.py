@@ -24,14 +24,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-MODELS = {"deepseek-v3": (7168, 256, 8), "qwen3": (4096, 128, 8)}  # H, E, k
+from te_jax_perm.workloads import DEEPSEEK_V3, QWEN3_235B, moe_problem
+
+MODELS = {"deepseek-v3": DEEPSEEK_V3, "qwen3": QWEN3_235B}  # by the names --models takes and the rows carry
 TOKENS = (16, 64, 256, 1024, 4096)
 
 
 def problem(T: int, H: int, E: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """bf16 tokens ``[T, H]``, a top-k routing map ``[T, E]`` and its probs (fp32)."""
     import ml_dtypes
-    from te_jax_perm.workloads import moe_problem
     return moe_problem(T, H, E, k, ml_dtypes.bfloat16, seed)
 
 
@@ -185,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [{"device": device, **measure_floor(a.chain, a.reps)}]
     print(json.dumps(rows[0]), flush=True)
     for model in a.models.split(","):
-        H, E, k = MODELS[model]
+        m = MODELS[model]
         for T in map(int, a.tokens.split(",")):
             for backend in a.backends.split(","):
-                row = {"model": model, "device": device, **measure(backend, T, H, E, k, a.chain, a.reps)}
+                row = {"model": model, "device": device, **measure(backend, T, m.H, m.E, m.k, a.chain, a.reps)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 with open(os.path.join(a.out, "small_t.json"), "w") as f:

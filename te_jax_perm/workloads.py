@@ -1,25 +1,49 @@
-"""The ops at real MoE model sizes: the published shapes (tuned in priority order by
-``python -m te_jax_perm.autotune --tune_shapes``), a routing problem of each, and the
+"""The ops at real MoE model sizes: the published models' layer dimensions (the one table the
+autotuner and the benchmarks take them from), the shapes tuned in priority order by
+``python -m te_jax_perm.autotune --tune_shapes``, a routing problem of each, and the
 dispatch+combine step that launches the ops' main kernels."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import numpy as np
 
-# model, hidden, experts, top-k, tokens (published MoE configurations)
-MOE_SHAPES = (
-    ("mixtral-8x7b", 4096, 8, 2, (8192, 16384)),
-    ("qwen3-235b", 4096, 128, 8, (8192,)),
-    ("deepseek-v3", 7168, 256, 8, (4096, 8192)),
-    ("gpt-oss-120b", 2880, 128, 4, (8192,)),
-)
+
+@dataclasses.dataclass(frozen=True)
+class MoEModel:
+    """A published MoE model's expert layer: tokens of hidden size ``H``, each routed to
+    ``k`` of ``E`` experts whose FFNs are ``F`` wide."""
+
+    name: str                 # as the benchmarks label its shapes ("DeepSeek-V3")
+    H: int
+    E: int
+    k: int
+    F: int | None = None      # where a benchmark runs the model's expert FFN (the permutation needs no F)
+    key: str | None = None    # the autotuner's name (its --shapes terms match it), where it tunes the model
+
+
+MIXTRAL_8X7B = MoEModel("Mixtral-8x7B", H=4096, E=8, k=2, F=14336, key="mixtral-8x7b")
+QWEN3_235B = MoEModel("Qwen3-235B-A22B", H=4096, E=128, k=8, F=1536, key="qwen3-235b")
+DEEPSEEK_V3 = MoEModel("DeepSeek-V3", H=7168, E=256, k=8, F=2048, key="deepseek-v3")
+GPT_OSS_120B = MoEModel("gpt-oss-120b", H=2880, E=128, k=4, key="gpt-oss-120b")
+QWEN3_30B = MoEModel("Qwen3-30B-A3B", H=2048, E=128, k=8)
+DBRX = MoEModel("DBRX", H=6144, E=16, k=4)
+QWEN2_57B = MoEModel("Qwen2-57B-A14B", H=3584, E=64, k=8)
+LLAMA_4_SCOUT = MoEModel("Llama-4-Scout", H=5120, E=16, k=1)
+# Every model whose layers the autotuner or the benchmarks run.
+MODELS: tuple[MoEModel, ...] = (MIXTRAL_8X7B, QWEN3_235B, DEEPSEEK_V3, GPT_OSS_120B, QWEN3_30B, DBRX, QWEN2_57B,
+                                LLAMA_4_SCOUT)
+
+# The autotuner's shapes: model key, hidden, experts, top-k, tokens.
+MOE_SHAPES = tuple((m.key, m.H, m.E, m.k, tokens) for m, tokens in (
+    (MIXTRAL_8X7B, (8192, 16384)), (QWEN3_235B, (8192,)), (DEEPSEEK_V3, (4096, 8192)), (GPT_OSS_120B, (8192,))))
 SMALL_SHAPES = (("small", 96, 8, 2, (64,)),)
 
 
 # Real MoE sizes, most important first: a run cut short by its budget has tuned these.
-PRIORITY = (("deepseek-v3", 8192), ("qwen3-235b", 8192), ("gpt-oss-120b", 8192), ("mixtral-8x7b", 8192),
-            ("deepseek-v3", 4096), ("mixtral-8x7b", 16384))
+PRIORITY = ((DEEPSEEK_V3.key, 8192), (QWEN3_235B.key, 8192), (GPT_OSS_120B.key, 8192), (MIXTRAL_8X7B.key, 8192),
+            (DEEPSEEK_V3.key, 4096), (MIXTRAL_8X7B.key, 16384))
 
 
 def shape_list(small: bool = False, shapes: str | None = None) -> list[tuple[str, int, int, int, int]]:

@@ -417,6 +417,53 @@ def test_both_gemm_benchmarks_time_the_shapes_of_their_committed_results():
     assert s.flops == 128 and s.tflops(1.0, gemms=3) == 3 * 128 / 1e9 and s.bytes_fwd("bfloat16") == 2 * (32 + 24 + 16)
 
 
+def test_real_model_shapes_carry_their_models_dimensions():
+    """The autotuner's and every benchmark's real-model shapes carry the dimensions of their
+    model in ``te_jax_perm.workloads.MODELS``, and the committed results' shapes are among
+    them under the same names and sizes; the layer benchmark's expert GEMMs in the GEMM table
+    follow from its layers (M = T*k rows; the up-projection's N = 2F, gate and up fused; the
+    down-projection's K = F; a group per expert)."""
+    from benchmarks import gemm_problems as gp
+    from benchmarks import layer_bench, shapes, small_t
+    from te_jax_perm import workloads as wl
+    by_name = {m.name: m for m in wl.MODELS}
+    by_key = {m.key: m for m in wl.MODELS if m.key}
+    assert len(by_name) == len(wl.MODELS)
+
+    def dims(m):
+        return m.H, m.E, m.k
+
+    moe = shapes.GPU_SHAPES + shapes.OFF_LIST_SHAPES
+    assert all(dims(s) == dims(by_name[s.model]) for s in moe)
+    assert all((H, E, k) == dims(by_key[m]) for m, H, E, k, _ in wl.shape_list())
+    assert all(m in wl.MODELS for m in small_t.MODELS.values())
+
+    labels = {"DeepSeek-V3": "deepseek_v3", "Qwen3-235B-A22B": "qwen3", "Mixtral-8x7B": "mixtral"}
+    layer_gemms = set()
+    for s in layer_bench.GPU_SHAPES:
+        m = by_name[s.model]
+        assert (s.H, s.F, s.E, s.k) == (m.H, m.F, m.E, m.k), s.name
+        up, down = gp.named(f"{labels[s.model]}_up_T{s.T}", f"{labels[s.model]}_down_T{s.T}")
+        assert (up.M, up.K, up.N, up.G) == (s.T * s.k, s.H, 2 * s.F, s.E), up
+        assert (down.M, down.K, down.N, down.G) == (s.T * s.k, s.F, s.H, s.E), down
+        layer_gemms |= {up, down}
+    assert layer_gemms == {g for g in gp.SHAPES if not g.name.startswith("g")}
+
+    results = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+
+    def rows(name):
+        with open(os.path.join(results, name)) as f:
+            return json.load(f)["rows"]
+
+    table = {s.name: (s.model, s.T, *dims(s)) for s in moe}
+    assert {r["shape"]: (r["model"], r["T"], r["H"], r["E"], r["k"]) for r in rows("peer_H100.json")}.items() \
+        <= table.items()
+    tuned = {(m, T, H, E, k) for m, H, E, k, T in wl.shape_list()}
+    assert {(r["model"], r["T"], r["H"], r["E"], r["k"]) for r in rows("autotune_tuning.json")} <= tuned
+    assert {r["model"]: (r["H"], r["E"], r["k"]) for r in rows("small_t_H100.json") if "H" in r} == \
+        {name: dims(m) for name, m in small_t.MODELS.items()}
+
+
 def test_layer_gemm_row_at_deepseek_v3_holds_no_float32_copy_of_the_weights():
     """The GEMM table's G=256 row (DeepSeek-V3's [256, 7168, 4096] bf16 weights, 14 GiB):
     its operands, its forward and its fwd+bwd (whose weight gradient is another 14 GiB of
