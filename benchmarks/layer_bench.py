@@ -29,8 +29,10 @@ H100 host) to every step. The variants and the GEMM limit are timed in turns
 
 Before timing, the loss and every gradient of ``ours`` and ``fused`` are checked against
 ``pure_jax`` (the same function, permuted another way) at the full size. With ``--profile``
-(GPU), a profile of each variant's step (``ours_profile``, ``fused_profile``) gives its
-kernel time per step, the share spent in te_jax_perm's kernels and its costliest kernels;
+(GPU), a profile of six of each variant's steps enqueued back to back (``ours_profile``,
+``fused_profile``) gives its kernel time per step on a GPU as hot as a training loop keeps
+it, the share spent in te_jax_perm's kernels, its costliest kernels and the device's longest
+idle stretches between kernels;
 with it, each pure-JAX TARGET line also says the speed-up a permutation costing nothing would
 give with the same GEMM (the step less our permutation kernels' time), which bounds what any
 faster permutation can reach.
@@ -210,10 +212,11 @@ def our_kernel_names(gemm: bool | None = None) -> list[str]:
     return sorted(names)
 
 
-def kernel_share(step: Callable, args: tuple, steps: int = 3) -> dict[str, Any]:
+def kernel_share(step: Callable, args: tuple, steps: int = 6) -> dict[str, Any]:
     """GPU kernel time per step from a profile, and the part of it in te_jax_perm's kernels."""
     jax.block_until_ready(step(*args))
-    stats = trace_stats.profile(lambda: jax.block_until_ready(step(*args)), steps)
+    # Back to back, as a training loop runs: kernels of a hot GPU, and the idle time between steps.
+    stats = trace_stats.profile(lambda: step(*args), steps, back_to_back=True)
     ours, permutation = our_kernel_names(), our_kernel_names(gemm=False)
     ours_ns = sum(ns for k, ns in stats.kernel_ns.items() if trace_stats.matches(k, ours))
     permutation_ns = sum(ns for k, ns in stats.kernel_ns.items() if trace_stats.matches(k, permutation))

@@ -27,8 +27,8 @@ class TraceStats:
     kernel_launches: int              # single-kernel launches seen on the host
     api_events_seen: bool             # whether the trace holds launch API events at all
     # The device's idle stretches between consecutive kernels of one stream, longest first:
-    # (microseconds, kernel before, kernel after). Between profiled calls the host waits, so
-    # the steps - 1 longest are usually those; the rest show a stall inside a step.
+    # (microseconds, kernel before, kernel after). Between calls waited for, the host waits,
+    # so the steps - 1 longest are usually those; the rest show a stall inside a step.
     gaps: list[tuple[float, str, str]] = dataclasses.field(default_factory=list)
 
     @property
@@ -52,14 +52,20 @@ def matches(kernel: str, names: Sequence[str]) -> bool:
     return any(kernel == n or kernel.startswith(n + "_") or kernel.startswith(n + "(") for n in names)
 
 
-def profile(fn: Callable[[], Any], steps: int, log_dir: str | None = None) -> TraceStats:
-    """Runs ``fn()`` (which must block until its work is done) ``steps`` times under the
-    profiler and returns what the trace shows."""
+def profile(fn: Callable[[], Any], steps: int, log_dir: str | None = None, back_to_back: bool = False) -> TraceStats:
+    """Runs ``fn()`` ``steps`` times under the profiler and returns what the trace shows.
+    Each call is waited for (``fn`` must block until its work is done), or with
+    ``back_to_back`` the ``steps`` calls are enqueued one after another and waited for once,
+    as a training loop runs them (``fn`` returns its outputs without waiting): the device
+    then runs hot and its idle stretches are those a loop would see."""
     import jax
     log_dir = log_dir or tempfile.mkdtemp(prefix="te_jax_perm_trace_")
     with jax.profiler.trace(log_dir):
-        for _ in range(steps):
-            fn()
+        if back_to_back:
+            jax.block_until_ready([fn() for _ in range(steps)])
+        else:
+            for _ in range(steps):
+                fn()
     paths = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
     if not paths:
         raise RuntimeError(f"the profiler wrote no trace under {log_dir}")
