@@ -15,7 +15,8 @@ H100 host) to every step. The variants and the GEMM limit are timed in turns
 * ``ours``: ``token_dispatch`` -> grouped GEMM experts -> ``token_combine`` (the layer of
   ``examples/moe_permute.py``, imported from it);
 * ``fused``: the same layer as one ``moe_ffn`` (dispatch and combine fused into the expert
-  GEMMs: no dispatched copy of the tokens);
+  GEMMs: no dispatched copy of the tokens kept for the backward; on Hopper the first GEMM
+  reads rows moved into place just before it);
 * ``pure_jax``: the permutation as MaxText writes it: ``argsort`` of the flattened expert
   choices, a gather of the replicated tokens, the same grouped GEMM, the inverse gather and
   a weighted sum over the k copies; the gathers' VJP is the gather by the inverse

@@ -298,3 +298,23 @@ def test_gpu_real_size_matches_unfused_and_is_deterministic(dtype):
     tol = 2e-2 if dtype == "bfloat16" else 1e-4
     for g, w, name in zip(jax.tree.leaves(got), jax.tree.leaves(want), ("y", "dx", "dprobs", "dw_in", "dw_out")):
         _close(g, w, tol, f"{name}: fused vs unfused")
+
+
+def test_hopper_first_gemm_on_moved_rows_matches_the_gathering_kernel(monkeypatch, on_cpu):
+    """Where the grouped GEMM loads rows by TMA (Hopper), the first GEMM runs on rows the
+    permute kernel moved into place: the same layer, values and gradients, with padding and
+    dropped rows; the gathering kernel is not launched. (The branch is forced on the
+    interpreter here; on a GPU it runs where the device is Hopper.)"""
+    from te_jax_perm.ops.moe_ffn import api
+    x, rm, probs, w_in, w_out = _problem(12, 16, 4, 2, 8, "silu_glu", "float32", mode="skew", seed=3,
+                                         empty_tokens=2)
+    op = lambda *a: te_jax_perm.moe_ffn(*a, 17, align_size=4, backend="interpret")  # noqa: E731
+    want = value_and_grads(op, rm)(x, probs, w_in, w_out)
+    monkeypatch.setattr(api, "on_hopper", lambda backend: backend == "interpret")
+    with sanitize() as report:
+        got = value_and_grads(op, rm)(x, probs, w_in, w_out)
+    for g, w, name in zip(jax.tree.leaves(got), jax.tree.leaves(want), ("y", "dx", "dprobs", "dw_in", "dw_out")):
+        _close(g, w, 1e-5, f"{name}: moved rows vs gathering kernel")
+    launched = {s.kernel for s in report.launches}
+    assert "moe_gather_gemm" not in launched and {"permute", "grouped_gemm"} <= launched, launched
+    assert not report, report.text()

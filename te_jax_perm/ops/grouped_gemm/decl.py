@@ -257,7 +257,7 @@ grouped_gemm_rhs_t_hopper = declare(dataclasses.replace(grouped_gemm_rhs_t.decl,
                                                         default_config=hopper_dgrad_default))
 
 
-def _on_hopper(backend: str) -> bool:
+def on_hopper(backend: str) -> bool:
     """Whether ``backend`` runs on a compute capability 9.0 GPU (imported lazily: the
     CUDA pieces are absent on CPU-only installs)."""
     if backend != "triton":
@@ -271,7 +271,7 @@ def mm_for(backend: str, trans_rhs: bool, dims, params):
     these dims: on a compute capability 9.0 GPU, the warp-specialised forward where
     :func:`ws_forward_wins`, else the Hopper declaration; elsewhere :data:`grouped_gemm`
     (or :data:`grouped_gemm_rhs_t`)."""
-    if _on_hopper(backend):
+    if on_hopper(backend):
         if not trans_rhs and ws_forward_wins(dims, params):
             return grouped_gemm_ws
         return grouped_gemm_rhs_t_hopper if trans_rhs else grouped_gemm_hopper
@@ -382,7 +382,7 @@ def wgrad_for(backend: str, dims, params):
     """The weight-gradient kernel for ``backend`` at these dims: the warp-specialised one
     on a Hopper GPU (compute capability 9.0) where its default config fits, else
     :data:`grouped_gemm_wgrad`."""
-    if not ws_wgrad_fits(dims, params, ws_wgrad_default(dims, params)) and _on_hopper(backend):
+    if not ws_wgrad_fits(dims, params, ws_wgrad_default(dims, params)) and on_hopper(backend):
         return grouped_gemm_wgrad_ws
     return grouped_gemm_wgrad
 
