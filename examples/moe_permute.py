@@ -7,7 +7,8 @@
       -> te_jax_perm.token_combine     (weighted by the routing probabilities)
 
 With --gemm=fused the experts run as te_jax_perm.moe_ffn: the same layer in one op, the
-dispatch and the combine fused into the expert GEMMs (no dispatched copy of the tokens).
+dispatch and the combine fused into the expert GEMMs (no dispatched copy of the tokens kept for
+the backward).
 
 The loss of one jitted training step, and its gradients in the input, the router and both
 expert weights, are compared with a dense layer that runs every expert on every token and
