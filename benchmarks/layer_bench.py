@@ -60,6 +60,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import pathlib
 import pkgutil
 import platform
@@ -564,9 +565,14 @@ def main(argv: list[str] | None = None) -> int:
         "device": jax.devices()[0].device_kind if on_gpu else f"CPU ({platform.machine()})",
         "jax": jax.__version__, "smoke": smoke, "steps": steps, "dtype": dtype,
         "tokamax_available": tokamax_available(), "gemm_table": [], "layers": [], "skipped": [], "targets": [],
+        # How JAX holds device memory shapes back-to-back steps: a pool that grows on demand
+        # may allocate from the driver mid-loop, which can stall the host between steps.
+        "allocator": {k: os.environ[k] for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                                 "XLA_PYTHON_CLIENT_ALLOCATOR") if k in os.environ},
     }
     log(f"layer bench on {result['device']}, jax {jax.__version__}, tokamax "
         f"{'available' if result['tokamax_available'] else 'NOT available'}"
+        + (f"; {', '.join(f'{k}={v}' for k, v in result['allocator'].items())}" if result["allocator"] else "")
         + ("; CPU SMOKE RUN: tiny shapes, times are not meaningful, no target verdicts" if smoke else ""))
     budget_left = lambda: args.budget_s - (time.perf_counter() - t_start)
     # The copy bandwidth the rooflines use, measured in this run (1 GiB, in kernel time, on a GPU).

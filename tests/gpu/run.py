@@ -79,6 +79,9 @@ def compute_sanitizer() -> str | None:
     return found or next((c for c in candidates if os.access(c, os.X_OK)), None)
 
 
+_PREALLOCATED = {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
+
+
 def steps(out: pathlib.Path, dry: bool) -> list[Step]:
     py, f = sys.executable, flags.FLAGS
     pytest = [py, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
@@ -104,14 +107,16 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
         Step("memcheck_hostile", 480, [py, "-m", "tests.gpu.hostile", f"--sanitizer={sanitizer}",
                                        f"--out={out / 'memcheck_hostile'}"], r"^(MEMCHECK-HOSTILE|  \w+: )",
              gpu_only=True),
+        # The timing steps run alone on the GPU, so with JAX's default preallocated pool, as
+        # users run: a pool grown on demand takes memory from the driver between steps.
         Step("bench", 300, [py, "-m", "benchmarks.run", "--out", str(out), "--mode", mode, "--log"]
-             + f.bench_args.split(), r"^(BENCH SUMMARY|TARGET)"),
+             + f.bench_args.split(), r"^(BENCH SUMMARY|TARGET)", env=_PREALLOCATED),
         Step("autotune", 170, [py, "benchmarks/autotune_bench.py", f"--out={out / 'autotune'}", "--budget-s=120",
                                "--e2e-s=30", "--max-configs=24", "--max-candidates=16"]
              + (["--small", "--dtype=float32"] if dry else []), r"(E2E|tuned|speedup)"),
         Step("gemm_tests", 90, pytest + ["tests/test_grouped_gemm.py", "-k", "gpu"], r"(passed|failed|deselected)"),
         Step("layer", 300, [py, "-m", "benchmarks.layer_bench", "--out", str(out), "--mode", mode, "--steps", "5",
-                            "--profile"], r"^(LAYER|PROFILE|GEMM|TARGET)"),
+                            "--profile"], r"^(LAYER|PROFILE|GEMM|TARGET)", env=_PREALLOCATED),
         Step("example", 120, [py, "examples/moe_permute.py", "--dtype=bfloat16"], r"max error|PASS|FAIL"),
     ]
 
