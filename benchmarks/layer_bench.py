@@ -229,7 +229,7 @@ def kernel_share(step: Callable, args: tuple, steps: int = 6) -> dict[str, Any]:
     return {"kernel_ms_per_step": total / steps / 1e6, "ours_ms_per_step": ours_ns / steps / 1e6,
             "ours_share_of_kernel_time": ours_ns / total, "permutation_ms_per_step": permutation_ns / steps / 1e6,
             "top_kernels_ms_per_step": {k: v / steps / 1e6 for k, v in top},
-            "largest_gaps_us": [{"us": us, "after": a, "before": b} for us, a, b in stats.gaps]}
+            "largest_gaps_us": stats.gaps_json()}
 
 
 # -- the MaxText-style permutation ----------------------------------------------------------

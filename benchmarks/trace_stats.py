@@ -35,6 +35,9 @@ class TraceStats:
     def kernel_us_per_step(self) -> float:
         return sum(self.kernel_ns.values()) / self.steps / 1e3
 
+    def gaps_json(self) -> list[dict[str, Any]]:
+        return [{"us": us, "after": a, "before": b} for us, a, b in self.gaps]
+
     def count_per_step(self, names: Sequence[str]) -> float:
         return sum(c for k, c in self.kernel_count.items() if matches(k, names)) / self.steps
 
@@ -44,7 +47,7 @@ class TraceStats:
                 "graph_launches_per_step": self.graph_launches / self.steps,
                 "kernel_launches_per_step": self.kernel_launches / self.steps,
                 "api_events_seen": self.api_events_seen,
-                "largest_gaps_us": [{"us": us, "after": a, "before": b} for us, a, b in self.gaps],
+                "largest_gaps_us": self.gaps_json(),
                 "kernels": {k: {"count": self.kernel_count[k], "us": v / 1e3} for k, v in sorted(self.kernel_ns.items())}}
 
 
