@@ -26,8 +26,6 @@ Usage:
              TMA), each checked against its default's output, and on a Hopper GPU the
              warp-specialised kernel's configs against its default (``wgrad_comparison``)
 --nobatched  skip the comparison with cuBLAS's batched GEMM (``batched_comparison``)
---nows       skip, on a Hopper GPU, the warp-specialised forward and input gradient's configs
-             timed beside the default (``ws_comparison``)
 --layouts    also time the forward on its default config at three layouts of the same rows
              (``layout_comparison``): routing-like group sizes, equal groups of whole row
              tiles, and one group holding every row; kernel time from the profiler, each
@@ -51,8 +49,7 @@ Per shape, the TMA comparison writes ``fwd_default_ms`` / ``dgrad_default_ms`` (
 config, named in ``default_config``), ``tma_fwd_ms`` / ``tma_dgrad_ms`` ({config: ms, or the
 error it raised}), ``tma_max_abs_diff`` ({config: largest difference from the default's
 output}) and ``best_tma_fwd_over_default`` / ``best_tma_dgrad_over_default`` (below 1: a
-TMA config is faster); where this GPU's default is not the portable one (on Hopper, TMA tiles
-or the warp-specialised forward),
+TMA config is faster); where this GPU's default is not the portable one (on Hopper, TMA tiles),
 ``fwd_default_over_pointer_default`` / ``dgrad_default_over_pointer_default`` (below 1: this
 GPU's default is faster).
 """
@@ -90,8 +87,6 @@ _TMA = flags.DEFINE_bool("tma", True, "Time the forward and input gradient on th
 _TMA_ALL = flags.DEFINE_bool("tma_all", False, "Every TMA config of the tuning space, not the short list.")
 _PROGRAMS = flags.DEFINE_list("programs", [], "Persistent program counts for the TMA configs (default: theirs).")
 _WGRAD = flags.DEFINE_bool("wgrad", False, "Time the weight gradient on every config of its tuning space.")
-_WS = flags.DEFINE_bool("ws", True, "On a Hopper GPU, time the warp-specialised forward and input gradient on "
-                        "their configs beside the default.")
 _BATCHED = flags.DEFINE_bool("batched", True, "Hold each GEMM to cuBLAS's batched GEMM at uniform group sizes.")
 _LAYOUTS = flags.DEFINE_bool("layouts", False, "Time the forward's default at routing-like, tile-aligned and "
                               "one-group group sizes beside the dense dot (kernel time).")
@@ -189,28 +184,12 @@ def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.A
         r["default_config"][what] = f"{prim.decl.name} {default}"
         pointer = D.mm_default(dims, {"elem_bytes": 2})
         if (prim, default) != (portable[what], pointer):
-            # This GPU's default (on Hopper: TMA tiles, or the warp-specialised forward)
-            # against the portable one.
+            # This GPU's default (on Hopper: TMA tiles) against the portable one.
             ms = median_wall_ms(_jitted(portable[what], pointer, backend), (*operands, sizes), reps)
             r[f"{what}_default_over_pointer_default"] = r[f"{what}_default_ms"] / ms
         r["tma_max_abs_diff"].update({f"{what} {c}": d for c, d in diffs.items()})
         if (best := _best_over(r[f"tma_{what}_ms"], r[f"{what}_default_ms"])) is not None:
             r[f"best_tma_{what}_over_default"] = best
-    return r
-
-
-def ws_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.Array, backend: str = "triton",
-                  reps: int = 5) -> dict:
-    """The warp-specialised forward and input gradient (Hopper) on each config they admit,
-    against the row-tile GEMMs' default: ``ws_<gemm>_ms`` {config: ms or the error},
-    ``ws_<gemm>_max_abs_diff`` (from the default's output) and ``best_ws_<gemm>_over_default``."""
-    r: dict[str, Any] = {}
-    ws = {"fwd": D.grouped_gemm_ws, "dgrad": D.grouped_gemm_rhs_t_ws}
-    for what, prim, operands, dims, _ in _step_gemms(lhs, rhs, dout, backend, tuple(ws)):
-        _, base_ms, r[f"ws_{what}_ms"], r[f"ws_{what}_max_abs_diff"] = against_default(
-            ws[what], (*operands, sizes), dims, ws[what].decl.configs, backend, reps, baseline=prim)
-        if (best := _best_over(r[f"ws_{what}_ms"], base_ms)) is not None:
-            r[f"best_ws_{what}_over_default"] = best
     return r
 
 
@@ -328,7 +307,7 @@ def layout_comparison(lhs: jax.Array, rhs: jax.Array, dense_rhs: jax.Array, back
 
 def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, sweep: Sequence[Config] = (),
               tma: Sequence[Config] | None = (), tokamax: Any = None,
-              wgrad: Sequence[Config] = (), batched: bool = True, ws: bool = False,
+              wgrad: Sequence[Config] = (), batched: bool = True,
               layouts: bool = False) -> dict[str, Any]:
     """One shape's times, bf16: the dense dot, our forward (checked against the reference)
     and backward on ``backend``; the forward on each of ``sweep``'s configs; the default and
@@ -360,8 +339,6 @@ def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, swee
                 r["sweep_fwd_ms"][str(cfg)] = median_wall_ms(f, (lhs, rhs, sizes), few)
             except Exception as e:  # a config that fails to compile is a finding, not a crash
                 r["sweep_fwd_ms"][str(cfg)] = repr(e)[:200]
-    if ws:
-        r.update(ws_comparison(lhs, rhs, dout, sizes, backend=backend, reps=few))
     if tma is not None:
         r.update(tma_comparison(lhs, rhs, dout, sizes, tma, backend=backend, reps=few))
     if wgrad:
@@ -401,10 +378,6 @@ def main(argv: list[str]) -> None:
         tokamax = None
         logging.info("tokamax not importable (%s); skipping it", e)
     tma = tma_configs(_TMA_ALL.value, [int(p) for p in _PROGRAMS.value]) if _TMA.value else None
-    ws = False
-    if _WS.value:
-        from te_jax_perm.core.triton_backend import compute_capability
-        ws = compute_capability() == 90
     t_start = time.time()
     for shape in shapes:
         if time.time() - t_start > _BUDGET.value:
@@ -412,7 +385,7 @@ def main(argv: list[str]) -> None:
             continue
         wgrad = D.grouped_gemm_wgrad.decl.configs if _WGRAD.value else ()
         r = shape_row(shape, sweep=SWEEP if _SWEEP.value else (), tma=tma, tokamax=tokamax, wgrad=wgrad,
-                      batched=_BATCHED.value, ws=ws, layouts=_LAYOUTS.value)
+                      batched=_BATCHED.value, layouts=_LAYOUTS.value)
         results["shapes"][shape.name] = r
         print(shape.name, json.dumps(r), flush=True)
         with open(os.path.join(_OUT.value, "grouped_gemm.json"), "w") as f:

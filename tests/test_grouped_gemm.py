@@ -12,9 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import triton
+import triton.language as tl
 
 import te_jax_perm
-from te_jax_perm.core import Config, hooks
+from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare, hooks
+from te_jax_perm.kernels.grouped_gemm import row_schedule, schedule_tile
 from te_jax_perm.ops.grouped_gemm import decl as D
 from te_jax_perm.ops.grouped_gemm.api import default_impl, grouped_gemm_triton, grouped_matmul, tokamax_available
 from te_jax_perm.ops.grouped_gemm.reference import clamped_group_sizes, grouped_matmul_reference
@@ -220,7 +223,7 @@ def test_gpu_grouped_gemm_matches_reference(impl, sizes):
         pytest.skip("tokamax is not installed")
     m = (sum(sizes) + 200 + 63) // 64 * 64  # tokamax's Mosaic kernel needs M in whole 64-row tiles
     lhs, rhs, gs, dout = _problem(m, 256, 384, sizes, "bfloat16", seed=5)
-    if impl == "triton":  # on Hopper: the warp-specialised forward, the input gradient on TMA tiles
+    if impl == "triton":  # on Hopper: the forward and the input gradient on TMA tiles
         _assert_hopper_defaults(m, 256, 384, 5)
     f = jax.jit(lambda a, b, d: jax.vjp(lambda a, b: grouped_matmul(a, b, gs, impl=impl), a, b)[1](d))
     out = jax.jit(lambda a, b: grouped_matmul(a, b, gs, impl=impl))(lhs, rhs)
@@ -233,6 +236,62 @@ def test_gpu_grouped_gemm_matches_reference(impl, sizes):
 
 
 # -- the Triton grouped GEMM on each backend ------------------------------------------------
+@triton.jit
+def _schedule_probe_kernel(group_sizes_ptr, M, out_prealloc_ptr, out_ptr, G: tl.constexpr, G_P2: tl.constexpr,
+                           NUM_N: tl.constexpr, BM: tl.constexpr, GROUP_M: tl.constexpr):
+    """Writes tile ``t``'s ``(group or -1, first row, column tile)`` of the row-tile GEMMs'
+    schedule (one program per tile, as the pointer kernel runs it)."""
+    t = tl.program_id(0)
+    g_idx, starts, ends, tiles, tile_ends, total, used = row_schedule(group_sizes_ptr, M, G, G_P2, BM)
+    g, is_group_tile, row0, _, tile_n = schedule_tile(t, M, NUM_N, g_idx, starts, ends, tiles, tile_ends, total,
+                                                      used, G, BM, GROUP_M)
+    tl.store(out_ptr + t * 3, tl.where(is_group_tile, g, -1).to(tl.int32))
+    tl.store(out_ptr + t * 3 + 1, row0.to(tl.int32))
+    tl.store(out_ptr + t * 3 + 2, tile_n.to(tl.int32))
+
+
+def _no_reference(*args, **kwargs):
+    raise NotImplementedError("the schedule probe runs on the interpret backend only")
+
+
+_schedule_probe = declare(KernelDecl(
+    name="test_grouped_gemm_schedule_probe",
+    kernel=_schedule_probe_kernel,
+    operands=(Operand("group_sizes", ("G",), ("int32",)),),
+    # As many programs as the pointer kernel's grid (decl.mm_grid) launches.
+    outputs=(Output("tiles", lambda d, p: ((-(-p["m"] // p["bm"]) + d["G"] + 1) * p["num_n"], 3),
+                    lambda t, p: jnp.int32),),
+    params=("m", "bm", "num_n", "group_m"),
+    reference=_no_reference,
+    grid=lambda d, p, c: ((-(-p["m"] // p["bm"]) + d["G"] + 1) * p["num_n"],),
+    scalars=lambda d, p: {"M": p["m"]},
+    constexprs=lambda d, p, c: {"G": d["G"], "G_P2": triton.next_power_of_2(d["G"]), "NUM_N": p["num_n"],
+                                "BM": p["bm"], "GROUP_M": p["group_m"]},
+    default_config=lambda d, p: Config.make(num_warps=1),
+))
+
+
+def test_row_tile_schedule_runs_group_by_group_and_covers_every_tile_once():
+    """The row-tile GEMMs' schedule: every (row tile, column tile) of every group exactly
+    once, each group's tiles consecutive (the tiles reading one block of a group's weights
+    run together, so it comes from DRAM once), ``group_m`` of a group's row tiles at a time
+    column by column, then tiles over the rows past the groups."""
+    sizes, m, bm, num_n, group_m = [300, 0, 1000, 130, 48, 5, 0], 1600, 64, 3, 4
+    tiles = np.asarray(_schedule_probe(jnp.asarray(sizes, jnp.int32), backend="interpret", m=m, bm=bm,
+                                       num_n=num_n, group_m=group_m)[0])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    want = []  # group by group; bands of group_m row tiles; in a band, column by column
+    for g, (start, size) in enumerate(zip(starts, sizes)):
+        rows = list(range(start, start + size, bm))
+        for band in range(0, len(rows), group_m):
+            want += [(g, r, n) for n in range(num_n) for r in rows[band:band + group_m]]
+    assert [tuple(t) for t in tiles[:len(want)]] == want
+    used = sum(sizes)
+    fills = {(int(r), int(n)) for g, r, n in tiles[len(want):] if r < m}
+    assert (tiles[len(want):, 0] == -1).all()
+    assert fills == {(r, n) for r in range(used, m, bm) for n in range(num_n)}
+
+
 CASES = [
     # (M, K, N, group sizes): empty groups, rows past the last group, sizes summing past M,
     # negative sizes, int32-overflowing sums, a single group, ragged K/N not multiple of any tile.
@@ -600,18 +659,9 @@ def test_hopper_row_tile_default_and_selection(monkeypatch):
         want = (D.grouped_gemm_hopper, D.grouped_gemm_rhs_t_hopper) if hop else (D.grouped_gemm, D.grouped_gemm_rhs_t)
         got = tuple(D.mm_for(backend, t, big, bf16) for t in (False, True))
         assert got == want, (cc, backend)
-        # A few hundred rows a group and a reduction of at most 4096 (Qwen3-235B's expert
-        # GEMMs): the warp-specialised forward on Hopper; the input gradient stays on TMA tiles.
+        # A few hundred rows a group (Qwen3-235B's expert GEMMs) take the same kernels.
         qwen3 = {"M": 65536, "C": 4096, "D": 3072, "G": 128}
-        got = tuple(D.mm_for(backend, t, qwen3, bf16) for t in (False, True))
-        assert got == ((D.grouped_gemm_ws, D.grouped_gemm_rhs_t_hopper) if hop else want), (cc, backend)
-    assert D.ws_forward_wins({"M": 65536, "C": 1536, "D": 4096, "G": 128}, bf16)      # Qwen3's down-projection
-    assert D.ws_forward_wins({"M": 65536, "C": 2048, "D": 7168, "G": 256}, bf16)      # DeepSeek-V3's
-    for dims, params in [({"M": 65536, "C": 7168, "D": 4096, "G": 256}, bf16),       # DeepSeek-V3 up: long reduction
-                         ({"M": 16384, "C": 4096, "D": 28672, "G": 8}, bf16),        # Mixtral: 2048 rows a group
-                         ({"M": 65536, "C": 4096, "D": 3072, "G": 128}, {"elem_bytes": 4}),  # fp32
-                         ({"M": 65536, "C": 4000, "D": 3072, "G": 128}, bf16)]:      # C no multiple of BK=64
-        assert not D.ws_forward_wins(dims, params), (dims, params)
+        assert tuple(D.mm_for(backend, t, qwen3, bf16) for t in (False, True)) == want, (cc, backend)
 
 
 def test_ws_wgrad_is_refused_by_the_interpreter_by_name():
@@ -623,90 +673,20 @@ def test_ws_wgrad_is_refused_by_the_interpreter_by_name():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.full((1, 128, 256), 64.0))
 
 
-@pytest.mark.parametrize("prim", [D.grouped_gemm_ws, D.grouped_gemm_rhs_t_ws], ids=lambda p: p.decl.name)
-def test_ws_row_tile_gemm_configs_compile_for_sm90(prim):
-    """The warp-specialised forward and input gradient at DeepSeek-V3's up-projection: every
-    config compiles for sm_90 to 12 warps, asynchronous warpgroup MMAs and TMA loads and
-    stores, within the shared memory its constraint counts (and Hopper's)."""
-    from te_jax_perm.core.launch import bind_call
-    trans = prim is D.grouped_gemm_rhs_t_ws
-    rhs = (256, 4096, 7168) if trans else (256, 7168, 4096)
-    avals = [jax.ShapeDtypeStruct((65536, 7168), jnp.bfloat16), jax.ShapeDtypeStruct(rhs, jnp.bfloat16),
-             jax.ShapeDtypeStruct((256,), jnp.int32)]
-    call = bind_call(prim.decl, avals, {"elem_bytes": 2}, "triton")
-    for cfg in D.WS_MM_CONFIGS:
-        assert prim.decl.violated(call.dims, call.params, cfg) is None, cfg
-        k = compiled_for_sm90(call, cfg)
-        assert k.num_warps == 12 and k.global_scratch_size >= 3 * 128, cfg
-        assert "wgmma.mma_async" in k.ptx and "mbarrier.try_wait" in k.ptx, cfg
-        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", k.ptx), cfg
-        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", k.ptx), cfg
-        bm, bn = cfg.kw["BM"], cfg.kw["BN"]
-        counted = (cfg.kw["STAGES"] * cfg.kw["BK"] * (bm + bn) + bm * bn) * 2 + 16 * cfg.kw["STAGES"] \
-            + D.WS_EPILOGUE_BYTES
-        assert k.shared_mem_bytes <= min(counted, 227 * 1024), (cfg, k.shared_mem_bytes, counted)
-
-
-def test_ws_row_tile_gemm_constraints():
-    decl, cfg = D.grouped_gemm_rhs_t_ws.decl, D.WS_MM_CONFIGS[0]
-    dims = {"M": 4096, "C": 1024, "D": 768, "G": 8}
-    assert decl.violated(dims, {"elem_bytes": 2}, cfg) is None
-    assert "16-bit" in decl.violated(dims, {"elem_bytes": 4}, cfg)
-    assert "multiple of BK" in decl.violated({**dims, "C": 1000}, {"elem_bytes": 2}, cfg)
-    assert "multiple of BN" in decl.violated({**dims, "D": 640}, {"elem_bytes": 2}, cfg)
-    assert D.grouped_gemm_ws.decl.violated({**dims, "D": 640}, {"elem_bytes": 2}, cfg) is None  # not transposed
-    assert "1 <= M, G" in decl.violated({**dims, "G": 0}, {"elem_bytes": 2}, cfg)
-    assert "8 warps" in decl.violated(dims, {"elem_bytes": 2}, Config.make(8, 1, **{**cfg.kw, "BM": 64}))
-    too_big = Config.make(8, 1, **{**cfg.kw, "BM": 256, "BK": 32, "STAGES": 2})  # a 256x256 accumulator
-    assert "8 warps" in decl.violated(dims, {"elem_bytes": 2}, too_big)
-    assert decl.violated(dims, {"elem_bytes": 2}, Config.make(8, 1, **{**cfg.kw, "BM": 256, "BN": 128})) is None
-    assert "shared memory" in decl.violated(dims, {"elem_bytes": 2}, Config.make(8, 1, **{**cfg.kw, "STAGES": 4}))
-
-
-@pytest.mark.gpu
-def test_gpu_ws_row_tile_gemms_match_reference():
-    """The warp-specialised forward (``grouped_gemm_ws``) and input gradient
-    (``grouped_gemm_rhs_t_ws``) on every config, Hopper only: NaN garbage in the rows past the
-    groups, empty groups, partial last tiles next to another group's rows, hostile sizes, D
-    past a tile's edge (forward), and a few programs with many tiles each."""
-    _skip_unless_hopper()
-    m, k, n = WS_DIMS
-    for sizes in WS_SIZES:
-        (lhs, rhs, gs, dout), (want, want_dlhs, _) = _hostile_problem(sizes, seed=8)
-        for base in D.WS_MM_CONFIGS:
-            # A few programs with many tiles each for one config of each tile height (the
-            # schedule is the configs' shared code; memcheck runs this test too).
-            for programs in (132, 5) if (base.kw["BK"], base.kw["STAGES"]) == (64, 3) else (132,):
-                cfg = Config.make(base.num_warps, base.num_stages, **{**base.kw, "PROGRAMS": programs})
-                out = jax.jit(lambda a, b, s: D.grouped_gemm_ws(a, b, s, backend="triton", config=cfg,
-                                                                 elem_bytes=2)[0])(lhs, rhs, gs)
-                _close(out, want, "bfloat16", f"forward {sizes} {cfg}")
-                if not D.grouped_gemm_rhs_t_ws.decl.violated({"M": m, "C": n, "D": k, "G": len(sizes)},
-                                                              {"elem_bytes": 2}, cfg):
-                    dlhs = jax.jit(lambda a, b, s: D.grouped_gemm_rhs_t_ws(a, b, s, backend="triton", config=cfg,
-                                                                            elem_bytes=2)[0])(dout, rhs, gs)
-                    _close(dlhs, want_dlhs, "bfloat16", f"input gradient {sizes} {cfg}")
-
-
 @pytest.mark.gpu
 def test_gpu_default_row_tile_gemms_on_hostile_sizes():
     """The forward and input gradient as ``grouped_matmul`` runs them on this GPU, on their
-    default config (on Hopper, the warp-specialised forward and 128x256 TMA tiles in 132
-    persistent programs), at the sizes the warp-specialised test takes: NaN garbage past the
-    groups, empty groups, partial last tiles, sizes negative or near 2**31; forward and VJP
-    (in the hostile memcheck list)."""
+    default config (on Hopper, 128x256 TMA tiles in 132 persistent programs), at the sizes
+    the warp-specialised weight-gradient test takes: NaN garbage past the groups, empty
+    groups, partial last tiles, sizes negative or near 2**31; forward and VJP (in the
+    hostile memcheck list)."""
     m, k, n = WS_DIMS
-    hopper = _assert_hopper_defaults(m, k, n, 5)
+    _assert_hopper_defaults(m, k, n, 5)
     f = jax.jit(lambda a, b, s, d: jax.vjp(lambda a, b: grouped_matmul(a, b, s, impl="triton"), a, b)[1](d))
-    # On Hopper the forward here runs the warp-specialised kernel: its TMA-tile declaration,
-    # the default at other sizes, runs these sizes too.
-    tma_fwd = jax.jit(lambda a, b, s: D.grouped_gemm_hopper(a, b, s, backend="triton", elem_bytes=2)[0])
     for sizes in WS_SIZES:
         (lhs, rhs, gs, dout), (want, want_dlhs, want_drhs) = _hostile_problem(sizes, seed=9)
         out = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, impl="triton"))(lhs, rhs, gs)
         _close(out, want, "bfloat16", f"forward {sizes}")
-        if hopper:
-            _close(tma_fwd(lhs, rhs, gs), want, "bfloat16", f"TMA forward {sizes}")
         dlhs, drhs = f(lhs, rhs, gs, dout)
         _close(dlhs, want_dlhs, "bfloat16", f"input gradient {sizes}")
         _close(drhs, want_drhs, "bfloat16", f"weight gradient {sizes}")
@@ -714,15 +694,15 @@ def test_gpu_default_row_tile_gemms_on_hostile_sizes():
 
 def _assert_hopper_defaults(m: int, k: int, n: int, g: int) -> bool:
     """Asserts what ``grouped_matmul`` runs at ``[m, k] x [g, k, n]`` on this GPU (on
-    Hopper, where these few rows a group make it so: the warp-specialised forward on its
-    default config and the input gradient on TMA 128x256 tiles stored in halves; elsewhere the portable
-    kernels on their defaults); returns whether this GPU is a Hopper."""
+    Hopper, where these sizes make it so: the forward on TMA 128x256 tiles and the input
+    gradient on the same tiles stored in halves; elsewhere the portable kernels on their
+    defaults); returns whether this GPU is a Hopper."""
     from te_jax_perm.core import triton_backend
     hopper, bf16 = triton_backend.compute_capability() == 90, {"elem_bytes": 2}
     fwd_dims, dgrad_dims = {"M": m, "C": k, "D": n, "G": g}, {"M": m, "C": n, "D": k, "G": g}
     fwd, dgrad = D.mm_for("triton", False, fwd_dims, bf16), D.mm_for("triton", True, dgrad_dims, bf16)
-    assert D.ws_forward_wins(fwd_dims, bf16)
-    assert fwd is (D.grouped_gemm_ws if hopper else D.grouped_gemm), fwd.decl.name
+    assert fwd is (D.grouped_gemm_hopper if hopper else D.grouped_gemm), fwd.decl.name
+    assert (fwd.decl.default_config(fwd_dims, bf16) == D.HOPPER_TMA_MM) == hopper, fwd.decl.name
     assert (dgrad.decl.default_config(dgrad_dims, bf16) == D.HOPPER_TMA_DGRAD) == hopper, dgrad.decl.name
     return hopper
 

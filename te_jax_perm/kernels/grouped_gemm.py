@@ -43,8 +43,9 @@ def row_schedule(group_sizes_ptr, M, G: tl.constexpr, G_P2: tl.constexpr, BM: tl
 
 @triton.jit
 def swizzled_tile(t, num_m, num_n, GROUP_M: tl.constexpr):
-    """(tile_m, tile_n) of tile ``t``: consecutive tiles walk GROUP_M row tiles before moving
-    along N, so a B_g column block is reused from L2 by several row tiles."""
+    """(tile_m, tile_n) of tile ``t`` of ``num_m x num_n``: consecutive tiles walk GROUP_M row
+    tiles before moving along N, so a column block of the other operand is reused from L2
+    by several row tiles."""
     per_band = GROUP_M * num_n
     first_m = (t // per_band) * GROUP_M
     band_m = tl.minimum(num_m - first_m, GROUP_M)
@@ -52,36 +53,39 @@ def swizzled_tile(t, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, total_tiles, used_rows, G: tl.constexpr,
-              BM: tl.constexpr):
-    """Row tile ``tile_m`` of a ``row_schedule``: ``(g, is_group_tile, row0, row_end)``.
-    Group tiles come first, each inside one group (rows ``[row0, row_end)`` of group ``g``);
-    the tiles after them cover the rows no group owns (``is_group_tile`` false, ``g`` then
-    names no group), which the kernel zero-fills."""
-    g = tl.sum((tile_ends <= tile_m).to(tl.int32), 0)
+def schedule_tile(t, M, num_n: tl.constexpr, g_idx, starts, ends, tiles, tile_ends, total_tiles, used_rows,
+                  G: tl.constexpr, BM: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile ``t`` of a ``row_schedule`` times ``num_n`` column tiles: ``(g, is_group_tile,
+    row0, row_end, tile_n)``. The groups' tiles come first, group by group, each group's
+    ``swizzled_tile``-wise (GROUP_M of its row tiles at a time, column by column): the
+    tiles that read one block of a group's weights run together and the block comes from
+    DRAM once. (Bands of GROUP_M row tiles running across groups would split a group of a
+    few tiles between two bands run at different times, each reading its weights: at
+    DeepSeek-V3's 256 experts, a quarter more bytes than the weights.) Then the tiles of
+    the rows no group owns (``is_group_tile`` false, ``g`` then names no group), rows
+    ``[row0, M)``, which the kernel zero-fills."""
+    g = tl.sum((tile_ends * num_n <= t).to(tl.int32), 0)
     is_group_tile = g < G
     sel = g_idx == g
-    g_start = tl.sum(tl.where(sel, starts, 0), 0)
-    g_end = tl.sum(tl.where(sel, ends, 0), 0)
-    g_first_tile = tl.sum(tl.where(sel, tile_ends - tiles, 0), 0)
-    # Tiles past the groups' tiles zero-fill the rows no group owns (init="empty" output).
-    row0 = tl.where(is_group_tile, g_start + (tile_m - g_first_tile) * BM,
-                    used_rows + (tile_m - total_tiles) * BM)
-    row_end = tl.where(is_group_tile, g_end, M)
-    return g, is_group_tile, row0, row_end
+    g_tiles = tl.sum(tl.where(sel, tiles, 0), 0)
+    local = t - tl.sum(tl.where(sel, tile_ends - tiles, 0), 0) * num_n
+    # A fill tile's group has no tiles: one keeps the swizzle's arithmetic defined.
+    tile_m, tile_n = swizzled_tile(local, tl.maximum(g_tiles, 1), num_n, GROUP_M)
+    fill = t - total_tiles * num_n
+    row0 = tl.where(is_group_tile, tl.sum(tl.where(sel, starts, 0), 0) + tile_m * BM, used_rows + fill // num_n * BM)
+    row_end = tl.where(is_group_tile, tl.sum(tl.where(sel, ends, 0), 0), M)
+    return g, is_group_tile, row0, row_end, tl.where(is_group_tile, tile_n, fill % num_n)
 
 
 @triton.jit
 def group_tile(group_sizes_ptr, M, D: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr, BM: tl.constexpr,
                BN: tl.constexpr, GROUP_M: tl.constexpr):
     """This program's [BM, BN] output tile of a grouped GEMM over ``M`` rows and ``D`` columns,
-    one program per tile: ``(g, is_group_tile, row0, row_end, tile_n)`` (``tile_rows``)."""
+    one program per tile: ``(g, is_group_tile, row0, row_end, tile_n)`` (``schedule_tile``)."""
     num_n: tl.constexpr = (D + BN - 1) // BN
-    tile_m, tile_n = swizzled_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
     g_idx, starts, ends, tiles, tile_ends, total_tiles, used_rows = row_schedule(group_sizes_ptr, M, G, G_P2, BM)
-    g, is_group_tile, row0, row_end = tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, total_tiles,
-                                                used_rows, G, BM)
-    return g, is_group_tile, row0, row_end, tile_n
+    return schedule_tile(tl.program_id(0), M, num_n, g_idx, starts, ends, tiles, tile_ends, total_tiles, used_rows,
+                         G, BM, GROUP_M)
 
 
 @triton.jit
@@ -174,9 +178,8 @@ def tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C: tl.constexpr, D:
     else:
         out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, D], strides=[D, 1], block_shape=[BM, BN])
     for t in tl.range(tl.program_id(0), num_m * num_n, PROGRAMS, flatten=True):
-        tile_m, tile_n = swizzled_tile(t, num_m, num_n, GROUP_M)
-        g, is_group_tile, row0, row_end = tile_rows(tile_m, M, g_idx, starts, ends, tiles, tile_ends, total_tiles,
-                                                    used_rows, G, BM)
+        g, is_group_tile, row0, row_end, tile_n = schedule_tile(t, M, num_n, g_idx, starts, ends, tiles, tile_ends,
+                                                                total_tiles, used_rows, G, BM, GROUP_M)
         row0 = row0.to(tl.int32)
         col0 = (tile_n * BN).to(tl.int32)
         gi = tl.where(is_group_tile, g, 0).to(tl.int32)

@@ -107,7 +107,7 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
         Step("memcheck_hostile", 480, [py, "-m", "tests.gpu.hostile", f"--sanitizer={sanitizer}",
                                        f"--out={out / 'memcheck_hostile'}"], r"^(MEMCHECK-HOSTILE|  \w+: )",
              gpu_only=True),
-        # The timing steps run alone on the GPU, so with JAX's default preallocated pool, as
+        # The benchmark runs alone on the GPU, so with JAX's default preallocated pool, as
         # users run: a pool grown on demand takes memory from the driver between steps.
         Step("bench", 300, [py, "-m", "benchmarks.run", "--out", str(out), "--mode", mode, "--log"]
              + f.bench_args.split(), r"^(BENCH SUMMARY|TARGET)", env=_PREALLOCATED),
@@ -115,8 +115,10 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
                                "--e2e-s=30", "--max-configs=24", "--max-candidates=16"]
              + (["--small", "--dtype=float32"] if dry else []), r"(E2E|tuned|speedup)"),
         Step("gemm_tests", 90, pytest + ["tests/test_grouped_gemm.py", "-k", "gpu"], r"(passed|failed|deselected)"),
+        # The layer's pool grows on demand: DeepSeek-V3's step does not fit JAX's default pool
+        # (75% of an 80 GB H100), where a 14 GiB allocation stalls, retried without end.
         Step("layer", 300, [py, "-m", "benchmarks.layer_bench", "--out", str(out), "--mode", mode, "--steps", "5",
-                            "--profile"], r"^(LAYER|PROFILE|GEMM|TARGET)", env=_PREALLOCATED),
+                            "--profile"], r"^(LAYER|PROFILE|GEMM|TARGET)"),
         Step("example", 120, [py, "examples/moe_permute.py", "--dtype=bfloat16"], r"max error|PASS|FAIL"),
     ]
 

@@ -58,8 +58,8 @@ def test_dispatch_combine_step_is_captured_in_command_buffers(tmp_path):
 
 @pytest.mark.gpu
 def test_tma_gemm_kernels_run_inside_command_buffers(tmp_path):
-    """The grouped GEMM's TMA kernels (on Hopper its default input gradient at these sizes,
-    and its warp-specialised forward and weight gradient) build tensor descriptors in
+    """The grouped GEMM's TMA kernels (on Hopper its default forward and input gradient at
+    these sizes, and its warp-specialised weight gradient) build tensor descriptors in
     global scratch memory.
     A jitted training step of two expert layers (in a ``lax.scan``) with command buffers on
     runs them inside the step's CUDA graph, and computes what the default configs compute.
@@ -72,7 +72,7 @@ def test_tma_gemm_kernels_run_inside_command_buffers(tmp_path):
     print("default configs:", json.dumps({k: v for k, v in default.items() if k != "kernels"}))
     print("TMA configs:", json.dumps({k: v for k, v in tma.items() if k != "kernels"}))
     # Each GEMM of the step builds its descriptors on the device: a TMA config, or a
-    # warp-specialised kernel (Hopper's default forward and weight gradient here).
+    # warp-specialised kernel (Hopper's default weight gradient here).
     assert len(tma["configs"]) == 3 and all("TMA=True" in c or name.endswith("_ws")
                                             for name, c in tma["configs"].items()), tma["configs"]
     for a, b, dtype in zip(default_outs, tma_outs, tma["dtypes"]):

@@ -9,11 +9,9 @@ descriptors (TMA on Hopper), for rows of 16-byte multiples (``tma_fits``).
 
 On Hopper the forward and the input gradient run their Hopper declarations
 (``grouped_gemm_hopper``, ``grouped_gemm_rhs_t_hopper``, picked by :func:`mm_for`): the same
-kernel and tuning space, whose default moves 128x256 tiles by TMA where they fit; the
-forward of a few hundred rows a group runs a warp-specialised kernel (``grouped_gemm_ws``,
-:func:`ws_forward_wins`); and the weight gradient of 16-bit operands has a warp-specialised
-kernel of its own (``grouped_gemm_wgrad_ws``, picked by :func:`wgrad_for`). Each
-warp-specialised kernel has its own tuning space.
+kernel and tuning space, whose default moves 128x256 tiles by TMA where they fit; and the
+weight gradient of 16-bit operands has a warp-specialised kernel with a tuning space of its
+own (``grouped_gemm_wgrad_ws``, picked by :func:`wgrad_for`).
 
 Their references are :mod:`te_jax_perm.ops.grouped_gemm.reference`'s; the public API and VJP
 are in :mod:`te_jax_perm.ops.grouped_gemm.api`.
@@ -26,7 +24,7 @@ import triton
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels.grouped_gemm import grouped_gemm_kernel, grouped_gemm_wgrad_kernel
-from te_jax_perm.kernels.grouped_gemm_ws import grouped_gemm_wgrad_ws_kernel, grouped_gemm_ws_kernel
+from te_jax_perm.kernels.grouped_gemm_ws import grouped_gemm_wgrad_ws_kernel
 from te_jax_perm.ops.grouped_gemm.reference import (grouped_gemm_reference, grouped_gemm_rhs_t_reference,
                                                     grouped_gemm_wgrad_reference)
 
@@ -268,12 +266,9 @@ def on_hopper(backend: str) -> bool:
 
 def mm_for(backend: str, trans_rhs: bool, dims, params):
     """The forward (or, with ``trans_rhs``, the input-gradient) kernel for ``backend`` at
-    these dims: on a compute capability 9.0 GPU, the warp-specialised forward where
-    :func:`ws_forward_wins`, else the Hopper declaration; elsewhere :data:`grouped_gemm`
-    (or :data:`grouped_gemm_rhs_t`)."""
+    these dims: on a compute capability 9.0 GPU the Hopper declaration, elsewhere
+    :data:`grouped_gemm` (or :data:`grouped_gemm_rhs_t`)."""
     if on_hopper(backend):
-        if not trans_rhs and ws_forward_wins(dims, params):
-            return grouped_gemm_ws
         return grouped_gemm_rhs_t_hopper if trans_rhs else grouped_gemm_hopper
     return grouped_gemm_rhs_t if trans_rhs else grouped_gemm
 
@@ -299,27 +294,17 @@ grouped_gemm_wgrad = declare(KernelDecl(
 ))
 
 
-# -- Hopper: warp-specialised kernels (kernels/grouped_gemm_ws.py) -------------------------------
+# -- Hopper: the warp-specialised weight gradient (kernels/grouped_gemm_ws.py) ---------------------
 # The MMA warpgroups hold a [BK, BN] fp32 accumulator of 128 x 256 (128 registers a thread
-# on 8 warps); the weight gradient's block may be 128 x 256 or 256 x 128. 132 programs: one
-# per SM of an H100 SXM or an H200.
+# on 8 warps): blocks of 128 x 256 or 256 x 128. 132 programs: one per SM of an H100 SXM or
+# an H200.
 WS_WGRAD_CONFIGS = tuple(Config.make(num_warps=8, num_stages=1, BK=bk, BN=bn, BR=br, STAGES=s, PROGRAMS=132)
                          for bk, bn in ((128, 256), (256, 128)) for br, s in ((64, 3), (32, 5), (32, 6)))
-# 32-wide slices keep twice the stages in flight of 64-wide ones in the same shared memory.
-# 256x128 tiles (two warpgroups of 128 rows) read each rhs slice once for 256 rows: with a
-# few hundred rows a group, once for most of a group's rows.
-WS_MM_CONFIGS = tuple(Config.make(num_warps=8, num_stages=1, BM=bm, BN=bn, BK=bk, GROUP_M=8, STAGES=s, PROGRAMS=132)
-                      for bm, bn, bk, s in ((128, 256, 64, 3), (128, 128, 64, 4), (128, 128, 64, 5),
-                                            (128, 256, 32, 6), (256, 128, 64, 3), (256, 128, 32, 6)))
-# Beside the stages and the output tile, the shared memory the row-tile GEMMs' partial tiles
-# take to change the accumulator's layout for their masked store: 16 KiB and alignment in
-# the sm_90 builds.
-WS_EPILOGUE_BYTES = 17 * 1024
 _INT32 = 2**31
 
 
 def _ws_problem(config: Config, eb: int, rows: dict, tiles_bytes: int) -> str | None:
-    """What both warp-specialised kernels need, or ``None``: 16-bit operands, a program
+    """What the warp-specialised weight gradient needs, or ``None``: 16-bit operands, a program
     count and a ring of at least two stages, rows of 16-byte multiples (``rows`` names each
     row length, in elements) for the tensor descriptors, and ``tiles_bytes`` of stages and
     output tile plus the ring's barriers within shared memory."""
@@ -385,58 +370,3 @@ def wgrad_for(backend: str, dims, params):
     if not ws_wgrad_fits(dims, params, ws_wgrad_default(dims, params)) and on_hopper(backend):
         return grouped_gemm_wgrad_ws
     return grouped_gemm_wgrad
-
-
-def ws_mm_fits(dims, params, config: Config) -> str | None:
-    """What keeps ``config`` from the warp-specialised row-tile GEMM at these dims, or
-    ``None``: :func:`_ws_problem` (with :data:`WS_EPILOGUE_BYTES`); 8 warps on 128- or
-    256-row tiles of at most 128 x 256 accumulators; ``C`` a multiple of ``BK`` (and, for ``rhs`` read transposed, ``D`` of ``BN``: no
-    slice crosses into the next group's matrix); 32-bit extents."""
-    kw, eb = config.kw, params["elem_bytes"]
-    m, c, d, g = dims["M"], dims["C"], dims["D"], dims["G"]
-    stages = kw["STAGES"] * kw["BK"] * (kw["BM"] + kw["BN"])
-    if problem := _ws_problem(config, eb, {"C": c, "D": d},
-                              (stages + kw["BM"] * kw["BN"]) * eb + WS_EPILOGUE_BYTES):
-        return problem
-    if config.num_warps != 8 or kw["BM"] not in (128, 256) or kw["BM"] * kw["BN"] > 128 * 256:
-        return f"8 warps on 128- or 256-row tiles of at most 128 x 256, not {config}"
-    if c % kw["BK"]:
-        return f"C={c} is no multiple of BK={kw['BK']}"
-    if params.get("trans_rhs") and d % kw["BN"]:
-        return f"D={d} is no multiple of BN={kw['BN']} (rhs read transposed)"
-    if min(m, g) < 1 or m >= _INT32 or g * max(c, d) >= _INT32:
-        return f"needs 1 <= M, G and M, G*C, G*D < 2**31; M={m}, G={g}, C={c}, D={d}"
-    return None
-
-
-def _ws_mm_decl(base, trans_rhs: bool):
-    return declare(dataclasses.replace(
-        base.decl,
-        name=base.decl.name + "_ws",
-        kernel=grouped_gemm_ws_kernel,
-        grid=lambda dims, params, config: (config.kw["PROGRAMS"],),
-        constexprs=lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"],
-                                                  "G_P2": groups_p2(dims), "TRANS_RHS": trans_rhs,
-                                                  "WARPS": config.num_warps},
-        configs=WS_MM_CONFIGS,
-        constraints=(lambda dims, params, config: ws_mm_fits(dims, {**params, "trans_rhs": trans_rhs}, config),),
-        default_config=lambda dims, params: WS_MM_CONFIGS[0],
-        interpretable=False,
-    ))
-
-
-grouped_gemm_ws = _ws_mm_decl(grouped_gemm, trans_rhs=False)
-grouped_gemm_rhs_t_ws = _ws_mm_decl(grouped_gemm_rhs_t, trans_rhs=True)
-
-
-def ws_forward_wins(dims, params) -> bool:
-    """Whether Hopper's forward runs the warp-specialised kernel (on its default config,
-    which must fit): a few hundred rows a group (top-8 routing over 128 or 256 experts) and
-    a reduction of at most 4096. On an H100, in a training step of the whole layer, it took
-    3-4% less forward kernel time than the TMA default at Qwen3-235B's two expert GEMMs and
-    DeepSeek-V3's down-projection. In the grouped-GEMM benchmark it was 13-23% slower at
-    DeepSeek-V3's up-projection (a 7168 reduction) and 0-5% slower with thousands of rows a
-    group (Mixtral's)."""
-    decl = grouped_gemm_ws.decl
-    return (dims["M"] <= 512 * max(dims["G"], 1) and dims["C"] <= 4096
-            and decl.violated(dims, params, decl.default_config(dims, params)) is None)
