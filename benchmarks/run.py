@@ -30,12 +30,13 @@ from benchmarks import report
 from benchmarks.shapes import CPU_SHAPES, GPU_SHAPES, MoEShape, by_name
 from benchmarks.timing import Timing, chain_length, time_fn
 from te_jax_perm.progress import Progress
+from te_jax_perm.workloads import DEEPSEEK_V3, GPT_OSS_120B, MIXTRAL_8X7B, QWEN3_235B
 
 # Guessed bandwidths (bytes/s) only size the timing chains; they never enter a result.
 _GUESS_BW = {"triton": 2.5e12, "xla": 0.5e12, "interpret": 1e8}
-# Most informative shapes first, so a tight budget still covers the targets.
-_GPU_PRIORITY = ("DeepSeek-V3/T8192", "Qwen3", "DeepSeek-V3/T16384", "gpt-oss", "DeepSeek-V3/T4096",
-                 "Mixtral-8x7B/T8192", "Mixtral-8x7B/T16384")
+# Most informative shapes first (model, tokens), so a tight budget still covers the targets.
+GPU_PRIORITY = ((DEEPSEEK_V3, 8192), (QWEN3_235B, 8192), (DEEPSEEK_V3, 16384), (GPT_OSS_120B, 8192),
+                 (DEEPSEEK_V3, 4096), (MIXTRAL_8X7B, 8192), (MIXTRAL_8X7B, 16384))
 # A shortlist of copy configs (block, iters, warps) tried on the first shape; the winner is
 # the "tuned Triton copy" for the whole run.
 _COPY_SHORTLIST = ((4096, 1, 4), (4096, 1, 8), (8192, 1, 8), (2048, 2, 4), (4096, 2, 8), (8192, 2, 8),
@@ -61,9 +62,8 @@ def _settings(mode: str, reps: int | None) -> Settings:
 
 
 def _ordered(shapes: tuple[MoEShape, ...]) -> list[MoEShape]:
-    def rank(s: MoEShape) -> int:
-        return next((i for i, p in enumerate(_GPU_PRIORITY) if p in s.name), len(_GPU_PRIORITY))
-    return sorted(shapes, key=rank)
+    rank = {(m.name, T): i for i, (m, T) in enumerate(GPU_PRIORITY)}
+    return sorted(shapes, key=lambda s: rank.get((s.model, s.T), len(rank)))
 
 
 def _row(shape: MoEShape, op: str, direction: str, backend: str, nbytes: int,
