@@ -121,17 +121,24 @@ def _waited_ms(fn: Callable[..., Any], args: Sequence[Any]) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def back_to_back(fn: Callable[[], Any], calls: int) -> Any:
+    """``calls`` calls of ``fn()`` enqueued one after another, the host waiting only for the
+    last (which the device's stream runs after the others); each call's results are dropped
+    before the next is enqueued, so one call's buffers are live at a time. Returns the last
+    call's results."""
+    for _ in range(calls - 1):
+        fn()
+    return jax.block_until_ready(fn())
+
+
 def _back_to_back_ms(fn: Callable[..., Any], args: Sequence[Any], calls: int) -> float:
     """Milliseconds per call of ``calls`` calls ``fn(*args)`` enqueued back to back, the host
     waiting only for the last: a training loop's time per step, where the host enqueues a
     step while the device still runs the one before, so the host's per-call cost (argument
-    handling, command-buffer updates) overlaps device work instead of adding to it. Each
-    call's results are dropped before the next is enqueued, so one call's buffers are live
-    at a time."""
+    handling, command-buffer updates) overlaps device work instead of adding to it
+    (:func:`back_to_back`)."""
     t0 = time.perf_counter()
-    for _ in range(calls - 1):
-        fn(*args)
-    jax.block_until_ready(fn(*args))
+    back_to_back(lambda: fn(*args), calls)
     return (time.perf_counter() - t0) * 1e3 / calls
 
 

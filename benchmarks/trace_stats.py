@@ -60,17 +60,16 @@ def profile(fn: Callable[[], Any], steps: int, log_dir: str | None = None, back_
     Each call is waited for (``fn`` must block until its work is done), or with
     ``back_to_back`` the ``steps`` calls are enqueued one after another and waited for once,
     as a training loop runs them (``fn`` returns its outputs without waiting): the device
-    then runs hot and its idle stretches are those a loop would see. Each call's outputs are
-    dropped before the next is enqueued (the last, waited for, finishes after the others on
-    the device's stream), so one call's buffers are live at a time: six steps' weight
-    gradients held at once would not fit a GPU at DeepSeek-V3's size."""
+    then runs hot and its idle stretches are those a loop would see (``timing.back_to_back``:
+    one call's outputs live at a time, as six steps' weight gradients held at once would not
+    fit a GPU at DeepSeek-V3's size)."""
     import jax
+
+    from benchmarks import timing
     log_dir = log_dir or tempfile.mkdtemp(prefix="te_jax_perm_trace_")
     with jax.profiler.trace(log_dir):
         if back_to_back:
-            for _ in range(steps - 1):
-                fn()
-            jax.block_until_ready(fn())
+            timing.back_to_back(fn, steps)
         else:
             for _ in range(steps):
                 fn()

@@ -254,16 +254,19 @@ def _no_reference(*args, **kwargs):
     raise NotImplementedError("the schedule probe runs on the interpret backend only")
 
 
+def _probe_programs(d, p):
+    """As many programs as the pointer kernel's grid launches (one per column tile here)."""
+    return D.mm_grid({"M": p["m"], "G": d["G"], "D": p["num_n"]}, {}, Config.make(BM=p["bm"], BN=1))[0]
+
+
 _schedule_probe = declare(KernelDecl(
     name="test_grouped_gemm_schedule_probe",
     kernel=_schedule_probe_kernel,
     operands=(Operand("group_sizes", ("G",), ("int32",)),),
-    # As many programs as the pointer kernel's grid (decl.mm_grid) launches.
-    outputs=(Output("tiles", lambda d, p: ((-(-p["m"] // p["bm"]) + d["G"] + 1) * p["num_n"], 3),
-                    lambda t, p: jnp.int32),),
+    outputs=(Output("tiles", lambda d, p: (_probe_programs(d, p), 3), lambda t, p: jnp.int32),),
     params=("m", "bm", "num_n", "group_m"),
     reference=_no_reference,
-    grid=lambda d, p, c: ((-(-p["m"] // p["bm"]) + d["G"] + 1) * p["num_n"],),
+    grid=lambda d, p, c: (_probe_programs(d, p),),
     scalars=lambda d, p: {"M": p["m"]},
     constexprs=lambda d, p, c: {"G": d["G"], "G_P2": triton.next_power_of_2(d["G"]), "NUM_N": p["num_n"],
                                 "BM": p["bm"], "GROUP_M": p["group_m"]},
@@ -710,7 +713,7 @@ def _assert_hopper_defaults(m: int, k: int, n: int, g: int) -> bool:
 def _skip_unless_hopper():
     from te_jax_perm.core import triton_backend
     if triton_backend.compute_capability() != 90:
-        pytest.skip("the warp-specialised kernels are for compute capability 9.0")
+        pytest.skip("the warp-specialised weight gradient is for compute capability 9.0")
 
 
 WS_SIZES = [[300, 0, 1000, 700, 48], [0, 2048, 0, 0, 0], [-5, 2**31 - 1, 2**31 - 1, 7, 9], [63, 1, 65, 0, 0],

@@ -10,9 +10,9 @@ Three implementations, one result:
   launch per GEMM whose tile schedule is computed on the device from ``group_sizes``, the
   input gradient reads ``rhs`` transposed in place, the weight gradient reduces each
   group's rows. On a Hopper GPU the forward and input gradient move 128x256 tiles by TMA
-  where they fit, the forward of a few hundred rows a group is warp-specialised
-  (:func:`~te_jax_perm.ops.grouped_gemm.decl.mm_for`), and so is the weight gradient of
-  16-bit operands (:func:`~te_jax_perm.ops.grouped_gemm.decl.wgrad_for`).
+  where they fit (:func:`~te_jax_perm.ops.grouped_gemm.decl.mm_for`), and the weight
+  gradient of 16-bit operands is warp-specialised
+  (:func:`~te_jax_perm.ops.grouped_gemm.decl.wgrad_for`).
   Runs on the op backend in effect (``triton`` on GPUs); :func:`grouped_gemm_triton` names
   the backend (``"interpret"`` on CPU for tests).
 * ``"tokamax"``: tokamax's ``ragged_dot`` (Pallas Mosaic GPU kernels for Hopper/Blackwell,

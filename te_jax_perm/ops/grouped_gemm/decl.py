@@ -310,7 +310,7 @@ def _ws_problem(config: Config, eb: int, rows: dict, tiles_bytes: int) -> str | 
     output tile plus the ring's barriers within shared memory."""
     kw = config.kw
     if eb != 2:
-        return f"the warp-specialised kernels take 16-bit operands; these have {eb} bytes"
+        return f"the warp-specialised weight gradient takes 16-bit operands; these have {eb} bytes"
     if kw["PROGRAMS"] < 1 or kw["STAGES"] < 2:
         return f"needs PROGRAMS >= 1 and STAGES >= 2, not {config}"
     for name, n in rows.items():

@@ -11,11 +11,11 @@ GEMM's):
 2. ``moe_gather_gemm``: row ``r`` of the first GEMM reads its token's row of ``x`` through
    the owner table (no ``[R, H]`` copy of the tokens); rows without a token are zeros. On
    Hopper, whose TMA cannot gather rows, the dispatch's ``permute`` kernel moves the rows
-   into place instead and the grouped GEMM's TMA or warp-specialised kernel multiplies them
+   into place instead and the grouped GEMM's TMA kernel multiplies them
    (faster there, though it writes the copy);
 3. the activation, in float32, times each row's routing probability, rounded once to the
    compute dtype (XLA fuses it): the probability rides on the activations, so the second
-   GEMM is the grouped GEMM's own (on Hopper its TMA or warp-specialised kernel) and no
+   GEMM is the grouped GEMM's own (on Hopper its TMA kernel) and no
    epilogue of its own is needed;
 4. the second GEMM, ``grouped_matmul``'s forward kernel;
 5. the combine: each token sums its rows in a fixed order (its map's columns, float32) in
@@ -135,10 +135,10 @@ def _moe_ffn(x, w_in, w_out, probs, rid, group_sizes, owner, activation, backend
 def _fwd(x, w_in, w_out, probs, rid, group_sizes, owner, activation, backend):
     fwd, _, _ = gemms(backend)
     if on_hopper(backend):
-        # Hopper's TMA moves blocks, not gathered rows, and the grouped GEMM's TMA and
-        # warp-specialised kernels outrun the gathering pointer kernel by more than moving
-        # the rows first costs: on an H100, steps of 15.25 and 29.54 ms at Qwen3-235B's and
-        # Mixtral's layers against 15.83 and 30.34 ms gathering. The moved rows live only
+        # Hopper's TMA moves blocks, not gathered rows, and the grouped GEMM's TMA kernel
+        # outruns the gathering pointer kernel by more than moving the rows first costs: on
+        # an H100, steps of 15.25 and 29.54 ms at Qwen3-235B's and Mixtral's layers against
+        # 15.83 and 30.34 ms gathering. The moved rows live only
         # until the GEMM has read them.
         h = fwd(_rows(x, rid, owner, w_in.shape[0], backend), w_in, group_sizes, x.dtype)
     else:
