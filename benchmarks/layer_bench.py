@@ -32,7 +32,9 @@ Before timing, the loss and every gradient of ``ours`` and ``fused`` are checked
 ``pure_jax`` (the same function, permuted another way) at the full size. With ``--profile``
 (GPU), a profile of six of each variant's steps enqueued back to back (``ours_profile``,
 ``fused_profile``) gives its kernel time per step on a GPU as hot as a training loop keeps
-it, the share spent in te_jax_perm's kernels, its costliest kernels and the device's longest
+it, how long at least one kernel ran (``busy_ms_per_step``: below the kernel time where
+independent kernels, such as a GEMM's input and weight gradients, ran at the same time),
+the share spent in te_jax_perm's kernels, its costliest kernels and the device's longest
 idle stretches between kernels;
 with it, each pure-JAX TARGET line also says the speed-up a permutation costing nothing would
 give with the same GEMM (the step less our permutation kernels' time), which bounds what any
@@ -228,7 +230,8 @@ def kernel_share(step: Callable, args: tuple, steps: int = 6) -> dict[str, Any]:
     if total == 0:
         raise RuntimeError("the profile holds no GPU kernel events")
     top = sorted(stats.kernel_ns.items(), key=lambda kv: -kv[1])[:8]
-    return {"kernel_ms_per_step": total / steps / 1e6, "ours_ms_per_step": ours_ns / steps / 1e6,
+    return {"kernel_ms_per_step": total / steps / 1e6, "busy_ms_per_step": stats.busy_ns / steps / 1e6,
+            "ours_ms_per_step": ours_ns / steps / 1e6,
             "ours_share_of_kernel_time": ours_ns / total, "permutation_ms_per_step": permutation_ns / steps / 1e6,
             "top_kernels_ms_per_step": {k: v / steps / 1e6 for k, v in top},
             "largest_gaps_us": stats.gaps_json()}
@@ -613,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
                 prof = row.get(f"{name}_profile")
                 if prof:
                     log(f"PROFILE {shape.name} {name}: " + (f"unavailable: {prof['error']}" if "error" in prof else
-                        f"{prof['kernel_ms_per_step']:.2f} ms of GPU kernels per step, te_jax_perm's "
+                        f"{prof['kernel_ms_per_step']:.2f} ms of GPU kernels per step ({prof['busy_ms_per_step']:.2f} ms "
+                        "with at least one kernel running), te_jax_perm's "
                         f"{prof['ours_ms_per_step']:.2f} ms ({100 * prof['ours_share_of_kernel_time']:.1f}%); "
                         + ", ".join(f"{k} {v:.2f}" for k, v in prof["top_kernels_ms_per_step"].items())
                         + "; device idle between kernels, longest: "

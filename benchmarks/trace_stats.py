@@ -30,10 +30,19 @@ class TraceStats:
     # (microseconds, kernel before, kernel after). Between calls waited for, the host waits,
     # so the steps - 1 longest are usually those; the rest show a stall inside a step.
     gaps: list[tuple[float, str, str]] = dataclasses.field(default_factory=list)
+    # How long at least one kernel ran, over all steps: the union of every kernel's interval on
+    # every stream. Below the summed kernel time where kernels ran at the same time (a command
+    # buffer's independent kernels on several streams, or one kernel's start overlapping the
+    # tail of the one before): kernel time then counts the shared stretch once per kernel.
+    busy_ns: float = 0.0
 
     @property
     def kernel_us_per_step(self) -> float:
         return sum(self.kernel_ns.values()) / self.steps / 1e3
+
+    @property
+    def busy_us_per_step(self) -> float:
+        return self.busy_ns / self.steps / 1e3
 
     def gaps_json(self) -> list[dict[str, Any]]:
         return [{"us": us, "after": a, "before": b} for us, a, b in self.gaps]
@@ -43,12 +52,26 @@ class TraceStats:
 
     def to_json(self) -> dict[str, Any]:
         return {"steps": self.steps, "kernel_us_per_step": self.kernel_us_per_step,
+                "busy_us_per_step": self.busy_us_per_step,
                 "kernels_per_step": sum(self.kernel_count.values()) / self.steps,
                 "graph_launches_per_step": self.graph_launches / self.steps,
                 "kernel_launches_per_step": self.kernel_launches / self.steps,
                 "api_events_seen": self.api_events_seen,
                 "largest_gaps_us": self.gaps_json(),
                 "kernels": {k: {"count": self.kernel_count[k], "us": v / 1e3} for k, v in sorted(self.kernel_ns.items())}}
+
+
+def union_ns(intervals: Sequence[tuple[int, int]]) -> float:
+    """The length of the union of ``[start, end)`` intervals (ns): time covered at least once."""
+    total, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start >= reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
 
 
 def matches(kernel: str, names: Sequence[str]) -> bool:
@@ -87,7 +110,9 @@ def parse(path: str, steps: int) -> TraceStats:
     graph = single = 0
     api = False
     gaps: list[tuple[float, str, str]] = []
+    busy = 0.0
     for plane in data.planes:
+        intervals: list[tuple[int, int]] = []
         device = plane.name.startswith("/device:GPU")
         for line in plane.lines:
             stream = device and line.name.lower().startswith("stream")
@@ -95,6 +120,7 @@ def parse(path: str, steps: int) -> TraceStats:
             for ev in sorted(line.events, key=lambda e: e.start_ns) if stream else line.events:
                 if stream:
                     kernel_ns[ev.name] += ev.duration_ns
+                    intervals.append((ev.start_ns, ev.end_ns))
                     kernel_count[ev.name] += 1
                     if prev is not None and ev.start_ns > prev.end_ns:
                         gaps.append(((ev.start_ns - prev.end_ns) / 1e3, prev.name, ev.name))
@@ -106,5 +132,6 @@ def parse(path: str, steps: int) -> TraceStats:
                     elif _KERNEL_LAUNCH.search(ev.name):
                         single += 1
                         api = True
+        busy += union_ns(intervals)
     gaps.sort(key=lambda g: -g[0])
-    return TraceStats(steps, dict(kernel_ns), dict(kernel_count), graph, single, api, gaps[:steps + 8])
+    return TraceStats(steps, dict(kernel_ns), dict(kernel_count), graph, single, api, gaps[:steps + 8], busy)
