@@ -35,6 +35,9 @@ class TraceStats:
     # buffer's independent kernels on several streams, or one kernel's start overlapping the
     # tail of the one before): kernel time then counts the shared stretch once per kernel.
     busy_ns: float = 0.0
+    # From the first kernel's start to the last one's end, over all steps: with the steps
+    # enqueued back to back, span - busy is the time the device sat idle inside the run.
+    span_ns: float = 0.0
 
     @property
     def kernel_us_per_step(self) -> float:
@@ -44,6 +47,10 @@ class TraceStats:
     def busy_us_per_step(self) -> float:
         return self.busy_ns / self.steps / 1e3
 
+    @property
+    def span_us_per_step(self) -> float:
+        return self.span_ns / self.steps / 1e3
+
     def gaps_json(self) -> list[dict[str, Any]]:
         return [{"us": us, "after": a, "before": b} for us, a, b in self.gaps]
 
@@ -52,7 +59,7 @@ class TraceStats:
 
     def to_json(self) -> dict[str, Any]:
         return {"steps": self.steps, "kernel_us_per_step": self.kernel_us_per_step,
-                "busy_us_per_step": self.busy_us_per_step,
+                "busy_us_per_step": self.busy_us_per_step, "span_us_per_step": self.span_us_per_step,
                 "kernels_per_step": sum(self.kernel_count.values()) / self.steps,
                 "graph_launches_per_step": self.graph_launches / self.steps,
                 "kernel_launches_per_step": self.kernel_launches / self.steps,
@@ -111,6 +118,7 @@ def parse(path: str, steps: int) -> TraceStats:
     api = False
     gaps: list[tuple[float, str, str]] = []
     busy = 0.0
+    first = last = None
     for plane in data.planes:
         intervals: list[tuple[int, int]] = []
         device = plane.name.startswith("/device:GPU")
@@ -133,5 +141,9 @@ def parse(path: str, steps: int) -> TraceStats:
                         single += 1
                         api = True
         busy += union_ns(intervals)
+        if intervals:
+            first = min(a for a, _ in intervals) if first is None else min(first, min(a for a, _ in intervals))
+            last = max(b for _, b in intervals) if last is None else max(last, max(b for _, b in intervals))
     gaps.sort(key=lambda g: -g[0])
-    return TraceStats(steps, dict(kernel_ns), dict(kernel_count), graph, single, api, gaps[:steps + 8], busy)
+    return TraceStats(steps, dict(kernel_ns), dict(kernel_count), graph, single, api, gaps[:steps + 8], busy,
+                      0.0 if first is None else float(last - first))

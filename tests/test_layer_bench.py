@@ -133,3 +133,27 @@ def test_gpu_copy_bandwidth_in_kernel_time_is_not_below_wall_time():
     kernel = layer_bench.copy_bandwidth_gbps(5, 1 << 30, kernel_time=True)
     wall = layer_bench.copy_bandwidth_gbps(5, 1 << 30, kernel_time=False)
     assert 0.97 * wall <= kernel < 10_000, (kernel, wall)
+
+
+def test_profiles_are_taken_in_turns_and_the_last_round_reported(monkeypatch):
+    """Every variant is profiled once a round, in turns, so none is profiled only while the
+    GPU runs hotter; the last round is reported, a variant that fails is not retried."""
+    from benchmarks import layer_bench
+
+    order, times = [], {"ours": [10.0, 12.0], "fused": [11.0, 13.0]}
+
+    def fake_share(step, args):
+        name = step()
+        order.append(name)
+        if name == "broken":
+            raise RuntimeError("no GPU kernel events")
+        ms = times[name][sum(n == name for n in order) - 1]
+        return {"kernel_ms_per_step": ms, "kernels_per_step": 30.0, "top_kernels_ms_per_step": {"k": ms}}
+
+    monkeypatch.setattr(layer_bench, "kernel_share", fake_share)
+    out = layer_bench.profiles_in_turns({n: (lambda n=n: n) for n in ("ours", "fused", "broken")}, ())
+    assert order == ["ours", "fused", "broken", "ours", "fused"]
+    assert out["ours_profile"]["kernel_ms_per_step"] == 12.0 and out["fused_profile"]["kernel_ms_per_step"] == 13.0
+    assert out["ours_profile"]["kernel_ms_per_step_rounds"] == [10.0, 12.0]
+    assert out["fused_profile"]["top_kernels_ms_per_step"] == {"k": 13.0}
+    assert out["broken_profile"] == {"error": "RuntimeError: no GPU kernel events"}

@@ -72,4 +72,5 @@ def test_parse_reports_kernels_that_ran_at_once_on_two_streams(monkeypatch):
     stats = trace_stats.parse("unused.xplane.pb", steps=1)
     assert stats.kernel_us_per_step * 1e3 == 160                    # 100 + 10 + 50
     assert stats.busy_ns == 130                                     # [0, 120) and [150, 160)
+    assert stats.span_ns == 160                                     # 30 ns of it idle
     assert stats.kernel_launches == 1 and stats.gaps[0] == (0.05, "dgrad", "add")
