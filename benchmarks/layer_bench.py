@@ -40,7 +40,8 @@ the same time) and from the first kernel's start to the last one's end
 te_jax_perm's kernels, its costliest kernels and the device's longest idle stretches
 between kernels; with it, each pure-JAX TARGET line also says the speed-up a permutation
 costing nothing would give with the same GEMM (the step less our permutation kernels'
-time), which bounds what any faster permutation can reach.
+time), which bounds what any faster permutation can reach, and the two steps' ratio in
+kernel time.
 
 After the layers, a grouped-GEMM table: our Triton grouped GEMM vs tokamax's (where
 installed) vs one dense dot of the same FLOPs, forward and fwd+bwd (``jax.lax.ragged_dot``,
@@ -463,8 +464,19 @@ def verdicts(rows: list[dict]) -> list[str]:
                 lines.append(_verdict(ratio >= TARGET_OVER_PURE_JAX,
                                       f"{r['shape']} {name}: {r[f'{name}_ms']:.2f} ms vs pure-JAX permutation "
                                       f"{r['pure_jax_ms']:.2f} ms ({ratio:.2f}x{reach}; target >= "
-                                      f"{TARGET_OVER_PURE_JAX}){_waited(r, 'pure_jax', name)}"))
+                                      f"{TARGET_OVER_PURE_JAX}){_waited(r, 'pure_jax', name)}"
+                                      f"{_in_kernel_time(r, 'pure_jax', name)}"))
     return lines
+
+
+def _in_kernel_time(r: dict, a: str, b: str) -> str:
+    """The ratio ``a / b`` of the two steps' kernel time from their profiles (taken in turns),
+    where the row has both: the ratio at one GPU clock, without the host."""
+    pa, pb = r.get(f"{a}_profile", {}), r.get(f"{b}_profile", {})
+    if "kernel_ms_per_step" not in pa or "kernel_ms_per_step" not in pb:
+        return ""
+    ka, kb = pa["kernel_ms_per_step"], pb["kernel_ms_per_step"]
+    return f"; kernel time: {ka:.2f} / {kb:.2f} ms = {ka / kb:.2f}"
 
 
 def _waited(r: dict, a: str, b: str) -> str:

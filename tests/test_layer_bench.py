@@ -91,6 +91,11 @@ def test_verdicts_hold_each_model_to_its_limit():
     assert lines[3] == ("TARGET FAIL m ours: step / gemm limit 1.33 (2.00 / 1.50 ms; target <= 1.25); "
                         "calls waited for: 2.50 / 2.00 ms = 1.25")
     assert lines[4].endswith("; target >= 1.1); calls waited for: 2.60 / 2.50 ms = 1.04")
+    # With both steps profiled, the ratio of their kernel times too (one clock, no host).
+    rows[1]["ours_profile"]["kernel_ms_per_step"] = 1.6
+    rows[1]["pure_jax_profile"] = {"kernel_ms_per_step": 1.76}
+    assert layer_bench.verdicts(rows)[4].endswith("calls waited for: 2.60 / 2.50 ms = 1.04; "
+                                                  "kernel time: 1.76 / 1.60 ms = 1.10")
 
 
 def test_gemm_verdicts_against_dense_speed_and_roofline():
