@@ -118,7 +118,7 @@ def parse(path: str, steps: int) -> TraceStats:
     api = False
     gaps: list[tuple[float, str, str]] = []
     busy = 0.0
-    first = last = None
+    bounds: list[int] = []       # each device plane's first kernel start and last kernel end
     for plane in data.planes:
         intervals: list[tuple[int, int]] = []
         device = plane.name.startswith("/device:GPU")
@@ -140,10 +140,9 @@ def parse(path: str, steps: int) -> TraceStats:
                     elif _KERNEL_LAUNCH.search(ev.name):
                         single += 1
                         api = True
-        busy += union_ns(intervals)
         if intervals:
-            first = min(a for a, _ in intervals) if first is None else min(first, min(a for a, _ in intervals))
-            last = max(b for _, b in intervals) if last is None else max(last, max(b for _, b in intervals))
+            busy += union_ns(intervals)
+            bounds += [min(a for a, _ in intervals), max(b for _, b in intervals)]
     gaps.sort(key=lambda g: -g[0])
     return TraceStats(steps, dict(kernel_ns), dict(kernel_count), graph, single, api, gaps[:steps + 8], busy,
-                      0.0 if first is None else float(last - first))
+                      float(max(bounds) - min(bounds)) if bounds else 0.0)
