@@ -233,9 +233,8 @@ def kernel_share(step: Callable, args: tuple, steps: int = 6) -> dict[str, Any]:
     if total == 0:
         raise RuntimeError("the profile holds no GPU kernel events")
     top = sorted(stats.kernel_ns.items(), key=lambda kv: -kv[1])[:8]
-    return {"kernel_ms_per_step": total / steps / 1e6, "busy_ms_per_step": stats.busy_ns / steps / 1e6,
-            "span_ms_per_step": stats.span_ns / steps / 1e6,
-            "kernels_per_step": sum(stats.kernel_count.values()) / steps,
+    return {"kernel_ms_per_step": total / steps / 1e6, "busy_ms_per_step": stats.busy_us_per_step / 1e3,
+            "span_ms_per_step": stats.span_us_per_step / 1e3, "kernels_per_step": stats.kernels_per_step,
             "ours_ms_per_step": ours_ns / steps / 1e6,
             "ours_share_of_kernel_time": ours_ns / total, "permutation_ms_per_step": permutation_ns / steps / 1e6,
             "top_kernels_ms_per_step": {k: v / steps / 1e6 for k, v in top},
@@ -469,22 +468,21 @@ def verdicts(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _ratio(label: str, a_ms: float | None, b_ms: float | None) -> str:
+    """``"; label: a / b ms = a/b"``, or nothing where either time is missing."""
+    return "" if a_ms is None or b_ms is None else f"; {label}: {a_ms:.2f} / {b_ms:.2f} ms = {a_ms / b_ms:.2f}"
+
+
 def _in_kernel_time(r: dict, a: str, b: str) -> str:
     """The ratio ``a / b`` of the two steps' kernel time from their profiles (taken in turns),
     where the row has both: the ratio at one GPU clock, without the host."""
-    pa, pb = r.get(f"{a}_profile", {}), r.get(f"{b}_profile", {})
-    if "kernel_ms_per_step" not in pa or "kernel_ms_per_step" not in pb:
-        return ""
-    ka, kb = pa["kernel_ms_per_step"], pb["kernel_ms_per_step"]
-    return f"; kernel time: {ka:.2f} / {kb:.2f} ms = {ka / kb:.2f}"
+    return _ratio("kernel time", r.get(f"{a}_profile", {}).get("kernel_ms_per_step"),
+                  r.get(f"{b}_profile", {}).get("kernel_ms_per_step"))
 
 
 def _waited(r: dict, a: str, b: str) -> str:
     """The same ratio ``a / b`` over calls each waited for, where the row has both."""
-    if f"{a}_blocking_ms" not in r or f"{b}_blocking_ms" not in r:
-        return ""
-    wa, wb = r[f"{a}_blocking_ms"], r[f"{b}_blocking_ms"]
-    return f"; calls waited for: {wa:.2f} / {wb:.2f} ms = {wa / wb:.2f}"
+    return _ratio("calls waited for", r.get(f"{a}_blocking_ms"), r.get(f"{b}_blocking_ms"))
 
 
 def gemm_verdicts(rows: list[dict], impl: str = "triton") -> list[str]:

@@ -44,6 +44,10 @@ class TraceStats:
         return sum(self.kernel_ns.values()) / self.steps / 1e3
 
     @property
+    def kernels_per_step(self) -> float:
+        return sum(self.kernel_count.values()) / self.steps
+
+    @property
     def busy_us_per_step(self) -> float:
         return self.busy_ns / self.steps / 1e3
 
@@ -60,7 +64,7 @@ class TraceStats:
     def to_json(self) -> dict[str, Any]:
         return {"steps": self.steps, "kernel_us_per_step": self.kernel_us_per_step,
                 "busy_us_per_step": self.busy_us_per_step, "span_us_per_step": self.span_us_per_step,
-                "kernels_per_step": sum(self.kernel_count.values()) / self.steps,
+                "kernels_per_step": self.kernels_per_step,
                 "graph_launches_per_step": self.graph_launches / self.steps,
                 "kernel_launches_per_step": self.kernel_launches / self.steps,
                 "api_events_seen": self.api_events_seen,
