@@ -530,7 +530,7 @@ def test_split_store_writes_whole_tiles_in_two_halves(on_cpu, monkeypatch):
     m, c, d, sizes = 420, 64, 256, [300, 0, 100]    # whole tiles: rows 0-255 of group 0
     dout = jnp.asarray(rng.standard_normal((m, c)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((3, d, c)) / 8, jnp.bfloat16)
-    cfg = Config.make(8, 4, **{**D.HOPPER_TMA_DGRAD.kw, "PROGRAMS": 4})
+    cfg = Config.make(8, 4, **{**D.HOPPER_TMA_SPLIT.kw, "PROGRAMS": 4})
     assert cfg.kw["SPLIT_STORE"] and D.grouped_gemm_rhs_t.decl.violated({"M": m, "C": c, "D": d, "G": 3},
                                                                         {"elem_bytes": 2}, cfg) is None
     (got,) = D.grouped_gemm_rhs_t(dout, rhs, jnp.asarray(sizes, jnp.int32), backend="interpret", config=cfg,
@@ -636,15 +636,25 @@ def test_ws_wgrad_constraints_and_selection(monkeypatch):
 def test_hopper_row_tile_default_and_selection(monkeypatch):
     """On Hopper the forward and input gradient default to TMA 128x256 tiles where the
     portable default takes 128x256 tiles and descriptors fit, else to the portable default;
+    the input gradient's, and the forward's at a few hundred rows a group, stored in halves;
     their Hopper declarations are picked only on the triton backend of a 9.0 GPU."""
     from te_jax_perm.core import triton_backend
     big, bf16 = {"M": 8192, "C": 4096, "D": 2048, "G": 8}, {"elem_bytes": 2}   # 1024 rows a group
     assert D.hopper_mm_default(big, bf16) == D.HOPPER_TMA_MM and D.HOPPER_TMA_MM in D.TMA_CONFIGS
     assert D.grouped_gemm_hopper.decl.default_config(big, bf16) == D.HOPPER_TMA_MM
     # The input gradient: the same tiles stored in halves, with a fourth stage.
-    assert D.grouped_gemm_rhs_t_hopper.decl.default_config(big, bf16) == D.HOPPER_TMA_DGRAD
-    assert D.HOPPER_TMA_DGRAD in D.TMA_CONFIGS and D.HOPPER_TMA_DGRAD.kw["SPLIT_STORE"]
-    assert D.grouped_gemm_rhs_t.decl.violated(big, bf16, D.HOPPER_TMA_DGRAD) is None
+    assert D.grouped_gemm_rhs_t_hopper.decl.default_config(big, bf16) == D.HOPPER_TMA_SPLIT
+    # The forward at 512 rows a group or fewer (one row over: whole tiles again), as the
+    # weight gradient's defaults switch at the same size.
+    short = {**big, "G": 16}
+    assert D.short_groups(short) and not D.short_groups({**short, "M": 8193})
+    assert D.grouped_gemm_hopper.decl.default_config(short, bf16) == D.HOPPER_TMA_SPLIT
+    assert D.hopper_mm_default({**short, "M": 8193}, bf16) == D.HOPPER_TMA_MM
+    wgrad_short, wgrad_big = ({"M": 8192, "K": 4096, "N": 2048, "G": g} for g in (16, 8))
+    assert D.wgrad_default(wgrad_short, bf16) != D.wgrad_default(wgrad_big, bf16)
+    assert D.ws_wgrad_default(wgrad_short, bf16) != D.ws_wgrad_default(wgrad_big, bf16)
+    assert D.HOPPER_TMA_SPLIT in D.TMA_CONFIGS and D.HOPPER_TMA_SPLIT.kw["SPLIT_STORE"]
+    assert D.grouped_gemm_rhs_t.decl.violated(big, bf16, D.HOPPER_TMA_SPLIT) is None
     assert D.grouped_gemm_rhs_t.decl.violated(big, bf16, Config.make(8, 4, **D.HOPPER_TMA_MM.kw))  # no room unsplit
     for dims, params in [(big, {"elem_bytes": 4}),               # fp32 stages exceed shared memory
                          ({**big, "M": 2048}, bf16),              # 64-row tiles
@@ -653,6 +663,7 @@ def test_hopper_row_tile_default_and_selection(monkeypatch):
         assert D.hopper_mm_default(dims, params) == D.mm_default(dims, params), (dims, params)
         assert not D.hopper_mm_default(dims, params).kw.get("TMA", False)
         assert D.hopper_dgrad_default(dims, params) == D.mm_default(dims, params), (dims, params)
+        assert D.hopper_mm_default({**dims, "G": 64}, params) == D.mm_default(dims, params), (dims, params)
     for name in ("grouped_gemm", "grouped_gemm_rhs_t"):  # the same kernel and tuning space
         base, hopper = getattr(D, name).decl, getattr(D, name + "_hopper").decl
         assert (hopper.kernel, hopper.configs, hopper.operands) == (base.kernel, base.configs, base.operands)
@@ -697,16 +708,18 @@ def test_gpu_default_row_tile_gemms_on_hostile_sizes():
 
 def _assert_hopper_defaults(m: int, k: int, n: int, g: int) -> bool:
     """Asserts what ``grouped_matmul`` runs at ``[m, k] x [g, k, n]`` on this GPU (on
-    Hopper, where these sizes make it so: the forward on TMA 128x256 tiles and the input
-    gradient on the same tiles stored in halves; elsewhere the portable kernels on their
+    Hopper, where these sizes make it so: the forward on TMA 128x256 tiles (stored in halves
+    at a few hundred rows a group) and the input gradient on the same tiles stored in
+    halves; elsewhere the portable kernels on their
     defaults); returns whether this GPU is a Hopper."""
     from te_jax_perm.core import triton_backend
     hopper, bf16 = triton_backend.compute_capability() == 90, {"elem_bytes": 2}
     fwd_dims, dgrad_dims = {"M": m, "C": k, "D": n, "G": g}, {"M": m, "C": n, "D": k, "G": g}
     fwd, dgrad = D.mm_for("triton", False, fwd_dims, bf16), D.mm_for("triton", True, dgrad_dims, bf16)
     assert fwd is (D.grouped_gemm_hopper if hopper else D.grouped_gemm), fwd.decl.name
-    assert (fwd.decl.default_config(fwd_dims, bf16) == D.HOPPER_TMA_MM) == hopper, fwd.decl.name
-    assert (dgrad.decl.default_config(dgrad_dims, bf16) == D.HOPPER_TMA_DGRAD) == hopper, dgrad.decl.name
+    want_fwd = D.HOPPER_TMA_SPLIT if D.short_groups(fwd_dims) else D.HOPPER_TMA_MM
+    assert (fwd.decl.default_config(fwd_dims, bf16) == want_fwd) == hopper, fwd.decl.name
+    assert (dgrad.decl.default_config(dgrad_dims, bf16) == D.HOPPER_TMA_SPLIT) == hopper, dgrad.decl.name
     return hopper
 
 

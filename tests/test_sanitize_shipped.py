@@ -110,7 +110,7 @@ def run_hopper_row_tile_gemms(M, C, sizes, seed=0):
     gs = jnp.asarray(sizes, jnp.int32)
     dims = {"M": M, "C": C, "D": C, "G": len(sizes)}
     assert GD.hopper_mm_default(dims, {"elem_bytes": 2}) == GD.HOPPER_TMA_MM
-    assert GD.hopper_dgrad_default(dims, {"elem_bytes": 2}) == GD.HOPPER_TMA_DGRAD
+    assert GD.hopper_dgrad_default(dims, {"elem_bytes": 2}) == GD.HOPPER_TMA_SPLIT
     return (GD.grouped_gemm_hopper(lhs, rhs, gs, backend=BE, elem_bytes=2),
             GD.grouped_gemm_rhs_t_hopper(lhs, rhs, gs, backend=BE, elem_bytes=2))  # C == D: rhs read transposed
 

@@ -99,6 +99,13 @@ def _stages(tile_elems: int, most: int, params) -> int:
     return max([s for s in range(1, most + 1) if _smem_fits(tile_elems, s, params["elem_bytes"])] or [1])
 
 
+def short_groups(dims) -> bool:
+    """Whether the groups average at most 512 rows (top-8 routing over 128 or 256 experts at
+    a few thousand tokens): each group's tiles are then few, and its last, partial row tile or
+    its output block's store a large share of the work."""
+    return dims["M"] <= 512 * max(dims["G"], 1)
+
+
 def mm_default(dims, params) -> Config:
     # 128x256 tiles with 8 warps keep Hopper's tensor cores fed when N allows; small
     # problems take 64-row tiles so that short groups waste less.
@@ -115,7 +122,7 @@ def wgrad_default(dims, params) -> Config:
     # storing while the others compute: on an H100 6-11% faster than 128x256 blocks on 8
     # warps at DeepSeek-V3's and Qwen3-235B's projections (256 and 512 rows a group), and
     # 8-17% slower from 1024 rows a group up, where the wider block's reuse wins.
-    if dims["M"] <= 512 * max(dims["G"], 1):
+    if short_groups(dims):
         bk, bn, br, warps, most = 128, 128, 32, 4, 4
     else:
         bk, bn, br, warps, most = 128, 128 if dims["N"] < 256 else 256, 64, 8, 3
@@ -166,19 +173,20 @@ MM_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BM=bm, BN=bn, BK=bk, G
 # 0.90-1.03x its input gradient's.
 HOPPER_TMA_MM = Config.make(num_warps=8, num_stages=3, BM=128, BN=256, BK=64, GROUP_M=8, TMA=True, PROGRAMS=132)
 
-# The input gradient's: the same tiles stored in two 128 x 128 halves, which frees the
-# shared memory of a fourth pipeline stage. On an H100 (kernel time, one run, both configs
-# in turns) 1-6% faster than HOPPER_TMA_MM at six of seven expert-GEMM shapes (Mixtral to
-# DeepSeek-V3, G = 8 to 256: Qwen3-235B's up-projection 6%, DeepSeek-V3's down-projection
-# and 32 groups of 1024 rows 5%), 3% slower at 32 groups of 2048 rows with a 2048 reduction.
-# Not the forward's: where the forward runs TMA tiles it was 0-3% slower at 8 and 32 groups
-# and took 1.6x the time at DeepSeek-V3's up-projection.
-HOPPER_TMA_DGRAD = Config.make(num_warps=8, num_stages=4, **{**HOPPER_TMA_MM.kw, "SPLIT_STORE": True})
+# The same tiles stored in two 128 x 128 halves, which frees the shared memory of a fourth
+# pipeline stage: the input gradient's Hopper default, and the forward's at a few hundred
+# rows a group (``short_groups``). On an H100 (kernel time, both configs in turns), for the
+# input gradient 1-6% faster than HOPPER_TMA_MM at six of seven expert-GEMM shapes (Mixtral to
+# DeepSeek-V3, G = 8 to 256), 3% slower at 32 groups of 2048 rows with a 2048 reduction; for
+# the forward 0.93-0.99x HOPPER_TMA_MM's time at DeepSeek-V3's, gpt-oss-120b's and
+# Qwen3-30B-A3B's expert GEMMs (256-512 rows a group), 1.00-1.01x at Qwen3-235B's, and
+# 1.00-1.01x (so not taken) from 1024 rows a group up.
+HOPPER_TMA_SPLIT = Config.make(num_warps=8, num_stages=4, **{**HOPPER_TMA_MM.kw, "SPLIT_STORE": True})
 
 # The grouped GEMM's TMA configs, beside MM_CONFIGS in its tuning space. 132 programs:
 # one per SM of an H100 SXM or an H200.
 TMA_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BM=bm, BN=bn, BK=64, GROUP_M=8, TMA=True, PROGRAMS=132)
-                    for bm in (64, 128) for bn in (128, 256) for w in (4, 8) for s in (3, 4)) + (HOPPER_TMA_DGRAD,)
+                    for bm in (64, 128) for bn in (128, 256) for w in (4, 8) for s in (3, 4)) + (HOPPER_TMA_SPLIT,)
 
 WGRAD_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BK=bk, BN=bn, BR=br)
                       for bk in (64, 128) for bn in (128, 256) for br in (32, 64)
@@ -233,20 +241,25 @@ def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
 grouped_gemm = declare(_mm_decl("grouped_gemm", trans_rhs=False))
 grouped_gemm_rhs_t = declare(_mm_decl("grouped_gemm_rhs_t", trans_rhs=True))
 
-def hopper_mm_default(dims, params) -> Config:
-    """The row-tile GEMMs' default on Hopper: :data:`HOPPER_TMA_MM` where
-    :func:`mm_default` takes 128x256 tiles and ``tma_fits`` admits it (16-byte rows; 16-bit
-    operands: fp32 stages and tiles exceed shared memory), else :func:`mm_default`."""
+def _hopper_tiles(dims, params, split: bool) -> Config:
+    """:data:`HOPPER_TMA_SPLIT` (with ``split``, where it fits) or :data:`HOPPER_TMA_MM`
+    where :func:`mm_default` takes 128x256 tiles and ``tma_fits`` admits them (16-byte rows;
+    16-bit operands: fp32 stages and tiles exceed shared memory), else :func:`mm_default`."""
     cfg = mm_default(dims, params)
-    same_tiles = all(cfg.kw[k] == HOPPER_TMA_MM.kw[k] for k in ("BM", "BN", "BK"))
-    return HOPPER_TMA_MM if same_tiles and tma_fits(dims, params, HOPPER_TMA_MM) is None else cfg
+    if any(cfg.kw[k] != HOPPER_TMA_MM.kw[k] for k in ("BM", "BN", "BK")) or tma_fits(dims, params, HOPPER_TMA_MM):
+        return cfg
+    return HOPPER_TMA_SPLIT if split and tma_fits(dims, params, HOPPER_TMA_SPLIT) is None else HOPPER_TMA_MM
+
+
+def hopper_mm_default(dims, params) -> Config:
+    """The forward's default on Hopper: :func:`_hopper_tiles`, stored in halves at a few
+    hundred rows a group (``short_groups``)."""
+    return _hopper_tiles(dims, params, split=short_groups(dims))
 
 
 def hopper_dgrad_default(dims, params) -> Config:
-    """The input gradient's default on Hopper: :data:`HOPPER_TMA_DGRAD` where
-    :func:`hopper_mm_default` takes TMA tiles and it fits, else that default."""
-    cfg = hopper_mm_default(dims, params)
-    return HOPPER_TMA_DGRAD if cfg == HOPPER_TMA_MM and tma_fits(dims, params, HOPPER_TMA_DGRAD) is None else cfg
+    """The input gradient's default on Hopper: :func:`_hopper_tiles`, stored in halves."""
+    return _hopper_tiles(dims, params, split=True)
 
 
 grouped_gemm_hopper = declare(dataclasses.replace(grouped_gemm.decl, name="grouped_gemm_hopper",
@@ -345,7 +358,7 @@ def ws_wgrad_default(dims, params) -> Config:
     # 6 stages keep more loads in flight through a short reduction; on an H100 8-10% faster
     # than 64-row slices in 3 stages at DeepSeek-V3's and Qwen3-235B's down-projections.
     # From 1024 rows a group up (Mixtral's), 64-row slices were as fast or faster.
-    br, stages = (32, 6) if dims["M"] <= 512 * max(dims["G"], 1) else (64, 3)
+    br, stages = (32, 6) if short_groups(dims) else (64, 3)
     return Config.make(num_warps=8, num_stages=1, BK=128, BN=256, BR=br, STAGES=stages, PROGRAMS=132)
 
 
