@@ -23,6 +23,11 @@ H100 host) to every step. The variants and the GEMM limit are timed in turns
   permutation (no scatter-add);
 * ``gemm_limit``: a dense SwiGLU FFN over ``T*k`` rows with the same GEMM FLOPs, so
   ``<variant>_over_gemm_limit`` says how close the layer is to its matmuls;
+* ``batched_gemm``: the layer's six GEMMs alone (a SwiGLU FFN, fwd+bwd, on the layer's
+  weights) as XLA's batched dot over ``E`` groups of ``T*k/E`` rows each: uniform groups
+  and no routing or permutation, the easiest grouped problem for the vendor's GEMM
+  (cuBLAS on a GPU). ``batched_gemm_over_<limit>`` says how far the limit is from what that
+  GEMM reaches; shapes whose ``T*k`` is no multiple of ``E`` leave it out;
 * ``roofline``: the larger of the GEMM limit (the step's FLOPs at the dense rate) and the
   bytes its six GEMMs must move (each operand read once, each result written once, every
   expert's weights included) at the device copy's bandwidth measured in the same run: at
@@ -188,6 +193,25 @@ def dense_ffn_step(cfg: example.MoEConfig) -> tuple[Callable, tuple]:
         return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (rows, w_in, w_out)
+
+
+def batched_gemm_step(cfg: example.MoEConfig, params: dict) -> tuple[Callable, tuple] | None:
+    """The layer's six GEMMs as XLA's batched dot: the SwiGLU FFN, fwd+bwd, on ``params``'
+    expert weights (no second copy of them) over ``E`` uniform groups of ``T*k/E`` rows; None
+    where ``T*k`` is no multiple of ``E``."""
+    rows_total = cfg.tokens * cfg.topk
+    if rows_total % cfg.experts:
+        return None
+    dt = jnp.dtype(cfg.dtype)
+    rows = gemm_problems.random_normal(jax.random.key(cfg.seed + 2),
+                                       (cfg.experts, rows_total // cfg.experts, cfg.hidden), dt)
+
+    def loss(rows, w_in, w_out):
+        h = jnp.einsum("egh,ehf->egf", rows, w_in)
+        y = jnp.einsum("egf,efh->egh", example.swiglu(h).astype(dt), w_out)
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (rows, params["w_in"], params["w_out"])
 
 
 # The ops whose kernels are the expert GEMMs'; every other kernel is the permutation's.
@@ -406,6 +430,9 @@ def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, ste
             row[f"{name}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     del want
     timed["gemm_limit"] = dense_ffn_step(cfg)
+    batched = batched_gemm_step(cfg, params)
+    if batched is not None:
+        timed["batched_gemm"] = batched
     try:
         # In turns: a ratio of two steps is taken at the same GPU clock (timing.interleaved_ms).
         for name, (b2b, waited) in interleaved_ms(timed, steps).items():
@@ -420,12 +447,12 @@ def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, ste
     if copy_gbps:
         row["roofline_ms"] = roofline_ms(row["gemm_limit_ms"], row["gemm_bytes_per_step"], copy_gbps)
         row["roofline_blocking_ms"] = roofline_ms(row["gemm_limit_blocking_ms"], row["gemm_bytes_per_step"], copy_gbps)
-    for name in VARIANTS:
+    for name in ("batched_gemm", *VARIANTS):
         if f"{name}_ms" in row:
             for limit in ("gemm_limit", "roofline"):
                 if f"{limit}_ms" in row:
                     row[f"{name}_over_{limit}"] = row[f"{name}_ms"] / row[f"{limit}_ms"]
-            if "pure_jax_ms" in row:
+            if "pure_jax_ms" in row and name in VARIANTS:
                 row[f"pure_jax_over_{name}"] = row["pure_jax_ms"] / row[f"{name}_ms"]
                 # The most a faster permutation could give with this GEMM: its kernels at no cost.
                 perm = row.get(f"{name}_profile", {}).get("permutation_ms_per_step")
@@ -453,7 +480,8 @@ def verdicts(rows: list[dict]) -> list[str]:
                 ratio = r[f"{name}_over_{target[0]}"]
                 lines.append(_verdict(ratio <= target[1], f"{r['shape']} {name}: step / {target[0].replace('_', ' ')} "
                                       f"{ratio:.2f} ({r[f'{name}_ms']:.2f} / {r[f'{target[0]}_ms']:.2f} ms; "
-                                      f"target <= {target[1]}){_waited(r, name, target[0])}"))
+                                      f"target <= {target[1]}){_waited(r, name, target[0])}"
+                                      f"{_ratio(BATCHED_LABEL, r.get('batched_gemm_ms'), r[f'{target[0]}_ms'])}"))
             if f"pure_jax_over_{name}" in r:
                 ratio = r[f"pure_jax_over_{name}"]
                 bound = r.get(f"pure_jax_over_{name}_free_permutation")
@@ -466,6 +494,11 @@ def verdicts(rows: list[dict]) -> list[str]:
                                       f"{TARGET_OVER_PURE_JAX}){_waited(r, 'pure_jax', name)}"
                                       f"{_in_kernel_time(r, 'pure_jax', name)}"))
     return lines
+
+
+# How the step targets' lines name the batched-dot step: what the vendor's GEMM reaches
+# on the easiest form of the layer's GEMMs, beside the limit the target holds the layer to.
+BATCHED_LABEL = "the six GEMMs alone as XLA's batched dot at uniform group sizes"
 
 
 def _ratio(label: str, a_ms: float | None, b_ms: float | None) -> str:
@@ -532,12 +565,13 @@ def plot(result: dict, path: pathlib.Path) -> None:
     series = (("ours_ms", "te_jax_perm dispatch/combine", "tab:blue"),
               ("fused_ms", "te_jax_perm moe_ffn (fused)", "tab:green"),
               ("pure_jax_ms", "pure-JAX permutation (argsort + gather)", "tab:orange"),
+              ("batched_gemm_ms", "the GEMMs alone as XLA's batched dot (uniform groups)", "tab:purple"),
               ("gemm_limit_ms", "GEMM limit (dense FFN, same FLOPs)", "tab:gray"),
               ("roofline_ms", "roofline (GEMM limit or operand bytes at copy speed)", "tab:brown"))
-    w = 0.16
+    w = 0.14
     for i, (key, label, color) in enumerate(series):
         vals = [r.get(key, np.nan) for r in rows]
-        bars = ax1.bar(xs + (i - 2) * w, vals, w, label=label, color=color)
+        bars = ax1.bar(xs + (i - (len(series) - 1) / 2) * w, vals, w, label=label, color=color)
         ax1.bar_label(bars, labels=[f"{v:.2f}" if np.isfinite(v) else "n/a" for v in vals], fontsize=7, padding=2)
     ax1.set_xticks(xs, labels, fontsize=8)
     ax1.set_ylabel("fwd+bwd step time (ms)")
@@ -641,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
                         if f"{name}_vs_pure_jax_max_rel_diff" in row else "") + ")"
                      for name in (*VARIANTS, "pure_jax")]
             log(f"LAYER {shape.name} [gemm {row['gemm']}, backend {row['backend']}]: " + ", ".join(parts)
+                + (f"; the GEMMs alone as XLA's batched dot {row['batched_gemm_ms']:.2f} ms"
+                   if "batched_gemm_ms" in row else "")
                 + f"; GEMM limit {row['gemm_limit_ms']:.2f} ms (waited for {row['gemm_limit_blocking_ms']:.2f}; "
                 f"{row['gemm_tflop_per_step']:.1f} TFLOP), roofline "
                 f"{row.get('roofline_ms', nan):.2f} ms ({row['gemm_bytes_per_step'] / 1e9:.1f} GB of GEMM operands) "

@@ -1,5 +1,6 @@
 """CPU smoke of the layer benchmark: it writes a consistent JSON and a PNG, says it is a smoke
 run and gives no verdicts; its pure-JAX permutation is the same function as our layer."""
+import dataclasses
 import json
 import pathlib
 
@@ -48,6 +49,35 @@ def test_cpu_smoke_run_writes_json_and_png(tmp_path):
         assert {k.replace("triton_", "xla_") for k in committed[0]} <= set(r), r
     log = (tmp_path / "layer.log").read_text()
     assert "SMOKE" in log and "TARGET" not in log
+    # T*k = 111 rows over 4 experts: no uniform groups, so no batched-dot step.
+    assert not any(k.startswith("batched_gemm") for k in row)
+
+
+def test_batched_gemm_step_is_the_layers_gemms_on_uniform_groups():
+    """The batched-dot step: the layer's own weights (no copy), T*k/E rows a group, the same
+    GEMM FLOPs as the layer, gradients for rows and both weights; none without uniform groups."""
+    from examples import moe_permute as example
+    cfg = example.MoEConfig(tokens=16, hidden=8, ffn=4, experts=4, topk=2, dtype="float32")
+    params = example.init_params(cfg, jax.random.key(0))
+    step, (rows, w_in, w_out) = layer_bench.batched_gemm_step(cfg, params)
+    assert rows.shape == (4, 8, 8) and w_in is params["w_in"] and w_out is params["w_out"]
+    loss, (d_rows, d_in, d_out) = step(rows, w_in, w_out)
+    assert (d_rows.shape, d_in.shape, d_out.shape) == (rows.shape, w_in.shape, w_out.shape)
+    # The forward of group e is rows[e] @ w_in[e] -> SwiGLU -> @ w_out[e].
+    h = np.einsum("egh,ehf->egf", np.asarray(rows), np.asarray(w_in))
+    y = np.einsum("egf,efh->egh", np.asarray(example.swiglu(jnp.asarray(h))), np.asarray(w_out))
+    np.testing.assert_allclose(float(loss), float(np.mean(np.square(y))), rtol=1e-5)
+    flops = jax.jit(lambda *a: step(*a)).lower(rows, w_in, w_out).compile().cost_analysis()
+    flops = (flops[0] if isinstance(flops, list) else flops)["flops"]
+    gemm_flops = layer_bench.layer_gemm_flops(cfg)
+    assert gemm_flops <= flops <= 1.2 * gemm_flops, (flops, gemm_flops)   # the GEMMs, and a little SwiGLU
+    assert layer_bench.batched_gemm_step(dataclasses.replace(cfg, tokens=15), params) is None
+    # In a layer's row (64 tokens, top-2 over 8 experts: 16 rows a group), timed beside the others.
+    row = layer_bench.layer_row(layer_bench.CPU_SHAPES[0], "float32", None, "auto", 1, copy_gbps=1.0)
+    assert row["batched_gemm_ms"] > 0 and row["batched_gemm_blocking_ms"] > 0
+    for limit in ("gemm_limit", "roofline"):
+        assert row[f"batched_gemm_over_{limit}"] == row["batched_gemm_ms"] / row[f"{limit}_ms"]
+    assert "pure_jax_over_batched_gemm" not in row
 
 
 def test_layer_bytes_and_roofline():
@@ -91,6 +121,10 @@ def test_verdicts_hold_each_model_to_its_limit():
     assert lines[3] == ("TARGET FAIL m ours: step / gemm limit 1.33 (2.00 / 1.50 ms; target <= 1.25); "
                         "calls waited for: 2.50 / 2.00 ms = 1.25")
     assert lines[4].endswith("; target >= 1.1); calls waited for: 2.60 / 2.50 ms = 1.04")
+    # Beside the step's limit, what XLA's batched dot takes for the GEMMs alone.
+    rows[1]["batched_gemm_ms"] = 1.65
+    assert layer_bench.verdicts(rows)[3].endswith(
+        f"calls waited for: 2.50 / 2.00 ms = 1.25; {layer_bench.BATCHED_LABEL}: 1.65 / 1.50 ms = 1.10")
     # With both steps profiled, the ratio of their kernel times too (one clock, no host).
     rows[1]["ours_profile"]["kernel_ms_per_step"] = 1.6
     rows[1]["pure_jax_profile"] = {"kernel_ms_per_step": 1.76}
