@@ -99,6 +99,10 @@ def row_owner_kernel(rid_ptr, pad_ptr, T, E, N, owner_prealloc, owner_ptr, PADDE
     # The first step's entries load beside the routed count rather than after it (masked to
     # the row's E columns, so in bounds whatever the count says): the kernel is latency
     # bound, and one dependent load fewer is most of its time at top-k <= BLOCK_K.
+    # The atomics are relaxed: nothing in this kernel reads the table, the kernel's end
+    # orders every write before the kernels that read it, and a max does not depend on the
+    # order it is taken in, so no fence is needed (Triton's default, acq_rel, makes each one
+    # a fenced atomic instead of a fire-and-forget reduction).
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     t64 = t.to(tl.int64)
@@ -109,12 +113,12 @@ def row_owner_kernel(rid_ptr, pad_ptr, T, E, N, owner_prealloc, owner_ptr, PADDE
     e = tl.load(rid_row[:, None] + E + j, mask=in_row, other=-1)
     cnt = tl.minimum(tl.maximum(tl.load(rid_row + 2 * E, mask=tm, other=0), 0), E)
     dest, _e, ok = _checked(dest, e, pad_ptr, E, N, in_row & (j < cnt[:, None]), PADDED)
-    tl.atomic_max(owner_ptr + dest, (t64[:, None] * E + j + 1).to(tl.int32), mask=ok)
+    tl.atomic_max(owner_ptr + dest, (t64[:, None] * E + j + 1).to(tl.int32), mask=ok, sem="relaxed")
     for j0 in range(BLOCK_K, tl.max(cnt, axis=0), BLOCK_K):
         j = j0 + tl.arange(0, BLOCK_K)[None, :]
         live = tm[:, None] & (j < cnt[:, None])
         dest, _e, ok = _dest(rid_row[:, None], pad_ptr, j, E, N, live, PADDED)
-        tl.atomic_max(owner_ptr + dest, (t64[:, None] * E + j + 1).to(tl.int32), mask=ok)
+        tl.atomic_max(owner_ptr + dest, (t64[:, None] * E + j + 1).to(tl.int32), mask=ok, sem="relaxed")
 
 
 @triton.jit
