@@ -179,8 +179,8 @@ HOPPER_TMA_MM = Config.make(num_warps=8, num_stages=3, BM=128, BN=256, BK=64, GR
 # input gradient 1-6% faster than HOPPER_TMA_MM at six of seven expert-GEMM shapes (Mixtral to
 # DeepSeek-V3, G = 8 to 256), 3% slower at 32 groups of 2048 rows with a 2048 reduction; for
 # the forward 0.93-0.99x HOPPER_TMA_MM's time at DeepSeek-V3's, gpt-oss-120b's and
-# Qwen3-30B-A3B's expert GEMMs (256-512 rows a group), 1.00-1.01x at Qwen3-235B's, and
-# 1.00-1.01x (so not taken) from 1024 rows a group up.
+# Qwen3-30B-A3B's expert GEMMs (256-512 rows a group) and 1.00-1.01x at Qwen3-235B's (512),
+# and 1.00-1.01x from 1024 rows a group up, where the forward keeps whole tiles.
 HOPPER_TMA_SPLIT = Config.make(num_warps=8, num_stages=4, **{**HOPPER_TMA_MM.kw, "SPLIT_STORE": True})
 
 # The grouped GEMM's TMA configs, beside MM_CONFIGS in its tuning space. 132 programs:
