@@ -151,8 +151,9 @@ def tma_tiles(lhs_ptr, rhs_ptr, group_sizes_ptr, M, out_ptr, C: tl.constexpr, D:
     """``grouped_gemm_kernel``'s tiles, Hopper's way: the PROGRAMS programs stride over every
     tile of the schedule (computed here from ``group_sizes``, exactly as many row tiles as
     the groups and the rows past them need), loading through tensor descriptors (TMA on
-    sm_90+) built once per program, so the tile loop is one software pipeline from the
-    first tile to the last (``flatten``): the next tile's loads overlap this tile's stores.
+    sm_90+) built once per program. ``flatten`` asks Triton to fuse the tile and K loops
+    into one software pipeline; Triton 3.6 leaves them apart here (its loop fusion skips a
+    K loop whose trip count varies by tile), so each tile's K loop is pipelined on its own.
 
     Bounds: ``lhs``'s descriptor spans its M rows (a tile's rows past its group read the
     next group's rows, in bounds, and feed only output rows that are never stored), and the
@@ -296,10 +297,11 @@ def tma_wgrad_tiles(lhs_ptr, dout_ptr, group_sizes_ptr, M, out_ptr, K: tl.conste
                     PRECISION: tl.constexpr, PROGRAMS: tl.constexpr):
     """``grouped_gemm_wgrad_kernel``'s blocks, Hopper's way: PROGRAMS programs stride over
     every block of every group (``wgrad_tile_of``'s order), loading row slices through
-    tensor descriptors built once per program and storing each block through one, so the
-    loop over blocks is one software pipeline (``flatten``) and a block's store overlaps
-    the next block's loads: with a group's few hundred rows a block is a short reduction,
-    and a store that waits for it leaves the tensor cores idle.
+    tensor descriptors built once per program and storing each block through one.
+    ``flatten`` asks Triton to fuse the block and row loops into one software pipeline, so
+    that a block's store would overlap the next block's loads; Triton 3.6 leaves them apart
+    here (the row loop's trip count varies by group). On Hopper the warp-specialised kernel
+    (``grouped_gemm_ws.py``) overlaps them instead.
 
     Bounds: the row slices' descriptors span ``lhs`` and ``dout``'s M rows; a group's
     whole ``BR``-row slices are inside its rows, and its last, partial slice is read at the
