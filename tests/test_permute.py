@@ -112,11 +112,16 @@ def test_duplicate_destinations_have_one_writer_on_every_backend(kernel_backend,
     x = np.arange(t * h, dtype=np.float32).reshape(t, h) + 1
     w = np.random.default_rng(0).random((t, e)).astype(np.float32)
     kept = np.zeros(e, np.int32)
-    outs = []
-    for b in ("xla", kernel_backend):
-        out, _ = te_jax_perm.permute_with_mask_map(x, rid, kept, n, backend=b)
-        _, vjp = jax.vjp(lambda y, ww: te_jax_perm.unpermute_with_mask_map(y, rid, ww, backend=b), jnp.asarray(out), w)
-        outs.append([np.asarray(out), *map(np.asarray, vjp(jnp.ones((t, h), jnp.float32)))])
+    def run(b):
+        # One jitted program per backend: eager, the xla backend's ops each launch (and,
+        # under the GPU memcheck, each instrument) a program of their own.
+        def f(x, w):
+            out, _ = te_jax_perm.permute_with_mask_map(x, rid, kept, n, backend=b)
+            _, vjp = jax.vjp(lambda y, ww: te_jax_perm.unpermute_with_mask_map(y, rid, ww, backend=b), out, w)
+            return (out, *vjp(jnp.ones((t, h), jnp.float32)))
+        return [np.asarray(a) for a in jax.jit(f)(x, w)]
+
+    outs = [run(b) for b in ("xla", kernel_backend)]
     for got, want in zip(outs[1], outs[0]):
         np.testing.assert_array_equal(got, want)
     out = outs[0][0]
