@@ -706,12 +706,11 @@ def test_gpu_default_row_tile_gemms_on_hostile_sizes():
         _close(drhs, want_drhs, "bfloat16", f"weight gradient {sizes}")
 
 
-def _assert_hopper_defaults(m: int, k: int, n: int, g: int) -> bool:
-    """Asserts what ``grouped_matmul`` runs at ``[m, k] x [g, k, n]`` on this GPU (on
-    Hopper, where these sizes make it so: the forward on TMA 128x256 tiles (stored in halves
-    at a few hundred rows a group) and the input gradient on the same tiles stored in
-    halves; elsewhere the portable kernels on their
-    defaults); returns whether this GPU is a Hopper."""
+def _assert_hopper_defaults(m: int, k: int, n: int, g: int) -> None:
+    """Asserts what ``grouped_matmul`` runs at ``[m, k] x [g, k, n]`` on this GPU: on Hopper,
+    where these sizes make it so, the forward on TMA 128x256 tiles (stored in halves at a
+    few hundred rows a group) and the input gradient on the same tiles stored in halves;
+    elsewhere the portable kernels on their defaults."""
     from te_jax_perm.core import triton_backend
     hopper, bf16 = triton_backend.compute_capability() == 90, {"elem_bytes": 2}
     fwd_dims, dgrad_dims = {"M": m, "C": k, "D": n, "G": g}, {"M": m, "C": n, "D": k, "G": g}
@@ -720,7 +719,6 @@ def _assert_hopper_defaults(m: int, k: int, n: int, g: int) -> bool:
     want_fwd = D.HOPPER_TMA_SPLIT if D.short_groups(fwd_dims) else D.HOPPER_TMA_MM
     assert (fwd.decl.default_config(fwd_dims, bf16) == want_fwd) == hopper, fwd.decl.name
     assert (dgrad.decl.default_config(dgrad_dims, bf16) == D.HOPPER_TMA_SPLIT) == hopper, dgrad.decl.name
-    return hopper
 
 
 def _skip_unless_hopper():

@@ -177,8 +177,6 @@ def test_gpu_copy_bandwidth_in_kernel_time_is_not_below_wall_time():
 def test_profiles_are_taken_in_turns_and_the_last_round_reported(monkeypatch):
     """Every variant is profiled once a round, in turns, so none is profiled only while the
     GPU runs hotter; the last round is reported, a variant that fails is not retried."""
-    from benchmarks import layer_bench
-
     order, times = [], {"ours": [10.0, 12.0], "fused": [11.0, 13.0]}
 
     def fake_share(step, args):
