@@ -61,7 +61,9 @@ def test_batched_gemm_step_is_the_layers_gemms_on_uniform_groups():
     params = example.init_params(cfg, jax.random.key(0))
     step, (rows, w_in, w_out) = layer_bench.batched_gemm_step(cfg, params)
     assert rows.shape == (4, 8, 8) and w_in is params["w_in"] and w_out is params["w_out"]
-    loss, (d_rows, d_in, d_out) = step(rows, w_in, w_out)
+    # Full float32 products: a GPU's default float32 dot rounds its inputs to TF32 (1e-4 apart).
+    with jax.default_matmul_precision("float32"):
+        loss, (d_rows, d_in, d_out) = step(rows, w_in, w_out)
     assert (d_rows.shape, d_in.shape, d_out.shape) == (rows.shape, w_in.shape, w_out.shape)
     # The forward of group e is rows[e] @ w_in[e] -> SwiGLU -> @ w_out[e].
     h = np.einsum("egh,ehf->egf", np.asarray(rows), np.asarray(w_in))
