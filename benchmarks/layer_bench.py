@@ -36,9 +36,10 @@ H100 host) to every step. The variants and the GEMM limit are timed in turns
 Before timing, the loss and every gradient of ``ours`` and ``fused`` are checked against
 ``pure_jax`` (the same function, permuted another way) at the full size. With ``--profile``
 (GPU), a profile of six of each variant's steps enqueued back to back (``ours_profile``,
-``fused_profile``, ``pure_jax_profile``; the variants in turns, two rounds, the second
-reported, as a GPU that has just run the timing loop runs slower for a while) gives its
-kernel time per step on a GPU as hot as a training loop keeps it, how long at least one
+``fused_profile``, ``pure_jax_profile``; the variants in turns, four rounds, the order
+reversed every other round, the median of the last three reported: a GPU that has just run
+the timing loop runs slower for a while, and its clocks move a step's kernel time by a few
+percent from round to round) gives its kernel time per step on a GPU as hot as a training loop keeps it, how long at least one
 kernel ran (``busy_ms_per_step``: below the kernel time where independent kernels ran at
 the same time) and from the first kernel's start to the last one's end
 (``span_ms_per_step``: the rest is the device idle between kernels), the share spent in
@@ -265,20 +266,24 @@ def kernel_share(step: Callable, args: tuple, steps: int = 6) -> dict[str, Any]:
             "largest_gaps_us": stats.gaps_json()}
 
 
-def profiles_in_turns(steps_by_name: dict[str, Callable], args: tuple, rounds: int = 2) -> dict[str, Any]:
-    """``{name}_profile`` per step: ``kernel_share`` taken in turns (every step once a round),
-    reporting the last round. Right after the timing loop the GPU runs slower for a while (on
-    an H100 at Qwen3-235B's layer, the first profile of a round took 1.4 ms a step more than
-    the same step's in the next round), so the first round only settles it; each round's
-    kernel time stays in ``kernel_ms_per_step_rounds``."""
+def profiles_in_turns(steps_by_name: dict[str, Callable], args: tuple, rounds: int = 4) -> dict[str, Any]:
+    """``{name}_profile`` per step: ``kernel_share`` taken in turns (every step once a round,
+    the order reversed every other round), reporting the round of median kernel time after
+    the first. Right after the timing loop the GPU runs slower for a while (on an H100 at
+    Qwen3-235B's layer, the first profile of a round took 1.4 ms a step more than the same
+    step's in the next round), so the first round only settles it; after it, the same step's
+    kernel time still moved by up to 4% from round to round on an H100 (its clocks follow
+    its power and temperature), so one round is no measure and no step always goes first.
+    Each round's kernel time stays in ``kernel_ms_per_step_rounds``."""
     taken: dict[str, list[dict[str, Any]]] = {name: [] for name in steps_by_name}
     errors: dict[str, str] = {}
-    for _ in range(rounds):
-        for name, step in steps_by_name.items():
+    names = list(steps_by_name)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
             if name in errors:
                 continue
             try:
-                taken[name].append(kernel_share(step, args))
+                taken[name].append(kernel_share(steps_by_name[name], args))
             except Exception as e:  # noqa: BLE001 - the row says why instead of failing the run
                 errors[name] = f"{type(e).__name__}: {e}"
     out = {}
@@ -286,7 +291,9 @@ def profiles_in_turns(steps_by_name: dict[str, Callable], args: tuple, rounds: i
         if name in errors:
             out[f"{name}_profile"] = {"error": errors[name]}
             continue
-        out[f"{name}_profile"] = {**got[-1], "kernel_ms_per_step_rounds": [g["kernel_ms_per_step"] for g in got]}
+        kept = sorted(got[1:] or got, key=lambda g: g["kernel_ms_per_step"])
+        out[f"{name}_profile"] = {**kept[(len(kept) - 1) // 2],
+                                  "kernel_ms_per_step_rounds": [g["kernel_ms_per_step"] for g in got]}
     return out
 
 

@@ -176,10 +176,11 @@ def test_gpu_copy_bandwidth_in_kernel_time_is_not_below_wall_time():
     assert 0.97 * wall <= kernel < 10_000, (kernel, wall)
 
 
-def test_profiles_are_taken_in_turns_and_the_last_round_reported(monkeypatch):
-    """Every variant is profiled once a round, in turns, so none is profiled only while the
-    GPU runs hotter; the last round is reported, a variant that fails is not retried."""
-    order, times = [], {"ours": [10.0, 12.0], "fused": [11.0, 13.0]}
+def test_profiles_are_taken_in_turns_and_the_median_round_reported(monkeypatch):
+    """Every variant is profiled once a round, in turns, the order reversed every other
+    round, so none is always profiled first or while the GPU runs hotter; the round of median
+    kernel time after the first is reported; a variant that fails is not retried."""
+    order, times = [], {"ours": [10.0, 14.0, 12.0, 13.0], "fused": [11.0, 9.0, 15.0, 16.0]}
 
     def fake_share(step, args):
         name = step()
@@ -191,8 +192,9 @@ def test_profiles_are_taken_in_turns_and_the_last_round_reported(monkeypatch):
 
     monkeypatch.setattr(layer_bench, "kernel_share", fake_share)
     out = layer_bench.profiles_in_turns({n: (lambda n=n: n) for n in ("ours", "fused", "broken")}, ())
-    assert order == ["ours", "fused", "broken", "ours", "fused"]
-    assert out["ours_profile"]["kernel_ms_per_step"] == 12.0 and out["fused_profile"]["kernel_ms_per_step"] == 13.0
-    assert out["ours_profile"]["kernel_ms_per_step_rounds"] == [10.0, 12.0]
-    assert out["fused_profile"]["top_kernels_ms_per_step"] == {"k": 13.0}
+    assert order == ["ours", "fused", "broken", "fused", "ours", "ours", "fused", "fused", "ours"]
+    # Rounds 2-4: ours 14, 12, 13 -> 13; fused 9, 15, 16 -> 15 (the first round is left out).
+    assert out["ours_profile"]["kernel_ms_per_step"] == 13.0 and out["fused_profile"]["kernel_ms_per_step"] == 15.0
+    assert out["ours_profile"]["kernel_ms_per_step_rounds"] == [10.0, 14.0, 12.0, 13.0]
+    assert out["fused_profile"]["top_kernels_ms_per_step"] == {"k": 15.0}
     assert out["broken_profile"] == {"error": "RuntimeError: no GPU kernel events"}
