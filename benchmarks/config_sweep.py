@@ -9,6 +9,9 @@ the op really hands it, launched directly through the backend's call under every
 shape and warp count its declaration allows, then the fastest few at every stage count;
 each config's outputs are checked against the default's (bitwise for kernels that only move
 data, within the declared tolerance for those that sum); one that disagrees never enters the table.
+``--kernels`` also takes the kernels whose defaults are rules rather than table entries: the
+combine backward's owner table (``row_owner``) and the chunk sort's row mover
+(``sort_chunks_probs``, forward and backward), swept the same way to check the rules.
 ``rowmap``: ``make_row_id_map`` over a grid of token and expert counts, one launch or two,
 every block size and warp count. Kernel times from one CUPTI profile per group
 (``benchmarks/kernel_timer.py``). Writes ``DIR/sweep_<part>.json``; ``--table`` turns mover
@@ -34,8 +37,10 @@ from benchmarks.shapes import GPU_SHAPES, OFF_LIST_SHAPES, by_name
 # (case, kernel declaration name) pairs of the row movers.
 MOVERS = (("token_combine.fwd", "unpermute_weighted"), ("token_dispatch.fwd", "permute_probs"),
           ("token_dispatch.bwd", "permute_bwd_probs"), ("token_combine.bwd", "unpermute_bwd_weighted"))
-# Swept only when named in --kernels; not tabled (its default is a rule).
-AUX = (("token_combine.bwd", "row_owner"),)
+# Swept only when named in --kernels; not tabled (their defaults are rules): the combine
+# backward's owner table and the chunk sort's row mover, forward and backward.
+AUX = (("token_combine.bwd", "row_owner"), ("sort_chunks_by_index.fwd", "sort_chunks_probs"),
+       ("sort_chunks_by_index.bwd", "sort_chunks_probs"))
 # Phase one times every tile shape and warp count at one stage count; phase two gives the
 # TOP fastest every stage count.
 FIRST_STAGES = 3
@@ -98,16 +103,18 @@ def _subjaxprs(eqn, n_in: int) -> list:
     return out
 
 
-def mover_call(problem, case_name: str, kernel: str) -> tuple:
+def mover_call(problem, case_name: str, kernel: str, backend: str = "triton") -> tuple:
     """``(call, operands)``: the operands the op of case ``case_name`` hands ``kernel`` at
-    ``problem`` (a ``cases.Problem``) on the ``triton`` backend, and the backend call of
-    ``kernel``'s declaration bound to them."""
+    ``problem`` (a ``cases.Problem``) on ``backend``, and the backend call of ``kernel``'s
+    declaration (a permutation or chunk-sort kernel) bound to them."""
     from benchmarks import cases
     from te_jax_perm.core.launch import bind_call
+    from te_jax_perm.ops.chunk_sort import decl as chunk_sort
     from te_jax_perm.ops.permute import decl as movers
-    built = next(c for c in cases.CASES if c.name == case_name).build(problem, "triton")
+    built = next(c for c in cases.CASES if c.name == case_name).build(problem, backend)
     operands, params = capture_operands(built.fn, built.args, kernel)
-    return bind_call(getattr(movers, kernel).decl, operands, params, "triton"), operands
+    prim = getattr(movers, kernel, None) or getattr(chunk_sort, kernel)
+    return bind_call(prim.decl, operands, params, backend), operands
 
 
 def _candidates(decl, dims, params, stages=None, quick: bool = False) -> list:
@@ -417,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="rebuild the movers' default table of each device these sweep files (default: "
                          "those listed in benchmarks/results/mover_table_sweeps.txt) were measured on, in "
                          "te_jax_perm/ops/permute/mover_defaults_sm90.json (other devices' tables kept), and exit")
-    ap.add_argument("--kernels", default="", help="comma-separated kernel names: the four movers (the default) and row_owner")
+    ap.add_argument("--kernels", default="", help="comma-separated kernel names: the four movers (the default), "
+                    "row_owner and sort_chunks_probs")
     ap.add_argument("--tokens", default="", help="comma-separated token counts replacing each shape's T "
                     "(small-T sweeps, e.g. 16,64,256)")
     ap.add_argument("--quick", action="store_true",

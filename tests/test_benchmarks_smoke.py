@@ -135,6 +135,33 @@ def test_gpu_driver_names_its_steps_and_rejects_others(tmp_path):
     assert not (tmp_path / "summary.txt").exists()
 
 
+@pytest.mark.parametrize("case,kernel", [("token_combine.bwd", "unpermute_bwd_weighted"),
+                                         ("sort_chunks_by_index.fwd", "sort_chunks_probs"),
+                                         ("sort_chunks_by_index.bwd", "sort_chunks_probs")])
+def test_sweep_binds_each_kernel_to_the_operands_its_op_hands_it(case, kernel):
+    """The config sweep's call of a kernel (a permutation mover or the chunk sort's) is bound
+    to the operands the op passes it; launched under a config, it gives the kernel's
+    reference outputs on them (here on the interpreter, as the sweep does on the GPU)."""
+    import dataclasses
+    from benchmarks import cases
+    from benchmarks.config_sweep import AUX, MOVERS, mover_call
+    from benchmarks.shapes import GPU_SHAPES, by_name
+    from te_jax_perm.core.interpret_backend import interpret_call
+    from te_jax_perm.core.launch import configure
+    assert (case, kernel) in MOVERS + AUX
+    shape = dataclasses.replace(by_name("gpt-oss", GPU_SHAPES)[0], T=8, H=96)
+    call, operands = mover_call(cases.Problem.make(shape), case, kernel, backend="interpret")
+    assert call.decl.name == kernel and call.dims["H"] == 96 and call.backend == "interpret"
+    assert [(tuple(o.shape), np.dtype(o.dtype)) for o in operands] == \
+        [(tuple(a.shape), np.dtype(a.dtype)) for a in call.avals]
+    launch = configure(call, call.decl.default_config(call.dims, call.params))
+    got = jax.jit(lambda ops: interpret_call(launch, ops))(operands)
+    want = call.decl.reference(*operands, **dict(call.params))
+    assert len(got) == len(want) == len(call.out_avals)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)
+
+
 def test_default_table_takes_the_fastest_config_and_a_later_sweep_supersedes(tmp_path):
     from benchmarks.config_sweep import default_table
 
