@@ -46,8 +46,9 @@ the same time) and from the first kernel's start to the last one's end
 te_jax_perm's kernels, its costliest kernels and the device's longest idle stretches
 between kernels; with it, each pure-JAX TARGET line also says the speed-up a permutation
 costing nothing would give with the same GEMM (the step less our permutation kernels'
-time), which bounds what any faster permutation can reach, and the two steps' ratio in
-kernel time.
+time), and for the unfused layer the speed-up were its permutation to move its least bytes
+(``permutation_bytes``: 4T + 5T*k rows of H a step) at the copy's rate, which bounds what
+any unfused permutation can reach; and the two steps' ratio in kernel time.
 
 After the layers, a grouped-GEMM table: our Triton grouped GEMM vs tokamax's (where
 installed) vs one dense dot of the same FLOPs, forward and fwd+bwd (``jax.lax.ragged_dot``,
@@ -136,6 +137,15 @@ def layer_gemm_flops(cfg: example.MoEConfig) -> float:
     """GEMM FLOPs of one training step: forward 2*M*H*2F + 2*M*F*H, backward twice that (M = T*k)."""
     m = cfg.tokens * cfg.topk
     return 3 * (2 * m * cfg.hidden * 2 * cfg.ffn + 2 * m * cfg.ffn * cfg.hidden)
+
+
+def permutation_bytes(cfg: example.MoEConfig) -> float:
+    """Bytes the unfused layer's permutation must move at least in one training step, over
+    N = T*k dispatched rows of H: dispatch reads T rows and writes N; combine reads N and
+    writes T; their backwards move the same the other way, and the combine backward also
+    reads the N forward rows for the probability gradient (maps and probabilities left out)."""
+    t, n = cfg.tokens, cfg.tokens * cfg.topk
+    return (4 * t + 5 * n) * cfg.hidden * jnp.dtype(cfg.dtype).itemsize
 
 
 def layer_gemm_bytes(cfg: example.MoEConfig) -> float:
@@ -416,7 +426,7 @@ def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, ste
                      "pure_jax": step_of(lambda p, x: pure_jax_layer(p, x, cfg))}
     row: dict[str, Any] = {"shape": shape.name, **dataclasses.asdict(shape), "dtype": dtype,
                            "backend": cfg.backend, "gemm": cfg.gemm, "gemm_tflop_per_step": layer_gemm_flops(cfg) / 1e12,
-                           "gemm_bytes_per_step": layer_gemm_bytes(cfg)}
+                           "gemm_bytes_per_step": layer_gemm_bytes(cfg), "permutation_bytes_per_step": permutation_bytes(cfg)}
     for name, step in steps_by_name.items():
         try:
             row[f"{name}_peak_gib"] = peak_gib(step, params, x)
@@ -461,11 +471,26 @@ def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, ste
                     row[f"{name}_over_{limit}"] = row[f"{name}_ms"] / row[f"{limit}_ms"]
             if "pure_jax_ms" in row and name in VARIANTS:
                 row[f"pure_jax_over_{name}"] = row["pure_jax_ms"] / row[f"{name}_ms"]
-                # The most a faster permutation could give with this GEMM: its kernels at no cost.
-                perm = row.get(f"{name}_profile", {}).get("permutation_ms_per_step")
-                if perm is not None:
-                    row[f"pure_jax_over_{name}_free_permutation"] = row["pure_jax_ms"] / (row[f"{name}_ms"] - perm)
+                row.update(permutation_bounds(row, name, copy_gbps))
     return row
+
+
+def permutation_bounds(row: dict, name: str, copy_gbps: float | None) -> dict:
+    """How fast, against the pure-JAX layer, variant ``name`` could be with the same GEMM
+    where its profile measured its permutation kernels: were they to take no time
+    (``pure_jax_over_<name>_free_permutation``) and, for the unfused layer, were they to move
+    their least bytes (:func:`permutation_bytes`) at the copy's rate, the most any unfused
+    permutation can do (``pure_jax_over_ours_permutation_at_floor``)."""
+    perm = row.get(f"{name}_profile", {}).get("permutation_ms_per_step")
+    if perm is None:
+        return {}
+    rest_ms = row[f"{name}_ms"] - perm
+    out = {f"pure_jax_over_{name}_free_permutation": row["pure_jax_ms"] / rest_ms}
+    if name == "ours" and copy_gbps:
+        floor = row["permutation_bytes_per_step"] / (copy_gbps * 1e9) * 1e3
+        out.update(permutation_floor_ms=floor, pure_jax_over_ours_permutation_at_floor=row["pure_jax_ms"] /
+                   (rest_ms + floor))
+    return out
 
 
 def _verdict(ok: bool, what: str) -> str:
@@ -495,6 +520,10 @@ def verdicts(rows: list[dict]) -> list[str]:
                 reach = "" if bound is None else (
                     f"; {bound:.2f}x were te_jax_perm's permutation kernels "
                     f"({r[f'{name}_profile']['permutation_ms_per_step']:.2f} ms of kernel time) to take none")
+                if bound is not None and f"pure_jax_over_{name}_permutation_at_floor" in r:
+                    reach += (f", {r[f'pure_jax_over_{name}_permutation_at_floor']:.2f}x were they to move their "
+                              f"{r['permutation_bytes_per_step'] / 1e9:.2f} GB at the copy's rate "
+                              f"({r['permutation_floor_ms']:.2f} ms)")
                 lines.append(_verdict(ratio >= TARGET_OVER_PURE_JAX,
                                       f"{r['shape']} {name}: {r[f'{name}_ms']:.2f} ms vs pure-JAX permutation "
                                       f"{r['pure_jax_ms']:.2f} ms ({ratio:.2f}x{reach}; target >= "

@@ -92,6 +92,9 @@ def test_layer_bytes_and_roofline():
     want = 2 * ((m * h + w_in + m * 2 * f) + (m * f + w_out + m * h) + (m * h + w_out + m * f)
                 + (m * 2 * f + w_in + m * h) + (m * f + m * h + w_out) + (m * h + m * 2 * f + w_in))
     assert layer_bench.layer_gemm_bytes(cfg) == want
+    # The permutation: dispatch T -> N rows, combine N -> T, both backwards, and the combine
+    # backward's read of the N forward rows (N = T*k = 8 rows of 3 bf16 values).
+    assert layer_bench.permutation_bytes(cfg) == 2 * 3 * ((4 + 8) + (8 + 4) + (8 + 4) + (4 + 8 + 8))
     assert layer_bench.roofline_ms(2.0, 3e9, 1000.0) == 3.0     # 3 GB at 1000 GB/s: bytes bound
     assert layer_bench.roofline_ms(5.0, 3e9, 1000.0) == 5.0     # FLOP bound
 
@@ -117,6 +120,25 @@ def test_verdicts_hold_each_model_to_its_limit():
     assert layer_bench.verdicts(rows)[4] == (
         "TARGET FAIL m ours: 2.00 ms vs pure-JAX permutation 2.10 ms (1.05x; 1.20x were te_jax_perm's permutation "
         "kernels (0.25 ms of kernel time) to take none; target >= 1.1)")
+    # The bounds from a row: 2.0 ms a step of which 0.25 in the permutation; 3e8 bytes at
+    # 3000 GB/s are 0.1 ms; the fused layer gets no floor (its permutation moves other bytes).
+    row = {"ours_ms": 2.0, "fused_ms": 2.0, "pure_jax_ms": 2.1, "permutation_bytes_per_step": 3e8,
+           "ours_profile": {"permutation_ms_per_step": 0.25}, "fused_profile": {"permutation_ms_per_step": 0.25}}
+    got = layer_bench.permutation_bounds(row, "ours", 3000.0)
+    assert got.keys() == {"pure_jax_over_ours_free_permutation", "permutation_floor_ms",
+                          "pure_jax_over_ours_permutation_at_floor"}
+    assert np.isclose(got["pure_jax_over_ours_free_permutation"], 2.1 / 1.75)
+    assert np.isclose(got["permutation_floor_ms"], 0.1)
+    assert np.isclose(got["pure_jax_over_ours_permutation_at_floor"], 2.1 / 1.85)
+    assert layer_bench.permutation_bounds(row, "fused", 3000.0).keys() == {"pure_jax_over_fused_free_permutation"}
+    assert layer_bench.permutation_bounds({**row, "ours_profile": {}}, "ours", 3000.0) == {}
+    # And how far one at the copy's rate would: the permutation's least bytes over it.
+    rows[1].update(permutation_bytes_per_step=3e8, permutation_floor_ms=0.1,
+                   pure_jax_over_ours_permutation_at_floor=2.1 / 1.85)
+    assert layer_bench.verdicts(rows)[4] == (
+        "TARGET FAIL m ours: 2.00 ms vs pure-JAX permutation 2.10 ms (1.05x; 1.20x were te_jax_perm's permutation "
+        "kernels (0.25 ms of kernel time) to take none, 1.14x were they to move their 0.30 GB at the copy's rate "
+        "(0.10 ms); target >= 1.1)")
     # Beside the back-to-back steps, the same ratio over calls each waited for.
     rows[1].update(ours_blocking_ms=2.5, gemm_limit_blocking_ms=2.0, pure_jax_blocking_ms=2.6)
     lines = layer_bench.verdicts(rows)
