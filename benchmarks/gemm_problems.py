@@ -55,12 +55,14 @@ def _expert_gemms(label: str, model: MoEModel, T: int) -> tuple[GemmShape, GemmS
             GemmShape(f"{label}_down_T{T}", m, model.F, model.H, model.E))
 
 
-# Expert GEMMs of MoE layers at T = 8192 tokens, and generic ones at 8 and 32 groups, one of
-# them at DeepSeek-V3's hidden size.
+# Expert GEMMs of MoE layers at T = 8192 tokens, generic ones at 8 and 32 groups (one of
+# them at DeepSeek-V3's hidden size), and the first of those as one group: the grouped
+# kernel run as a dense GEMM, the speed its tiles reach with no group boundary.
 SHAPES = (
     *_expert_gemms("deepseek_v3", DEEPSEEK_V3, 8192),
     *_expert_gemms("qwen3", QWEN3_235B, 8192),
     *_expert_gemms("mixtral", MIXTRAL_8X7B, 8192),
+    GemmShape("g1_16384x4096x4096", 16384, 4096, 4096, 1),
     GemmShape("g8_16384x4096x4096", 16384, 4096, 4096, 8),
     GemmShape("g32_32768x4096x2048", 32768, 4096, 2048, 32),
     GemmShape("g32_65536x7168x2048", 65536, 7168, 2048, 32),

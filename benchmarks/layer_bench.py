@@ -53,7 +53,9 @@ any unfused permutation can reach; and the two steps' ratio in kernel time.
 After the layers, a grouped-GEMM table: our Triton grouped GEMM vs tokamax's (where
 installed) vs one dense dot of the same FLOPs, forward and fwd+bwd (``jax.lax.ragged_dot``,
 which XLA:GPU densifies, on CPU), with each GEMM's roofline (FLOPs at the dense dot's
-rate, or its bytes, every group's weights included, at the copy bandwidth). Its shapes,
+rate, or its bytes, every group's weights included, at the copy bandwidth); one size is
+also timed as a single group, and the TARGET lines of its grouped form quote that speed
+beside theirs (what the kernel's tiles reach with no group boundary). Its shapes,
 operands and dense dot are ``benchmarks/gemm_problems.py``'s, shared with
 ``benchmarks/grouped_gemm_bench.py``.
 
@@ -125,10 +127,11 @@ CPU_SHAPES = (
     LayerShape("smoke", 64, 32, 64, 8, 2),
     LayerShape("smoke", 37, 16, 32, 4, 3),
 )
-# The grouped-GEMM table, bf16: the sizes where lax.ragged_dot was measured densifying, and
-# the first expert GEMM of the DeepSeek-V3 layer (gate and up: N = 2F).
-GPU_GEMMS = gemm_problems.named("g8_16384x4096x4096", "g32_32768x4096x2048", "g32_65536x7168x2048",
-                                "deepseek_v3_up_T8192")
+# The grouped-GEMM table, bf16: the sizes where lax.ragged_dot was measured densifying, the
+# first of them as one group (what the kernel reaches with no group boundary), and the first
+# expert GEMM of the DeepSeek-V3 layer (gate and up: N = 2F).
+GPU_GEMMS = gemm_problems.named("g1_16384x4096x4096", "g8_16384x4096x4096", "g32_32768x4096x2048",
+                                "g32_65536x7168x2048", "deepseek_v3_up_T8192")
 CPU_GEMMS = gemm_problems.CPU_SHAPES
 
 
@@ -559,6 +562,7 @@ def gemm_verdicts(rows: list[dict], impl: str = "triton") -> list[str]:
     against its roofline at many groups."""
     lines = []
     many, limit = TARGET_GEMM_MANY_GROUPS
+    one_group = {(r["M"], r["K"], r["N"]): r for r in rows if r["G"] == 1}
     for r in rows:
         name = f"grouped GEMM M={r['M']} K={r['K']} N={r['N']} G={r['G']}"
         if r["G"] >= many:
@@ -572,8 +576,13 @@ def gemm_verdicts(rows: list[dict], impl: str = "triton") -> list[str]:
             ours, dense, how = _times(r, f"{impl}_{what}", f"dense_{what}")
             if ours is not None:
                 speed = dense / ours
+                # Beside it, the same kernel on one group of the same size, where measured:
+                # how much of the gap the groups make and how much the kernel's own tiles.
+                single = one_group.get((r["M"], r["K"], r["N"])) if r["G"] > 1 else None
+                ours1, dense1, _ = _times(single or {}, f"{impl}_{what}", f"dense_{what}")
+                alone = "" if ours1 is None else f"; on one group {dense1 / ours1:.2f}x"
                 lines.append(_verdict(speed >= want, f"{name} {what}: {speed:.2f}x the dense speed "
-                                      f"({ours:.3f} vs {dense:.3f} ms{how}; target >= {want})"))
+                                      f"({ours:.3f} vs {dense:.3f} ms{how}{alone}; target >= {want})"))
     return lines
 
 

@@ -432,7 +432,8 @@ def test_both_gemm_benchmarks_time_the_shapes_of_their_committed_results():
                 assert (table[name].M, table[name].K, table[name].N, table[name].G) == (r["M"], r["K"], r["N"], r["G"])
         with open(os.path.join(results, f"layer_{device}.json")) as f:
             committed = [(r["M"], r["K"], r["N"], r["G"]) for r in json.load(f)["gemm_table"]]
-        assert [(s.M, s.K, s.N, s.G) for s in layer_bench.GPU_GEMMS] == committed
+        # The table may have grown since (a shape added); every committed row is still in it.
+        assert [x for x in ((s.M, s.K, s.N, s.G) for s in layer_bench.GPU_GEMMS) if x in committed] == committed
     assert all(s in gp.SHAPES for s in layer_bench.GPU_GEMMS)
     assert gp.named("qwen3_up_T8192") == (table["qwen3_up_T8192"],)
     with pytest.raises(KeyError, match="nope"):

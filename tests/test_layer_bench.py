@@ -173,6 +173,14 @@ def test_gemm_verdicts_against_dense_speed_and_roofline():
     assert lines[1].startswith("TARGET FAIL grouped GEMM M=8 K=4 N=4 G=8 fwd_bwd: 0.80x")  # wall times only
     assert lines[2] == ("TARGET PASS grouped GEMM M=8 K=4 N=4 G=256 fwd: 1.100 ms / roofline 1.000 ms = 1.10 in "
                         "kernel time; wall 1.300 vs 1.000 ms (target <= 1.2)")
+    # With the same size measured as one group, each G > 1 line quotes that speed beside.
+    rows.append({"M": 8, "K": 4, "N": 4, "G": 1, "triton_fwd_ms": 0.98, "dense_fwd_ms": 0.9,
+                 "triton_fwd_kernel_ms": 0.93, "dense_fwd_kernel_ms": 0.88})
+    lines = layer_bench.gemm_verdicts(rows)
+    assert lines[0] == ("TARGET PASS grouped GEMM M=8 K=4 N=4 G=8 fwd: 0.95x the dense speed (0.950 vs 0.900 ms in "
+                        "kernel time; wall 1.000 vs 0.900 ms; on one group 0.95x; target >= 0.9)")
+    assert "one group" not in lines[1]       # no fwd_bwd time of the one group
+    assert lines[3].startswith("TARGET PASS grouped GEMM M=8 K=4 N=4 G=1 fwd: 0.95x") and "one group" not in lines[3]
 
 
 def test_profile_counts_our_kernels_by_name():
