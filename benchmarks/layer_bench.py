@@ -39,10 +39,10 @@ Before timing, the loss and every gradient of ``ours`` and ``fused`` are checked
 ``fused_profile``, ``pure_jax_profile``; the variants in turns, four rounds, the order
 reversed every other round, the median of the last three reported: a GPU that has just run
 the timing loop runs slower for a while, and its clocks move a step's kernel time by a few
-percent from round to round) gives its kernel time per step on a GPU as hot as a training loop keeps it, how long at least one
-kernel ran (``busy_ms_per_step``: below the kernel time where independent kernels ran at
-the same time) and from the first kernel's start to the last one's end
-(``span_ms_per_step``: the rest is the device idle between kernels), the share spent in
+percent from round to round) gives its kernel time per step on a GPU as hot as a training
+loop keeps it, how long at least one kernel ran (``busy_ms_per_step``: below the kernel
+time where independent kernels ran at the same time) and from the first kernel's start to
+the last one's end (``span_ms_per_step``: the rest is the device idle between kernels), the share spent in
 te_jax_perm's kernels, its costliest kernels and the device's longest idle stretches
 between kernels; with it, each pure-JAX TARGET line also says the speed-up a permutation
 costing nothing would give with the same GEMM (the step less our permutation kernels'
@@ -429,7 +429,8 @@ def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, ste
                      "pure_jax": step_of(lambda p, x: pure_jax_layer(p, x, cfg))}
     row: dict[str, Any] = {"shape": shape.name, **dataclasses.asdict(shape), "dtype": dtype,
                            "backend": cfg.backend, "gemm": cfg.gemm, "gemm_tflop_per_step": layer_gemm_flops(cfg) / 1e12,
-                           "gemm_bytes_per_step": layer_gemm_bytes(cfg), "permutation_bytes_per_step": permutation_bytes(cfg)}
+                           "gemm_bytes_per_step": layer_gemm_bytes(cfg),
+                           "permutation_bytes_per_step": permutation_bytes(cfg)}
     for name, step in steps_by_name.items():
         try:
             row[f"{name}_peak_gib"] = peak_gib(step, params, x)
