@@ -6,6 +6,7 @@ comparison must catch a single flipped bit.
 """
 import json
 import os
+import re
 import statistics
 
 import jax
@@ -293,6 +294,35 @@ def test_gpu_driver_hostile_memcheck_reruns_a_crash_or_hang_once_and_fails_on_er
     report = runs["reports"]
     assert report.returncode == 1, report.stdout + report.stderr
     assert "MEMCHECK-HOSTILE FAIL: 0 of 1" in report.stdout and "memcheck: " + test in report.stdout, report.stdout
+
+
+def test_gpu_driver_hostile_memcheck_logs_where_a_hung_test_hangs(tmp_path):
+    """A sanitized test still running at three quarters of its limit dumps its Python stack
+    before it is killed, and the run prints that log's end and each test's time: a hang on
+    the GPU machine says where it hung even when the log files do not come back. Here the
+    stand-in sanitizer runs the driver's own pytest command on a test that never returns."""
+    import pathlib
+    import subprocess
+    import sys
+    from tests.gpu.hostile import MEMCHECK_ARGS
+    root = pathlib.Path(__file__).resolve().parents[1]
+    hangs = tmp_path / "test_hangs.py"
+    hangs.write_text("import time\n\n\ndef test_waits_forever():\n    time.sleep(120)\n")
+    stand_in = tmp_path / "hang.py"
+    stand_in.write_text(f"#!{sys.executable}\nimport os, sys\n"
+                        f"cmd = sys.argv[1 + {len(MEMCHECK_ARGS)}:]\n"
+                        f"cmd[-1] = {str(hangs)!r}   # the driver's pytest command, on the hanging test\n"
+                        "os.execv(cmd[0], cmd)\n")
+    stand_in.chmod(0o755)
+    test = "tests/test_dispatch.py::test_zero_tokens_give_zero_size_results[interpret-None]"
+    run = subprocess.run([sys.executable, "-m", "tests.gpu.hostile", f"--sanitizer={stand_in}",
+                          f"--out={tmp_path / 'out'}", f"--tests={test}", "--timeout_s=10"],
+                         cwd=root, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"))
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert re.search(r"^TIMEOUT +\S+ \(1\d s\) \(try 2\)$", run.stdout, re.M), run.stdout
+    assert "Timeout (0:00:07)!" in run.stdout and "in test_waits_forever" in run.stdout, run.stdout
+    assert "MEMCHECK-HOSTILE FAIL: 0 of 1" in run.stdout
 
 
 def test_gpu_driver_hostile_memcheck_verdicts():

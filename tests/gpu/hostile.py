@@ -9,7 +9,9 @@ sanitizer after a varying number of tests (the same tests pass outside it, and m
 reported no error before the crash), which hid every test after it. A test whose sanitized
 process dies by a signal without any memcheck report is run once more in a fresh process;
 the summary counts those reruns. A memcheck error, a failing test, or a crash that repeats
-fails the run.
+fails the run. A test still running at three quarters of ``--timeout_s`` dumps its Python
+stack into its log (printed with the run's output when it fails), and each test's line gives
+its time.
 
 A module without flags: the CPU suite reads :data:`HOSTILE_TESTS` without defining the GPU
 driver's flags in its process.
@@ -23,6 +25,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 HOSTILE_TESTS = [
     "tests/test_ops_memory_safety.py",
@@ -75,11 +78,15 @@ def verdict(rc: int, log: str) -> str:
     return "crash" if rc < 0 or rc > 128 else "fail"
 
 def run_one(test: str, sanitizer: str, root: pathlib.Path, env: dict, timeout: float) -> tuple[str, str]:
-    cmd = [sanitizer, *MEMCHECK_ARGS, sys.executable, *PYTEST, test]
+    # A test still running at three quarters of the limit has pytest dump every thread's
+    # Python stack to stderr, so a hang's log says where it hung (compiling, launching, or
+    # waiting on the device) before the process is killed.
+    cmd = [sanitizer, *MEMCHECK_ARGS, sys.executable, *PYTEST, "-o", f"faulthandler_timeout={max(1, int(timeout * 0.75))}",
+           test]
     try:
         done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        out = "".join(s.decode(errors="replace") if isinstance(s, bytes) else s for s in (e.stdout, e.stderr) if s)
         return "timeout", f"$ {' '.join(cmd)}\nTIMEOUT after {timeout:.0f}s\n{out}"
     log = done.stdout + done.stderr
     return verdict(done.returncode, log), f"$ {' '.join(cmd)}\nrc={done.returncode}\n{log}"
@@ -104,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         tries = 0
         while True:
             tries += 1
+            started = time.monotonic()
             v, log = run_one(test, a.sanitizer, root, env, a.timeout_s)
             name = re.sub(r"[^A-Za-z0-9_.-]+", "_", test)[-150:]
             (out / f"{name}.try{tries}.log").write_text(log)
-            print(f"{v.upper():8s} {test}" + (f" (try {tries})" if tries > 1 else ""), flush=True)
+            print(f"{v.upper():8s} {test} ({time.monotonic() - started:.0f} s)" + (f" (try {tries})" if tries > 1 else ""),
+                  flush=True)
             # A process that died without a report, or hung (seen under memcheck with several
             # sanitized processes sharing the GPU, each passing in seconds alone), runs once more.
             if v not in ("crash", "timeout") or tries == 2:
