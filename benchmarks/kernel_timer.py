@@ -88,9 +88,34 @@ def _block(out: Any) -> None:
     torch.cuda.synchronize()
 
 
-def measure(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int = 10, warmup: int = 2) -> list[KernelTimes]:
+def measure(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int = 10, warmup: int = 2,
+            rounds: int = 1) -> list[KernelTimes]:
     """Runs each ``(label, fn)``: ``warmup`` calls unprofiled, then ``calls`` calls in one
-    profile; returns each label's kernels. ``fn()`` may return JAX arrays or torch tensors."""
+    profile; returns each label's kernels. ``fn()`` may return JAX arrays or torch tensors.
+    With ``rounds`` > 1, that many profiles, the labels' order reversed every other one, and
+    each label's calls of every round together (:func:`merged`): no label is always timed
+    first, or always right after the same other label."""
+    if rounds > 1:
+        runs = [measure(items if r % 2 == 0 else list(items)[::-1], calls, warmup) for r in range(rounds)]
+        return merged(runs)
+    return _measure_once(items, calls, warmup)
+
+
+def merged(runs: Sequence[Sequence[KernelTimes]]) -> list[KernelTimes]:
+    """One :class:`KernelTimes` per label over several runs of the same labels (in the first
+    run's order): the calls of every run, their kernels in run order."""
+    by_label: dict[Any, KernelTimes] = {}
+    for run in runs:
+        for t in run:
+            if t.label in by_label:
+                m = by_label[t.label]
+                by_label[t.label] = KernelTimes(t.label, m.calls + t.calls, m.kernels + t.kernels)
+            else:
+                by_label[t.label] = KernelTimes(t.label, t.calls, list(t.kernels))
+    return [by_label[t.label] for t in runs[0]]
+
+
+def _measure_once(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int, warmup: int) -> list[KernelTimes]:
     from torch.profiler import ProfilerActivity, profile
 
     marker = _marker()

@@ -5,9 +5,10 @@
 
 TransformerEngine's PyTorch wrappers (``transformer_engine.pytorch.triton.permutation``,
 which need only torch and Triton) run on the same routing problems as our ops (default
-configs, no tuning in the process) and as the ``xla`` backend. Kernel times come from one
-CUPTI profile (``benchmarks/kernel_timer.py``): each op's time is the sum of every kernel
-one call launches (XLA's glue included), median over calls. "%" is the op's honestly
+configs, no tuning in the process) and as the ``xla`` backend. Kernel times come from three
+CUPTI profiles (``benchmarks/kernel_timer.py``), the order of the ops reversed in the
+second: each op's time is the sum of every kernel one call launches (XLA's glue included),
+median over the calls of all three. "%" is the op's honestly
 counted bytes (``benchmarks/cases.py``) per second over a device-to-device copy measured
 in the same run (torch ``copy_``, read + write). TE's kernels are autotuned on their first
 call (TransformerEngine's own ``triton.autotune``); that happens in the warm-up, outside
@@ -128,7 +129,9 @@ def measure_shape(shape: MoEShape, te, calls: int, log) -> list[dict]:
             nbytes[name] = b
     if te is not None:
         items += [((name, "te"), fn) for name, fn in te_ops(te, p).items()]
-    times = kernel_timer.measure(items, calls=calls)
+    # Three profiles, the order reversed in the second: ours, xla's and TE's kernels each take
+    # every position, so a drift over the profile (clocks, L2 state) favours none of them.
+    times = kernel_timer.measure(items, calls=calls, rounds=3)
     copy_us = times[0].per_call_us()
     copy_bw = copy_bytes / (copy_us * 1e-6)
     rows = []
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="directory for peer.json, peer.png and peer_summary.txt")
     ap.add_argument("--shapes", default="", help="comma-separated substrings of shape names (default: all)")
-    ap.add_argument("--calls", type=int, default=10, help="profiled calls per op")
+    ap.add_argument("--calls", type=int, default=10, help="profiled calls per op in each of the three profiles")
     ap.add_argument("--summary", metavar="PEER_JSON", help="only rewrite the summary (TARGET lines) of a "
                     "peer.json written earlier, beside it")
     args = ap.parse_args(argv)

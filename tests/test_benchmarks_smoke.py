@@ -371,6 +371,27 @@ def test_kernel_times_split_by_call_and_their_spread():
     assert KernelTimes("z", 3, [("a", 1.0)] * 3).spread_pct() is None   # fewer than four calls
 
 
+def test_kernel_times_of_several_rounds_merge_by_label_in_the_first_rounds_order(monkeypatch):
+    """``measure(rounds=3)`` profiles the labels in order, reversed, then in order again, and
+    each label's result holds the calls of all three rounds."""
+    from benchmarks import kernel_timer
+    from benchmarks.kernel_timer import KernelTimes
+    orders, us = [], iter(range(1, 100))
+
+    def once(items, calls, warmup):
+        orders.append([label for label, _ in items])
+        return [KernelTimes(label, calls, [("k", float(next(us)))] * calls) for label, _ in items]
+
+    monkeypatch.setattr(kernel_timer, "_measure_once", once)
+    got = kernel_timer.measure([("copy", None), ("ours", None), ("te", None)], calls=2, rounds=3)
+    assert orders == [["copy", "ours", "te"], ["te", "ours", "copy"], ["copy", "ours", "te"]]
+    assert [t.label for t in got] == ["copy", "ours", "te"]
+    # copy: 1.0 (round 1), 6.0 (round 2, timed last), 7.0 (round 3); two calls each.
+    assert got[0].calls == 6 and got[0].per_call_sums() == [1.0, 1.0, 6.0, 6.0, 7.0, 7.0]
+    assert got[0].per_call_us() == 6.0 and got[2].per_call_sums() == [3.0, 3.0, 4.0, 4.0, 9.0, 9.0]
+    assert kernel_timer.measure([("a", None)], calls=1) == [KernelTimes("a", 1, [("k", 10.0)])]
+
+
 def test_wall_ms_blocks_on_every_timed_call_after_one_untimed_one():
     calls = [0]
 
