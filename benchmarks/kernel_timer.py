@@ -98,7 +98,7 @@ def measure(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int = 10, war
     if rounds > 1:
         runs = [measure(items if r % 2 == 0 else list(items)[::-1], calls, warmup) for r in range(rounds)]
         return merged(runs)
-    return _measure_once(items, calls, warmup)
+    return profile_once(items, calls, warmup)
 
 
 def merged(runs: Sequence[Sequence[KernelTimes]]) -> list[KernelTimes]:
@@ -115,7 +115,8 @@ def merged(runs: Sequence[Sequence[KernelTimes]]) -> list[KernelTimes]:
     return [by_label[t.label] for t in runs[0]]
 
 
-def _measure_once(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int, warmup: int) -> list[KernelTimes]:
+def profile_once(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int, warmup: int) -> list[KernelTimes]:
+    """:func:`measure`'s one profile: the labels in the order given."""
     from torch.profiler import ProfilerActivity, profile
 
     marker = _marker()

@@ -382,7 +382,7 @@ def test_kernel_times_of_several_rounds_merge_by_label_in_the_first_rounds_order
         orders.append([label for label, _ in items])
         return [KernelTimes(label, calls, [("k", float(next(us)))] * calls) for label, _ in items]
 
-    monkeypatch.setattr(kernel_timer, "_measure_once", once)
+    monkeypatch.setattr(kernel_timer, "profile_once", once)
     got = kernel_timer.measure([("copy", None), ("ours", None), ("te", None)], calls=2, rounds=3)
     assert orders == [["copy", "ours", "te"], ["te", "ours", "copy"], ["copy", "ours", "te"]]
     assert [t.label for t in got] == ["copy", "ours", "te"]
