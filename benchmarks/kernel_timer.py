@@ -96,8 +96,8 @@ def measure(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int = 10, war
     each label's calls of every round together (:func:`merged`): no label is always timed
     first, or always right after the same other label."""
     if rounds > 1:
-        runs = [measure(items if r % 2 == 0 else list(items)[::-1], calls, warmup) for r in range(rounds)]
-        return merged(runs)
+        return merged([profile_once(items if r % 2 == 0 else list(items)[::-1], calls, warmup)
+                       for r in range(rounds)])
     return profile_once(items, calls, warmup)
 
 

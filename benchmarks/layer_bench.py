@@ -193,6 +193,17 @@ def peak_gib(jitted: Callable, *args) -> float:
     return total / 2**30
 
 
+def ffn_loss_and_grads(dtype: Any) -> Callable:
+    """jit of the value and the three gradients of a mean-square loss of the SwiGLU FFN
+    ``swiglu(rows @ w_in) @ w_out``: one dense FFN, or with a leading group axis on all three
+    operands, one per group as batched dots."""
+    def loss(rows, w_in, w_out):
+        y = example.swiglu(rows @ w_in).astype(dtype) @ w_out
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
 def dense_ffn_step(cfg: example.MoEConfig) -> tuple[Callable, tuple]:
     """The GEMM limit: one dense SwiGLU FFN over T*k rows with one expert's weights, fwd+bwd:
     the same GEMM FLOPs as the layer with no routing, permutation or grouping."""
@@ -201,12 +212,7 @@ def dense_ffn_step(cfg: example.MoEConfig) -> tuple[Callable, tuple]:
     rows = gemm_problems.random_normal(kx, (cfg.tokens * cfg.topk, cfg.hidden), dt)
     w_in = gemm_problems.random_normal(k1, (cfg.hidden, 2 * cfg.ffn), dt, scale=1 / np.sqrt(cfg.hidden))
     w_out = gemm_problems.random_normal(k2, (cfg.ffn, cfg.hidden), dt, scale=1 / np.sqrt(cfg.ffn))
-
-    def loss(rows, w_in, w_out):
-        y = example.swiglu(rows @ w_in).astype(dt) @ w_out
-        return jnp.mean(jnp.square(y.astype(jnp.float32)))
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (rows, w_in, w_out)
+    return ffn_loss_and_grads(dt), (rows, w_in, w_out)
 
 
 def batched_gemm_step(cfg: example.MoEConfig, params: dict) -> tuple[Callable, tuple] | None:
@@ -219,13 +225,7 @@ def batched_gemm_step(cfg: example.MoEConfig, params: dict) -> tuple[Callable, t
     dt = jnp.dtype(cfg.dtype)
     rows = gemm_problems.random_normal(jax.random.key(cfg.seed + 2),
                                        (cfg.experts, rows_total // cfg.experts, cfg.hidden), dt)
-
-    def loss(rows, w_in, w_out):
-        h = jnp.einsum("egh,ehf->egf", rows, w_in)
-        y = jnp.einsum("egf,efh->egh", example.swiglu(h).astype(dt), w_out)
-        return jnp.mean(jnp.square(y.astype(jnp.float32)))
-
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), (rows, params["w_in"], params["w_out"])
+    return ffn_loss_and_grads(dt), (rows, params["w_in"], params["w_out"])
 
 
 # The ops whose kernels are the expert GEMMs'; every other kernel is the permutation's.

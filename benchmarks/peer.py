@@ -129,8 +129,8 @@ def measure_shape(shape: MoEShape, te, calls: int, log) -> list[dict]:
             nbytes[name] = b
     if te is not None:
         items += [((name, "te"), fn) for name, fn in te_ops(te, p).items()]
-    # Three profiles, the order reversed in the second: ours, xla's and TE's kernels each take
-    # every position, so a drift over the profile (clocks, L2 state) favours none of them.
+    # Three profiles, the order reversed in the second: no op is always timed before another
+    # (ours before TE's in two, after them in one), and each op's median takes all three.
     times = kernel_timer.measure(items, calls=calls, rounds=3)
     copy_us = times[0].per_call_us()
     copy_bw = copy_bytes / (copy_us * 1e-6)
