@@ -151,12 +151,14 @@ def test_sweep_binds_each_kernel_to_the_operands_its_op_hands_it(case, kernel):
     from te_jax_perm.core.launch import configure
     assert (case, kernel) in MOVERS + AUX
     shape = dataclasses.replace(by_name("gpt-oss", GPU_SHAPES)[0], T=8, H=96)
-    call, operands = mover_call(cases.Problem.make(shape), case, kernel, backend="interpret")
-    assert call.decl.name == kernel and call.dims["H"] == 96 and call.backend == "interpret"
-    assert [(tuple(o.shape), np.dtype(o.dtype)) for o in operands] == \
-        [(tuple(a.shape), np.dtype(a.dtype)) for a in call.avals]
-    launch = configure(call, call.decl.default_config(call.dims, call.params))
-    got = jax.jit(lambda ops: interpret_call(launch, ops))(operands)
+    # The interpreter lowers for the CPU only: on a GPU machine the op runs on its CPU device.
+    with jax.default_device(jax.devices("cpu")[0]):
+        call, operands = mover_call(cases.Problem.make(shape), case, kernel, backend="interpret")
+        assert call.decl.name == kernel and call.dims["H"] == 96 and call.backend == "interpret"
+        assert [(tuple(o.shape), np.dtype(o.dtype)) for o in operands] == \
+            [(tuple(a.shape), np.dtype(a.dtype)) for a in call.avals]
+        launch = configure(call, call.decl.default_config(call.dims, call.params))
+        got = jax.jit(lambda ops: interpret_call(launch, ops))(operands)
     want = call.decl.reference(*operands, **dict(call.params))
     assert len(got) == len(want) == len(call.out_avals)
     for g, w in zip(got, want):

@@ -204,11 +204,16 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
                     dest, e, ok = _dest(rid_row, pad_ptr, j, E, N_OUT, tm & (j < cnt), PADDED)
                     own = _owns(owner_ptr, dest, t64, j, E, ok)
                     tl.store(pout_ptr + dest, tl.load(probs_ptr + t64 * E + e, mask=own), mask=own)
-            # Read the tokens' slice once and write it to all their experts.
+            # Read the tokens' slice once and write it to all their experts. Neither the slice
+            # nor its copies are touched again by this kernel, so both are marked first to
+            # leave L2 (on the H100 the dispatch took 1-8% less time than with the default
+            # policy, most at k = 8); the combine backward's rows keep the default, which
+            # measured faster there.
             for h0 in range(h_lo, h_hi, BLOCK_H):
                 off = h0 + tl.arange(0, BLOCK_H)
                 hm = (off < H)[None, :]
-                v = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=tm[:, None] & hm)
+                v = tl.load(x_ptr + t64[:, None] * H + off[None, :], mask=tm[:, None] & hm,
+                            eviction_policy="evict_first")
                 nxt = dest0
                 nown = own0
                 for j in range(kmax):
@@ -216,7 +221,8 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
                     own = nown
                     nxt, _e, nok = _dest(rid_row, pad_ptr, j + 1, E, N_OUT, tm & (j + 1 < cnt), PADDED)
                     nown = _owns(owner_ptr, nxt, t64, j + 1, E, nok)
-                    tl.store(out_ptr + dest[:, None] * H + off[None, :], v, mask=own[:, None] & hm)
+                    tl.store(out_ptr + dest[:, None] * H + off[None, :], v, mask=own[:, None] & hm,
+                             eviction_policy="evict_first")
     else:
         rows = (pid - n_tok) * FILL_ROWS + tl.arange(0, FILL_ROWS)
         rm = rows < N_OUT
@@ -229,7 +235,8 @@ def _scatter_body(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, w_ptr, y_ptr,
                 off = h0 + tl.arange(0, FILL_H)
                 m = zero[:, None] & ((off < H) & (off < h_hi))[None, :]
                 tl.store(out_ptr + r64[:, None] * H + off[None, :],
-                         tl.zeros([FILL_ROWS, FILL_H], dtype=out_ptr.dtype.element_ty), mask=m)
+                         tl.zeros([FILL_ROWS, FILL_H], dtype=out_ptr.dtype.element_ty), mask=m,
+                         eviction_policy="evict_first")
 
 
 @triton.jit
