@@ -51,6 +51,9 @@ CASES = [  # (N, H, sizes, order)
     (13, 37, [2, 5, 0, 6], [3, 1, 2, 0]),    # odd H, exact cover
     (16, 8, [0, 0, 0], [2, 1, 0]),           # nothing mapped: all zero
     (24, 20, [3, 3, 3, 3, 3, 3], [0, 3, 1, 4, 2, 5]),  # (rank, expert) -> (expert, rank), EP=2 x 3
+    # Wide rows under the default config: one masked 4096-column tile; two column steps.
+    (5, 2880, [2, 2], [1, 0]),
+    (3, 5000, [1, 2], [1, 0]),
 ]
 
 
