@@ -9,15 +9,16 @@ the op really hands it, launched directly through the backend's call under every
 shape and warp count its declaration allows, then the fastest few at every stage count;
 each config's outputs are checked against the default's (bitwise for kernels that only move
 data, within the declared tolerance for those that sum); one that disagrees never enters the table.
-``--kernels`` also takes the kernels whose defaults are rules rather than table entries: the
-combine backward's owner table (``row_owner``) and the chunk sort's row mover
-(``sort_chunks_probs``, forward and backward), swept the same way to check the rules.
+``--kernels`` also takes the combine backward's owner table (``row_owner``, whose default is
+a rule, swept to check it) and the chunk sort's row mover (``sort_chunks_probs``, forward and
+backward: a rule, and table entries where a sweep found better).
 ``rowmap``: ``make_row_id_map`` over a grid of token and expert counts, one launch or two,
 every block size and warp count. Kernel times from one CUPTI profile per group
 (``benchmarks/kernel_timer.py``). Writes ``DIR/sweep_<part>.json``; ``--table`` turns mover
 sweeps into the shipped tables of default configs, one per device the sweeps ran on
-(``te_jax_perm/ops/permute/mover_defaults_sm90.json``); with no files, from the sweeps
-listed in ``benchmarks/results/mover_table_sweeps.txt``.
+(``te_jax_perm/ops/tuned_defaults_sm90.json``, read by :mod:`te_jax_perm.ops.tuned_defaults`),
+keyed by each kernel's row width and row count (its declaration's first key dim); with no
+files, from the sweeps listed in ``benchmarks/results/mover_table_sweeps.txt``.
 """
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ from benchmarks.shapes import GPU_SHAPES, OFF_LIST_SHAPES, by_name
 # (case, kernel declaration name) pairs of the row movers.
 MOVERS = (("token_combine.fwd", "unpermute_weighted"), ("token_dispatch.fwd", "permute_probs"),
           ("token_dispatch.bwd", "permute_bwd_probs"), ("token_combine.bwd", "unpermute_bwd_weighted"))
-# Swept only when named in --kernels; not tabled (their defaults are rules): the combine
-# backward's owner table and the chunk sort's row mover, forward and backward.
+# Swept only when named in --kernels: the combine backward's owner table (never tabled: its
+# default is a rule) and the chunk sort's row mover, forward and backward.
 AUX = (("token_combine.bwd", "row_owner"), ("sort_chunks_by_index.fwd", "sort_chunks_probs"),
        ("sort_chunks_by_index.bwd", "sort_chunks_probs"))
+UNTABLED = {"row_owner"}
 # Phase one times every tile shape and warp count at one stage count; phase two gives the
 # TOP fastest every stage count.
 FIRST_STAGES = 3
@@ -229,6 +231,7 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
             group = first + (_time_configs(call, second, operands, want, calls) if second else [])
             for r in group:
                 r.update({"shape": shape.name, "T": shape.T, "H": shape.H, "E": shape.E, "k": shape.k,
+                          "rows": call.dims[decl.key_dims[0]],  # the kernel's row count: the table's key
                           "case": case_name, "kernel": kname, "is_default": r["config_str"] == str(default)})
             rows += group
             ok = [r for r in group if r.get("us") is not None and r.get("agrees")]
@@ -270,9 +273,9 @@ def default_tables(sweeps: list[str], tables: dict | None = None) -> dict:
 
 
 def default_table(sweeps: list[str]) -> dict:
-    """The best config of each mover kernel at each row width H and token count T
-    measured in ``sweeps`` (sweep JSON files of one device), keyed ``kernel -> H -> T ->
-    config``: the table the defaults read. Shapes that share a key (e.g. two models with
+    """The best config of each mover kernel at each row width H and row count (the token
+    count T for the permutation's movers) measured in ``sweeps`` (sweep JSON files of one
+    device), keyed ``kernel -> H -> rows -> config``: the table the defaults read. Shapes that share a key (e.g. two models with
     H=4096 at T=8192) share its entry: the config whose worst slowdown against each shape's
     own best is least (then the least summed slowdown), among the configs measured at all
     of them. A (kernel, H, T) key measured in a later file replaces the earlier files' (a
@@ -284,11 +287,14 @@ def default_table(sweeps: list[str]) -> dict:
             for r in json.load(f)["rows"]:
                 # A config whose outputs disagree with the default's is never a default
                 # (sweeps older than the "agrees" field compared bitwise only: kept).
-                if r.get("us") is None or "error" in r or r.get("agrees") is False \
-                        or r["kernel"] in {a[1] for a in AUX}:
+                if r.get("us") is None or "error" in r or r.get("agrees") is False or r["kernel"] in UNTABLED:
                     continue
-                key = (r["kernel"], str(r["H"]), str(r["T"]))
-                by_cfg = times.setdefault(key, {}).setdefault(r.get("shape", ""), {})
+                # The kernel's own row count (sweeps from before it was recorded swept only
+                # the permutation's movers, whose row count is the token count T).
+                key = (r["kernel"], str(r["H"]), str(r.get("rows", r["T"])))
+                # A kernel run by two directions of one op (the chunk sort's forward and
+                # backward) is timed in each: both are shapes the entry must serve.
+                by_cfg = times.setdefault(key, {}).setdefault((r.get("shape", ""), r.get("case", "")), {})
                 c = json.dumps(r["config"], sort_keys=True)
                 if c not in by_cfg or r["us"] < by_cfg[c][1]:
                     by_cfg[c] = (r["config"], r["us"])
@@ -423,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", nargs="*", default=None, metavar="SWEEP_JSON",
                     help="rebuild the movers' default table of each device these sweep files (default: "
                          "those listed in benchmarks/results/mover_table_sweeps.txt) were measured on, in "
-                         "te_jax_perm/ops/permute/mover_defaults_sm90.json (other devices' tables kept), and exit")
+                         "te_jax_perm/ops/tuned_defaults_sm90.json (other devices' tables kept), and exit")
     ap.add_argument("--kernels", default="", help="comma-separated kernel names: the four movers (the default), "
                     "row_owner and sort_chunks_probs")
     ap.add_argument("--tokens", default="", help="comma-separated token counts replacing each shape's T "
@@ -434,9 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=5)
     args = ap.parse_args(argv)
     if args.table is not None:
-        from te_jax_perm.ops.permute import decl as movers
-        tables = default_tables(args.table or table_sweeps(), movers.shipped_tables())
-        with open(movers.DEFAULTS_TABLE, "w") as f:
+        from te_jax_perm.ops import tuned_defaults
+        tables = default_tables(args.table or table_sweeps(), tuned_defaults.shipped_tables())
+        with open(tuned_defaults.DEFAULTS_TABLE, "w") as f:
             json.dump(tables, f, indent=1)
             f.write("\n")
         return 0

@@ -225,6 +225,20 @@ def test_sweep_agreement_is_bitwise_for_exact_kernels_and_within_tolerance_other
     assert default_table([str(path)]) == {"k": {"8": {"8": "ok"}}}
 
 
+def test_default_table_keys_a_kernel_by_its_own_row_count_and_serves_both_directions(tmp_path):
+    """A chunk-sort row (its row count N recorded as ``rows``) is keyed by N, not the shape's
+    token count; its forward and backward at one shape are two shapes the entry must serve
+    (the config least slow at both); the owner table's rows never enter the table."""
+    from benchmarks.config_sweep import default_table
+    row = lambda case, c, us, kernel="sort_chunks_probs": {  # noqa: E731
+        "kernel": kernel, "H": 2880, "T": 8192, "rows": 32768, "shape": "s", "case": case, "config": c, "us": us}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"rows": [row("fwd", "a", 10.0), row("fwd", "b", 10.4), row("bwd", "a", 12.0),
+                                         row("bwd", "b", 10.0), row("bwd", "c", 9.0), row("fwd", "o", 1.0, "row_owner")]}))
+    # a: 1.00 forward, 1.33 backward; b: 1.04, 1.11 (c, the backward's fastest, was not timed forward).
+    assert default_table([str(path)]) == {"sort_chunks_probs": {"2880": {"32768": "b"}}}
+
+
 def test_default_tables_rebuild_only_the_swept_devices(tmp_path):
     from benchmarks.config_sweep import default_tables
     path = tmp_path / "h200.json"
@@ -239,10 +253,10 @@ def test_shipped_mover_table_is_what_the_listed_sweeps_build():
     """The shipped default table is exactly what ``config_sweep --table`` builds from the
     sweeps its listing names: no entry edited by hand, no listed sweep missing."""
     from benchmarks.config_sweep import default_tables, table_sweeps
-    from te_jax_perm.ops.permute import decl as movers
+    from te_jax_perm.ops import tuned_defaults
     paths = table_sweeps()
     assert paths and all(os.path.exists(p) for p in paths), paths
-    assert default_tables(paths) == movers.shipped_tables()
+    assert default_tables(paths) == tuned_defaults.shipped_tables()
 
 
 def test_gpu_driver_hostile_memcheck_selects_existing_tests():

@@ -311,6 +311,26 @@ def test_map_kernel_configs(cfg):
                                                                                   num_tokens=30)[0]))
 
 
+def test_movers_take_the_shipped_table_where_it_has_the_row_width(monkeypatch):
+    """Both row movers read the swept kernel's (``sort_chunks_probs``) entries at the row
+    width H and the nearest row count N; an entry invalid here, or a width the table lacks,
+    gets the rule."""
+    from te_jax_perm.ops import tuned_defaults as TD
+    a = Config.make(num_warps=4, BLOCK_H=1024, ROWS=2)
+    b = Config.make(num_warps=8, num_stages=2, BLOCK_H=4096, ROWS=1)
+    table = {"sort_chunks_probs": {"2880": {"1024": a.to_json(), "32768": b.to_json()}, "64": {"8": b.to_json()}}}
+    for decl in (cs.sort_chunks.decl, cs.sort_chunks_probs.decl):
+        assert decl.default_config.rows_dim == decl.key_dims[0] == "N"
+        pick = lambda n, h=2880: decl.default_config({"N": n, "H": h}, {})  # noqa: E731
+        monkeypatch.setattr(TD, "device_table", lambda: {})
+        rule = {(n, h): pick(n, h) for n, h in ((8, 64), (32768, 4096))}
+        monkeypatch.setattr(TD, "device_table", lambda: table)
+        assert pick(512) == a and pick(4096) == a and pick(16384) == b and pick(10 ** 6) == b
+        # 4096 columns for rows of 64 break the declared constraint: the rule's.
+        assert pick(8, 64) == rule[8, 64] != b
+        assert pick(32768, 4096) == rule[32768, 4096]
+
+
 @pytest.mark.parametrize("decl", [cs.chunk_sort_plan.decl, cs.chunk_sort_map.decl, cs.sort_chunks.decl, cs.sort_chunks_probs.decl], ids=lambda d: d.name)
 def test_default_config_valid_for_real_shapes(decl):
     """Default configs satisfy the declared constraints across the benchmark shapes (incl. H=2880, 7168)."""

@@ -485,15 +485,16 @@ def test_xla_references_need_no_token_expert_row_tensor(case):
 
 def test_default_configs_read_the_table_at_the_nearest_token_count_and_slice_small_t(monkeypatch):
     from te_jax_perm.core import Config
+    from te_jax_perm.ops import tuned_defaults as TD
     from te_jax_perm.ops.permute import decl as D
     a = Config.make(num_warps=1, BLOCK_H=512, ROWS=1)
     b = Config.make(num_warps=4, num_stages=2, BLOCK_H=4096, ROWS=2)
-    monkeypatch.setattr(D, "device_table", lambda: {"unpermute_weighted": {"4096": {"64": a.to_json(), "8192": b.to_json()}}})
+    monkeypatch.setattr(TD, "device_table", lambda: {"unpermute_weighted": {"4096": {"64": a.to_json(), "8192": b.to_json()}}})
     pick = lambda t, h=4096: D.unpermute_weighted.decl.default_config({"T": t, "H": h, "N": t, "E": 8, "W": 17},
                                                                         {"padded": False})
     assert pick(16) == a and pick(512) == a and pick(1024) == b and pick(100000) == b
     # ROWS=2 is not valid for one token: the rule's whole row, cut into slices at small T.
-    monkeypatch.setattr(D, "device_table", lambda: {"unpermute_weighted": {"4096": {"8192": b.to_json()}}})
+    monkeypatch.setattr(TD, "device_table", lambda: {"unpermute_weighted": {"4096": {"8192": b.to_json()}}})
     one = pick(1)
     assert one.kw["ROWS"] == 1 and one.kw["BLOCK_H"] == 256
     # A width the table lacks: whole rows at large T, slices with ~MIN_PROGRAMS programs at small T.
@@ -504,7 +505,7 @@ def test_default_configs_read_the_table_at_the_nearest_token_count_and_slice_sma
     ws = D.unpermute_bwd_weighted.decl.default_config({"T": 16, "H": 5120, "N": 64, "E": 8, "W": 17, "R": 64},
                                                      {"padded": False})
     assert ws.kw["BLOCK_H"] == 8192 and ws.num_warps == 4
-    monkeypatch.setattr(D, "device_table", lambda: {})
+    monkeypatch.setattr(TD, "device_table", lambda: {})
     dims = lambda h: {"T": 8192, "H": h, "N": 8192, "E": 8, "W": 17, "R": 8192}  # noqa: E731
     assert [D.unpermute_bwd_weighted.decl.default_config(dims(h), {"padded": False}).num_warps
             for h in (2048, 5120, 6144, 7168)] == [4, 4, 8, 8]
@@ -516,21 +517,27 @@ def test_default_configs_read_the_table_at_the_nearest_token_count_and_slice_sma
 
 
 def test_defaults_come_from_the_devices_own_table_else_the_first_shipped(monkeypatch):
+    from te_jax_perm.ops import tuned_defaults as TD
     from te_jax_perm.ops.permute import decl as D
-    shipped = D.shipped_tables()
+    shipped = TD.shipped_tables()
     assert "NVIDIA H100 80GB HBM3" in shipped
     movers = {"permute_probs", "unpermute_weighted", "permute_bwd_probs", "unpermute_bwd_weighted"}
     # The first device's table covers every mover; later devices' tables only what they re-measured.
     assert set(next(iter(shipped.values()))) == movers
-    assert all(set(t) <= movers for t in shipped.values())
+    assert all(set(t) <= movers | {"sort_chunks_probs"} for t in shipped.values())
+    # Each tabled default looks its entries up by its declaration's first key dim, the row
+    # count the sweeps record.
+    for name in movers:
+        decl = getattr(D, name).decl
+        assert decl.default_config.rows_dim == decl.key_dims[0] == "T", name
     # A fresh cache of merged tables, so the fake tables never reach other tests.
-    monkeypatch.setattr(D, "merged_table", functools.lru_cache(maxsize=8)(D.merged_table.__wrapped__))
-    monkeypatch.setattr(D, "shipped_tables", lambda: {"GPU A": {"k": {"64": {"8": "a8", "16": "a16"}}},
+    monkeypatch.setattr(TD, "merged_table", functools.lru_cache(maxsize=8)(TD.merged_table.__wrapped__))
+    monkeypatch.setattr(TD, "shipped_tables", lambda: {"GPU A": {"k": {"64": {"8": "a8", "16": "a16"}}},
                                                       "GPU B": {"k": {"64": {"8": "b8"}, "128": {"8": "b"}}}})
-    monkeypatch.setattr(D, "device_kind", lambda: "GPU B")
-    assert D.device_table() == {"k": {"64": {"8": "b8", "16": "a16"}, "128": {"8": "b"}}}
-    monkeypatch.setattr(D, "device_kind", lambda: "cpu")
-    assert D.device_table() == {"k": {"64": {"8": "a8", "16": "a16"}}}
+    monkeypatch.setattr(TD, "device_kind", lambda: "GPU B")
+    assert TD.device_table() == {"k": {"64": {"8": "b8", "16": "a16"}, "128": {"8": "b"}}}
+    monkeypatch.setattr(TD, "device_kind", lambda: "cpu")
+    assert TD.device_table() == {"k": {"64": {"8": "a8", "16": "a16"}}}
 
 
 @pytest.mark.parametrize("e", [2, 8, 256])

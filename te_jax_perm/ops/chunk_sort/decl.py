@@ -16,6 +16,7 @@ from te_jax_perm.kernels import chunk_sort as K
 from te_jax_perm.ops.chunk_sort.reference import (chunk_maps_reference, chunk_sort_map_reference,
                                                   chunk_sort_plan_reference, gather_rows_reference)
 from te_jax_perm.ops.tiling import next_pow2, pow2_bucket, tile_too_large
+from te_jax_perm.ops.tuned_defaults import tabled
 
 # Chunk tables are padded to at least 16 lanes: no size-1 aranges, friendlier layouts.
 MIN_LANES = 16
@@ -183,7 +184,10 @@ def _move_decl(with_probs: bool):
         constexprs=lambda dims, params, config: {"H": dims["H"]},
         configs=_MOVE_CONFIGS,
         constraints=(_move_fits,),
-        default_config=_move_default,
+        # Both kernels read the swept one's entries: the same row mover, the probs one
+        # element a row more.
+        default_config=tabled("sort_chunks_probs", _move_default, "N",
+                              lambda dims, params, cfg: _move_fits(dims, params, cfg) is None),
         key_dims=("N", "H"),
         key_bucket=lambda name, v: next_pow2(v) if name == "N" else int(v),  # H is compiled in
         # Rows move whole to other rows (not N-local); each H-slice moves independently.

@@ -8,10 +8,6 @@ API and VJP rules in :mod:`te_jax_perm.ops.permute.api`.
 """
 from __future__ import annotations
 
-import functools
-import json
-import math
-import os
 from typing import Any, Callable
 
 import jax.numpy as jnp
@@ -22,6 +18,7 @@ from te_jax_perm.kernels import permute as K
 from te_jax_perm.ops.permute import reference as R
 from te_jax_perm.ops.row_id_map.reference import pad_offsets_of, row_id_map_reference
 from te_jax_perm.ops.tiling import MAX_TILE, expert_lanes, next_pow2, not_pow2, pow2_at_most, tile_too_large
+from te_jax_perm.ops.tuned_defaults import tabled
 
 FILL_ROWS = 16  # output rows per zero-fill program (only rows no token writes are touched)
 
@@ -119,65 +116,11 @@ def _weighted_scatter_default_config(dims, params) -> Config:
     return Config.make(num_warps=8 if dims["H"] >= 6144 else 4, num_stages=1, BLOCK_H=whole_row(dims), ROWS=1)
 
 
-# The fastest config of each mover at each row width and token count, per sm_90 device it
-# was measured on (device kind -> kernel -> H -> T -> config), written by
-# `python3 -m benchmarks.config_sweep --table ...` from its sweeps; other widths get the
-# rule of the kernel's family.
-DEFAULTS_TABLE = os.path.join(os.path.dirname(__file__), "mover_defaults_sm90.json")
-
-
-@functools.lru_cache(maxsize=None)
-def shipped_tables() -> dict:
-    """Every shipped table: device kind -> kernel -> H -> T -> config."""
-    try:
-        with open(DEFAULTS_TABLE) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return {}
-
-
-def device_kind() -> str:
-    """The kind of the device this process computes on (the shipped tables' key)."""
-    import jax
-    return jax.devices()[0].device_kind
-
-
-@functools.lru_cache(maxsize=8)
-def merged_table(kind: str) -> dict:
-    """The defaults table of device ``kind``: kernel -> H -> T -> config."""
-    tables = shipped_tables()
-    if not tables:
-        return {}
-    # The first device's table (its sweeps came first) under this device's own entries:
-    # a device measured at a few shapes keeps the first device's configs elsewhere.
-    merged = {k: {h: dict(by_t) for h, by_t in v.items()} for k, v in next(iter(tables.values())).items()}
-    for kernel, by_h in tables.get(kind, {}).items():
-        for h, by_t in by_h.items():
-            merged.setdefault(kernel, {}).setdefault(h, {}).update(by_t)
-    return merged
-
-
-def device_table() -> dict:
-    """The defaults table for the device this process computes on: the first shipped
-    device's entries, overridden by this device's own where it was measured (another sm_90
-    part without a table, or the CPU backends, get the first device's as they are)."""
-    return merged_table(device_kind())
-
-
 def _tabled(name: str, rule: Callable) -> Callable:
-    """``name``'s default: the table's config at this exact row width, measured at the
-    token count nearest this one (in log2), when it is valid here (e.g. not more rows per
-    program than there are tokens), else ``rule``."""
-    def default(dims, params) -> Config:
-        by_t = device_table().get(name, {}).get(str(dims["H"]))
-        if by_t:
-            lt = math.log2(max(dims["T"], 1))
-            entry = by_t[min(by_t, key=lambda t: (abs(math.log2(int(t)) - lt), -int(t)))]
-            cfg = Config.from_json(entry)
-            if _block_h_ok(dims, params, cfg) is None and _rows_ok(dims, params, cfg) is None:
-                return cfg
-        return rule(dims, params)
-    return default
+    """``name``'s default from the shipped table of tuned defaults (at the token count T),
+    where its config is valid here, else ``rule``."""
+    return tabled(name, rule, "T", lambda dims, params, cfg: _block_h_ok(dims, params, cfg) is None
+                  and _rows_ok(dims, params, cfg) is None)
 
 
 def _common(default_config=_default_config, params_check=_map_check, **kw: Any) -> dict:

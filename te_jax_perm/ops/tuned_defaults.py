@@ -1,0 +1,77 @@
+"""Shipped default configs measured on sm_90 GPUs: per device kind, the fastest config of each
+row-moving kernel (the permutation's movers, the chunk sort's) at each row width and row count
+it was swept at. A declaration reads them through :func:`tabled`, with no opt-in; shapes the
+table lacks get the declaration's rule.
+
+The table is data, written by ``python3 -m benchmarks.config_sweep --table`` from the sweeps
+listed in ``benchmarks/results/mover_table_sweeps.txt``; nothing here measures anything.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from typing import Callable
+
+from te_jax_perm.core import Config
+
+# device kind -> kernel name -> row width H -> row count -> config (JSON).
+DEFAULTS_TABLE = os.path.join(os.path.dirname(__file__), "tuned_defaults_sm90.json")
+
+
+@functools.lru_cache(maxsize=None)
+def shipped_tables() -> dict:
+    """Every shipped table: device kind -> kernel -> H -> row count -> config."""
+    try:
+        with open(DEFAULTS_TABLE) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def device_kind() -> str:
+    """The kind of the device this process computes on (the shipped tables' key)."""
+    import jax
+    return jax.devices()[0].device_kind
+
+
+@functools.lru_cache(maxsize=8)
+def merged_table(kind: str) -> dict:
+    """The defaults table of device ``kind``: kernel -> H -> row count -> config."""
+    tables = shipped_tables()
+    if not tables:
+        return {}
+    # The first device's table (its sweeps came first) under this device's own entries:
+    # a device measured at a few shapes keeps the first device's configs elsewhere.
+    merged = {k: {h: dict(by_n) for h, by_n in v.items()} for k, v in next(iter(tables.values())).items()}
+    for kernel, by_h in tables.get(kind, {}).items():
+        for h, by_n in by_h.items():
+            merged.setdefault(kernel, {}).setdefault(h, {}).update(by_n)
+    return merged
+
+
+def device_table() -> dict:
+    """The defaults table for the device this process computes on: the first shipped
+    device's entries, overridden by this device's own where it was measured (another sm_90
+    part without a table, or the CPU backends, get the first device's as they are)."""
+    return merged_table(device_kind())
+
+
+def tabled(name: str, rule: Callable[[dict, dict], Config], rows_dim: str,
+           valid: Callable[[dict, dict, Config], bool]) -> Callable[[dict, dict], Config]:
+    """A ``default_config`` for a declaration whose kernel is swept as ``name``: the table's
+    config at this exact row width ``dims["H"]``, measured at the row count (``dims[rows_dim]``,
+    the declaration's first key dim) nearest this one in log2, when ``valid`` here (e.g. not
+    more rows per program than there are rows), else ``rule``."""
+    def default(dims, params) -> Config:
+        by_n = device_table().get(name, {}).get(str(dims["H"]))
+        if by_n:
+            ln = math.log2(max(dims[rows_dim], 1))
+            entry = by_n[min(by_n, key=lambda n: (abs(math.log2(int(n)) - ln), -int(n)))]
+            cfg = Config.from_json(entry)
+            if valid(dims, params, cfg):
+                return cfg
+        return rule(dims, params)
+    default.rows_dim = rows_dim  # what the sweeps record as a kernel's row count
+    return default
