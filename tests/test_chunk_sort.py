@@ -4,6 +4,7 @@ Includes a regression test for an undeclared alias (the backward inverse sort wr
 buffer XLA was free to share with the incoming gradient).
 """
 import contextlib
+import unittest.mock
 
 import jax
 import jax.numpy as jnp
@@ -444,3 +445,19 @@ def test_errors():
     # Shape errors also fire at trace time under jit (sizes traced).
     with pytest.raises(ValueError, match="sorted_indices"):
         jax.jit(lambda s, o: te_jax_perm.sort_chunks_by_index(x, s, o)[0])(jnp.array([1, 2]), jnp.array([0]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), h=st.integers(1, 9000), n=st.one_of(st.integers(1, 8), st.integers(1, 1 << 20)))
+def test_default_configs_satisfy_their_declaration_whatever_the_table_holds(data, h, n):
+    """A table entry of any declared config, at this width or another, never makes a row
+    mover's default break a constraint its declaration states: it gives way to the rule."""
+    from te_jax_perm.ops import tuned_defaults as TD
+    decl = cs.sort_chunks_probs.decl
+    entry = data.draw(st.sampled_from(decl.configs))
+    width = data.draw(st.sampled_from([h, 2880, 4096]))
+    table = {"sort_chunks_probs": {str(width): {str(data.draw(st.sampled_from([1, 64, 8192, 65536]))): entry.to_json()}}}
+    with unittest.mock.patch.object(TD, "device_table", lambda: table):
+        for d in (cs.sort_chunks.decl, decl):
+            cfg = d.default_config({"N": n, "H": h}, {})
+            assert d.violated({"N": n, "H": h}, {}, cfg) is None, (n, h, cfg)

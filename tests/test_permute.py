@@ -1,10 +1,12 @@
 """Lower-level permute/unpermute primitives and their kernel declarations."""
 import functools
+import unittest.mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import te_jax_perm
 from te_jax_perm.core import Config
@@ -548,3 +550,25 @@ def test_the_unread_pad_operand_stays_a_constant_buffer(e):
     f = jax.jit(lambda x: x + jax.lax.optimization_barrier(jnp.asarray(unread_pad(e))))
     hlo = f.lower(jnp.zeros((e,), jnp.int32)).compile().as_text()
     assert "iota(" not in hlo and "broadcast(" not in hlo, hlo
+
+
+@settings(max_examples=60, deadline=None)
+@given(h=st.integers(1, 9000), t=st.one_of(st.integers(1, 8), st.integers(1, 1 << 20)), e=st.sampled_from([1, 8, 64, 256]),
+       kind=st.sampled_from(["NVIDIA H100 80GB HBM3", "NVIDIA H200", "cpu", "another sm_90 GPU"]),
+       near_table=st.booleans())
+def test_default_configs_satisfy_their_declaration_on_every_device(h, t, e, kind, near_table):
+    """Whatever the device's shipped table holds and whatever the shape, a mover's default
+    config passes every constraint its declaration states (a table entry that would break
+    one at this shape gives way to the rule). ``near_table`` draws H from the table's widths."""
+    from te_jax_perm.ops import tuned_defaults as TD
+    merged = TD.merged_table.__wrapped__(kind)
+    widths = sorted({int(w) for by_h in merged.values() for w in by_h})
+    if near_table and widths:
+        h = widths[h % len(widths)]
+    n = max(1, t * min(e, 8))
+    dims = {"T": t, "H": h, "N": n, "E": e, "W": 2 * e + 1, "R": n}
+    with unittest.mock.patch.object(TD, "device_table", lambda: merged):
+        for name in ("permute_probs", "unpermute_weighted", "permute_bwd_probs", "unpermute_bwd_weighted"):
+            decl = getattr(D, name).decl
+            cfg = decl.default_config(dims, {"padded": False, "num_out_rows": n})
+            assert decl.violated(dims, {"padded": False, "num_out_rows": n}, cfg) is None, (name, dims, cfg)
