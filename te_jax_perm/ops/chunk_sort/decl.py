@@ -141,7 +141,8 @@ def _move_fits(dims, params, config: Config) -> str | None:
 
 def _move_default(dims, params) -> Config:
     # 4096-column tiles: rows wider than 2048 move as one token per program in as few column
-    # steps as fit (on the H100, 1-3% faster at H = 2880-7168 than two 2048-column rows).
+    # steps as fit (on the H100, 1-3% faster at H = 2880-7168 than two 2048-column rows; on
+    # an H200 at H = 2880, 1-2% slower: a device that differs gets table entries).
     block_h = min(max(16, next_pow2(dims["H"])), 4096)
     rows = max(1, min(8, 4096 // block_h))
     return Config.make(num_warps=8 if rows * block_h >= 4096 else 4, ROWS=rows, BLOCK_H=block_h)
