@@ -12,7 +12,7 @@ import functools
 import json
 import math
 import os
-from typing import Callable
+from typing import Callable, Sequence
 
 from te_jax_perm.core import Config
 
@@ -59,18 +59,19 @@ def device_table() -> dict:
 
 
 def tabled(name: str, rule: Callable[[dict, dict], Config], rows_dim: str,
-           valid: Callable[[dict, dict, Config], bool]) -> Callable[[dict, dict], Config]:
+           constraints: Sequence[Callable[[dict, dict, Config], str | None]]) -> Callable[[dict, dict], Config]:
     """A ``default_config`` for a declaration whose kernel is swept as ``name``: the table's
     config at this exact row width ``dims["H"]``, measured at the row count (``dims[rows_dim]``,
-    the declaration's first key dim) nearest this one in log2, when ``valid`` here (e.g. not
-    more rows per program than there are rows), else ``rule``."""
+    the declaration's first key dim) nearest this one in log2, when it meets every one of
+    the declaration's ``constraints`` here (e.g. not more rows per program than there are
+    rows), else ``rule``."""
     def default(dims, params) -> Config:
         by_n = device_table().get(name, {}).get(str(dims["H"]))
         if by_n:
             ln = math.log2(max(dims[rows_dim], 1))
             entry = by_n[min(by_n, key=lambda n: (abs(math.log2(int(n)) - ln), -int(n)))]
             cfg = Config.from_json(entry)
-            if valid(dims, params, cfg):
+            if all(c(dims, params, cfg) is None for c in constraints):
                 return cfg
         return rule(dims, params)
     default.rows_dim = rows_dim  # what the sweeps record as a kernel's row count

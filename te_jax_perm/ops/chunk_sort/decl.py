@@ -139,6 +139,9 @@ def _move_fits(dims, params, config: Config) -> str | None:
         f"BLOCK_H = {kw['BLOCK_H']} wider than next_pow2(H = {dims['H']})" if too_wide else None)
 
 
+_MOVE_CONSTRAINTS = (_move_fits,)
+
+
 def _move_default(dims, params) -> Config:
     # 4096-column tiles: rows wider than 2048 move as one token per program in as few column
     # steps as fit (on the H100, 1-3% faster at H = 2880-7168 than two 2048-column rows; on
@@ -184,11 +187,10 @@ def _move_decl(with_probs: bool):
         # has its own cache entry and tuning.
         constexprs=lambda dims, params, config: {"H": dims["H"]},
         configs=_MOVE_CONFIGS,
-        constraints=(_move_fits,),
+        constraints=_MOVE_CONSTRAINTS,
         # Both kernels read the swept one's entries: the same row mover, the probs one
         # element a row more.
-        default_config=tabled("sort_chunks_probs", _move_default, "N",
-                              lambda dims, params, cfg: _move_fits(dims, params, cfg) is None),
+        default_config=tabled("sort_chunks_probs", _move_default, "N", _MOVE_CONSTRAINTS),
         key_dims=("N", "H"),
         key_bucket=lambda name, v: next_pow2(v) if name == "N" else int(v),  # H is compiled in
         # Rows move whole to other rows (not N-local); each H-slice moves independently.

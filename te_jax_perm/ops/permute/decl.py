@@ -69,6 +69,10 @@ def _rows_ok(dims, params, config) -> str | None:
     return None
 
 
+# Every mover's constraints: what its declaration checks, and what a table entry must meet.
+_CONSTRAINTS = (_block_h_ok, _rows_ok)
+
+
 def _map_check(dims, params) -> None:
     if dims["W"] != 2 * dims["E"] + 1:
         raise ValueError(f"row_id_map has {dims['W']} columns; expected 2*E+1 = {2 * dims['E'] + 1} for "
@@ -119,12 +123,11 @@ def _weighted_scatter_default_config(dims, params) -> Config:
 def _tabled(name: str, rule: Callable) -> Callable:
     """``name``'s default from the shipped table of tuned defaults (at the token count T),
     where its config is valid here, else ``rule``."""
-    return tabled(name, rule, "T", lambda dims, params, cfg: _block_h_ok(dims, params, cfg) is None
-                  and _rows_ok(dims, params, cfg) is None)
+    return tabled(name, rule, "T", _CONSTRAINTS)
 
 
 def _common(default_config=_default_config, params_check=_map_check, **kw: Any) -> dict:
-    return dict(configs=_CONFIGS, constraints=(_block_h_ok, _rows_ok), default_config=default_config,
+    return dict(configs=_CONFIGS, constraints=_CONSTRAINTS, default_config=default_config,
                 key_dims=("T", "H"), key_bucket=_key_bucket, key_params=("padded",), params_check=params_check, **kw)
 
 
