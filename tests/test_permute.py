@@ -486,6 +486,7 @@ def test_xla_references_need_no_token_expert_row_tensor(case):
 
 
 def test_default_configs_read_the_table_at_the_nearest_token_count_and_slice_small_t(monkeypatch):
+    """The table's entry measured nearest this token count, within 32x of it; else the rule."""
     from te_jax_perm.core import Config
     from te_jax_perm.ops import tuned_defaults as TD
     from te_jax_perm.ops.permute import decl as D
@@ -495,6 +496,12 @@ def test_default_configs_read_the_table_at_the_nearest_token_count_and_slice_sma
     pick = lambda t, h=4096: D.unpermute_weighted.decl.default_config({"T": t, "H": h, "N": t, "E": 8, "W": 17},
                                                                         {"padded": False})
     assert pick(16) == a and pick(512) == a and pick(1024) == b and pick(100000) == b
+    # An entry serves row counts within TD.ROWS_WINDOW (32x) of its own; beyond, the rule.
+    monkeypatch.setattr(TD, "device_table", lambda: {})
+    rule = {t: pick(t) for t in (128, 255, 300000)}
+    monkeypatch.setattr(TD, "device_table", lambda: {"unpermute_weighted": {"4096": {"8192": b.to_json()}}})
+    assert pick(256) == b and pick(8192 * 32) == b
+    assert pick(255) == rule[255] != b and pick(128) == rule[128] != b and pick(300000) == rule[300000] != b
     # ROWS=2 is not valid for one token: the rule's whole row, cut into slices at small T.
     monkeypatch.setattr(TD, "device_table", lambda: {"unpermute_weighted": {"4096": {"8192": b.to_json()}}})
     one = pick(1)

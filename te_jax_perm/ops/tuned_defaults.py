@@ -19,6 +19,14 @@ from te_jax_perm.core import Config
 # device kind -> kernel name -> row width H -> row count -> config (JSON).
 DEFAULTS_TABLE = os.path.join(os.path.dirname(__file__), "tuned_defaults_sm90.json")
 
+# An entry serves row counts within this factor of the count it was measured at. Further
+# below, a tile chosen to fill the GPU leaves most of it idle and the rule's small-count
+# slicing does better: on an H100, at 1/512 of an entry's 8192 rows the rule's config took
+# 0.66-0.97x the entry's time at all eleven gathers measured, at 1/128 0.83-0.98x at seven
+# of them (1.0-1.28x at the other four), while at 1/32 the entry was faster at seven of
+# eleven (by up to 1.17x).
+ROWS_WINDOW = 32
+
 
 @functools.lru_cache(maxsize=None)
 def shipped_tables() -> dict:
@@ -62,13 +70,14 @@ def tabled(name: str, rule: Callable[[dict, dict], Config], rows_dim: str,
            constraints: Sequence[Callable[[dict, dict, Config], str | None]]) -> Callable[[dict, dict], Config]:
     """A ``default_config`` for a declaration whose kernel is swept as ``name``: the table's
     config at this exact row width ``dims["H"]``, measured at the row count (``dims[rows_dim]``,
-    the declaration's first key dim) nearest this one in log2, when it meets every one of
-    the declaration's ``constraints`` here (e.g. not more rows per program than there are
-    rows), else ``rule``."""
+    the declaration's first key dim) nearest this one in log2 and within ``ROWS_WINDOW``
+    of it, when it meets every one of the declaration's ``constraints`` here (e.g. not more
+    rows per program than there are rows), else ``rule``."""
     def default(dims, params) -> Config:
-        by_n = device_table().get(name, {}).get(str(dims["H"]))
+        ln = math.log2(max(dims[rows_dim], 1))
+        by_n = {n: c for n, c in device_table().get(name, {}).get(str(dims["H"]), {}).items()
+                if abs(math.log2(int(n)) - ln) <= math.log2(ROWS_WINDOW)}
         if by_n:
-            ln = math.log2(max(dims[rows_dim], 1))
             entry = by_n[min(by_n, key=lambda n: (abs(math.log2(int(n)) - ln), -int(n)))]
             cfg = Config.from_json(entry)
             if all(c(dims, params, cfg) is None for c in constraints):
