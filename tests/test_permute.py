@@ -486,22 +486,28 @@ def test_xla_references_need_no_token_expert_row_tensor(case):
 
 
 def test_default_configs_read_the_table_at_the_nearest_token_count_and_slice_small_t(monkeypatch):
-    """The table's entry measured nearest this token count, within 32x of it; else the rule."""
+    """The table's entry measured nearest this token count, within 32x of it and holding at
+    least TD.MIN_WARPS warps of work here; else the rule."""
     from te_jax_perm.core import Config
     from te_jax_perm.ops import tuned_defaults as TD
     from te_jax_perm.ops.permute import decl as D
-    a = Config.make(num_warps=1, BLOCK_H=512, ROWS=1)
+    assert (TD.ROWS_WINDOW, TD.MIN_WARPS) == (32, 1024)
+    a = Config.make(num_warps=4, BLOCK_H=256, ROWS=1)   # 16 slices of a 4096-wide row
     b = Config.make(num_warps=4, num_stages=2, BLOCK_H=4096, ROWS=2)
     monkeypatch.setattr(TD, "device_table", lambda: {"unpermute_weighted": {"4096": {"64": a.to_json(), "8192": b.to_json()}}})
     pick = lambda t, h=4096: D.unpermute_weighted.decl.default_config({"T": t, "H": h, "N": t, "E": 8, "W": 17},
                                                                         {"padded": False})
     assert pick(16) == a and pick(512) == a and pick(1024) == b and pick(100000) == b
-    # An entry serves row counts within TD.ROWS_WINDOW (32x) of its own; beyond, the rule.
     monkeypatch.setattr(TD, "device_table", lambda: {})
-    rule = {t: pick(t) for t in (128, 255, 300000)}
+    rule = {t: pick(t) for t in (128, 255, 500, 300000)}
+    # An entry serves row counts within ROWS_WINDOW (32x) of its own; beyond, the rule.
+    c = Config.make(num_warps=8, BLOCK_H=1024, ROWS=2)  # 4 slices: 4096 warps at 256 tokens
+    monkeypatch.setattr(TD, "device_table", lambda: {"unpermute_weighted": {"4096": {"8192": c.to_json()}}})
+    assert pick(256) == c and pick(8192 * 32) == c
+    assert pick(255) == rule[255] != c and pick(128) == rule[128] != c and pick(300000) == rule[300000] != c
+    # ... and only where its programs hold MIN_WARPS warps: b has 4 warps per 2 tokens.
     monkeypatch.setattr(TD, "device_table", lambda: {"unpermute_weighted": {"4096": {"8192": b.to_json()}}})
-    assert pick(256) == b and pick(8192 * 32) == b
-    assert pick(255) == rule[255] != b and pick(128) == rule[128] != b and pick(300000) == rule[300000] != b
+    assert pick(512) == b and pick(500) == rule[500] != b
     # ROWS=2 is not valid for one token: the rule's whole row, cut into slices at small T.
     monkeypatch.setattr(TD, "device_table", lambda: {"unpermute_weighted": {"4096": {"8192": b.to_json()}}})
     one = pick(1)

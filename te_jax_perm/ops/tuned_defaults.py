@@ -19,13 +19,19 @@ from te_jax_perm.core import Config
 # device kind -> kernel name -> row width H -> row count -> config (JSON).
 DEFAULTS_TABLE = os.path.join(os.path.dirname(__file__), "tuned_defaults_sm90.json")
 
-# An entry serves row counts within this factor of the count it was measured at. Further
-# below, a tile chosen to fill the GPU leaves most of it idle and the rule's small-count
-# slicing does better: on an H100, at 1/512 of an entry's 8192 rows the rule's config took
-# 0.66-0.97x the entry's time at all eleven gathers measured, at 1/128 0.83-0.98x at seven
-# of them (1.0-1.28x at the other four), while at 1/32 the entry was faster at seven of
-# eleven (by up to 1.17x).
+# An entry serves row counts within ROWS_WINDOW of the count it was measured at, and only
+# where its launch there still holds MIN_WARPS warps of work (programs that own rows, times
+# warps per program: about eight per multiprocessor of an H100 or H200). With fewer, a tile
+# chosen to fill the GPU at the entry's row count leaves most of it idle, and the rule's
+# small-count slicing does better. Measured against the rule at 16 to 2048 tokens (entries
+# from 4096-16384): gathers on one warp group per token row, faster under the rule at 16
+# tokens (all eleven, 0.66-0.97x on an H100), slower at 256 (1024 warps; seven of eleven);
+# the dispatch forward's four-token one-warp entries 1.19-1.64x slower than the rule at
+# 256-512 tokens (at most 576 warps), 0.94-0.97x at 2048 on all but the widest rows.
+# Summed over each measured set, this choice took less time than either the entries or the
+# rule alone.
 ROWS_WINDOW = 32
+MIN_WARPS = 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,12 +73,14 @@ def device_table() -> dict:
 
 
 def tabled(name: str, rule: Callable[[dict, dict], Config], rows_dim: str,
-           constraints: Sequence[Callable[[dict, dict, Config], str | None]]) -> Callable[[dict, dict], Config]:
+           constraints: Sequence[Callable[[dict, dict, Config], str | None]],
+           programs: Callable[[dict, Config], int]) -> Callable[[dict, dict], Config]:
     """A ``default_config`` for a declaration whose kernel is swept as ``name``: the table's
     config at this exact row width ``dims["H"]``, measured at the row count (``dims[rows_dim]``,
     the declaration's first key dim) nearest this one in log2 and within ``ROWS_WINDOW``
     of it, when it meets every one of the declaration's ``constraints`` here (e.g. not more
-    rows per program than there are rows), else ``rule``."""
+    rows per program than there are rows) and its ``programs`` (those that own rows, at
+    these dims) times its warps reach ``MIN_WARPS``; else ``rule``."""
     def default(dims, params) -> Config:
         ln = math.log2(max(dims[rows_dim], 1))
         by_n = {n: c for n, c in device_table().get(name, {}).get(str(dims["H"]), {}).items()
@@ -80,7 +88,8 @@ def tabled(name: str, rule: Callable[[dict, dict], Config], rows_dim: str,
         if by_n:
             entry = by_n[min(by_n, key=lambda n: (abs(math.log2(int(n)) - ln), -int(n)))]
             cfg = Config.from_json(entry)
-            if all(c(dims, params, cfg) is None for c in constraints):
+            if (all(c(dims, params, cfg) is None for c in constraints)
+                    and programs(dims, cfg) * cfg.num_warps >= MIN_WARPS):
                 return cfg
         return rule(dims, params)
     default.rows_dim = rows_dim  # what the sweeps record as a kernel's row count

@@ -190,7 +190,8 @@ def _move_decl(with_probs: bool):
         constraints=_MOVE_CONSTRAINTS,
         # Both kernels read the swept one's entries: the same row mover, the probs one
         # element a row more.
-        default_config=tabled("sort_chunks_probs", _move_default, "N", _MOVE_CONSTRAINTS),
+        default_config=tabled("sort_chunks_probs", _move_default, "N", _MOVE_CONSTRAINTS,
+                              lambda dims, config: -(-dims["N"] // config.kw["ROWS"])),
         key_dims=("N", "H"),
         key_bucket=lambda name, v: next_pow2(v) if name == "N" else int(v),  # H is compiled in
         # Rows move whole to other rows (not N-local); each H-slice moves independently.

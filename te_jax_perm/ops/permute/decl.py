@@ -120,10 +120,15 @@ def _weighted_scatter_default_config(dims, params) -> Config:
     return Config.make(num_warps=8 if dims["H"] >= 6144 else 4, num_stages=1, BLOCK_H=whole_row(dims), ROWS=1)
 
 
-def _tabled(name: str, rule: Callable) -> Callable:
+def _row_programs(dims, config) -> int:
+    """Programs that own token rows: ROWS tokens each, one per column slice."""
+    return -(-dims["T"] // config.kw["ROWS"]) * _slices(dims, config)
+
+
+def _tabled(name: str, rule: Callable, programs: Callable = _row_programs) -> Callable:
     """``name``'s default from the shipped table of tuned defaults (at the token count T),
-    where its config is valid here, else ``rule``."""
-    return tabled(name, rule, "T", _CONSTRAINTS)
+    where its config is valid here and fills the GPU, else ``rule``."""
+    return tabled(name, rule, "T", _CONSTRAINTS, programs)
 
 
 def _common(default_config=_default_config, params_check=_map_check, **kw: Any) -> dict:
@@ -312,7 +317,9 @@ unpermute_bwd_weighted = declare(KernelDecl(
     constexprs=_scatter_constexprs(True), exact=False, rtol=1e-5, atol=1e-5,
     # Not H-local: grad_probs is a dot product over all of H (replicated).
     example_inputs=_unpermute_bwd_weighted_example,
-    **_common(default_config=_tabled("unpermute_bwd_weighted", _weighted_scatter_default_config),
+    # One program per ROWS tokens walks the whole row (no column slices).
+    **_common(default_config=_tabled("unpermute_bwd_weighted", _weighted_scatter_default_config,
+                                     lambda dims, config: -(-dims["T"] // config.kw["ROWS"])),
               params_check=_scatter_check)))
 
 
