@@ -138,7 +138,7 @@ def _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_o
 
 def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expert: jax.Array,
                           num_out_rows: int, probs: jax.Array | None = None,
-                          pad_offsets: jax.Array | None = None, backend: str | None = None
+                          pad_offsets: jax.Array | None = None, *, backend: str | None = None
                           ) -> tuple[jax.Array, jax.Array | None]:
     """Scatters token rows to expert-sorted rows.
 
@@ -182,7 +182,7 @@ def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expe
 
 def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,
                             pad_offsets: jax.Array | None = None, tokens_per_expert: jax.Array | None = None,
-                            backend: str | None = None) -> jax.Array:
+                            *, backend: str | None = None) -> jax.Array:
     """Gathers each token's expert rows and sums them (weighted by ``merging_probs``).
 
     Args:
