@@ -313,3 +313,17 @@ def test_cached_tuning_is_used_without_opting_in(tmp_path):
     second = _run(use, TE_JAX_PERM_AUTOTUNE_CACHE=str(tmp_path))
     assert second.returncode == 0, second.stderr
     assert f"PICKED {best}" in second.stdout and "TUNES 0" in second.stdout, second.stdout + second.stderr
+
+
+def test_every_public_op_takes_backend_by_keyword_only():
+    """One way to pass ``backend=``: keyword-only in every public function that takes it."""
+    import inspect
+
+    import te_jax_perm
+    takes = {}
+    for name in te_jax_perm.__all__:
+        obj = getattr(te_jax_perm, name)
+        if inspect.isfunction(obj) and "backend" in inspect.signature(obj).parameters:
+            takes[name] = inspect.signature(obj).parameters["backend"].kind
+    assert {"token_dispatch", "permute_with_mask_map", "sort_chunks_by_map", "make_chunk_sort_map"} <= set(takes)
+    assert {n: k for n, k in takes.items() if k is not inspect.Parameter.KEYWORD_ONLY} == {}
