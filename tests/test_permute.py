@@ -508,6 +508,9 @@ def test_default_configs_read_the_table_at_the_nearest_token_count_and_slice_sma
     # ... and only where its programs hold MIN_WARPS warps: b has 4 warps per 2 tokens.
     monkeypatch.setattr(TD, "device_table", lambda: {"unpermute_weighted": {"4096": {"8192": b.to_json()}}})
     assert pick(512) == b and pick(500) == rule[500] != b
+    # ... unless measured within 2x of this token count: b measured at 300 tokens (600 warps).
+    monkeypatch.setattr(TD, "device_table", lambda: {"unpermute_weighted": {"4096": {"300": b.to_json()}}})
+    assert pick(300) == b and pick(500) == b and pick(600) == b and pick(128) == rule[128] != b
     # ROWS=2 is not valid for one token: the rule's whole row, cut into slices at small T.
     monkeypatch.setattr(TD, "device_table", lambda: {"unpermute_weighted": {"4096": {"8192": b.to_json()}}})
     one = pick(1)

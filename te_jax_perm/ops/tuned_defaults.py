@@ -19,17 +19,17 @@ from te_jax_perm.core import Config
 # device kind -> kernel name -> row width H -> row count -> config (JSON).
 DEFAULTS_TABLE = os.path.join(os.path.dirname(__file__), "tuned_defaults_sm90.json")
 
-# An entry serves row counts within ROWS_WINDOW of the count it was measured at, and only
-# where its launch there still holds MIN_WARPS warps of work (programs that own rows, times
-# warps per program: about eight per multiprocessor of an H100 or H200). With fewer, a tile
-# chosen to fill the GPU at the entry's row count leaves most of it idle, and the rule's
-# small-count slicing does better. Measured against the rule at 16 to 2048 tokens (entries
-# from 4096-16384): gathers on one warp group per token row, faster under the rule at 16
-# tokens (all eleven, 0.66-0.97x on an H100), slower at 256 (1024 warps; seven of eleven);
-# the dispatch forward's four-token one-warp entries 1.19-1.64x slower than the rule at
-# 256-512 tokens (at most 576 warps), 0.94-0.97x at 2048 on all but the widest rows.
-# Summed over each measured set, this choice took less time than either the entries or the
-# rule alone.
+# An entry serves row counts within ROWS_WINDOW of the count it was measured at, and beyond
+# 2x of that count only where its launch still holds MIN_WARPS warps of work (programs that
+# own rows, times warps per program: about eight per multiprocessor of an H100 or H200).
+# With fewer, a tile chosen to fill the GPU at the entry's row count leaves most of it idle,
+# and the rule's small-count slicing does better. Measured against the rule at 16 to 2048
+# tokens (entries from 4096-16384): gathers on one warp group per token row, faster under
+# the rule at 16 tokens (all eleven, 0.66-0.97x on an H100), slower at 256 (1024 warps;
+# seven of eleven); the dispatch forward's four-token one-warp entries 1.19-1.64x slower
+# than the rule at 256-512 tokens (at most 576 warps), 0.94-0.97x at 2048 on all but the
+# widest rows. Summed over each measured set, this choice took less time than either the
+# entries or the rule alone.
 ROWS_WINDOW = 32
 MIN_WARPS = 1024
 
@@ -79,17 +79,21 @@ def tabled(name: str, rule: Callable[[dict, dict], Config], rows_dim: str,
     config at this exact row width ``dims["H"]``, measured at the row count (``dims[rows_dim]``,
     the declaration's first key dim) nearest this one in log2 and within ``ROWS_WINDOW``
     of it, when it meets every one of the declaration's ``constraints`` here (e.g. not more
-    rows per program than there are rows) and its ``programs`` (those that own rows, at
-    these dims) times its warps reach ``MIN_WARPS``; else ``rule``."""
+    rows per program than there are rows) and, unless it was measured within 2x of this row
+    count, its ``programs`` (those that own rows, at these dims) times its warps reach
+    ``MIN_WARPS``; else ``rule``."""
     def default(dims, params) -> Config:
         ln = math.log2(max(dims[rows_dim], 1))
         by_n = {n: c for n, c in device_table().get(name, {}).get(str(dims["H"]), {}).items()
                 if abs(math.log2(int(n)) - ln) <= math.log2(ROWS_WINDOW)}
         if by_n:
-            entry = by_n[min(by_n, key=lambda n: (abs(math.log2(int(n)) - ln), -int(n)))]
-            cfg = Config.from_json(entry)
+            n_best = min(by_n, key=lambda n: (abs(math.log2(int(n)) - ln), -int(n)))
+            cfg = Config.from_json(by_n[n_best])
+            # Within 2x of where it was measured an entry stands as measured; further off it
+            # must still fill the GPU.
+            measured_here = abs(math.log2(int(n_best)) - ln) <= 1
             if (all(c(dims, params, cfg) is None for c in constraints)
-                    and programs(dims, cfg) * cfg.num_warps >= MIN_WARPS):
+                    and (measured_here or programs(dims, cfg) * cfg.num_warps >= MIN_WARPS)):
                 return cfg
         return rule(dims, params)
     default.rows_dim = rows_dim  # what the sweeps record as a kernel's row count
