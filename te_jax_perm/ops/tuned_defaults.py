@@ -83,17 +83,17 @@ def tabled(name: str, rule: Callable[[dict, dict], Config], rows_dim: str,
     count, its ``programs`` (those that own rows, at these dims) times its warps reach
     ``MIN_WARPS``; else ``rule``."""
     def default(dims, params) -> Config:
+        by_n = device_table().get(name, {}).get(str(dims["H"]), {})
         ln = math.log2(max(dims[rows_dim], 1))
-        by_n = {n: c for n, c in device_table().get(name, {}).get(str(dims["H"]), {}).items()
-                if abs(math.log2(int(n)) - ln) <= math.log2(ROWS_WINDOW)}
-        if by_n:
-            n_best = min(by_n, key=lambda n: (abs(math.log2(int(n)) - ln), -int(n)))
+        # Each entry's distance from this row count in log2, within the window.
+        dist = {n: d for n in by_n if (d := abs(math.log2(int(n)) - ln)) <= math.log2(ROWS_WINDOW)}
+        if dist:
+            n_best = min(dist, key=lambda n: (dist[n], -int(n)))
             cfg = Config.from_json(by_n[n_best])
             # Within 2x of where it was measured an entry stands as measured; further off it
             # must still fill the GPU.
-            measured_here = abs(math.log2(int(n_best)) - ln) <= 1
             if (all(c(dims, params, cfg) is None for c in constraints)
-                    and (measured_here or programs(dims, cfg) * cfg.num_warps >= MIN_WARPS)):
+                    and (dist[n_best] <= 1 or programs(dims, cfg) * cfg.num_warps >= MIN_WARPS)):
                 return cfg
         return rule(dims, params)
     default.rows_dim = rows_dim  # what the sweeps record as a kernel's row count

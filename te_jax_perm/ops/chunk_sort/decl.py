@@ -142,6 +142,11 @@ def _move_fits(dims, params, config: Config) -> str | None:
 _MOVE_CONSTRAINTS = (_move_fits,)
 
 
+def _move_programs(dims, config) -> int:
+    """The row mover's programs: one per ROWS rows, each walking the whole row."""
+    return -(-dims["N"] // config.kw["ROWS"])
+
+
 def _move_default(dims, params) -> Config:
     # 4096-column tiles: rows wider than 2048 move as one token per program in as few column
     # steps as fit (on the H100, 1-3% faster at H = 2880-7168 than two 2048-column rows; on
@@ -181,7 +186,7 @@ def _move_decl(with_probs: bool):
         operands=operands,
         outputs=outputs,
         reference=gather_rows_reference,
-        grid=lambda dims, params, config: (-(-dims["N"] // config.kw["ROWS"]),),
+        grid=lambda dims, params, config: (_move_programs(dims, config),),
         scalars=lambda dims, params: {"N": dims["N"]},
         # H is compiled in (vectorised rows; see the kernel); it is a key dim, so each H
         # has its own cache entry and tuning.
@@ -190,8 +195,7 @@ def _move_decl(with_probs: bool):
         constraints=_MOVE_CONSTRAINTS,
         # Both kernels read the swept one's entries: the same row mover, the probs one
         # element a row more.
-        default_config=tabled("sort_chunks_probs", _move_default, "N", _MOVE_CONSTRAINTS,
-                              lambda dims, config: -(-dims["N"] // config.kw["ROWS"])),
+        default_config=tabled("sort_chunks_probs", _move_default, "N", _MOVE_CONSTRAINTS, _move_programs),
         key_dims=("N", "H"),
         key_bucket=lambda name, v: next_pow2(v) if name == "N" else int(v),  # H is compiled in
         # Rows move whole to other rows (not N-local); each H-slice moves independently.

@@ -120,9 +120,14 @@ def _weighted_scatter_default_config(dims, params) -> Config:
     return Config.make(num_warps=8 if dims["H"] >= 6144 else 4, num_stages=1, BLOCK_H=whole_row(dims), ROWS=1)
 
 
+def _token_programs(dims, config) -> int:
+    """Programs along the tokens: one per ROWS tokens (grid axis 0, before any fill programs)."""
+    return -(-dims["T"] // config.kw["ROWS"])
+
+
 def _row_programs(dims, config) -> int:
     """Programs that own token rows: ROWS tokens each, one per column slice."""
-    return -(-dims["T"] // config.kw["ROWS"]) * _slices(dims, config)
+    return _token_programs(dims, config) * _slices(dims, config)
 
 
 def _tabled(name: str, rule: Callable, programs: Callable = _row_programs) -> Callable:
@@ -217,7 +222,7 @@ def _slices(dims, config) -> int:
 def _scatter_fill_grid(dims, rows: int, config, split: bool = True) -> tuple[int, int]:
     """Token programs first, then one zero-fill program per FILL_ROWS output rows; each
     ``split`` over the row's column slices."""
-    return (-(-dims["T"] // config.kw["ROWS"]) + -(-rows // FILL_ROWS), _slices(dims, config) if split else 1)
+    return (_token_programs(dims, config) + -(-rows // FILL_ROWS), _slices(dims, config) if split else 1)
 
 
 def _scatter_constexprs(prob_grads: bool):
@@ -318,8 +323,7 @@ unpermute_bwd_weighted = declare(KernelDecl(
     # Not H-local: grad_probs is a dot product over all of H (replicated).
     example_inputs=_unpermute_bwd_weighted_example,
     # One program per ROWS tokens walks the whole row (no column slices).
-    **_common(default_config=_tabled("unpermute_bwd_weighted", _weighted_scatter_default_config,
-                                     lambda dims, config: -(-dims["T"] // config.kw["ROWS"])),
+    **_common(default_config=_tabled("unpermute_bwd_weighted", _weighted_scatter_default_config, _token_programs),
               params_check=_scatter_check)))
 
 
@@ -341,7 +345,7 @@ def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_r
         outputs=(Output("out", lambda dims, params: (dims["T"], dims["H"]), lambda dtypes, params: dtypes["inp"]),
                  *extra_outs),
         params=("padded",), reference=reference,
-        grid=lambda dims, params, config: (-(-dims["T"] // config.kw["ROWS"]), _slices(dims, config)),
+        grid=lambda dims, params, config: (_token_programs(dims, config), _slices(dims, config)),
         # N: rows of inp, the bound every row read is checked against.
         scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": dims["N"]},
         constexprs=lambda dims, params, config: {"H": dims["H"], "PADDED": params["padded"],
