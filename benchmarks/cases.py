@@ -73,7 +73,7 @@ class Built:
 @dataclasses.dataclass(frozen=True)
 class Case:
     op: str            # "token_dispatch", "token_combine", "sort_chunks_by_index", "make_row_id_map", "copy"
-    direction: str     # "fwd" or "bwd"
+    direction: str     # "fwd", "bwd", or "train" (forward under differentiation, then backward)
     build: Callable[[Problem, str], Built]
 
     @property
@@ -95,6 +95,30 @@ def _vjp_case(fwd: Callable[..., Any], primals: tuple[Any, ...], extra_read: Cal
         grads = jax.eval_shape(vjp, cts)
         # Cotangents first: the timing chain perturbs args[0].
         return Built(lambda c, v: v(c), (cts, vjp), nbytes(cts) + nbytes(grads) + extra_read(p))
+
+    return build
+
+
+def _train_case(fwd: Callable[..., Any], primals: Callable[[Problem], tuple[Any, ...]],
+                aux: Callable[[Problem], tuple[Any, ...]], fwd_case: Callable[[Problem, str], Built],
+                bwd_case: Callable[[Problem, str], Built]):
+    """A training step's use of an op: its forward as differentiation runs it (which may keep
+    more for the backward than the plain forward computes), then its backward, in one jit.
+    The bytes are the forward's plus the backward's. Against a peer's forward plus backward
+    this counts whatever a forward does for its backward, which the backward-only timing
+    (residuals built outside) leaves out."""
+
+    def build(p: Problem, backend: str) -> Built:
+        xs = primals(p)
+        outs = jax.eval_shape(lambda a, *d: fwd(p, backend, a, *d), aux(p), *xs)
+        cts = jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype), outs)
+
+        def step(c, a, *d):
+            y, vjp = jax.vjp(lambda *v: fwd(p, backend, a, *v), *d)
+            return y, vjp(c)
+
+        # Cotangents first: the timing chain perturbs args[0].
+        return Built(step, (cts, aux(p), *xs), fwd_case(p, backend).bytes + bwd_case(p, backend).bytes)
 
     return build
 
@@ -132,6 +156,19 @@ def _combine_fwd(p: Problem, backend: str) -> Built:
     fn = lambda x, rid, mp: tp.token_combine(x, rid, merging_probs=mp, backend=backend)  # noqa: E731
     read = nbytes(p.permuted) + nbytes(p.row_id_map) + p.shape.num_out * F32
     return Built(fn, (p.permuted, p.row_id_map, p.probs), read + nbytes(p.inp))
+
+
+def _combine_primals(p: Problem) -> tuple[Any, ...]:
+    return p.permuted, p.probs
+
+
+def _combine_aux(p: Problem) -> tuple[Any, ...]:
+    return (p.row_id_map,)
+
+
+# The merging-prob gradient reads the forward rows as well as the cotangent.
+_combine_bwd = _vjp_case(_combine, _combine_primals, lambda p: nbytes(p.row_id_map) + nbytes(p.permuted)
+                         + p.shape.num_out * F32, _combine_aux)
 
 
 # -- sort_chunks_by_index ----------------------------------------------------------------
@@ -180,10 +217,9 @@ CASES: tuple[Case, ...] = (
     Case("token_dispatch", "bwd", _vjp_case(_dispatch, lambda p: (p.inp, p.probs),
                                             lambda p: nbytes(p.row_id_map), lambda p: (p.routing_map,))),
     Case("token_combine", "fwd", _combine_fwd),
-    # The merging-prob gradient reads the forward rows as well as the cotangent.
-    Case("token_combine", "bwd", _vjp_case(_combine, lambda p: (p.permuted, p.probs),
-                                           lambda p: nbytes(p.row_id_map) + nbytes(p.permuted)
-                                           + p.shape.num_out * F32, lambda p: (p.row_id_map,))),
+    Case("token_combine", "bwd", _combine_bwd),
+    # The combine forward keeps its map's row owners for the backward: the step counts them.
+    Case("token_combine", "train", _train_case(_combine, _combine_primals, _combine_aux, _combine_fwd, _combine_bwd)),
     Case("sort_chunks_by_index", "fwd", _sort_fwd),
     Case("sort_chunks_by_index", "bwd", _vjp_case(_sort, lambda p: (p.permuted, p.sort_probs),
                                                   lambda p: p.shape.num_out * F32,

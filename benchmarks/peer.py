@@ -16,7 +16,9 @@ the profile.
 
 Writes ``DIR/peer.json``, ``DIR/peer.png`` and ``DIR/peer_summary.txt``, whose
 ``TARGET`` lines compare, per shape: each op's kernel time with TE's (ours <= TE), with
-the ``xla`` backend's, and each backward with its forward (<= 1.1x). Each comparison also
+the ``xla`` backend's, and each backward with its forward (<= 1.1x). ``token_combine.train``
+is a training step's combine: the forward as differentiation runs it (it also fills the
+row owner table its backward reads) and the backward, against TE's forward and backward. Each comparison also
 gives both sides' call-to-call spread (the calls' interquartile range over their median):
 a gap smaller than it is within what reruns of the same kernel move.
 """
@@ -37,7 +39,7 @@ from benchmarks import kernel_timer
 from benchmarks.shapes import GPU_SHAPES, OFF_LIST_SHAPES, MoEShape, by_name
 
 OPS = ("make_row_id_map.fwd", "token_dispatch.fwd", "token_dispatch.bwd", "token_combine.fwd",
-       "token_combine.bwd", "sort_chunks_by_index.fwd", "sort_chunks_by_index.bwd")
+       "token_combine.bwd", "token_combine.train", "sort_chunks_by_index.fwd", "sort_chunks_by_index.bwd")
 BWD_LIMIT = 1.1
 
 
@@ -80,6 +82,10 @@ def te_ops(te, p) -> dict[str, Callable[[], Any]]:
         r = te.make_row_id_map(rm, T, E)
         return te.permute_with_mask_map(inp, r, probs, None, None, T, E, n, H, 0)
 
+    def combine_train():
+        y = te.unpermute_with_mask_map(permuted, rid, probs, None, None, T, E, H)
+        return y, te.unpermute_with_mask_map_bwd_with_merging_probs(grad_tok, rid, permuted, probs, None, T, E, n, H)
+
     def sort_fwd():
         m = te.make_chunk_sort_map(split, order, n, split.shape[0])
         return te.sort_chunks_by_map(permuted, m, sprobs, n, H, True)
@@ -92,6 +98,7 @@ def te_ops(te, p) -> dict[str, Callable[[], Any]]:
         "token_combine.fwd": lambda: te.unpermute_with_mask_map(permuted, rid, probs, None, None, T, E, H),
         "token_combine.bwd": lambda: te.unpermute_with_mask_map_bwd_with_merging_probs(
             grad_tok, rid, permuted, probs, None, T, E, n, H),
+        "token_combine.train": combine_train,
         "sort_chunks_by_index.fwd": sort_fwd,
         "sort_chunks_by_index.bwd": lambda: te.sort_chunks_by_map(permuted, chunk_map, sprobs, n, H, False),
     }

@@ -6,7 +6,9 @@ from typing import Any, Iterable
 
 from te_jax_perm.workloads import DEEPSEEK_V3, QWEN3_235B
 
-LAYER_PARTS = (("token_dispatch", "fwd"), ("token_dispatch", "bwd"), ("token_combine", "fwd"), ("token_combine", "bwd"))
+# A training layer's permutation: the combine as a training step runs it (its forward keeps
+# the row owners its backward reads, so forward and backward alone would leave that out).
+LAYER_PARTS = (("token_dispatch", "fwd"), ("token_dispatch", "bwd"), ("token_combine", "train"))
 FWD_TARGETS = {"token_dispatch": 90.0, "sort_chunks_by_index": 90.0, "token_combine": 85.0}
 BWD_WITHIN = 0.10          # backward bandwidth >= (1 - this) * forward bandwidth
 MAP_FRACTION = 0.10        # make_row_id_map time <= this * dispatch fwd time (T=16384, E=256, H=7168)

@@ -69,8 +69,11 @@ def test_cpu_sweep_writes_json_and_png(tmp_path):
     assert rows and all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
     names = {(r["op"], r["direction"], r["backend"]) for r in rows}
     for op, d in (("token_dispatch", "fwd"), ("token_dispatch", "bwd"), ("token_combine", "fwd"),
-                  ("token_combine", "bwd"), ("make_row_id_map", "fwd")):
+                  ("token_combine", "bwd"), ("token_combine", "train"), ("make_row_id_map", "fwd")):
         assert {(op, d, "interpret"), (op, d, "xla")} <= names
+    by = {(r["op"], r["direction"], r["backend"]): r for r in rows}
+    combine = [by["token_combine", d, "interpret"]["bytes"] for d in ("fwd", "bwd", "train")]
+    assert combine[2] == combine[0] + combine[1]   # a training step moves both directions' bytes
     assert {("copy", "fwd", "xla"), ("copy", "fwd", "interpret")} <= names
     for r in rows:
         assert r["bytes"] > 0 and r["median_s"] > 0 and r["p10_s"] <= r["median_s"] <= r["p90_s"]

@@ -74,11 +74,21 @@ def test_row_owner_kernel_matches_its_reference_on_hostile_maps(kernel_backend, 
     kernel and the reference name the same one writer per row (the highest entry). At
     E = 20 routed counts exceed one step of map columns, so later steps run too."""
     rid, pad = _hostile_map(5, t, e, n)
+    rng = np.random.default_rng(5)
+    y = rng.standard_normal((n, 24)).astype(np.float32)
+    w = rng.random((t, e)).astype(np.float32)
     for padded in (False, True):
         got = [np.asarray(D.row_owner(rid, pad, backend=b, num_out_rows=n, padded=padded)[0])
                for b in ("xla", kernel_backend)]
         np.testing.assert_array_equal(got[1], got[0])
         assert (got[0] > 0).any() and (got[0] == 0).any()
+        # The combine forward's _owner variants fill the same table beside their sums.
+        kw = dict(backend=kernel_backend, padded=padded)
+        for plain, with_owner in (((D.unpermute(y, rid, pad, **kw)), D.unpermute_owner(y, rid, pad, **kw)),
+                                  (D.unpermute_weighted(y, rid, pad, w, **kw),
+                                   D.unpermute_weighted_owner(y, rid, pad, w, **kw))):
+            np.testing.assert_array_equal(np.asarray(with_owner[1]), got[0])
+            np.testing.assert_array_equal(np.asarray(with_owner[0]), np.asarray(plain[0]))
 
 
 @pytest.mark.parametrize("counts", ["routed", "zeros", "huge"])
@@ -271,6 +281,8 @@ def _row_kernels():
         ("unpermute", D.unpermute.decl, rows, {"padded": False}, {**idx, "inp": "bfloat16"}),
         ("unpermute_weighted", D.unpermute_weighted.decl, rows, {"padded": True},
          {**idx, "inp": "bfloat16", "merging_probs": "float32"}),
+        ("unpermute_weighted_owner", D.unpermute_weighted_owner.decl, rows, {"padded": True},
+         {**idx, "inp": "bfloat16", "merging_probs": "float32"}),
         ("permute_bwd_probs", D.permute_bwd_probs.decl, rows, {"padded": True},
          {**idx, "inp": "bfloat16", "grad_permuted_probs": "float32"}),
         ("sort_chunks_probs", cs.sort_chunks_probs.decl, {"N": 8192}, {},
@@ -326,6 +338,7 @@ _EXAMPLE_DECLS = [(D.row_owner, {"num_out_rows": 40, "padded": True}),
                   (D.unpermute_bwd_weighted, {"padded": True}),
                   (D.unpermute, {"padded": False}),
                   (D.unpermute_weighted, {"padded": True}),
+                  (D.unpermute_weighted_owner, {"padded": True}),
                   (D.permute_bwd_probs, {"padded": True})]
 
 

@@ -55,6 +55,21 @@ def run_moe(T, H, E, k, mode, *, drop=0, align=None, probs=True, dtype=jnp.float
     return primals, vjp(cts)
 
 
+def run_mask_map_inference(T, H, E, k, mode, *, drop=0, seed=0):
+    """The map-level ops as an inference step runs them: the map, permute_with_mask_map (its
+    own row owner launch) and the weighted unpermute's forward alone (no owner table)."""
+    from te_jax_perm import make_row_id_map, permute_with_mask_map, unpermute_with_mask_map
+
+    rng = np.random.default_rng(seed)
+    rm = jnp.asarray(routing(rng, T, E, k, mode))
+    num_out = max(int(rm.sum()) - drop, 0)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    p = jnp.asarray(rng.random((T, E)), jnp.float32) * rm
+    rid, tpe = make_row_id_map(rm, num_out, backend=BE)
+    out, pp = permute_with_mask_map(x, rid, tpe, num_out, probs=p, backend=BE)
+    return out, pp, unpermute_with_mask_map(out, rid, merging_probs=p, backend=BE)
+
+
 def run_chunk_sort(N, H, sizes, order, *, probs=True, seed=0):
     from te_jax_perm import sort_chunks_by_index, sort_chunks_by_index_with_probs
 
@@ -140,6 +155,7 @@ SCENARIOS = {
     "moe_dropping": lambda: run_moe(16, 20, 4, 2, "skew", drop=7),
     "moe_padding": lambda: run_moe(11, 70, 4, 2, "empty", align=4),
     "moe_drop_and_pad_noprobs": lambda: run_moe(9, 7, 3, 2, "topk", drop=3, align=8, probs=False),
+    "mask_map_inference_dropping": lambda: run_mask_map_inference(15, 24, 6, 2, "skew", drop=4),
     "chunks_empty_and_unmapped": lambda: run_chunk_sort(20, 9, [3, 0, 5, 4, 0, 2], [5, 2, 0, 4, 3, 1]),
     "chunks_T1": lambda: run_chunk_sort(1, 3, [1], [0], probs=False),
     "chunks_full": lambda: run_chunk_sort(24, 96, [8, 8, 8], [2, 0, 1]),

@@ -14,6 +14,8 @@ signatures follow the framework convention (operands, scalars, preallocs, output
   and no output needs a memset.
 * ``_gather_body``: expert-sorted rows -> token rows, summed in fp32 (combine forward,
   dispatch backward). Each program owns ROWS tokens and writes each of their rows once.
+  With ``OWNER`` it also fills the row_owner table from the entries it walks (the combine
+  forward that a backward follows), so that backward needs no ``row_owner_kernel``.
 
 Grid axis 1 splits the row into ``BLOCK_H``-wide column slices, one per program, so a
 small slice still gives the GPU many independent programs (and bytes in flight) per
@@ -271,8 +273,8 @@ def unpermute_bwd_weighted_kernel(g_ptr, rid_ptr, pad_ptr, owner_ptr, w_ptr, y_p
 
 
 @triton.jit
-def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, N, out_ptr, dprobs_ptr, H: tl.constexpr,
-                 WEIGHTED: tl.constexpr, HAS_PGRAD: tl.constexpr, PADDED: tl.constexpr,
+def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, N, out_ptr, dprobs_ptr, owner_ptr, H: tl.constexpr,
+                 WEIGHTED: tl.constexpr, HAS_PGRAD: tl.constexpr, OWNER: tl.constexpr, PADDED: tl.constexpr,
                  BLOCK_H: tl.constexpr, ROWS: tl.constexpr, E_LANES: tl.constexpr, TWO_IN_FLIGHT: tl.constexpr):
     pid = tl.program_id(0)
     t = pid * ROWS + tl.arange(0, ROWS)
@@ -304,6 +306,12 @@ def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, N, out_ptr, dpro
         if HAS_PGRAD:
             pm = ok & (tl.zeros_like(t) == tl.program_id(1))
             tl.store(dprobs_ptr + t64 * E + e, tl.load(gpp_ptr + dest, mask=pm), mask=pm)
+        if OWNER:
+            # The row_owner table, as row_owner_kernel computes it, from the entries this
+            # program already holds (relaxed, as there: a max is order-free and nothing here
+            # reads the table).
+            om = ok & (tl.zeros_like(t) == tl.program_id(1))
+            tl.atomic_max(owner_ptr + dest, (t64 * E + j + 1).to(tl.int32), mask=om, sem="relaxed")
         acc += vf
         dest = nxt
         e = ne
@@ -317,16 +325,33 @@ def _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, gpp_ptr, T, E, N, out_ptr, dpro
 def unpermute_kernel(y_ptr, rid_ptr, pad_ptr, T, E, N, out_prealloc, out_ptr, H: tl.constexpr,
                      PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, E_LANES: tl.constexpr,
                      TWO_IN_FLIGHT: tl.constexpr):
-    _gather_body(y_ptr, rid_ptr, pad_ptr, y_ptr, y_ptr, T, E, N, out_ptr, out_ptr, H,
-                 False, False, PADDED, BLOCK_H, ROWS, E_LANES, TWO_IN_FLIGHT)
+    _gather_body(y_ptr, rid_ptr, pad_ptr, y_ptr, y_ptr, T, E, N, out_ptr, out_ptr, out_ptr, H,
+                 False, False, False, PADDED, BLOCK_H, ROWS, E_LANES, TWO_IN_FLIGHT)
 
 
 @triton.jit
 def unpermute_weighted_kernel(y_ptr, rid_ptr, pad_ptr, w_ptr, T, E, N, out_prealloc, out_ptr, H: tl.constexpr,
                               PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
                               E_LANES: tl.constexpr, TWO_IN_FLIGHT: tl.constexpr):
-    _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, w_ptr, T, E, N, out_ptr, out_ptr, H,
-                 True, False, PADDED, BLOCK_H, ROWS, E_LANES, TWO_IN_FLIGHT)
+    _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, w_ptr, T, E, N, out_ptr, out_ptr, out_ptr, H,
+                 True, False, False, PADDED, BLOCK_H, ROWS, E_LANES, TWO_IN_FLIGHT)
+
+
+@triton.jit
+def unpermute_owner_kernel(y_ptr, rid_ptr, pad_ptr, T, E, N, out_prealloc, owner_prealloc, out_ptr, owner_ptr,
+                           H: tl.constexpr, PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+                           E_LANES: tl.constexpr, TWO_IN_FLIGHT: tl.constexpr):
+    _gather_body(y_ptr, rid_ptr, pad_ptr, y_ptr, y_ptr, T, E, N, out_ptr, out_ptr, owner_ptr, H,
+                 False, False, True, PADDED, BLOCK_H, ROWS, E_LANES, TWO_IN_FLIGHT)
+
+
+@triton.jit
+def unpermute_weighted_owner_kernel(y_ptr, rid_ptr, pad_ptr, w_ptr, T, E, N, out_prealloc, owner_prealloc,
+                                    out_ptr, owner_ptr, H: tl.constexpr, PADDED: tl.constexpr,
+                                    BLOCK_H: tl.constexpr, ROWS: tl.constexpr, E_LANES: tl.constexpr,
+                                    TWO_IN_FLIGHT: tl.constexpr):
+    _gather_body(y_ptr, rid_ptr, pad_ptr, w_ptr, w_ptr, T, E, N, out_ptr, out_ptr, owner_ptr, H,
+                 True, False, True, PADDED, BLOCK_H, ROWS, E_LANES, TWO_IN_FLIGHT)
 
 
 @triton.jit
@@ -334,5 +359,5 @@ def permute_bwd_probs_kernel(y_ptr, rid_ptr, pad_ptr, gpp_ptr, T, E, N, out_prea
                            out_ptr, dprobs_ptr, H: tl.constexpr,
                            PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
                            E_LANES: tl.constexpr, TWO_IN_FLIGHT: tl.constexpr):
-    _gather_body(y_ptr, rid_ptr, pad_ptr, gpp_ptr, gpp_ptr, T, E, N, out_ptr, dprobs_ptr, H,
-                 False, True, PADDED, BLOCK_H, ROWS, E_LANES, TWO_IN_FLIGHT)
+    _gather_body(y_ptr, rid_ptr, pad_ptr, gpp_ptr, gpp_ptr, T, E, N, out_ptr, dprobs_ptr, out_ptr, H,
+                 False, True, False, PADDED, BLOCK_H, ROWS, E_LANES, TWO_IN_FLIGHT)

@@ -93,24 +93,35 @@ _permute.defvjp(permute_fwd, permute_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _unpermute(inp, merging_probs, rid, pad, padded, backend):
-    return unpermute_fwd(inp, merging_probs, rid, pad, padded, backend)[0]
+    return unpermute_rows(inp, merging_probs, rid, pad, padded, backend)
+
+
+def unpermute_rows(inp, merging_probs, rid, pad, padded, backend):
+    """The combine forward: each token's rows summed (weighted)."""
+    kw = dict(backend=backend, padded=padded)
+    if merging_probs is None:
+        return D.unpermute(inp, rid, pad, **kw)[0]
+    return D.unpermute_weighted(inp, rid, pad, merging_probs, **kw)[0]
 
 
 def unpermute_fwd(inp, merging_probs, rid, pad, padded, backend):
+    """The combine forward under differentiation: the same sums, and the map's row owners
+    for the backward's scatter, filled by the same kernel from the entries it already
+    walks (a separate ``row_owner`` launch in the backward costs more)."""
+    kw = dict(backend=backend, padded=padded)
     if merging_probs is None:
-        (out,) = D.unpermute(inp, rid, pad, backend=backend, padded=padded)
+        out, owner = D.unpermute_owner(inp, rid, pad, **kw)
     else:
-        (out,) = D.unpermute_weighted(inp, rid, pad, merging_probs, backend=backend, padded=padded)
-    return out, (inp, merging_probs, rid, pad)
+        out, owner = D.unpermute_weighted_owner(inp, rid, pad, merging_probs, **kw)
+    return out, (inp, merging_probs, rid, pad, owner)
 
 
 def unpermute_bwd(padded, backend, res, g):
-    inp, merging_probs, rid, pad = res
+    inp, merging_probs, rid, pad, owner = res
     if merging_probs is None:
-        g_inp, _ = permute_fwd(g.astype(inp.dtype), None, rid, pad, inp.shape[0], padded, backend)[0]
+        g_inp, _ = permute_fwd(g.astype(inp.dtype), None, rid, pad, inp.shape[0], padded, backend, owner)[0]
         g_w = None
     else:
-        owner = _owners(rid, pad, inp.shape[0], padded, backend)
         g_inp, g_w = D.unpermute_bwd_weighted(g, rid, pad, owner, merging_probs, inp, backend=backend,
                                               padded=padded)
     return g_inp, g_w, None, None
@@ -327,42 +338,52 @@ def _dispatch_bwd(num_out_tokens, align_size, rows, backend, rid, cts):
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
-def _combine_local(backend):
-    """``(inp, rid[, w], pad) -> (out,)``: each token's rows summed (weighted)."""
+def _combine_local(backend, with_owner):
+    """``(inp, rid[, w], pad) -> (out[, owner])``: each token's rows summed (weighted), and
+    ``with_owner`` the rows' owners for the backward."""
     def run(inp, rid, *rest):
         *w, pad = rest
-        return (unpermute_fwd(inp, w[0] if w else None, rid, pad, False, backend)[0],)
+        w = w[0] if w else None
+        if with_owner:
+            out, res = unpermute_fwd(inp, w, rid, pad, False, backend)
+            return out, res[-1]
+        return (unpermute_rows(inp, w, rid, pad, False, backend),)
     return run
 
 
 def _combine_bwd_local(backend):
-    """``(g, rid, inp[, w], pad) -> (g_inp[, g_w])``: the scatter of the combine backward."""
-    def run(g, rid, inp, *rest):
+    """``(g, rid, inp, owner[, w], pad) -> (g_inp[, g_w])``: the scatter of the combine backward."""
+    def run(g, rid, inp, owner, *rest):
         *w, pad = rest
-        g_inp, g_w = unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, pad), g)[:2]
+        g_inp, g_w = unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, pad, owner), g)[:2]
         return (g_inp, g_w) if w else (g_inp,)
     return run
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _combine(inp, w, rid, backend):
-    return _combine_fwd(inp, w, rid, backend)[0]
-
-
-def _combine_fwd(inp, w, rid, backend):
+def _combine_call(inp, w, rid, backend, with_owner):
     weighted = w is not None
     args = (inp, rid) + ((w,) if weighted else ()) + (_unread_pad_of(rid),)
     arg_axes = (("R", "H"), ("T", "W")) + ((("T", "E"),) if weighted else ()) + (("E",),)
-    (out,) = split_over_tokens("token_combine", _combine_local(backend), args, arg_axes, (("T", "H"),),
-                               backend)
-    return out, (inp, w, rid)
+    out_axes = (("T", "H"),) + ((("R",),) if with_owner else ())
+    return split_over_tokens("token_combine", _combine_local(backend, with_owner), args, arg_axes, out_axes,
+                             backend)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine(inp, w, rid, backend):
+    return _combine_call(inp, w, rid, backend, False)[0]
+
+
+def _combine_fwd(inp, w, rid, backend):
+    out, owner = _combine_call(inp, w, rid, backend, True)
+    return out, (inp, w, rid, owner)
 
 
 def _combine_bwd(backend, res, g):
-    inp, w, rid = res
+    inp, w, rid, owner = res
     weighted = w is not None
-    args = (g, rid, inp) + ((w,) if weighted else ()) + (_unread_pad_of(rid),)
-    arg_axes = (("T", "H"), ("T", "W"), ("R", "H")) + ((("T", "E"),) if weighted else ()) + (("E",),)
+    args = (g, rid, inp, owner) + ((w,) if weighted else ()) + (_unread_pad_of(rid),)
+    arg_axes = (("T", "H"), ("T", "W"), ("R", "H"), ("R",)) + ((("T", "E"),) if weighted else ()) + (("E",),)
     out_axes = (("R", "H"),) + ((("T", "E"),) if weighted else ())
     grads = split_over_tokens("token_combine (backward)", _combine_bwd_local(backend), args, arg_axes,
                               out_axes, backend)

@@ -1,9 +1,9 @@
 """Kernel declarations of the row movers between token rows and expert-sorted rows.
 
-Six kernels over two bodies (see :mod:`te_jax_perm.kernels.permute`): the scatters
+Eight kernels over two bodies (see :mod:`te_jax_perm.kernels.permute`): the scatters
 ``permute``, ``permute_probs`` and ``unpermute_bwd_weighted``; the gathers ``unpermute``,
-``unpermute_weighted`` and ``permute_bwd_probs``; and ``row_owner``, the writer of each
-output row. Their references are in :mod:`te_jax_perm.ops.permute.reference`; the public
+``unpermute_weighted`` and ``permute_bwd_probs``, and the first two's ``_owner`` variants
+that also fill the row owner table; and ``row_owner``, the writer of each output row. Their references are in :mod:`te_jax_perm.ops.permute.reference`; the public
 API and VJP rules in :mod:`te_jax_perm.ops.permute.api`.
 """
 from __future__ import annotations
@@ -334,29 +334,54 @@ def several_rows_per_token(dims) -> bool:
     return dims["N"] >= 2 * max(dims["T"], 1)
 
 
-def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_rows_reference):
-    """A gather: each token's rows summed (fp32) into ``out [T, H]``."""
+# The row_owner table of a gather's map, filled by the gather itself (its ``_owner``
+# variants): rows no entry names stay zero, the entries take their max.
+_GATHER_OWNER = Output("owner", lambda dims, params: (dims["N"],), lambda dtypes, params: jnp.int32, init="zeros")
+
+
+def _with_owner(reference):
+    """The reference of a gather's ``_owner`` variant: its outputs and the map's row owners."""
+    def owner_reference(y, rid, pad, *rest, padded):
+        return (*reference(y, rid, pad, *rest, padded=padded),
+                *R.row_owner_reference(rid, pad, num_out_rows=y.shape[0], padded=padded))
+    return owner_reference
+
+
+def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_rows_reference, table=None):
+    """A gather: each token's rows summed (fp32) into ``out [T, H]``; ``extra_outs`` ending in
+    the owner table make the ``_owner`` variant of the gather ``table`` (whose tuned defaults
+    it shares: the atomics add nothing a tile choice would weigh)."""
     extra = extra_ops[0].name if extra_ops else None
-    # Sums over a token's rows, slice by slice of H: H-local (grad_probs has no H axis).
-    part = Partitioning(outputs=(("T", "H"),) + tuple(("T", "E") for _ in extra_outs), local=("H",))
+    owner = bool(extra_outs) and extra_outs[-1] is _GATHER_OWNER
+    # Sums over a token's rows, slice by slice of H: H-local (grad_probs and the owner table
+    # have no H axis; every H-shard computes the whole table).
+    part = Partitioning(outputs=(("T", "H"),) + tuple(("N",) if o is _GATHER_OWNER else ("T", "E")
+                                                      for o in extra_outs), local=("H",))
     return declare(KernelDecl(
         name=name, kernel=kernel,
         operands=(Operand("inp", ("N", "H")), _RID, _PAD, *extra_ops),
         outputs=(Output("out", lambda dims, params: (dims["T"], dims["H"]), lambda dtypes, params: dtypes["inp"]),
                  *extra_outs),
-        params=("padded",), reference=reference,
+        params=("padded",), reference=_with_owner(reference) if owner else reference,
         grid=lambda dims, params, config: (_token_programs(dims, config), _slices(dims, config)),
         # N: rows of inp, the bound every row read is checked against.
         scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": dims["N"]},
         constexprs=lambda dims, params, config: {"H": dims["H"], "PADDED": params["padded"],
-                                                 "E_LANES": _grad_lanes(dims, bool(extra_outs)),
+                                                 "E_LANES": _grad_lanes(dims, bool(extra_outs) and not owner),
                                                  "TWO_IN_FLIGHT": several_rows_per_token(dims)},
         exact=False, rtol=1e-2, atol=1e-2, example_inputs=_unpermute_example(extra), partitioning=part,
-        **_common(default_config=_tabled(name, _gather_default_config))))
+        **_common(default_config=_tabled(table or name, _gather_default_config),
+                  params_check=_owner_check if owner else _map_check)))
 
 
 unpermute = _unpermute_decl("unpermute", K.unpermute_kernel, (), ())
 unpermute_weighted = _unpermute_decl("unpermute_weighted", K.unpermute_weighted_kernel, (_TE_PROBS("merging_probs"),), ())
+# The combine forward under differentiation: its backward reads the owner table these fill.
+unpermute_owner = _unpermute_decl("unpermute_owner", K.unpermute_owner_kernel, (), (_GATHER_OWNER,),
+                                  table="unpermute")
+unpermute_weighted_owner = _unpermute_decl("unpermute_weighted_owner", K.unpermute_weighted_owner_kernel,
+                                           (_TE_PROBS("merging_probs"),), (_GATHER_OWNER,),
+                                           table="unpermute_weighted")
 permute_bwd_probs = _unpermute_decl(
     "permute_bwd_probs", K.permute_bwd_probs_kernel, (Operand("grad_permuted_probs", ("N",), PROB_DTYPES),),
     (_grad_probs("grad_permuted_probs"),), reference=R.permute_bwd_probs_reference)
