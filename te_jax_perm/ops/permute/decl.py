@@ -368,7 +368,8 @@ def _unpermute_decl(name, kernel, extra_ops, extra_outs, reference=R.unpermute_r
         scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": dims["N"]},
         constexprs=lambda dims, params, config: {"H": dims["H"], "PADDED": params["padded"],
                                                  "E_LANES": _grad_lanes(dims, bool(extra_outs) and not owner),
-                                                 "TWO_IN_FLIGHT": several_rows_per_token(dims)},
+                                                 "TWO_IN_FLIGHT": several_rows_per_token(dims),
+                                                 **({"BLOCK_K": OWNER_BLOCK_K} if owner else {})},
         exact=False, rtol=1e-2, atol=1e-2, example_inputs=_unpermute_example(extra), partitioning=part,
         **_common(default_config=_tabled(table or name, _gather_default_config),
                   params_check=_owner_check if owner else _map_check)))
