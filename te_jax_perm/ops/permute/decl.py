@@ -3,8 +3,9 @@
 Eight kernels over two bodies (see :mod:`te_jax_perm.kernels.permute`): the scatters
 ``permute``, ``permute_probs`` and ``unpermute_bwd_weighted``; the gathers ``unpermute``,
 ``unpermute_weighted`` and ``permute_bwd_probs``, and the first two's ``_owner`` variants
-that also fill the row owner table; and ``row_owner``, the writer of each output row. Their references are in :mod:`te_jax_perm.ops.permute.reference`; the public
-API and VJP rules in :mod:`te_jax_perm.ops.permute.api`.
+that also fill the row owner table; and ``row_owner``, the writer of each output row. Their
+references are in :mod:`te_jax_perm.ops.permute.reference`; the public API and VJP rules in
+:mod:`te_jax_perm.ops.permute.api`.
 """
 from __future__ import annotations
 
