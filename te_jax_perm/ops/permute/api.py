@@ -208,7 +208,9 @@ def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs
 
     Returns:
       ``[T, H]`` in ``inp.dtype``, accumulated in float32. Map entries addressing rows
-      ``inp`` does not have contribute nothing (no kernel reads past ``inp``).
+      ``inp`` does not have contribute nothing (no kernel reads past ``inp``). Differentiated,
+      the forward also keeps an int32 ``[N]`` table of each row's writing entry for the
+      backward (as :func:`token_combine`).
     """
     pad, padded = _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expert)
     return _unpermute(inp, merging_probs, row_id_map, pad, padded, backend)
@@ -461,6 +463,10 @@ def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Arra
       map addressing rows ``inp`` does not have raises; a traced one is checked only under
       ``TE_JAX_PERM_CHECKS=1`` and otherwise such entries contribute nothing (no kernel
       reads past ``inp``).
+
+    Differentiated, the forward also keeps an int32 ``[R]`` table for the backward: which
+    map entry writes each row of ``inp``'s gradient (rows no entry names get zeros), filled
+    by the forward's own kernel from the entries it reads.
     """
     inp = jnp.asarray(inp)
     _checks.check_rank("inp", inp, (2,), "[R, H]")
