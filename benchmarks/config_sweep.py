@@ -9,8 +9,7 @@ the op really hands it, launched directly through the backend's call under every
 shape and warp count its declaration allows, then the fastest few at every stage count;
 each config's outputs are checked against the default's (bitwise for kernels that only move
 data, within the declared tolerance for those that sum); one that disagrees never enters the table.
-``--kernels`` also takes the combine backward's owner table (``row_owner``, whose default is
-a rule, swept to check it) and the chunk sort's row mover (``sort_chunks_probs``, forward and
+``--kernels`` also takes the chunk sort's row mover (``sort_chunks_probs``, forward and
 backward: a rule, and table entries where a sweep found better).
 ``rowmap``: ``make_row_id_map`` over a grid of token and expert counts, one launch or two,
 every block size and warp count. Kernel times from one CUPTI profile per group
@@ -38,11 +37,8 @@ from benchmarks.shapes import GPU_SHAPES, OFF_LIST_SHAPES, by_name
 # (case, kernel declaration name) pairs of the row movers.
 MOVERS = (("token_combine.fwd", "unpermute_weighted"), ("token_dispatch.fwd", "permute_probs"),
           ("token_dispatch.bwd", "permute_bwd_probs"), ("token_combine.bwd", "unpermute_bwd_weighted"))
-# Swept only when named in --kernels: the combine backward's owner table (never tabled: its
-# default is a rule) and the chunk sort's row mover, forward and backward.
-AUX = (("token_combine.bwd", "row_owner"), ("sort_chunks_by_index.fwd", "sort_chunks_probs"),
-       ("sort_chunks_by_index.bwd", "sort_chunks_probs"))
-UNTABLED = {"row_owner"}
+# Swept only when named in --kernels: the chunk sort's row mover, forward and backward.
+AUX = (("sort_chunks_by_index.fwd", "sort_chunks_probs"), ("sort_chunks_by_index.bwd", "sort_chunks_probs"))
 # Phase one times every tile shape and warp count at one stage count; phase two gives the
 # TOP fastest every stage count.
 FIRST_STAGES = 3
@@ -287,7 +283,7 @@ def default_table(sweeps: list[str]) -> dict:
             for r in json.load(f)["rows"]:
                 # A config whose outputs disagree with the default's is never a default
                 # (sweeps older than the "agrees" field compared bitwise only: kept).
-                if r.get("us") is None or "error" in r or r.get("agrees") is False or r["kernel"] in UNTABLED:
+                if r.get("us") is None or "error" in r or r.get("agrees") is False:
                     continue
                 # The kernel's own row count (sweeps from before it was recorded swept only
                 # the permutation's movers, whose row count is the token count T).
@@ -430,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="rebuild the movers' default table of each device these sweep files (default: "
                          "those listed in benchmarks/results/mover_table_sweeps.txt) were measured on, in "
                          "te_jax_perm/ops/tuned_defaults_sm90.json (other devices' tables kept), and exit")
-    ap.add_argument("--kernels", default="", help="comma-separated kernel names: the four movers (the default), "
-                    "row_owner and sort_chunks_probs")
+    ap.add_argument("--kernels", default="", help="comma-separated kernel names: the four movers (the default) "
+                    "and sort_chunks_probs")
     ap.add_argument("--tokens", default="", help="comma-separated token counts replacing each shape's T "
                     "(small-T sweeps, e.g. 16,64,256)")
     ap.add_argument("--quick", action="store_true",

@@ -231,13 +231,13 @@ def test_sweep_agreement_is_bitwise_for_exact_kernels_and_within_tolerance_other
 def test_default_table_keys_a_kernel_by_its_own_row_count_and_serves_both_directions(tmp_path):
     """A chunk-sort row (its row count N recorded as ``rows``) is keyed by N, not the shape's
     token count; its forward and backward at one shape are two shapes the entry must serve
-    (the config least slow at both); the owner table's rows never enter the table."""
+    (the config least slow at both)."""
     from benchmarks.config_sweep import default_table
-    row = lambda case, c, us, kernel="sort_chunks_probs": {  # noqa: E731
-        "kernel": kernel, "H": 2880, "T": 8192, "rows": 32768, "shape": "s", "case": case, "config": c, "us": us}
+    row = lambda case, c, us: {  # noqa: E731
+        "kernel": "sort_chunks_probs", "H": 2880, "T": 8192, "rows": 32768, "shape": "s", "case": case, "config": c, "us": us}
     path = tmp_path / "s.json"
     path.write_text(json.dumps({"rows": [row("fwd", "a", 10.0), row("fwd", "b", 10.4), row("bwd", "a", 12.0),
-                                         row("bwd", "b", 10.0), row("bwd", "c", 9.0), row("fwd", "o", 1.0, "row_owner")]}))
+                                         row("bwd", "b", 10.0), row("bwd", "c", 9.0)]}))
     # a: 1.00 forward, 1.33 backward; b: 1.04, 1.11 (c, the backward's fastest, was not timed forward).
     assert default_table([str(path)]) == {"sort_chunks_probs": {"2880": {"32768": "b"}}}
 
