@@ -146,6 +146,14 @@ def test_backend_by_position_says_it_is_keyword_only():
         te_jax_perm.token_dispatch(x, rm, 4, None, None, "xla")
     with pytest.raises(TypeError, match="sort_chunks_by_index takes at most 3 .* pass backend='interpret'"):
         te_jax_perm.sort_chunks_by_index(X, [10], [0], "interpret")
+    rid, tpe = te_jax_perm.make_row_id_map(rm, 4, backend="xla")
+    for call, most in ((lambda: te_jax_perm.permute_with_mask_map(x, rid, tpe, 4, None, None, "xla"), 6),
+                       (lambda: te_jax_perm.unpermute_with_mask_map(x, rid, None, None, None, "xla"), 5),
+                       (lambda: te_jax_perm.make_chunk_sort_map([2, 2], [1, 0], 4, "xla"), 3),
+                       (lambda: te_jax_perm.sort_chunks_by_map(x, np.arange(4), None, True, "xla"), 4)):
+        with pytest.raises(TypeError, match=f"takes at most {most} positional arguments, got {most + 1}: backend "
+                                            "is keyword-only; pass backend='xla'"):
+            call()
 
 
 def test_backend_names_are_case_insensitive_as_in_the_environment():

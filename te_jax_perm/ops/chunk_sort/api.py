@@ -97,6 +97,7 @@ def _one_to_one_problem(row_id_map: np.ndarray) -> str | None:
     return None
 
 
+@_checks.keyword_only_backend
 def make_chunk_sort_map(split_sizes: jax.Array, sorted_indices: jax.Array, num_tokens: int,
                         *, backend: str | None = None) -> jax.Array:
     """Row map of a chunk sort, built on device.
@@ -121,6 +122,7 @@ def _maps(split_sizes, sorted_indices, num_tokens, backend):
     return D.chunk_maps(split_sizes, sorted_indices, backend=backend, num_tokens=num_tokens)
 
 
+@_checks.keyword_only_backend
 def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array | None = None,
                        is_forward: bool = True, *, backend: str | None = None
                        ) -> tuple[jax.Array, jax.Array | None]:

@@ -147,6 +147,7 @@ def _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_o
     return pad_operand(pad_offsets, e), pad_offsets is not None, num_out_rows
 
 
+@_checks.keyword_only_backend
 def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expert: jax.Array,
                           num_out_rows: int, probs: jax.Array | None = None,
                           pad_offsets: jax.Array | None = None, *, backend: str | None = None
@@ -191,6 +192,7 @@ def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expe
     return pad_operand(pad_offsets, e), pad_offsets is not None
 
 
+@_checks.keyword_only_backend
 def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,
                             pad_offsets: jax.Array | None = None, tokens_per_expert: jax.Array | None = None,
                             *, backend: str | None = None) -> jax.Array:
