@@ -92,25 +92,34 @@ def _vjp_case(fwd: Callable[..., Any], primals: tuple[Any, ...], extra_read: Cal
     def build(p: Problem, backend: str) -> Built:
         outs, vjp = jax.jit(lambda a, *xs: jax.vjp(lambda *d: fwd(p, backend, a, *d), *xs))(aux(p), *primals(p))
         cts = jax.tree.map(lambda o: jnp.ones_like(o), outs)
-        grads = jax.eval_shape(vjp, cts)
         # Cotangents first: the timing chain perturbs args[0].
-        return Built(lambda c, v: v(c), (cts, vjp), nbytes(cts) + nbytes(grads) + extra_read(p))
+        return Built(lambda c, v: v(c), (cts, vjp), build.bytes(p, backend))
 
+    def bwd_bytes(p: Problem, backend: str) -> int:
+        """The cotangents read, the gradients written and ``extra_read``, from shapes alone."""
+        def cts_and_grads(a, *xs):
+            outs, vjp = jax.vjp(lambda *d: fwd(p, backend, a, *d), *xs)
+            cts = jax.tree.map(jnp.ones_like, outs)
+            return cts, vjp(cts)
+        return nbytes(jax.eval_shape(cts_and_grads, aux(p), *primals(p))) + extra_read(p)
+
+    build.bytes = bwd_bytes
     return build
 
 
 def _train_case(fwd: Callable[..., Any], primals: Callable[[Problem], tuple[Any, ...]],
                 aux: Callable[[Problem], tuple[Any, ...]], fwd_case: Callable[[Problem, str], Built],
-                bwd_case: Callable[[Problem, str], Built]):
+                bwd_case):
     """A training step's use of an op: its forward as differentiation runs it (which may keep
     more for the backward than the plain forward computes), then its backward, in one jit.
-    The bytes are the forward's plus the backward's. Against a peer's forward plus backward
+    The bytes are the forward's plus the backward's (``bwd_case``: a :func:`_vjp_case`, whose
+    bytes come from shapes, so nothing runs twice). Against a peer's forward plus backward
     this counts whatever a forward does for its backward, which the backward-only timing
     (residuals built outside) leaves out."""
 
     def build(p: Problem, backend: str) -> Built:
-        xs = primals(p)
-        outs = jax.eval_shape(lambda a, *d: fwd(p, backend, a, *d), aux(p), *xs)
+        xs, a = primals(p), aux(p)
+        outs = jax.eval_shape(lambda a, *d: fwd(p, backend, a, *d), a, *xs)
         cts = jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype), outs)
 
         def step(c, a, *d):
@@ -118,7 +127,7 @@ def _train_case(fwd: Callable[..., Any], primals: Callable[[Problem], tuple[Any,
             return y, vjp(c)
 
         # Cotangents first: the timing chain perturbs args[0].
-        return Built(step, (cts, aux(p), *xs), fwd_case(p, backend).bytes + bwd_case(p, backend).bytes)
+        return Built(step, (cts, a, *xs), fwd_case(p, backend).bytes + bwd_case.bytes(p, backend))
 
     return build
 

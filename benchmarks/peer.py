@@ -18,8 +18,8 @@ Writes ``DIR/peer.json``, ``DIR/peer.png`` and ``DIR/peer_summary.txt``, whose
 ``TARGET`` lines compare, per shape: each op's kernel time with TE's (ours <= TE), with
 the ``xla`` backend's, and each backward with its forward (<= 1.1x). ``token_combine.train``
 is a training step's combine: the forward as differentiation runs it (it also fills the
-row owner table its backward reads) and the backward, against TE's forward and backward. Each comparison also
-gives both sides' call-to-call spread (the calls' interquartile range over their median):
+row owner table its backward reads) and the backward, against TE's forward and backward.
+Each comparison also gives both sides' call-to-call spread (the calls' interquartile range over their median):
 a gap smaller than it is within what reruns of the same kernel move.
 """
 from __future__ import annotations
@@ -82,9 +82,11 @@ def te_ops(te, p) -> dict[str, Callable[[], Any]]:
         r = te.make_row_id_map(rm, T, E)
         return te.permute_with_mask_map(inp, r, probs, None, None, T, E, n, H, 0)
 
-    def combine_train():
-        y = te.unpermute_with_mask_map(permuted, rid, probs, None, None, T, E, H)
-        return y, te.unpermute_with_mask_map_bwd_with_merging_probs(grad_tok, rid, permuted, probs, None, T, E, n, H)
+    def combine_fwd():
+        return te.unpermute_with_mask_map(permuted, rid, probs, None, None, T, E, H)
+
+    def combine_bwd():
+        return te.unpermute_with_mask_map_bwd_with_merging_probs(grad_tok, rid, permuted, probs, None, T, E, n, H)
 
     def sort_fwd():
         m = te.make_chunk_sort_map(split, order, n, split.shape[0])
@@ -95,10 +97,9 @@ def te_ops(te, p) -> dict[str, Callable[[], Any]]:
         "token_dispatch.fwd": dispatch,
         # TE's permute backward: rows summed back per token, probs gathered back.
         "token_dispatch.bwd": lambda: te.unpermute_with_mask_map(grad_rows, rid, None, grad_pprobs, None, T, E, H),
-        "token_combine.fwd": lambda: te.unpermute_with_mask_map(permuted, rid, probs, None, None, T, E, H),
-        "token_combine.bwd": lambda: te.unpermute_with_mask_map_bwd_with_merging_probs(
-            grad_tok, rid, permuted, probs, None, T, E, n, H),
-        "token_combine.train": combine_train,
+        "token_combine.fwd": combine_fwd,
+        "token_combine.bwd": combine_bwd,
+        "token_combine.train": lambda: (combine_fwd(), combine_bwd()),
         "sort_chunks_by_index.fwd": sort_fwd,
         "sort_chunks_by_index.bwd": lambda: te.sort_chunks_by_map(permuted, chunk_map, sprobs, n, H, False),
     }
