@@ -196,17 +196,24 @@ def test_default_table_serves_every_shape_sharing_a_key(tmp_path):
     assert default_table([str(path)]) == {"k": {"4096": {"8192": "b"}}}
 
 
-def test_small_t_targets_compare_kernels_and_report_the_launch_floor():
+def test_small_t_targets_compare_kernels_and_judge_the_wall_against_the_launch_floor():
     from benchmarks.small_t import target_lines
-    row = lambda backend, T, kernel, wall: {"model": "m", "backend": backend, "T": T, "kernel_us": kernel,  # noqa: E731
-                                            "wall_us": wall, "wall_over_kernel": wall / kernel}
-    rows = [{"model": "floor", "backend": "one tiny kernel", "wall_us": 41.0},
-            row("triton", 16, 30.0, 90.0), row("xla", 16, 33.0, 95.0),
-            row("triton", 256, 70.0, 72.0), row("xla", 256, 60.0, 62.0)]
+    row = lambda backend, T, kernel, wall, floor: {  # noqa: E731
+        "model": "m", "backend": backend, "T": T, "kernel_us": kernel, "wall_us": wall,
+        "wall_over_kernel": wall / kernel, "floor_us": floor}
+    rows = [row("triton", 16, 30.0, 90.0, 41.0), row("xla", 16, 33.0, 95.0, 41.0),
+            row("triton", 256, 70.0, 72.0, 41.0), row("xla", 256, 60.0, 62.0, 41.0)]
     kernels, wall = target_lines(rows)
     assert kernels.startswith("TARGET small-T triton kernel <= xla kernel: FAIL") and "T=256: 70.0 vs 60.0us" in kernels
-    assert wall.startswith("TARGET small-T wall <= 1.3x kernel: FAIL") and wall.endswith("wall 41us)")
-    assert "PASS" in target_lines(rows[:3])[0]
+    # 1.3x 30us = 39us is below the 41us floor: no step with these arguments launches that fast.
+    assert wall.startswith("TARGET small-T wall <= 1.3x kernel: OUT OF REACH")
+    assert "T=16: wall 90us = 3.00x kernel (floor 41us > 1.3x kernel 39us)" in wall
+    assert "PASS" in target_lines(rows[:2] + rows[3:])[0]
+    # A floor within reach makes the miss a failure; a wall within 1.3x passes.
+    assert target_lines([row("triton", 16, 40.0, 90.0, 41.0)])[1].startswith("TARGET small-T wall <= 1.3x kernel: FAIL")
+    assert target_lines([row("triton", 64, 40.0, 50.0, 41.0)])[1].startswith("TARGET small-T wall <= 1.3x kernel: PASS")
+    assert target_lines([row("triton", 64, 40.0, 90.0, 41.0), row("triton", 16, 30.0, 90.0, 41.0)])[1].startswith(
+        "TARGET small-T wall <= 1.3x kernel: FAIL")
 
 
 def test_sweep_agreement_is_bitwise_for_exact_kernels_and_within_tolerance_otherwise(tmp_path):
