@@ -7,11 +7,11 @@ Each collected test runs in a process of its own under ``compute-sanitizer --too
 (several at once): one process running them all was killed by a segfault inside the
 sanitizer after a varying number of tests (the same tests pass outside it, and memcheck
 reported no error before the crash), which hid every test after it. A test whose sanitized
-process dies by a signal without any memcheck report is run once more in a fresh process;
-the summary counts those reruns. A memcheck error, a failing test, or a crash that repeats
-fails the run. A test still running at three quarters of ``--timeout_s`` dumps its Python
-stack into its log (printed with the run's output when it fails), and each test's line gives
-its time.
+process dies by a signal without any memcheck report, or hangs, is run once more in a fresh
+process, alone on the GPU once the others are done; the summary counts those reruns. A
+memcheck error, a failing test, or a crash that repeats fails the run. A test still running
+at three quarters of ``--timeout_s`` dumps its Python stack into its log (printed with the
+run's output when it fails), and each test's line gives its time.
 
 A module without flags: the CPU suite reads :data:`HOSTILE_TESTS` without defining the GPU
 driver's flags in its process.
@@ -53,6 +53,7 @@ MEMCHECK_ENV = {"XLA_PYTHON_CLIENT_ALLOCATOR": "platform",
                              "--xla_gpu_autotune_level=0"}
 MEMCHECK_ARGS = ["--tool", "memcheck", "--error-exitcode", "99", "--report-api-errors", "no", "--print-limit", "50"]
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
+RERUN = ("crash", "timeout")   # verdicts that earn a second try
 
 
 def collect(root: pathlib.Path, env: dict, targets: list[str] = HOSTILE_TESTS) -> list[str]:
@@ -107,25 +108,25 @@ def main(argv: list[str] | None = None) -> int:
     tests = collect(root, env, a.tests.split(","))
     print(f"{len(tests)} hostile tests, {a.workers} at a time", flush=True)
 
-    def attempt(test: str) -> tuple[str, int]:
-        tries = 0
-        while True:
-            tries += 1
-            started = time.monotonic()
-            v, log = run_one(test, a.sanitizer, root, env, a.timeout_s)
-            name = re.sub(r"[^A-Za-z0-9_.-]+", "_", test)[-150:]
-            (out / f"{name}.try{tries}.log").write_text(log)
-            print(f"{v.upper():8s} {test} ({time.monotonic() - started:.0f} s)" + (f" (try {tries})" if tries > 1 else ""),
-                  flush=True)
-            # A process that died without a report, or hung (seen under memcheck with several
-            # sanitized processes sharing the GPU, each passing in seconds alone), runs once more.
-            if v not in ("crash", "timeout") or tries == 2:
-                if v != "pass":  # the log files may not travel back from the GPU machine; this does
-                    print(f"--- {test}, try {tries}: the log's end\n" + "\n".join(log.splitlines()[-40:]), flush=True)
-                return v, tries
+    def attempt(test: str, tries: int) -> str:
+        started = time.monotonic()
+        v, log = run_one(test, a.sanitizer, root, env, a.timeout_s)
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", test)[-150:]
+        (out / f"{name}.try{tries}.log").write_text(log)
+        print(f"{v.upper():8s} {test} ({time.monotonic() - started:.0f} s)" + (f" (try {tries})" if tries > 1 else ""),
+              flush=True)
+        if v != "pass" and (tries > 1 or v not in RERUN):  # the log files may not travel back; this does
+            print(f"--- {test}, try {tries}: the log's end\n" + "\n".join(log.splitlines()[-40:]), flush=True)
+        return v
 
     with concurrent.futures.ThreadPoolExecutor(a.workers) as pool:
-        results = dict(zip(tests, pool.map(attempt, tests)))
+        results = {t: (v, 1) for t, v in zip(tests, pool.map(lambda t: attempt(t, 1), tests))}
+    # A process that died without a report, or hung (seen under memcheck with several
+    # sanitized processes sharing the GPU, each passing in seconds alone), runs once more,
+    # alone on the GPU.
+    for t in tests:
+        if results[t][0] in RERUN:
+            results[t] = (attempt(t, 2), 2)
     bad = {t: v for t, (v, _) in results.items() if v != "pass"}
     reruns = [t for t, (v, n) in results.items() if v == "pass" and n > 1]
     for t, v in sorted(bad.items()):
