@@ -10,7 +10,8 @@ to enqueue them (when the two are equal, the host sets the pace, not the kernels
 same step's wall time without donation (XLA then updates the step's CUDA graph for new
 buffer addresses on every call). Beside each point, the floor: a jitted step with the same
 arguments and results doing one trivial update of each, chained and donated the same way,
-the least any step of that signature takes on this host. Kernel time: the sum of every kernel
+about the least any step of that signature takes on this host (the three are chained in
+turns, so the host's slow stretches fall on all of them alike). Kernel time: the sum of every kernel
 of one step in a ``jax.profiler`` trace (ours and XLA's). Writes ``small_t.json`` and
 ``small_t.png`` into ``--out``; prints two ``TARGET`` lines: the ``triton`` step's kernel time
 is at most the ``xla`` backend's at every T, and at T <= 64 its wall time is within 1.3x its
