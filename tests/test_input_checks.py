@@ -172,3 +172,96 @@ def test_on_off_switches_take_the_same_words(monkeypatch, word, on):
     for var in (env.AUTOTUNE, env.SANITIZE, env.CHECKS):
         monkeypatch.setenv(var, word)
     assert env.autotune() is on and env.checks() is on and env.sanitize() == ("collect" if on else None)
+
+
+# -- arguments checked as given --------------------------------------------------------------
+_RM = np.eye(4, dtype=bool)[[0, 1, 2, 3, 0, 1]]
+
+
+@pytest.mark.parametrize("arg", ["inp", "tokens_per_expert", "probs", "pad_offsets"])
+def test_permute_with_mask_map_takes_lists_as_token_dispatch_does(arg):
+    x, probs = np.arange(48, dtype=np.float32).reshape(6, 8), np.full((6, 4), 0.5, np.float32)
+    rid, kept = te_jax_perm.make_row_id_map(_RM, backend="xla")
+    args = dict(inp=x, tokens_per_expert=np.asarray(kept), probs=probs, pad_offsets=np.zeros(4, np.int32))
+    call = lambda a: te_jax_perm.permute_with_mask_map(a["inp"], rid, a["tokens_per_expert"], 6, a["probs"],
+                                                       a["pad_offsets"], backend="xla")
+    want = call(args)
+    got = call({**args, arg: args[arg].tolist()})
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize("arg", ["inp", "merging_probs", "pad_offsets", "tokens_per_expert"])
+def test_unpermute_with_mask_map_takes_lists_as_token_combine_does(arg):
+    rid, kept = te_jax_perm.make_row_id_map(_RM, backend="xla")
+    args = dict(inp=np.arange(48, dtype=np.float32).reshape(6, 8), merging_probs=np.full((6, 4), 0.5, np.float32),
+                pad_offsets=np.zeros(4, np.int32), tokens_per_expert=np.asarray(kept))
+    call = lambda a: te_jax_perm.unpermute_with_mask_map(a["inp"], rid, a["merging_probs"], a["pad_offsets"],
+                                                         a["tokens_per_expert"], backend="xla")
+    np.testing.assert_array_equal(np.asarray(call({**args, arg: args[arg].tolist()})), np.asarray(call(args)))
+
+
+_W_IN, _W_OUT = np.ones((4, 8, 12), np.float32), np.ones((4, 6, 8), np.float32)
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: te_jax_perm.make_row_id_map(_RM, block_tokens=2.0), TypeError,
+     "block_tokens must be a static Python int, got float 2.0"),
+    (lambda: te_jax_perm.make_row_id_map(_RM, block_tokens=True), TypeError,
+     "block_tokens must be a static Python int, got bool True"),
+    (lambda: te_jax_perm.make_row_id_map(_RM, block_tokens=2**40), ValueError,
+     r"block_tokens must be <= 2147483647 \(int32 row indices\), got 1099511627776"),
+    (lambda: te_jax_perm.make_row_id_map(_RM, single_pass="no"), TypeError,
+     "single_pass must be a static Python bool, got str 'no'"),
+    (lambda: te_jax_perm.make_row_id_map(_RM, 6, "xla"), TypeError,
+     "make_row_id_map takes at most 2 positional arguments, got 3: backend is keyword-only; pass backend='xla'"),
+    (lambda: te_jax_perm.sort_chunks_by_map(X, jnp.arange(10, dtype=jnp.int32), None, "no"), TypeError,
+     "is_forward must be a static Python bool, got str 'no'"),
+    (lambda: te_jax_perm.sort_chunks_by_map(X, jnp.arange(10, dtype=jnp.int32), None, None), TypeError,
+     "is_forward must be a static Python bool, got NoneType None"),
+    (lambda: jax.jit(lambda f: te_jax_perm.sort_chunks_by_map(X, jnp.arange(10, dtype=jnp.int32), None, f))(False),
+     TypeError, "is_forward must be a static Python bool, got DynamicJaxprTracer"),
+    (lambda: te_jax_perm.sort_chunks_by_index_with_probs(X, [5, 5], [1, 0], None), TypeError,
+     r"probs is None; expected float \[N\] probabilities"),
+    (lambda: te_jax_perm.routing_map_to_topk(np.bool_(True), 0), ValueError,
+     r"routing_map has shape \(\); expected \[T, E\]"),
+    (lambda: te_jax_perm.grouped_matmul(np.ones((6, 8)), np.ones((3, 8, 5)), [2, 2, 2], preferred_element_type="foo"),
+     TypeError, "preferred_element_type='foo' is not a dtype"),
+    (lambda: te_jax_perm.moe_ffn(np.ones((6, 8)), _RM, None, _W_IN, _W_OUT, 6), TypeError,
+     r"probs is None; expected routing probabilities of shape \(6, 4\)"),
+    (lambda: te_jax_perm.moe_ffn(np.ones((6, 8)), _RM, np.ones((6, 4)), _W_IN, _W_OUT, 6, activation=["silu"]),
+     ValueError, r"activation=\['silu'\]; expected one of"),
+], ids=["block_tokens_float", "block_tokens_bool", "block_tokens_huge", "single_pass_str", "make_row_id_map_backend",
+        "is_forward_str", "is_forward_none", "is_forward_traced", "with_probs_none", "topk_rank0",
+        "preferred_element_type", "moe_ffn_probs_none", "moe_ffn_activation_list"])
+def test_static_and_required_arguments_are_checked(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: te_jax_perm.sort_chunks_by_index(X, np.array([6, 6]), np.array([1, 0]))[0],
+     r"sum\(split_sizes\) = 12 exceeds the number of rows num_tokens = 10"),
+    (lambda: te_jax_perm.sort_chunks_by_index(X, [-1, 6], [1, 0])[0], "'split_sizes' has negative entries"),
+    (lambda: te_jax_perm.make_chunk_sort_map(np.array([5, 5]), np.array([1, 1]), 10),
+     r"'sorted_indices' = \[1, 1\] is not a permutation of range\(2\)"),
+    (lambda: te_jax_perm.sort_chunks_by_map(X, np.array([2, 2, 0, 1, 3, 4, 5, 6, 7, 8], np.int32))[0],
+     r"row_id_map names output rows \[2\] more than once"),
+], ids=["sum_past_n", "negative_size", "not_a_permutation", "map_row_twice"])
+def test_numpy_constants_under_jit_are_checked_as_concrete(monkeypatch, call, message):
+    # Under jit, jnp.asarray makes a NumPy constant a tracer: the values must be checked before.
+    monkeypatch.delenv("TE_JAX_PERM_CHECKS", raising=False)
+    with pytest.raises(CheckError, match=message):
+        jax.jit(call)()
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: te_jax_perm.grouped_matmul(np.ones((6, 8)), np.ones((3, 8, 5)), np.array([2**32 + 2, 2, 2]), impl="xla"),
+     ValueError, r"group_sizes = \[4294967298, 2, 2\] has entries outside int32"),
+    # 2**32 + 1 would run as row 1
+    (lambda: te_jax_perm.sort_chunks_by_map(X, np.array([2**32 + 1, 0, 2, 3, 4, 5, 6, 7, 8, 9], np.int64)),
+     TypeError, "row_id_map has dtype int64; expected int32"),
+], ids=["group_sizes", "chunk_sort_map"])
+def test_int64_maps_and_group_sizes_are_checked_before_the_int32_cast(call, error, message):
+    with pytest.raises(error, match=message):
+        call()

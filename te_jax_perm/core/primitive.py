@@ -11,6 +11,7 @@ from typing import Any, Callable
 import jax
 import jax.extend  # noqa: F401  (jax.extend is not imported by `import jax`)
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax._src import dispatch
 from jax.interpreters import batching, mlir
@@ -58,11 +59,15 @@ class KernelPrimitive:
     def __call__(self, *operands: jax.Array, backend: str | None = None, config: Config | None = None,
                  **params: Any) -> tuple[jax.Array, ...]:
         decl = self.decl
+        given = operands
         operands = tuple(jnp.asarray(o) for o in operands)
         chosen = backends.resolve_backend(backend)
         call = bind_call(decl, [o.aval for o in operands], params, chosen)
         if decl.validate is not None:
-            checks.check_values(functools.partial(_validation_problem, decl, call.dims, params), *operands)
+            # Values are checked as given: under jit, jnp.asarray makes a NumPy constant a
+            # tracer, whose values would be checked only in the checked mode.
+            shown = tuple(g if isinstance(g, np.ndarray) else o for g, o in zip(given, operands))
+            checks.check_values(functools.partial(_validation_problem, decl, call.dims, params), *shown)
         return tuple(self.prim.bind(*operands, backend=chosen, config=config, **params))
 
     # -- primitive rules --------------------------------------------------------------

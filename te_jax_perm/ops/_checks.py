@@ -121,6 +121,9 @@ def routing_rows(routing_map: Any, tokens_name: str, tokens: Any) -> Any:
 def probs_like_map(probs: Any, routing_map: Any) -> jax.Array:
     """``probs`` as an array of ``routing_map``'s shape and a probability dtype, flattened
     to ``[T, E]`` as the map is."""
+    if probs is None:
+        raise TypeError(f"probs is None; expected routing probabilities of shape {tuple(routing_map.shape)} "
+                        "(the routing_map shape)")
     probs = jnp.asarray(probs)
     if tuple(probs.shape) != tuple(routing_map.shape):
         raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} "
@@ -151,7 +154,9 @@ def index_vector(name: str, x: Any) -> Any:
     x = array_like(x)
     check_rank(name, x, (1,), "rank 1 [C]")
     check_index_values(name, x)
-    return jnp.asarray(x).astype(jnp.int32)
+    # NumPy values stay NumPy: under jit, jnp.asarray makes even a constant a tracer, and
+    # the ops' checks of concrete values (a permutation, sizes within N) would not see it.
+    return x.astype(np.int32) if isinstance(x, np.ndarray) else jnp.asarray(x).astype(jnp.int32)
 
 
 def check_static_int(name: str, v: Any, minimum: int, maximum: int = INT32_MAX) -> int:
@@ -165,6 +170,14 @@ def check_static_int(name: str, v: Any, minimum: int, maximum: int = INT32_MAX) 
         raise ValueError(f"{name} must be <= {maximum}{' (int32 row indices)' if maximum == INT32_MAX else ''}, "
                          f"got {v}")
     return int(v)
+
+
+def check_static_bool(name: str, v: Any) -> bool:
+    """``v`` as a Python bool: a string, ``None`` or a traced flag would otherwise be read
+    by its truth value."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a static Python bool, got {type(v).__name__} {v!r}")
+    return bool(v)
 
 
 def num_experts_of_map(row_id_map: Any) -> int:

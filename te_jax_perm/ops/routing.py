@@ -49,7 +49,9 @@ def routing_map_to_topk(routing_map: jax.Array, k: int) -> jax.Array:
       token; ``-1`` fills the tail of a token routed to fewer than ``k``.
     """
     routing_map = _checks.routing_map_array("routing_map", routing_map)
-    e = routing_map.shape[-1] if routing_map.ndim else 0
+    if routing_map.ndim < 1:
+        raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected [T, E]")
+    e = routing_map.shape[-1]
     k = _checks.check_static_int("k", k, 0, e)
     ids = jnp.arange(e, dtype=jnp.int32)
     # top_k of (E - id) over routed experts picks the lowest ids first; unrouted score 0.

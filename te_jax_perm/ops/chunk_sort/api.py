@@ -135,8 +135,8 @@ def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array |
         ``TE_JAX_PERM_CHECKS=1``). Otherwise, an entry outside ``[0, N)``, and each entry
         naming the same output row as an earlier entry, counts as ``-1``.
       probs: optional float [N], moved with the rows.
-      is_forward: ``True`` sorts (row ``i`` goes to ``row_id_map[i]``); ``False`` undoes it
-        (output row ``i`` is input row ``row_id_map[i]``).
+      is_forward: static bool; ``True`` sorts (row ``i`` goes to ``row_id_map[i]``); ``False``
+        undoes it (output row ``i`` is input row ``row_id_map[i]``).
       backend: ``"triton"``, ``"interpret"`` or ``"xla"``; ``None`` picks the default.
 
     Returns:
@@ -144,11 +144,14 @@ def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array |
       Differentiable in ``inp`` and ``probs``.
     """
     inp, probs = checked_rows(inp, probs)
-    row_id_map = jnp.asarray(row_id_map)
+    # Checked as given: jnp.asarray would wrap int64 entries to int32, and under jit make a
+    # NumPy map a tracer whose entries go unchecked.
+    row_id_map = _checks.array_like(row_id_map)
     _checks.check_shape("row_id_map", row_id_map, (inp.shape[0],), f"({inp.shape[0]},) int32")
     _checks.check_int32("row_id_map", row_id_map)
     _checks.check_values(_one_to_one_problem, row_id_map)
-    dst, src = _one_to_one(row_id_map)
+    is_forward = _checks.check_static_bool("is_forward", is_forward)
+    dst, src = _one_to_one(jnp.asarray(row_id_map))
     backend = resolve_backend(backend)
     return _move(inp, src, dst, probs, backend) if is_forward else _move(inp, dst, src, probs, backend)
 
@@ -187,6 +190,10 @@ def sort_chunks_by_index_with_probs(inp: jax.Array, split_sizes: jax.Array, sort
       ``(output [N, H], permuted_probs [N] in probs.dtype, row_id_map int32 [N])``;
       differentiable in ``inp`` and ``probs``.
     """
+    if probs is None:
+        # None would take sort_chunks_by_index's path and hand back None as permuted_probs.
+        raise TypeError("probs is None; expected float [N] probabilities, one per row of inp (sort_chunks_by_index "
+                        "sorts without them)")
     return _sort_chunks(inp, split_sizes, sorted_indices, probs, backend)
 
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from te_jax_perm.core import env, resolve_backend
 from te_jax_perm.core.launch import bind_dims
+from te_jax_perm.ops import _checks
 from te_jax_perm.ops.grouped_gemm import decl as D
 from te_jax_perm.ops.grouped_gemm import reference as R
 from te_jax_perm.ops.grouped_gemm.reference import RaggedDot
@@ -62,7 +63,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         ``group_sizes[g]``). Rows past ``sum(group_sizes)`` are ignored.
       rhs: ``[G, K, N]`` one matrix per group (expert weights).
       group_sizes: ``[G]`` integer rows per group, ``sum(group_sizes) <= M`` (not checked:
-        it is data; sizes are clamped to fit). Typically ``tokens_per_expert`` from
+        it is data; sizes are clamped to fit; concrete sizes must fit int32). Typically ``tokens_per_expert`` from
         ``token_dispatch``.
       preferred_element_type: output dtype (default: the promoted input dtype);
         accumulation is float32 either way.
@@ -79,7 +80,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS} or None")
     if impl == "tokamax":
         _tokamax()  # fail here, with the install hint, rather than inside the VJP trace
-    out_dtype = jnp.dtype(preferred_element_type) if preferred_element_type is not None else \
+    out_dtype = _out_dtype(preferred_element_type) if preferred_element_type is not None else \
         jnp.result_type(lhs.dtype, rhs.dtype)
     if impl == "triton":
         # Our kernels take one operand dtype, and run on the op backend in effect. Mixed
@@ -148,7 +149,8 @@ def tokamax_install_hint(python: tuple[int, ...] = tuple(sys.version_info[:2])) 
 # -- implementation ------------------------------------------------------------------------
 def _operands(lhs: Any, rhs: Any, group_sizes: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The one input check of both entry points: ``(lhs, rhs, group_sizes int32)``."""
-    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    # group_sizes as given: jnp.asarray would wrap int64 sizes past int32 before the check.
+    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), _checks.array_like(group_sizes)
     if lhs.ndim != 2:
         raise ValueError(f"lhs has shape {tuple(lhs.shape)}; expected [M, K]")
     if rhs.ndim != 3:
@@ -159,9 +161,17 @@ def _operands(lhs: Any, rhs: Any, group_sizes: Any) -> tuple[jax.Array, jax.Arra
     if group_sizes.shape != (rhs.shape[0],):
         raise ValueError(f"group_sizes has shape {tuple(group_sizes.shape)}; expected ({rhs.shape[0]},) "
                          f"(G from rhs {tuple(rhs.shape)})")
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"group_sizes has dtype {group_sizes.dtype}; expected an integer dtype")
-    return lhs, rhs, group_sizes.astype(jnp.int32)
+    _checks.check_index_values("group_sizes", group_sizes)
+    return lhs, rhs, jnp.asarray(group_sizes).astype(jnp.int32)
+
+
+def _out_dtype(preferred_element_type: Any) -> jnp.dtype:
+    """``preferred_element_type`` as a dtype, or an error naming it (NumPy's names nothing)."""
+    try:
+        return jnp.dtype(preferred_element_type)
+    except TypeError as e:
+        raise TypeError(f"preferred_element_type={preferred_element_type!r} is not a dtype ({e}); expected e.g. "
+                        "jnp.float32 or None") from e
 
 
 @functools.lru_cache(maxsize=None)

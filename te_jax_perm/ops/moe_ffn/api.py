@@ -92,7 +92,7 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     if e == 0:
         raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected at least one expert")
     probs = _checks.probs_like_map(probs, routing_map)
-    if activation not in ACTIVATIONS:
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}; expected one of {tuple(ACTIVATIONS)}")
     gated = ACTIVATIONS[activation][1]
     w_in, w_out = jnp.asarray(w_in), jnp.asarray(w_out)

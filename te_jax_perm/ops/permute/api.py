@@ -132,19 +132,23 @@ _unpermute.defvjp(unpermute_fwd, unpermute_bwd)
 
 # -- public API ------------------------------------------------------------------------------
 def _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_offsets):
-    """Checked arguments of :func:`permute_with_mask_map`: ``(pad, padded, num_out_rows)``."""
+    """Checked arguments of :func:`permute_with_mask_map`: ``(inp, probs, pad, padded, num_out_rows)``,
+    arrays taken as token_dispatch takes them (lists too)."""
+    inp = jnp.asarray(inp)
     _checks.check_rank("inp", inp, (2,), "[T, H]")
     _checks.check_token_dtype("inp", inp)
     e = _checks.num_experts_of_map(row_id_map)
     _checks.check_shape("row_id_map", row_id_map, (inp.shape[0], 2 * e + 1),
                         f"[T={inp.shape[0]}, 2E+1] (T from inp {tuple(inp.shape)})")
+    tokens_per_expert = _checks.array_like(tokens_per_expert)
     _checks.check_shape("tokens_per_expert", tokens_per_expert, (e,), f"[E={e}]")
     _checks.check_index_values("tokens_per_expert", tokens_per_expert)
     num_out_rows = _checks.check_static_int("num_out_rows", num_out_rows, 0)
     if probs is not None:
+        probs = jnp.asarray(probs)
         _checks.check_shape("probs", probs, (inp.shape[0], e), f"[T={inp.shape[0]}, E={e}]")
         _checks.check_probs_dtype("probs", probs)
-    return pad_operand(pad_offsets, e), pad_offsets is not None, num_out_rows
+    return inp, probs, pad_operand(pad_offsets, e), pad_offsets is not None, num_out_rows
 
 
 @_checks.keyword_only_backend
@@ -173,23 +177,28 @@ def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expe
       entries addressing rows past ``num_out_rows`` are dropped; where several entries
       address one row, the last in token-major order (highest ``t*E + j``) writes it.
     """
-    pad, padded, num_out_rows = _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_offsets)
+    inp, probs, pad, padded, num_out_rows = _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs,
+                                                          pad_offsets)
     return _permute(inp, probs, row_id_map, pad, num_out_rows, padded, backend)
 
 
 def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expert):
-    """Checked arguments of :func:`unpermute_with_mask_map`: ``(pad, padded)``."""
+    """Checked arguments of :func:`unpermute_with_mask_map`: ``(inp, merging_probs, pad, padded)``,
+    arrays taken as token_combine takes them (lists too)."""
+    inp = jnp.asarray(inp)
     _checks.check_rank("inp", inp, (2,), "[N, H]")
     _checks.check_token_dtype("inp", inp)
     e = _checks.num_experts_of_map(row_id_map)
     t = row_id_map.shape[0]
     if merging_probs is not None:
+        merging_probs = jnp.asarray(merging_probs)
         _checks.check_shape("merging_probs", merging_probs, (t, e), f"[T={t}, E={e}] (from row_id_map)")
         _checks.check_probs_dtype("merging_probs", merging_probs)
     if tokens_per_expert is not None:
+        tokens_per_expert = _checks.array_like(tokens_per_expert)
         _checks.check_shape("tokens_per_expert", tokens_per_expert, (e,), f"[E={e}]")
         _checks.check_index_values("tokens_per_expert", tokens_per_expert)
-    return pad_operand(pad_offsets, e), pad_offsets is not None
+    return inp, merging_probs, pad_operand(pad_offsets, e), pad_offsets is not None
 
 
 @_checks.keyword_only_backend
@@ -214,7 +223,7 @@ def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs
       the forward also keeps an int32 ``[N]`` table of each row's writing entry for the
       backward (as :func:`token_combine`).
     """
-    pad, padded = _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expert)
+    inp, merging_probs, pad, padded = _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expert)
     return _unpermute(inp, merging_probs, row_id_map, pad, padded, backend)
 
 
@@ -223,6 +232,7 @@ def pad_operand(pad_offsets, e):
     there are none."""
     if pad_offsets is None:
         return unread_pad(e)
+    pad_offsets = _checks.array_like(pad_offsets)
     _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}]")
     _checks.check_index_values("pad_offsets", pad_offsets)
     return jnp.asarray(pad_offsets).astype(jnp.int32)

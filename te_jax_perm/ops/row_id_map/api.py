@@ -15,6 +15,7 @@ from te_jax_perm.ops.row_id_map.reference import drop_threshold, num_blocks
 from te_jax_perm.ops.tiling import not_pow2
 
 
+@_checks.keyword_only_backend
 def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *,
                     block_tokens: int | None = None, single_pass: bool | None = None,
                     backend: str | None = None) -> tuple[jax.Array, jax.Array]:
@@ -43,11 +44,13 @@ def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *
     drop_at = drop_threshold(num_out_tokens)
     t, e = routing_map.shape
     plan = map_plan(t, e)
-    bt = plan.block_tokens if block_tokens is None else block_tokens
+    bt = plan.block_tokens if block_tokens is None else _checks.check_static_int("block_tokens", block_tokens, 1)
     if not_pow2("block_tokens", bt):
         raise ValueError(f"block_tokens must be a positive power of two, got {bt}")
     if single_pass is None:
         single_pass = plan.single_pass or num_blocks(t, bt) <= 1
+    else:
+        single_pass = _checks.check_static_bool("single_pass", single_pass)
     return _build(routing_map, single_pass, bt, row_id_map_fused, row_id_map_fill, backend, drop_at=drop_at)
 
 
