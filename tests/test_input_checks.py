@@ -260,8 +260,17 @@ def test_numpy_constants_under_jit_are_checked_as_concrete(monkeypatch, call, me
      ValueError, r"group_sizes = \[4294967298, 2, 2\] has entries outside int32"),
     # 2**32 + 1 would run as row 1
     (lambda: te_jax_perm.sort_chunks_by_map(X, np.array([2**32 + 1, 0, 2, 3, 4, 5, 6, 7, 8, 9], np.int64)),
-     TypeError, "row_id_map has dtype int64; expected int32"),
+     ValueError, "row_id_map = "),
 ], ids=["group_sizes", "chunk_sort_map"])
 def test_int64_maps_and_group_sizes_are_checked_before_the_int32_cast(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_a_numpy_chunk_sort_map_may_be_any_integer_dtype_that_fits_int32():
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    order = np.arange(10)[::-1].copy()    # int64 on NumPy's default
+    out, _ = te_jax_perm.sort_chunks_by_map(x, order, backend="xla")
+    np.testing.assert_array_equal(np.asarray(out), x[::-1])
+    with pytest.raises(TypeError, match="row_id_map has dtype float32; expected an integer dtype"):
+        te_jax_perm.sort_chunks_by_map(x, order.astype(np.float32), backend="xla")

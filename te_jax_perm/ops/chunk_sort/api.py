@@ -145,9 +145,13 @@ def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array |
     """
     inp, probs = checked_rows(inp, probs)
     # Checked as given: jnp.asarray would wrap int64 entries to int32, and under jit make a
-    # NumPy map a tracer whose entries go unchecked.
+    # NumPy map a tracer whose entries go unchecked. A NumPy (or list) map may be any integer
+    # dtype whose entries fit int32; an array map must be int32.
     row_id_map = _checks.array_like(row_id_map)
     _checks.check_shape("row_id_map", row_id_map, (inp.shape[0],), f"({inp.shape[0]},) int32")
+    if isinstance(row_id_map, np.ndarray):
+        _checks.check_index_values("row_id_map", row_id_map)
+        row_id_map = row_id_map.astype(np.int32)
     _checks.check_int32("row_id_map", row_id_map)
     _checks.check_values(_one_to_one_problem, row_id_map)
     is_forward = _checks.check_static_bool("is_forward", is_forward)
