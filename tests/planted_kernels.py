@@ -189,3 +189,21 @@ def overrun_copy(load_over: int, store_over: int, form: int = 0, name: str = "pl
         constexprs=lambda d, p, c: {"FORM": form, "LOAD_OVER": load_over, "STORE_OVER": store_over},
         default_config=lambda d, p: Config.make(BLOCK=8),
     ))
+
+
+# -- 6. a kernel that fails inside the interpreter: its error must point at the kernel's line --
+@triton.jit
+def broken_store_kernel(src_ptr, N, out_prealloc_ptr, out_ptr, BLOCK: tl.constexpr):
+    vals = tl.load(src_ptr + tl.arange(0, BLOCK))
+    tl.store(out_ptr + tl.arange(0, 2 * BLOCK), vals)   # a [BLOCK] value stored to [2 * BLOCK] pointers
+
+
+broken_store = declare(KernelDecl(
+    name="planted_broken_store", kernel=broken_store_kernel,
+    operands=(Operand("src", ("N",)),),
+    outputs=(Output("out", lambda d, p: (d["N"],), lambda t, p: t["src"]),),
+    reference=lambda src: (src,),
+    grid=lambda d, p, c: (1,),
+    scalars=lambda d, p: {"N": d["N"]},
+    default_config=lambda d, p: Config.make(BLOCK=4),
+))

@@ -247,3 +247,16 @@ def test_kernel_signature_is_checked_by_name_not_count(kernel_backend):
     src, idx = _inputs(5, 16, 3, jnp.float32)
     with pytest.raises(TypeError, match=r"does not match its declaration: 2 operand pointers, scalars \[\]"):
         jax.jit(lambda s, i: shifted(s, i, backend=kernel_backend))(src, idx)
+
+
+def test_an_eager_interpret_error_points_at_the_kernels_line(on_cpu):
+    """A kernel failing inside the interpreter raises its own error, and its traceback
+    reaches the kernel's failing line (the launch runs in XLA's host callback, whose error
+    XLA hands on only as text)."""
+    import traceback
+
+    from tests.planted_kernels import broken_store
+    with pytest.raises(ValueError, match="incompatible dimensions") as info:
+        broken_store(jnp.zeros((8,), jnp.float32), backend="interpret")
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert any(f.name == "broken_store_kernel" and "2 * BLOCK" in (f.line or "") for f in frames), frames

@@ -113,10 +113,10 @@ def run_grouped_gemm(M, K, N, sizes, seed=0):
     return out, vjp(jnp.ones_like(out))
 
 
-def run_hopper_row_tile_gemms(M, C, sizes, seed=0):
-    """The forward and input gradient's Hopper declarations on their own default (TMA
-    128x256 tiles where 16-bit operands make them fit; the input gradient's stored in
-    halves), which a CPU run never picks."""
+def run_hopper_row_tile_gemms(M, C, sizes, seed=0, tma_default=True):
+    """The forward and input gradient's Hopper declarations, which a CPU run never picks;
+    with ``tma_default``, at sizes where their own default is TMA 128x256 tiles (16-bit
+    operands; the input gradient's stored in halves)."""
     from te_jax_perm.ops.grouped_gemm import decl as GD
 
     rng = np.random.default_rng(seed)
@@ -124,8 +124,9 @@ def run_hopper_row_tile_gemms(M, C, sizes, seed=0):
     rhs = jnp.asarray(rng.standard_normal((len(sizes), C, C)), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
     dims = {"M": M, "C": C, "D": C, "G": len(sizes)}
-    assert GD.hopper_mm_default(dims, {"elem_bytes": 2}) == GD.HOPPER_TMA_MM
-    assert GD.hopper_dgrad_default(dims, {"elem_bytes": 2}) == GD.HOPPER_TMA_SPLIT
+    if tma_default:
+        assert GD.hopper_mm_default(dims, {"elem_bytes": 2}) == GD.HOPPER_TMA_MM
+        assert GD.hopper_dgrad_default(dims, {"elem_bytes": 2}) == GD.HOPPER_TMA_SPLIT
     return (GD.grouped_gemm_hopper(lhs, rhs, gs, backend=BE, elem_bytes=2),
             GD.grouped_gemm_rhs_t_hopper(lhs, rhs, gs, backend=BE, elem_bytes=2))  # C == D: rhs read transposed
 
@@ -166,11 +167,17 @@ SCENARIOS = {
     "moe_two_pass_map": lambda: run_moe(64, 8, 128, 2, "topk", align=4),
     "grouped_gemm_ragged": lambda: run_grouped_gemm(40, 24, 40, [10, 0, 25]),
     "grouped_gemm_hopper_tma_tiles": lambda: run_hopper_row_tile_gemms(2176, 256, [1000, 0, 1100]),
+    # Small enough to run once per config of the Hopper declarations' tuning space.
+    "grouped_gemm_hopper_small": lambda: run_hopper_row_tile_gemms(40, 32, [10, 0, 25], tma_default=False),
     "moe_ffn_dropping_padded": lambda: run_moe_ffn(12, 16, 4, 2, 8, "empty", drop=3, align=4),
 }
 
-# Scenarios re-run once per distinct unpruned config; together they launch every kernel.
-CONFIG_SWEEP = ("moe_padding", "chunks_full", "chunks_empty_and_unmapped", "copy_odd", "grouped_gemm_ragged")
+# Scenarios re-run once per distinct unpruned config; together they launch every
+# interpretable kernel (test_the_config_sweep_launches_every_kernel).
+CONFIG_SWEEP = ("moe_padding", "chunks_full", "chunks_empty_and_unmapped", "copy_odd", "grouped_gemm_ragged",
+                "moe_drop_and_pad_noprobs", "mask_map_inference_dropping", "row_id_map_two_pass",
+                "row_id_map_one_pass", "moe_two_pass_map", "moe_ffn_dropping_padded", "chunks_T1",
+                "grouped_gemm_hopper_small")
 
 
 class _Launched(set):
@@ -293,6 +300,19 @@ def test_every_shipped_kernel_ran_under_the_sanitizer(launched):
     missing = {name for name, k in shipped_kernels().items() if k.decl.interpretable} - launched
     assert shipped_kernels(), "found no shipped kernel"
     assert not missing, f"shipped kernels never launched by the sanitizer sweep: {sorted(missing)}"
+
+
+def test_the_config_sweep_launches_every_kernel():
+    """Every config of every interpretable shipped kernel runs under the sanitizer: each
+    kernel is launched by at least one scenario of the per-config sweep (one plain run of
+    each tells which)."""
+    swept = set()
+    for name in CONFIG_SWEEP:
+        with sanitize() as report:
+            jax.block_until_ready(SCENARIOS[name]())
+        swept.update(s.kernel for s in report.launches)
+    missing = {name for name, k in shipped_kernels().items() if k.decl.interpretable} - swept
+    assert not missing, f"kernels no CONFIG_SWEEP scenario launches (add one that does): {sorted(missing)}"
 
 
 def test_every_kernel_the_sanitizer_cannot_run_is_in_the_hostile_memcheck():

@@ -27,15 +27,17 @@ def keep(err: BaseException) -> BaseException:
     return err
 
 
-def original(runtime_error: BaseException, forget: bool = True) -> BaseException | None:
+def original(runtime_error: BaseException, forget: bool = True, traceback: bool = False) -> BaseException | None:
     """The kept exception ``runtime_error`` quotes (with ``forget``, forgotten once found),
-    else ``None``."""
+    else ``None``; with ``traceback``, it keeps the frames it was raised through (for a
+    kernel run by the interpreter, the kernel's own line), else it has none."""
     text = str(runtime_error)
     with _lock:
         quoted = next((q for q in _kept if q in text), None)
         if quoted is None:
             return None
-        return (_kept.pop(quoted) if forget else _kept[quoted]).with_traceback(None)
+        err = _kept.pop(quoted) if forget else _kept[quoted]
+    return err if traceback else err.with_traceback(None)
 
 
 compiler.register_xla_runtime_error_handler(original)

@@ -127,7 +127,8 @@ def run_launch(launch: Launch, operands: Sequence[np.ndarray], preallocs: Sequen
 
 def run_eagerly(fn: Callable[..., Any], args: Sequence[jax.Array]) -> Any:
     """``fn(*args)`` for an eager ``interpret`` call, finished: on the first CPU device (the
-    interpreter dereferences host pointers), a launch's error raised as itself."""
+    interpreter dereferences host pointers), a launch's error raised as itself, with the
+    frames it came through (a kernel's failing line among them)."""
     try:
         if jax.default_backend() == "cpu":
             return jax.block_until_ready(fn(*args))
@@ -135,7 +136,7 @@ def run_eagerly(fn: Callable[..., Any], args: Sequence[jax.Array]) -> Any:
         with jax.default_device(cpu):
             return jax.block_until_ready(fn(*jax.device_put(tuple(args), cpu)))
     except jax.errors.JaxRuntimeError as e:
-        raise errors.original(e) or e from None
+        raise errors.original(e, traceback=True) or e from None
 
 
 def interpret_call(launch: Launch, operands: Sequence[jax.Array]) -> list[jax.Array]:
