@@ -97,3 +97,16 @@ def test_architecture_call_tree_names_functions_that_exist():
 def test_call_tree_check_sees_a_stale_name():
     text = "## How a call reaches the kernel\n```\nfoo(x)   te_jax_perm/core/launch.py\n```\n"
     assert _call_tree_names(text) == [("foo", "te_jax_perm/core/launch.py")]
+
+
+def test_architecture_names_every_op_package_and_module():
+    """The op-package table and the paragraph beside it name every package and module of
+    ``te_jax_perm/ops``: a new one is documented where a reader looks for it."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    ops = ROOT / "te_jax_perm" / "ops"
+    packages = [p.name for p in ops.iterdir() if (p / "__init__.py").exists()]
+    modules = [p.name for p in ops.glob("*.py") if p.name != "__init__.py"]
+    assert len(packages) >= 5 and modules
+    missing = [f"te_jax_perm/ops/{p}/" for p in packages if f"`te_jax_perm/ops/{p}/`" not in text]
+    missing += [m for m in modules if f"`{m}`" not in text and f"`te_jax_perm/ops/{m}`" not in text]
+    assert not missing, f"docs/architecture.md does not name: {missing}"
