@@ -104,18 +104,18 @@ def _vjp_case(fwd: Callable[..., Any], primals: tuple[Any, ...], extra_read: Cal
         return nbytes(jax.eval_shape(cts_and_grads, aux(p), *primals(p))) + extra_read(p)
 
     build.bytes = bwd_bytes
+    build.parts = (fwd, primals, aux)   # what a training-step case of the same op runs
     return build
 
 
-def _train_case(fwd: Callable[..., Any], primals: Callable[[Problem], tuple[Any, ...]],
-                aux: Callable[[Problem], tuple[Any, ...]], fwd_case: Callable[[Problem, str], Built],
-                bwd_case):
+def _train_case(fwd_case: Callable[[Problem, str], Built], bwd_case):
     """A training step's use of an op: its forward as differentiation runs it (which may keep
-    more for the backward than the plain forward computes), then its backward, in one jit.
-    The bytes are the forward's plus the backward's (``bwd_case``: a :func:`_vjp_case`, whose
-    bytes come from shapes, so nothing runs twice). Against a peer's forward plus backward
-    this counts whatever a forward does for its backward, which the backward-only timing
-    (residuals built outside) leaves out."""
+    more for the backward than the plain forward computes), then its backward, in one jit;
+    the op and its operands are ``bwd_case``'s (a :func:`_vjp_case`). The bytes are the
+    forward's plus the backward's (the latter from shapes, so nothing runs twice). Against a
+    peer's forward plus backward this counts whatever a forward does for its backward, which
+    the backward-only timing (residuals built outside) leaves out."""
+    fwd, primals, aux = bwd_case.parts
 
     def build(p: Problem, backend: str) -> Built:
         xs, a = primals(p), aux(p)
@@ -167,17 +167,10 @@ def _combine_fwd(p: Problem, backend: str) -> Built:
     return Built(fn, (p.permuted, p.row_id_map, p.probs), read + nbytes(p.inp))
 
 
-def _combine_primals(p: Problem) -> tuple[Any, ...]:
-    return p.permuted, p.probs
-
-
-def _combine_aux(p: Problem) -> tuple[Any, ...]:
-    return (p.row_id_map,)
-
-
 # The merging-prob gradient reads the forward rows as well as the cotangent.
-_combine_bwd = _vjp_case(_combine, _combine_primals, lambda p: nbytes(p.row_id_map) + nbytes(p.permuted)
-                         + p.shape.num_out * F32, _combine_aux)
+_combine_bwd = _vjp_case(_combine, lambda p: (p.permuted, p.probs),
+                         lambda p: nbytes(p.row_id_map) + nbytes(p.permuted) + p.shape.num_out * F32,
+                         lambda p: (p.row_id_map,))
 
 
 # -- sort_chunks_by_index ----------------------------------------------------------------
@@ -228,7 +221,7 @@ CASES: tuple[Case, ...] = (
     Case("token_combine", "fwd", _combine_fwd),
     Case("token_combine", "bwd", _combine_bwd),
     # The combine forward keeps its map's row owners for the backward: the step counts them.
-    Case("token_combine", "train", _train_case(_combine, _combine_primals, _combine_aux, _combine_fwd, _combine_bwd)),
+    Case("token_combine", "train", _train_case(_combine_fwd, _combine_bwd)),
     Case("sort_chunks_by_index", "fwd", _sort_fwd),
     Case("sort_chunks_by_index", "bwd", _vjp_case(_sort, lambda p: (p.permuted, p.sort_probs),
                                                   lambda p: p.shape.num_out * F32,
