@@ -148,7 +148,7 @@ def target_lines(rows: list[dict]) -> list[str]:
             continue
         if xla:
             vs_xla.append((r["kernel_us"] <= xla["kernel_us"],
-                           f"{model} T={T}: {r['kernel_us']:.1f} vs {xla['kernel_us']:.1f}us"))
+                           f"{model} T={T}: {r['kernel_us']:.1f} vs {xla['kernel_us']:.1f}us", False))
         if T <= 64 and r["wall_over_kernel"] is not None:
             bound = 1.3 * r["kernel_us"]
             text = f"{model} T={T}: wall {r['wall_us']:.0f}us = {r['wall_over_kernel']:.2f}x kernel"
@@ -156,12 +156,13 @@ def target_lines(rows: list[dict]) -> list[str]:
                 text += f" (floor {r['floor_us']:.0f}us {'>' if r['floor_us'] > bound else '<='} 1.3x kernel {bound:.0f}us)"
             overhead.append((r["wall_over_kernel"] <= 1.3, text, r.get("floor_us", 0.0) > bound))
 
+    # Each check: (met, its text, out of reach if missed).
     def line(name: str, checks: list) -> str:
-        ok = bool(checks) and all(c[0] for c in checks)
+        ok = bool(checks) and all(met for met, _, _ in checks)
         verdict = "PASS" if ok else "FAIL"
-        if not ok and checks and all(c[0] or (len(c) > 2 and c[2]) for c in checks):
+        if not ok and checks and all(met or beyond for met, _, beyond in checks):
             verdict = "OUT OF REACH"
-        return f"TARGET {name}: {verdict} :: " + "; ".join(c[1] for c in checks)
+        return f"TARGET {name}: {verdict} :: " + "; ".join(text for _, text, _ in checks)
     return [line("small-T triton kernel <= xla kernel", vs_xla), line("small-T wall <= 1.3x kernel", overhead)]
 
 

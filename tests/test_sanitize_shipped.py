@@ -193,13 +193,26 @@ def launched():
     return _Launched()
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_shipped_kernels_are_clean(name, launched):
+def sanitized_launches(name: str) -> set[str]:
+    """The kernels scenario ``name`` launches, run once under the sanitizer, which must
+    find nothing."""
     with sanitize() as report:
         jax.block_until_ready(SCENARIOS[name]())
-    assert report.launches, f"{name}: no kernel launch was observed"
     assert not report, report.text()
-    launched.update(s.kernel for s in report.launches)
+    return {s.kernel for s in report.launches}
+
+
+def interpretable_kernels() -> set[str]:
+    """Every shipped kernel the sanitizer can run (the interpreter runs it)."""
+    assert shipped_kernels(), "found no shipped kernel"
+    return {name for name, k in shipped_kernels().items() if k.decl.interpretable}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_shipped_kernels_are_clean(name, launched):
+    kernels = sanitized_launches(name)
+    assert kernels, f"{name}: no kernel launch was observed"
+    launched.update(kernels)
     launched.scenarios.add(name)
 
 
@@ -293,12 +306,8 @@ def test_hostile_inputs_access_nothing_out_of_bounds(name):
 def test_every_shipped_kernel_ran_under_the_sanitizer(launched):
     # Scenarios another test process ran (parallel runs split this module) run here again.
     for name in sorted(set(SCENARIOS) - launched.scenarios):
-        with sanitize() as report:
-            jax.block_until_ready(SCENARIOS[name]())
-        assert not report, report.text()
-        launched.update(s.kernel for s in report.launches)
-    missing = {name for name, k in shipped_kernels().items() if k.decl.interpretable} - launched
-    assert shipped_kernels(), "found no shipped kernel"
+        launched.update(sanitized_launches(name))
+    missing = interpretable_kernels() - launched
     assert not missing, f"shipped kernels never launched by the sanitizer sweep: {sorted(missing)}"
 
 
@@ -306,12 +315,8 @@ def test_the_config_sweep_launches_every_kernel():
     """Every config of every interpretable shipped kernel runs under the sanitizer: each
     kernel is launched by at least one scenario of the per-config sweep (one plain run of
     each tells which)."""
-    swept = set()
-    for name in CONFIG_SWEEP:
-        with sanitize() as report:
-            jax.block_until_ready(SCENARIOS[name]())
-        swept.update(s.kernel for s in report.launches)
-    missing = {name for name, k in shipped_kernels().items() if k.decl.interpretable} - swept
+    swept = set().union(*(sanitized_launches(name) for name in CONFIG_SWEEP))
+    missing = interpretable_kernels() - swept
     assert not missing, f"kernels no CONFIG_SWEEP scenario launches (add one that does): {sorted(missing)}"
 
 
