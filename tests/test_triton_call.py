@@ -246,3 +246,23 @@ def test_problems_name_the_fix(monkeypatch):
     assert any("jaxlib 0.10.0" in p and "pip install" in p for p in triton_backend.problems())
     del versions["triton"]
     assert any("the triton package is not installed" in p for p in triton_backend.problems())
+
+
+def _gather_spec():
+    from te_jax_perm.core.launch import bind_call, configure
+    call = bind_call(gather_rows.decl, [jnp.ones((7, 64), jnp.float32), jnp.zeros((5,), jnp.int32)], {}, "triton")
+    return triton_backend.launch_spec(configure(call, gather_rows.decl.default_config(call.dims, call.params)))
+
+
+def test_kernels_compile_without_line_info_unless_the_user_asks(monkeypatch, tmp_path):
+    """Line info more than doubles the PTX each call's payload carries (and XLA's Triton call
+    reads the payload on every execution); a user's own TRITON_DISABLE_LINE_INFO=0 keeps it."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_DISABLE_LINE_INFO", raising=False)
+    spec = _gather_spec()
+    bare = spec.compile(("cuda", 90, 32)).asm["ptx"]
+    assert ".loc" not in bare and ".file" not in bare
+    assert "TRITON_DISABLE_LINE_INFO" not in __import__("os").environ  # the compile left no trace
+    monkeypatch.setenv("TRITON_DISABLE_LINE_INFO", "0")
+    with_lines = spec.compile(("cuda", 90, 32)).asm["ptx"]
+    assert ".loc" in with_lines and len(with_lines) > 2 * len(bare)

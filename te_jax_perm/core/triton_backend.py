@@ -23,6 +23,7 @@ import numpy as np
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from te_jax_perm.core import env
 from te_jax_perm.core.aliasing import preallocate
 from te_jax_perm.core.backends import BackendUnavailableError
 from te_jax_perm.core.kernel_args import SCALAR, kernel_arguments, scalar_type, signature
@@ -117,8 +118,9 @@ class CompileSpec:
             from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
         source = ASTSource(fn=self.kernel, signature=dict(self.signature), constexprs=dict(self.constexprs),
                            attrs=self.attrs)
-        return triton.compile(source, target=GPUTarget(*target),
-                              options={"num_warps": self.num_warps, "num_stages": self.num_stages})
+        with env.triton_line_info_off():
+            return triton.compile(source, target=GPUTarget(*target),
+                                  options={"num_warps": self.num_warps, "num_stages": self.num_stages})
 
 
 def specialisation(value: Any) -> str | None:
