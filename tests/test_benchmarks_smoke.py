@@ -378,6 +378,17 @@ def test_peer_targets_compare_kernel_times_and_time_per_byte(tmp_path):
     assert lines[1].startswith("TARGET PASS S token_combine.bwd: ours 25.0 µs <= te 30.0 µs")
     # 25 µs for 2000 bytes against 10 µs for 1000: 1.25x the forward's time per byte.
     assert lines[2].startswith("TARGET FAIL S token_combine.bwd: time per byte <= 1.1x forward's (1.25x;")
+    # Trailing at 97% or more of the copy's rate by less than the larger spread: at the limit.
+    tie = [row("token_dispatch.bwd", "ours", 100.5, 1000, 98.0), row("token_dispatch.bwd", "te", 100.0, 1000, 98.5)]
+    tie[0]["spread_pct"], tie[1]["spread_pct"] = 0.3, 0.6
+    assert peer.targets(tie)[0].startswith("TARGET AT LIMIT S token_dispatch.bwd: ours 100.5 µs <= te 100.0 µs")
+    tie[1]["spread_pct"] = 0.4  # a gap of 0.5% against spreads of 0.3% and 0.4%
+    assert peer.targets(tie)[0].startswith("TARGET FAIL")
+    tie[1]["spread_pct"], tie[0]["pct_copy"] = 0.6, 96.9  # below 97% of the copy's rate
+    assert peer.targets(tie)[0].startswith("TARGET FAIL")
+    del tie[0]["spread_pct"]  # no spread measured: no tie can be told from a loss
+    tie[0]["pct_copy"] = 98.0
+    assert peer.targets(tie)[0].startswith("TARGET FAIL")
     path = tmp_path / "peer.json"
     path.write_text(json.dumps({"meta": {}, "rows": rows, "targets": []}))
     assert peer.main(["--summary", str(path)]) == 0
