@@ -156,6 +156,21 @@ def test_backend_by_position_says_it_is_keyword_only():
             call()
 
 
+def test_too_many_positional_arguments_name_every_keyword_only_parameter():
+    """A seventh positional argument to moe_ffn is its activation, not its backend."""
+    x, rm = np.ones((4, 8), np.float32), np.eye(4, dtype=bool)
+    w_in, w_out = np.ones((4, 8, 6), np.float32), np.ones((4, 3, 8), np.float32)
+    with pytest.raises(TypeError, match=r"^moe_ffn takes at most 6 positional arguments, got 7: activation, "
+                                        r"align_size and backend are keyword-only$"):
+        te_jax_perm.moe_ffn(x, rm, rm.astype(np.float32), w_in, w_out, 4, "silu_glu")
+    with pytest.raises(TypeError, match=r"got 7: activation, align_size and backend are keyword-only; "
+                                        r"pass backend='xla'$"):
+        te_jax_perm.moe_ffn(x, rm, rm.astype(np.float32), w_in, w_out, 4, "xla")
+    with pytest.raises(TypeError, match=r"make_row_id_map takes at most 2 positional arguments, got 3: "
+                                        r"block_tokens, single_pass and backend are keyword-only$"):
+        te_jax_perm.make_row_id_map(rm, 4, 64)
+
+
 def test_backend_names_are_case_insensitive_as_in_the_environment():
     out, _ = te_jax_perm.sort_chunks_by_index(X + 1, [10], [0], backend="XLA")
     np.testing.assert_array_equal(np.asarray(out), np.ones((10, 4)))
@@ -214,7 +229,8 @@ _W_IN, _W_OUT = np.ones((4, 8, 12), np.float32), np.ones((4, 6, 8), np.float32)
     (lambda: te_jax_perm.make_row_id_map(_RM, single_pass="no"), TypeError,
      "single_pass must be a static Python bool, got str 'no'"),
     (lambda: te_jax_perm.make_row_id_map(_RM, 6, "xla"), TypeError,
-     "make_row_id_map takes at most 2 positional arguments, got 3: backend is keyword-only; pass backend='xla'"),
+     "make_row_id_map takes at most 2 positional arguments, got 3: block_tokens, single_pass and backend "
+     "are keyword-only; pass backend='xla'"),
     (lambda: te_jax_perm.sort_chunks_by_map(X, jnp.arange(10, dtype=jnp.int32), None, "no"), TypeError,
      "is_forward must be a static Python bool, got str 'no'"),
     (lambda: te_jax_perm.sort_chunks_by_map(X, jnp.arange(10, dtype=jnp.int32), None, None), TypeError,

@@ -73,7 +73,7 @@ def _uniform(rm, dtype):
     ("token_combine", ["inp", "row_id_map", "merging_probs", "pad_offsets"]),
     ("sort_chunks_by_index", ["inp", "split_sizes", "sorted_indices"]),
 ])
-def test_signatures_are_te_plus_keyword_only_backend(fn, params):
+def test_signatures_are_te_plus_keyword_only(fn, params):
     sig = inspect.signature(getattr(te_jax_perm, fn))
     positional = [p.name for p in sig.parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
     assert positional == params

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_jax_perm.core.checks import check_values, concrete
+from te_jax_perm.core.env import BACKEND_VALUES
 
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 
@@ -25,18 +26,23 @@ def _shown(values: np.ndarray, limit: int = 16) -> str:
     return f"{flat[:limit]}{'...' if len(flat) > limit else ''}"
 
 
-def keyword_only_backend(fn: Callable) -> Callable:
-    """``fn`` (whose ``backend`` is keyword-only) saying so when it is passed by position:
-    Python's own error counts arguments and names none."""
+def keyword_only(fn: Callable) -> Callable:
+    """``fn`` naming its keyword-only parameters when it gets too many positional arguments
+    (Python's own error counts them and names none), and, when the extra one is a backend's
+    name, the ``backend=`` to pass instead."""
     params = inspect.signature(fn).parameters.values()
     most = sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
+    names = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+    named = f"{', '.join(names[:-1])} and {names[-1]} are" if len(names) > 1 else f"{names[0]} is"
 
     @functools.wraps(fn)
     def checked(*args, **kwargs):
         if len(args) > most:
-            raise TypeError(f"{fn.__name__} takes at most {most} positional arguments, got {len(args)}: backend "
-                            f"is keyword-only; pass backend={args[most]!r}" if isinstance(args[most], str) else
-                            f"{fn.__name__} takes at most {most} positional arguments, got {len(args)}")
+            extra = args[most]
+            hint = (f"; pass backend={extra!r}" if "backend" in names and isinstance(extra, str)
+                    and extra.lower() in BACKEND_VALUES else "")
+            raise TypeError(f"{fn.__name__} takes at most {most} positional arguments, got {len(args)}: "
+                            f"{named} keyword-only{hint}")
         return fn(*args, **kwargs)
     return checked
 

@@ -97,7 +97,7 @@ def _one_to_one_problem(row_id_map: np.ndarray) -> str | None:
     return None
 
 
-@_checks.keyword_only_backend
+@_checks.keyword_only
 def make_chunk_sort_map(split_sizes: jax.Array, sorted_indices: jax.Array, num_tokens: int,
                         *, backend: str | None = None) -> jax.Array:
     """Row map of a chunk sort, built on device.
@@ -122,7 +122,7 @@ def _maps(split_sizes, sorted_indices, num_tokens, backend):
     return D.chunk_maps(split_sizes, sorted_indices, backend=backend, num_tokens=num_tokens)
 
 
-@_checks.keyword_only_backend
+@_checks.keyword_only
 def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array | None = None,
                        is_forward: bool = True, *, backend: str | None = None
                        ) -> tuple[jax.Array, jax.Array | None]:
@@ -160,7 +160,7 @@ def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array |
     return _move(inp, src, dst, probs, backend) if is_forward else _move(inp, dst, src, probs, backend)
 
 
-@_checks.keyword_only_backend
+@_checks.keyword_only
 def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array, *,
                          backend: str | None = None) -> tuple[jax.Array, jax.Array]:
     """Reorders contiguous chunks of rows: output chunk ``j`` = input chunk ``sorted_indices[j]``.
@@ -184,7 +184,7 @@ def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices:
     return out, row_map
 
 
-@_checks.keyword_only_backend
+@_checks.keyword_only
 def sort_chunks_by_index_with_probs(inp: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array,
                                     probs: jax.Array, *, backend: str | None = None
                                     ) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -52,6 +52,7 @@ from te_jax_perm.ops.row_id_map.api import dispatch_map
 from te_jax_perm.ops.row_id_map.reference import padded_counts_of
 
 
+@_checks.keyword_only
 def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array,
             num_out_tokens: int, *, activation: str = "silu_glu", align_size: int | None = None,
             backend: str | None = None) -> jax.Array:

@@ -151,7 +151,7 @@ def _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_o
     return inp, probs, pad_operand(pad_offsets, e), pad_offsets is not None, num_out_rows
 
 
-@_checks.keyword_only_backend
+@_checks.keyword_only
 def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expert: jax.Array,
                           num_out_rows: int, probs: jax.Array | None = None,
                           pad_offsets: jax.Array | None = None, *, backend: str | None = None
@@ -201,7 +201,7 @@ def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expe
     return inp, merging_probs, pad_operand(pad_offsets, e), pad_offsets is not None
 
 
-@_checks.keyword_only_backend
+@_checks.keyword_only
 def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,
                             pad_offsets: jax.Array | None = None, tokens_per_expert: jax.Array | None = None,
                             *, backend: str | None = None) -> jax.Array:
@@ -407,7 +407,7 @@ def _combine_bwd(backend, res, g):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-@_checks.keyword_only_backend
+@_checks.keyword_only
 def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
                    probs: jax.Array | None = None, align_size: int | None = None, *,
                    backend: str | None = None):
@@ -454,7 +454,7 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
     return out, permuted_probs, row_id_map, pad_offsets, tokens_per_expert
 
 
-@_checks.keyword_only_backend
+@_checks.keyword_only
 def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Array | None = None,
                   pad_offsets: jax.Array | None = None, *, backend: str | None = None) -> jax.Array:
     """Combines expert rows back into tokens.

@@ -15,7 +15,7 @@ from te_jax_perm.ops.row_id_map.reference import drop_threshold, num_blocks
 from te_jax_perm.ops.tiling import not_pow2
 
 
-@_checks.keyword_only_backend
+@_checks.keyword_only
 def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *,
                     block_tokens: int | None = None, single_pass: bool | None = None,
                     backend: str | None = None) -> tuple[jax.Array, jax.Array]:
