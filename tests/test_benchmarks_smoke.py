@@ -139,6 +139,20 @@ def test_gpu_driver_names_its_steps_and_rejects_others(tmp_path):
     assert not (tmp_path / "summary.txt").exists()
 
 
+def test_gpu_driver_splits_pytest_args_as_a_shell_would(tmp_path):
+    """``--pytest_args="-k 'a or b'"`` reaches pytest as two arguments (split on spaces, the
+    quoted expression fell apart and pytest collected nothing)."""
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "tests.gpu.run", "--dry_run", "--steps=pytest", f"--out={tmp_path}",
+                           "--pytest_args=-k 'bytes_count or no_such_test'"], cwd=root, capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(root)))
+    summary = (tmp_path / "summary.txt").read_text()
+    assert done.returncode == 0 and "STEP pytest: PASS" in summary, summary + done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("case,kernel", [("token_combine.bwd", "unpermute_bwd_weighted"),
                                          ("sort_chunks_by_index.fwd", "sort_chunks_probs"),
                                          ("sort_chunks_by_index.bwd", "sort_chunks_probs")])

@@ -34,6 +34,7 @@ import glob
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -54,7 +55,8 @@ flags.DEFINE_float("budget_s", 540, "wall-clock budget of the whole run in secon
                    "than a minute of it left")
 # The whole suite needs ~270 s on 12 processes of a 16-core H100 host: use the cores there are.
 flags.DEFINE_integer("workers", max(1, (os.cpu_count() or 2) - 2), "pytest processes for the pytest step")
-flags.DEFINE_string("pytest_args", "", "extra pytest arguments for the pytest step, e.g. '-k dispatch'")
+flags.DEFINE_string("pytest_args", "", "extra pytest arguments for the pytest step, split as a shell would, "
+                    "e.g. \"-k 'triton or gpu'\"")
 flags.DEFINE_string("bench_args", "", "extra arguments for python3 -m benchmarks.run, e.g. '--shapes DeepSeek'")
 flags.DEFINE_bool("dry_run", False, "check the plumbing anywhere (CPU too): small versions of each step, GPU-only "
                   "steps skipped")
@@ -95,7 +97,7 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
     return [
         # One line a test as each finishes: a step cut off at its limit still names its failures.
         Step("pytest", 480, [a for a in pytest if a != "-q"] + ["-v", "-n", str(f.workers)] + targets
-             + f.pytest_args.split(), r"^=+ .*(passed|failed)"),
+             + shlex.split(f.pytest_args), r"^=+ .*(passed|failed)"),
         Step("capture", 100, pytest + ["-s", "tests/gpu/test_capture.py"], r"(passed|failed)", gpu_only=True),
         Step("stress", 240, [py, "-m", "tests.gpu.stress"] + (["--small", "--cases", "2", "--passes", "2",
                                                                 "--dtypes", "float32"] if dry else
@@ -110,7 +112,7 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
         # The benchmark runs alone on the GPU, so with JAX's default preallocated pool, as
         # users run: a pool grown on demand takes memory from the driver between steps.
         Step("bench", 300, [py, "-m", "benchmarks.run", "--out", str(out), "--mode", mode, "--log"]
-             + f.bench_args.split(), r"^(BENCH SUMMARY|TARGET)", env=_PREALLOCATED),
+             + shlex.split(f.bench_args), r"^(BENCH SUMMARY|TARGET)", env=_PREALLOCATED),
         Step("autotune", 170, [py, "benchmarks/autotune_bench.py", f"--out={out / 'autotune'}", "--budget-s=120",
                                "--e2e-s=30", "--max-configs=24", "--max-candidates=16"]
              + (["--small", "--dtype=float32"] if dry else []), r"(E2E|tuned|speedup)"),
