@@ -21,10 +21,10 @@ from te_jax_perm.ops.tiling import expert_lanes, pow2_at_most
 # How the map is built, by token and expert count: one launch or two, tokens per block,
 # warps. Each entry is the fastest of every variant measured on an H100 at that (T, E)
 # (``python3 -m benchmarks.config_sweep --part rowmap``; the measurements are in
-# benchmarks/results/sweep_rowmap_H100.json). One launch wins only while every program can
-# afford to reduce the whole routing map itself (small T*E); otherwise two launches with
-# about 128-512 blocks balance each fill program's reduction of the [NB, E] counts against
-# parallelism.
+# benchmarks/results/sweep_rowmap_H100.json, and a test holds the table to them). One launch
+# wins only while every program can afford to reduce the whole routing map itself (small
+# T*E); otherwise two launches with about 128-512 blocks balance each fill program's
+# reduction of the [NB, E] counts against parallelism.
 MAP_PLANS = {
     (16, 8): (True, 1, 1), (16, 32): (True, 1, 1), (16, 128): (True, 1, 1), (16, 256): (False, 1, 4),
     (64, 8): (True, 2, 1), (64, 32): (True, 2, 1), (64, 128): (False, 1, 4), (64, 256): (False, 2, 4),
