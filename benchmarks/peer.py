@@ -167,7 +167,7 @@ def _spreads(mine: dict, other: dict) -> str:
 
 
 def _verdict(mine: dict, other: dict) -> str:
-    """``PASS`` where ours takes no longer; ``AT LIMIT`` where it trails, but runs at
+    """``PASS`` where ours is at least as fast; ``AT LIMIT`` where it trails, but runs at
     :data:`AT_LIMIT_PCT` or more of the device copy's rate by less than the larger call-to-call
     spread (measured on both sides); else ``FAIL``."""
     ours, theirs = mine["kernel_us"], other["kernel_us"]
