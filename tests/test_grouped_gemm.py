@@ -127,6 +127,29 @@ def test_second_order_shapes_under_jit_and_grad_of_a_two_layer_ffn():
         _close(g, w, "float32", name)
 
 
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_vmap_with_shared_weights_nested_and_over_the_weights(impl):
+    """A vmapped batch of row blocks sharing one weight tensor (XLA's ragged dot has no rule
+    for an unbatched operand), gradients included; vmap nested; and vmap over the weights
+    alone: each equals the blocks one by one. ``triton`` runs the ``xla`` backend here."""
+    rng = np.random.default_rng(4)
+    lhs = jnp.asarray(rng.standard_normal((3, 12, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((4, 8, 5)), jnp.float32)
+    gs = jnp.asarray([[3, 4, 2, 3], [0, 6, 6, 0], [12, 0, 0, 0]], jnp.int32)
+    mm = lambda x, w, g: grouped_matmul(x, w, g, impl=impl)  # noqa: E731
+    one_by_one = jnp.stack([mm(lhs[i], w, gs[i]) for i in range(3)])
+    _close(jax.vmap(mm, in_axes=(0, None, 0))(lhs, w, gs), one_by_one, "float32", "shared weights")
+    _close(jax.vmap(jax.vmap(mm, in_axes=(0, None, 0)), in_axes=(0, None, 0))(lhs[None], w, gs[None])[0],
+           one_by_one, "float32", "nested")
+    _close(jax.vmap(mm, in_axes=(None, 0, None))(lhs[0], jnp.stack([w, 2 * w]), gs[0])[1], 2 * one_by_one[0],
+           "float32", "batched weights")
+    batched = lambda x, w: jnp.sum(jax.vmap(mm, in_axes=(0, None, 0))(x, w, gs) ** 2)  # noqa: E731
+    looped = lambda x, w: sum(jnp.sum(mm(x[i], w, gs[i]) ** 2) for i in range(3))  # noqa: E731
+    for got, want, name in zip(jax.jit(jax.grad(batched, (0, 1)))(lhs, w), jax.grad(looped, (0, 1))(lhs, w),
+                               ("dlhs", "drhs")):
+        _close(got, want, "float32", name)
+
+
 @pytest.mark.parametrize("align", [None, 8])
 def test_padded_groups_from_token_dispatch(align):
     """Group sizes from tokens_per_expert (padded with align_size): dispatch -> grouped GEMM ->

@@ -166,6 +166,22 @@ def test_batch_shape_dtype_promotion_and_empty_budget():
     assert zero.shape == (12, 16) and not np.asarray(zero).any()    # a budget of 0 rows: nothing reaches an expert
 
 
+def test_vmap_over_token_batches_sharing_the_weights(backend):
+    """One set of expert weights for a vmapped batch of token blocks (as micro-batches share
+    a layer), forward and gradients: equals each block on its own."""
+    blocks = [_problem(12, 16, 4, 2, 8, "silu_glu", "float32", seed=s) for s in (12, 13)]
+    x, rm, probs = (jnp.stack([blk[i] for blk in blocks]) for i in range(3))
+    w_in, w_out = blocks[0][3], blocks[0][4]
+    f = lambda x, rm, p, wi, wo: te_jax_perm.moe_ffn(x, rm, p, wi, wo, 20, backend=backend)  # noqa: E731
+    vf = jax.vmap(f, in_axes=(0, 0, 0, None, None))
+    batched = lambda x, p, wi: jnp.sum(vf(x, rm, p, wi, w_out) ** 2)  # noqa: E731
+    looped = lambda x, p, wi: sum(jnp.sum(f(x[b], rm[b], p[b], wi, w_out) ** 2) for b in range(2))  # noqa: E731
+    _close(batched(x, probs, w_in), looped(x, probs, w_in), 2e-5, "loss")
+    want = jax.grad(looped, (0, 1, 2))(x, probs, w_in)
+    for got, want in zip(jax.jit(jax.grad(batched, (0, 1, 2)))(x, probs, w_in), want):
+        _close(got, want, 2e-5, "gradient")
+
+
 def test_vmap_over_independent_layers(backend):
     """A batch of layers (own tokens, routing and weights each) under vmap, forward and
     gradients, equals each layer on its own."""

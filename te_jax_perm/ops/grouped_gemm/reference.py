@@ -30,10 +30,50 @@ RaggedDot = Callable[[jax.Array, jax.Array, jax.Array, Any, Any], jax.Array]
 
 
 def xla_ragged_dot(a: jax.Array, b: jax.Array, group_sizes: jax.Array, dims: Any, out_dtype: Any) -> jax.Array:
-    """``lax.ragged_dot_general``, floats accumulated in at least float32 before the cast."""
+    """``lax.ragged_dot_general``, floats accumulated in at least float32 before the cast;
+    under ``jax.vmap`` too, with any operand unbatched (one weight tensor shared by a
+    vmapped batch) and nested (:func:`_folded`). ``group_sizes`` sum to at most the ragged
+    dimension (the references clamp them)."""
     out_dtype = jnp.dtype(out_dtype)
     acc = jnp.promote_types(out_dtype, jnp.float32) if jnp.issubdtype(out_dtype, jnp.floating) else out_dtype
-    return jax.lax.ragged_dot_general(a, b, group_sizes, dims, preferred_element_type=acc).astype(out_dtype)
+
+    def plain(a, b, group_sizes):
+        return jax.lax.ragged_dot_general(a, b, group_sizes, dims, preferred_element_type=acc).astype(out_dtype)
+
+    # The batching rule lives on a custom_vmap, which JAX cannot transpose: the JVP (linear
+    # in a and b) goes through the plain ragged dot, so gradients of a reference work too.
+    @jax.custom_jvp
+    @jax.custom_batching.custom_vmap
+    def dot(a, b, group_sizes):
+        return plain(a, b, group_sizes)
+
+    @dot.fun.def_vmap
+    def batched(axis_size, in_batched, *args):
+        # XLA's own rule batches only when every operand carries the batch, and not twice.
+        a, b, group_sizes = (x if is_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                             for x, is_batched in zip(args, in_batched))
+        return _folded(a, b, group_sizes, dims, out_dtype), True
+
+    @dot.defjvp
+    def dot_jvp(primals, tangents):
+        (a, b, group_sizes), (da, db, _) = primals, tangents
+        return dot(a, b, group_sizes), plain(da, b, group_sizes) + plain(a, db, group_sizes)
+    return dot(a, b, group_sizes)
+
+
+def _folded(a: jax.Array, b: jax.Array, group_sizes: jax.Array, dims: Any, out_dtype: Any) -> jax.Array:
+    """A batch of ragged dots (every operand with a leading batch axis) as one: the batch's
+    rows laid end to end, each element's groups followed by one more, its rows past the
+    groups, which multiplies zeros (or, contracted, is dropped)."""
+    n, m = a.shape[:2]
+    sizes = jnp.concatenate([group_sizes, m - jnp.sum(group_sizes, axis=1, keepdims=True)], axis=1).reshape(-1)
+    rows = a.reshape(n * m, *a.shape[2:])
+    if dims == DIMS_RAGGED_CONTRACT:  # [n, M, K] x [n, M, N] -> [n, G, K, N]
+        out = xla_ragged_dot(rows, b.reshape(n * m, *b.shape[2:]), sizes, dims, out_dtype)
+        return out.reshape(n, -1, *out.shape[1:])[:, :-1]
+    mats = jnp.concatenate([b, jnp.zeros_like(b[:, :1])], axis=1)  # [n, G + 1, ...]
+    out = xla_ragged_dot(rows, mats.reshape(-1, *b.shape[2:]), sizes, dims, out_dtype)
+    return out.reshape(n, m, *out.shape[1:])
 
 
 def clamped_group_sizes(group_sizes: jax.Array, rows: int) -> jax.Array:
