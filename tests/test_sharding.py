@@ -146,3 +146,33 @@ def test_dim_splits_reads_whole_axis_and_part_axis_splits():
     assert dim_splits(mesh, GSPMDSharding(list(mesh.devices.flat), half), 2) == [(None, 2), (None, 1)]
     two = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("dp", "fsdp"))
     assert dim_splits(two, NamedSharding(two, P(None, ("dp", "fsdp"))), 2) == [(None, 1), (("dp", "fsdp"), 4)]
+
+
+@multidevice
+def test_token_sharded_dispatch_counts_globally_and_shard_map_runs_the_experts_per_shard(partitioner):
+    """Under jit with tokens sharded, each shard dispatches its own tokens: the output is one
+    expert-grouped block per shard, while ``tokens_per_expert`` counts over every shard (as
+    TransformerEngine's), so it does not describe the rows as a whole. The documented way to
+    run the experts on such rows: dispatch, grouped GEMM and combine per shard in shard_map,
+    which equals the dense layer."""
+    import te_jax_perm
+    from te_jax_perm.parallel.shard_map_compat import shard_map
+    t, e, h, f, k = 32, 4, 8, 6, 2
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    rm = top_k_routing(rng.standard_normal((t, e)), k)
+    probs = jnp.asarray(rng.random((t, e)), jnp.float32) * rm
+    w = jnp.asarray(rng.standard_normal((e, h, f)), jnp.float32)
+    dense = jnp.einsum("te,th,ehf->tf", probs, x, w)
+
+    counts = jax.jit(lambda x, rm: te_jax_perm.token_dispatch(x, rm, t * k, backend="xla")[4])(
+        _put(x, "d"), _put(rm, "d"))
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(rm).sum(0))   # all shards' rows
+
+    def local(x, rm, p):
+        rows, _, rid, _, local_counts = te_jax_perm.token_dispatch(x, rm, x.shape[0] * k, backend="xla")
+        return te_jax_perm.token_combine(te_jax_perm.grouped_matmul(rows, w, local_counts, impl="xla"), rid, p,
+                                         backend="xla")
+    layer = jax.jit(shard_map(local, mesh=MESH, in_specs=(P("d"), P("d"), P("d")), out_specs=P("d")))
+    np.testing.assert_allclose(np.asarray(layer(_put(x, "d"), _put(rm, "d"), _put(probs, "d"))), np.asarray(dense),
+                               rtol=1e-5, atol=1e-5)

@@ -434,6 +434,14 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
       included); ``pad_offsets`` int32 ``[E]`` (``None`` without ``align_size``);
       ``tokens_per_expert`` int32 ``[E]`` rows per expert (kept rows, padded up when
       ``align_size`` is given).
+
+    Sharding: with ``inp`` sharded over tokens under ``jit``, each shard dispatches its own
+    tokens (as TransformerEngine's does): ``output`` holds one expert-grouped block per
+    shard, and ``tokens_per_expert`` counts the rows of every shard (a sum across them). The
+    rows as a whole are then not grouped by expert, so a grouped GEMM must not take them
+    with these counts: run dispatch, the expert GEMMs and the combine per shard inside
+    ``jax.shard_map`` (each shard then gets its own counts), or use the expert-parallel
+    layer.
     """
     inp = jnp.asarray(inp)
     routing_map = _checks.routing_map_array("routing_map", routing_map)
