@@ -36,7 +36,6 @@ import numpy as np
 
 import te_jax_perm
 from te_jax_perm import cli
-from te_jax_perm.core import resolve_backend
 from te_jax_perm.ops.grouped_gemm.api import default_impl
 
 flags.DEFINE_integer("tokens", 256, "tokens T in the batch")
@@ -198,7 +197,7 @@ def check(cfg: MoEConfig) -> dict[str, float]:
 def main(argv: list[str]) -> int:
     del argv
     f = flags.FLAGS
-    backend = resolve_backend(f.backend)
+    backend = te_jax_perm.resolve_backend(f.backend)
     cfg = MoEConfig(f.tokens, f.hidden, f.ffn, f.experts, f.topk, f.dtype, f.align_size or None, backend,
                     f.gemm or default_impl(f.dtype, f.dtype), f.probs_in, f.ep_ranks, f.seed)
     experts = "experts fused with dispatch and combine (moe_ffn)" if cfg.gemm == "fused" else f"grouped GEMM {cfg.gemm}"

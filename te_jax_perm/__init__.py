@@ -7,7 +7,7 @@ import importlib
 from typing import Any
 
 from te_jax_perm.core.audit import audit_aliases
-from te_jax_perm.core.backends import BACKENDS, BackendUnavailableError, use_backend
+from te_jax_perm.core.backends import BACKENDS, BackendUnavailableError, resolve_backend, use_backend
 
 _LAZY = {
     # the TE-compatible high-level API
@@ -34,7 +34,7 @@ _LAZY = {
     "parallel": "te_jax_perm.parallel",
 }
 
-__all__ = ["BACKENDS", "BackendUnavailableError", "audit_aliases", "use_backend", *_LAZY]
+__all__ = ["BACKENDS", "BackendUnavailableError", "audit_aliases", "resolve_backend", "use_backend", *_LAZY]
 
 
 def _activate() -> None:
@@ -56,6 +56,11 @@ def _activate() -> None:
 
 
 _activate()
+
+
+def __dir__() -> list[str]:
+    # The lazy names are not in the module's namespace until first used.
+    return sorted(__all__)
 
 
 def __getattr__(name: str) -> Any:

@@ -315,6 +315,17 @@ def test_cached_tuning_is_used_without_opting_in(tmp_path):
     assert f"PICKED {best}" in second.stdout and "TUNES 0" in second.stdout, second.stdout + second.stderr
 
 
+def test_dir_lists_the_public_names_before_any_is_loaded():
+    """``dir(te_jax_perm)`` (and a REPL's completion) shows the public API, which is loaded
+    lazily: in a fresh process none of it is in the namespace yet."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import te_jax_perm; print(' '.join(dir(te_jax_perm)))"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout.split()
+    import te_jax_perm
+    assert out == sorted(te_jax_perm.__all__) and "token_dispatch" in out and "importlib" not in out
+
+
 def test_every_public_op_takes_backend_by_keyword_only():
     """One way to pass ``backend=``: keyword-only in every public function that takes it."""
     import inspect

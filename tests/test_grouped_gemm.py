@@ -218,6 +218,11 @@ def test_errors_name_the_argument():
         grouped_matmul(lhs, rhs, jnp.array([1.0, 1.0]))
     with pytest.raises(ValueError, match="impl='cublas'"):
         grouped_matmul(lhs, rhs, gs, impl="cublas")
+    with pytest.raises(TypeError, match="grouped_matmul takes at most 3 positional arguments, got 4: "
+                                        "preferred_element_type and impl are keyword-only"):
+        grouped_matmul(lhs, rhs, gs, "xla")
+    # impl names, like backend names, in any case
+    np.testing.assert_array_equal(grouped_matmul(lhs, rhs, gs, impl="XLA"), grouped_matmul(lhs, rhs, gs, impl="xla"))
 
 
 def test_default_impl_and_missing_tokamax():

@@ -54,6 +54,7 @@ IMPLS = ("triton", "tokamax", "xla")
 KERNEL_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
+@_checks.keyword_only
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    preferred_element_type: Any = None, impl: str | None = None) -> jax.Array:
     """Multiplies each contiguous group of ``lhs`` rows by its own matrix of ``rhs``.
@@ -67,15 +68,16 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         ``token_dispatch``.
       preferred_element_type: output dtype (default: the promoted input dtype);
         accumulation is float32 either way.
-      impl: ``"triton"``, ``"tokamax"``, ``"xla"`` or ``None`` (:func:`default_impl` for
-        these dtypes).
+      impl: ``"triton"``, ``"tokamax"``, ``"xla"`` (any case) or ``None``
+        (``te_jax_perm.ops.grouped_gemm.api.default_impl`` for these dtypes: ``"triton"``
+        on a GPU for equal bfloat16, float16 or float32 operands, else ``"xla"``).
 
     Returns:
       ``[M, N]``; rows past ``sum(group_sizes)`` are zero. Differentiable in ``lhs`` and
       ``rhs``.
     """
     lhs, rhs, group_sizes = _operands(lhs, rhs, group_sizes)
-    impl = default_impl(lhs.dtype, rhs.dtype) if impl is None else impl
+    impl = default_impl(lhs.dtype, rhs.dtype) if impl is None else impl.lower() if isinstance(impl, str) else impl
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}; expected one of {IMPLS} or None")
     if impl == "tokamax":
