@@ -57,7 +57,8 @@ class EPConfig:
         ``"ragged"`` (``ragged_all_to_all``, exactly the kept rows; needs backend support)
         or ``"auto"`` (ragged where a probe finds it works, else dense). Same results.
       gemm: the grouped GEMM of the experts, ``grouped_matmul``'s ``impl`` (``None``: its
-        default, tokamax on GPUs where installed).
+        default: ``"triton"`` on GPUs for equal bfloat16, float16 or float32 operands, else
+        ``"xla"``).
     """
 
     num_out_tokens: int | None = None

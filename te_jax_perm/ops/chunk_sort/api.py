@@ -109,9 +109,10 @@ def make_chunk_sort_map(split_sizes: jax.Array, sorted_indices: jax.Array, num_t
       backend: ``"triton"``, ``"interpret"`` or ``"xla"``; ``None`` picks the default.
 
     Returns:
-      int32 [N]: the output row of each input row, ``-1`` for rows no output row takes
-      (beyond ``sum(split_sizes)``, or in a chunk a traced ``sorted_indices`` does not
-      name; see the module docstring).
+      int32 [N]: the output row of each input row, ``-1`` for rows no output row takes:
+      those beyond ``sum(split_sizes)``, and those of a chunk that a traced
+      ``sorted_indices`` does not validly name (an index outside ``[0, C)``, or one that
+      repeats an earlier index, places nothing).
     """
     return _maps(split_sizes, sorted_indices, num_tokens, backend)[0]
 
@@ -169,8 +170,9 @@ def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices:
       inp: ``[N, H]`` or ``[B, S, H]`` (flattened to ``N = B*S`` rows), any dtype; rows
         grouped in chunks of ``split_sizes`` rows from row 0.
       split_sizes: int [C], may be traced (no host sync); ``sum <= N``.
-      sorted_indices: int [C], a permutation of ``range(C)`` (traced values that are not:
-        see the module docstring).
+      sorted_indices: int [C], a permutation of ``range(C)`` (checked when concrete; a
+        traced index outside ``[0, C)``, or one that repeats an earlier index, places
+        nothing, so a chunk no valid index names is dropped: zero rows, zero gradient).
       backend: ``"triton"``, ``"interpret"`` or ``"xla"``; ``None`` picks the default.
 
     Returns:

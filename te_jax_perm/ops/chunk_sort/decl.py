@@ -26,11 +26,11 @@ MAX_CHUNKS = 2048
 def _map_params_check(dims, params) -> None:
     n = params["num_tokens"]
     if not isinstance(n, (int, np.integer)) or n < 0:
-        raise ValueError(f"chunk_sort_map: num_tokens must be a non-negative Python int, got {n!r}")
+        raise ValueError(f"num_tokens must be a non-negative Python int, got {n!r}")
     if dims["C"] < 1:
-        raise ValueError("chunk_sort_map: argument 'split_sizes' has shape (0,); expected at least one chunk")
+        raise ValueError("split_sizes has shape (0,); expected at least one chunk")
     if dims["C"] > MAX_CHUNKS:
-        raise ValueError(f"chunk_sort_map: argument 'split_sizes' has shape ({dims['C']},); at most "
+        raise ValueError(f"split_sizes has shape ({dims['C']},); at most "
                          f"{MAX_CHUNKS} chunks are supported (the chunk table lives in registers)")
 
 
@@ -38,13 +38,14 @@ def _map_validate(operands, dims, params) -> None:
     sizes, order = (np.asarray(o) for o in operands)
     c = dims["C"]
     if not np.array_equal(np.sort(order), np.arange(c)):
-        raise ValueError(f"chunk_sort_map: argument 'sorted_indices' = {order.tolist()[:16]}"
+        raise ValueError(f"sorted_indices = {order.tolist()[:16]}"
                          f"{'...' if c > 16 else ''} is not a permutation of range({c})")
     if (sizes < 0).any():
-        raise ValueError(f"chunk_sort_map: argument 'split_sizes' has negative entries: {sizes.tolist()[:16]}")
+        raise ValueError(f"split_sizes has negative entries: {sizes.tolist()[:16]}; expected sizes >= 0")
     if int(sizes.astype(np.int64).sum()) > params["num_tokens"]:
-        raise ValueError(f"chunk_sort_map: sum(split_sizes) = {int(sizes.sum())} exceeds the number of "
-                         f"rows num_tokens = {params['num_tokens']}")
+        raise ValueError(f"sum(split_sizes) = {int(sizes.astype(np.int64).sum())} exceeds the "
+                         f"{params['num_tokens']} rows being sorted (inp's rows, or make_chunk_sort_map's "
+                         "num_tokens)")
 
 
 def _random_chunks(c: int, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:

@@ -17,11 +17,12 @@ Signatures, dtypes, output sizes and return arity are those of
 The row-id map that ``token_dispatch`` returns addresses the rows of *its* output buffer,
 padding included: ``token_combine`` needs nothing else, so a padded dispatch combined
 without ``pad_offsets`` still returns the right tokens (``pad_offsets`` is accepted, as in
-TransformerEngine, and checked, but not needed).
+TransformerEngine, and shape-checked, but not read).
 
 Token sharding: with tokens sharded over a data/FSDP-parallel mesh, each shard dispatches
 and combines its own tokens, with ``num_out_tokens`` (the output rows) divided across the
-shards, as TransformerEngine does; see :mod:`te_jax_perm.ops.token_split`.
+shards, as TransformerEngine does (``tokens_per_expert`` then counts every shard's rows:
+see :func:`token_dispatch`); see :mod:`te_jax_perm.ops.token_split`.
 
 Batch shape: inputs may be ``[B, S, ...]``; they are flattened to ``T = B*S`` tokens.
 ``token_combine`` returns ``[T, H]`` (the row-id map keeps no batch shape); reshape to
@@ -472,8 +473,9 @@ def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Arra
       row_id_map: int32 ``[T, 2E+1]`` from :func:`token_dispatch`.
       merging_probs: optional ``[T, E]`` (or ``[B, S, E]``) weights, bfloat16, float16 or
         float32; their gradient comes back in their dtype.
-      pad_offsets: the ``pad_offsets`` from :func:`token_dispatch` when it padded; checked
-        (int ``[E]``; with a concrete map, that the map is the padded one) but not needed: the
+      pad_offsets: the ``pad_offsets`` from :func:`token_dispatch` when it padded. Only
+        its shape and dtype (int ``[E]``) and, with a concrete map, its presence (given for
+        a padded map, absent for an unpadded one) are checked; its values are not read: the
         map already addresses the padded rows.
       backend: as for :func:`token_dispatch`.
 
