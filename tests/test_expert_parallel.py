@@ -111,6 +111,9 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
 
 @pytest.fixture
 def emulated_ragged(monkeypatch):
+    # The support probe then finds ragged working: its cached answer must not outlive the test.
+    from te_jax_perm.parallel import a2a_support
+    monkeypatch.setattr(a2a_support, "_cache", {})
     monkeypatch.setattr(exchange.jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
 
 
@@ -120,6 +123,23 @@ def emulated_ragged(monkeypatch):
 def test_ragged_exchange_matches_reference(emulated_ragged, e, k, routing, num_out_tokens, capacity):
     hlo = _check(e, k, routing, num_out_tokens, capacity, a2a="ragged", seed=7)
     assert "all-to-all" in hlo
+
+
+@multidevice
+def test_layouts_the_layer_cannot_split_are_named_before_shard_map():
+    x, rm, probs, w1, w2 = _problem(EP, T, 16, 2, "uniform", 0)
+    mesh = Mesh(np.array(jax.devices()[:EP]), ("ep",))
+    bad = [((x[:-1], rm[:-1], probs[:-1], w1, w2, mesh, EPConfig()), r"x has shape \(95, 16\); expected \[ep \* T, H\]"),
+           ((x, rm, probs[:, :8], w1, w2, mesh, EPConfig()), r"probs has shape \(96, 8\); expected \(96, 16\)"),
+           ((x, rm[:, :12], probs[:, :12], w1[:12], w2[:12], mesh, EPConfig()),
+            "E = 12 experts, which the ep = 8 ranks of mesh axis 'ep' cannot split evenly"),
+           ((x, rm, probs, w1[:, :, :4], w2, mesh, EPConfig()), r"w2 has shape \(16, 8, 16\); expected \(16, 4, 16\)"),
+           ((x, rm, probs, w1, w2, Mesh(np.array(jax.devices()[:EP]), ("data",)), EPConfig()),
+            r"mesh has axes \('data',\); EPConfig.axis = 'ep' is not one of them"),
+           ((x, rm, probs, w1, w2, mesh, EPConfig(a2a="ragged")), "ragged_all_to_all does not run on these cpu devices")]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=message):
+            ep_moe_layer(*args[:6], cfg=args[6])
 
 
 @multidevice

@@ -37,7 +37,7 @@ from te_jax_perm.ops.chunk_sort.api import sort_chunks_by_index, sort_chunks_by_
 from te_jax_perm.ops.grouped_gemm.api import grouped_matmul
 from te_jax_perm.ops.permute.api import permute_with_mask_map, unpermute_with_mask_map
 from te_jax_perm.ops.row_id_map.api import make_row_id_map
-from te_jax_perm.parallel.a2a_support import resolve_a2a
+from te_jax_perm.parallel.a2a_support import ragged_all_to_all_supported, resolve_a2a
 from te_jax_perm.parallel.exchange import return_rows, send_rows
 from te_jax_perm.parallel.shard_map_compat import shard_map
 
@@ -153,7 +153,35 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
     Returns:
       ``[ep * T, H]``, sharded like ``x``.
     """
+    _check_layout(x, routing_map, probs, w1, w2, mesh, cfg)
     spec = P(cfg.axis)
     cfg = dataclasses.replace(cfg, a2a=resolve_a2a(cfg.a2a, tuple(mesh.devices.flat)))
     body = lambda *a: ep_moe_local(*a, cfg=cfg)
     return shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)(x, routing_map, probs, w1, w2)
+
+
+def _check_layout(x, routing_map, probs, w1, w2, mesh: Mesh, cfg: EPConfig) -> None:
+    """What ``shard_map`` and the collectives would otherwise report in their own terms (or,
+    for an exchange the devices cannot run, only when XLA compiles it)."""
+    if cfg.axis not in mesh.axis_names:
+        raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}; EPConfig.axis = {cfg.axis!r} is not one of them")
+    ep = mesh.shape[cfg.axis]
+    if x.ndim != 2 or x.shape[0] % ep:
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected [ep * T, H] with ep = {ep} (mesh axis "
+                         f"{cfg.axis!r}) dividing its rows")
+    if routing_map.ndim != 2 or routing_map.shape[0] != x.shape[0]:
+        raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected [{x.shape[0]}, E] (one row "
+                         "per row of x)")
+    e, h = routing_map.shape[1], x.shape[1]
+    if probs.shape != routing_map.shape:
+        raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} (routing_map's)")
+    if w1.ndim != 3 or w1.shape[:2] != (e, h):
+        raise ValueError(f"w1 has shape {tuple(w1.shape)}; expected [{e}, {h}, F] (E from routing_map, H from x)")
+    if w2.shape != (e, w1.shape[2], h):
+        raise ValueError(f"w2 has shape {tuple(w2.shape)}; expected {(e, w1.shape[2], h)} (E, F from w1, H from x)")
+    if e % ep:
+        raise ValueError(f"routing_map has E = {e} experts, which the ep = {ep} ranks of mesh axis {cfg.axis!r} "
+                         "cannot split evenly; expected E divisible by ep")
+    if cfg.a2a == "ragged" and not ragged_all_to_all_supported(tuple(mesh.devices.flat)):
+        raise ValueError(f"EPConfig.a2a = 'ragged', but ragged_all_to_all does not run on these "
+                         f"{mesh.devices.flat[0].platform} devices; use a2a='auto' (ragged where it runs) or 'dense'")
