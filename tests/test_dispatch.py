@@ -209,7 +209,9 @@ def test_errors_name_argument_and_shapes():
         te_jax_perm.token_dispatch(x, np.zeros((5, 3), bool), 4)
     with pytest.raises(TypeError, match="inp has dtype int32"):
         te_jax_perm.token_dispatch(x.astype(np.int32), rm, 4)
-    with pytest.raises(TypeError, match="routing_map has dtype float32"):
+    with pytest.raises(TypeError, match=r"routing_map has dtype float32; expected bool or an integer dtype "
+                                        r"holding 0/1 \(a 0/1 float map: pass routing_map.astype\(bool\); "
+                                        r"probabilities: probs > 0\)"):
         te_jax_perm.token_dispatch(x, rm.astype(np.float32), 4)
     with pytest.raises(ValueError, match="num_out_tokens must be >= 0, got -2"):
         te_jax_perm.token_dispatch(x, rm, -2)

@@ -92,7 +92,9 @@ def check_token_dtype(name: str, x: Any) -> None:
 def check_routing_dtype(name: str, x: Any) -> None:
     dt = _dt(x)
     if not (dt == np.bool_ or np.issubdtype(dt, np.integer)):
-        raise TypeError(f"{name} has dtype {dt.name}; expected bool or an integer dtype holding 0/1")
+        hint = (f" (a 0/1 float map: pass {name}.astype(bool); probabilities: probs > 0)"
+                if np.issubdtype(dt, np.floating) else "")
+        raise TypeError(f"{name} has dtype {dt.name}; expected bool or an integer dtype holding 0/1{hint}")
 
 
 def routing_map_array(name: str, x: Any) -> jax.Array:
