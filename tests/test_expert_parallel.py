@@ -112,9 +112,11 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
 @pytest.fixture
 def emulated_ragged(monkeypatch):
     # The support probe then finds ragged working: its cached answer must not outlive the test.
-    from te_jax_perm.parallel import a2a_support
-    monkeypatch.setattr(a2a_support, "_cache", {})
+    from te_jax_perm.parallel.a2a_support import forget_probes
+    forget_probes()
     monkeypatch.setattr(exchange.jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    yield
+    forget_probes()
 
 
 @multidevice

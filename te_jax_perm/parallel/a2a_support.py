@@ -37,6 +37,12 @@ def _probe_cached(platform: str, kind: str, n: int, devices: tuple) -> bool:
 _cache: dict[tuple, bool] = {}
 
 
+def forget_probes() -> None:
+    """Drops the cached answers of :func:`ragged_all_to_all_supported` (one per platform,
+    device kind and device count), e.g. after ``jax.lax.ragged_all_to_all`` was replaced."""
+    _cache.clear()
+
+
 def probe(devices: tuple) -> bool:
     """Runs the check once, uncached: a ragged all-to-all over ``devices`` gives the right rows."""
     n = len(devices)
