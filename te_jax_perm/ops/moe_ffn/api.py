@@ -83,6 +83,11 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
       ``x``'s shape, in the promoted dtype of ``x``, ``w_in`` and ``w_out``: each token's
       routed experts' outputs weighted by ``probs`` and summed in float32. Differentiable
       in ``x``, ``probs``, ``w_in`` and ``w_out``; deterministic (no float atomics).
+
+    Sharding: it has no token-sharding rule. Under a multi-device ``jit`` with tokens
+    sharded it computes the whole (unsharded) layer, gathering the tokens, and returns a
+    replicated result; for a data-parallel layer call it per shard inside
+    ``jax.shard_map`` (each shard's own tokens and row budget).
     """
     x = jnp.asarray(x)
     xt = _checks.flatten_rows("x", x, "T", "H")
