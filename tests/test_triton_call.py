@@ -3,6 +3,7 @@ kernel (compiled by Triton for sm_90) with a stand-in for jaxlib's kernel-call b
 so the target, the API version, the aliases and the kernel-call parameters are the ones a
 GPU run executes. The version table is checked against the ``[cuda]`` extra's pins."""
 import json
+import os
 import pathlib
 import re
 import tomllib
@@ -117,16 +118,18 @@ def test_a_jaxlib_without_the_ffi_call_is_refused_by_name():
         _lower_for_cuda(_gather, src, idx, lib=FakeKernelCallLib(ffi_registered=False))
 
 
+def _gather_spec(h):
+    """The compile of ``gather_rows`` over ``[7, h]`` rows, as the triton backend makes it."""
+    from te_jax_perm.core.launch import bind_call, configure
+    call = bind_call(gather_rows.decl, [jnp.ones((7, h), jnp.float32), jnp.zeros((5,), jnp.int32)], {}, "triton")
+    return triton_backend.launch_spec(configure(call, gather_rows.decl.default_config(call.dims, call.params)))
+
+
 def test_integer_scalars_are_specialised_like_tritons_launcher():
     """Divisible by 16: a divisibility attribute (vectorised accesses); 1: a constant that
     the call no longer passes; anything else: a plain runtime value."""
-    from te_jax_perm.core import triton_backend
-    from te_jax_perm.core.launch import bind_call, configure
-
     def spec(h):
-        call = bind_call(gather_rows.decl, [jnp.ones((7, h), jnp.float32), jnp.zeros((5,), jnp.int32)], {}, "triton")
-        launch = configure(call, gather_rows.decl.default_config(call.dims, call.params))
-        spec = triton_backend.launch_spec(launch)
+        spec = _gather_spec(h)
         return dict(spec.signature), dict(spec.constexprs), spec.attrs
 
     sig, constexprs, attrs = spec(32)  # parameters: src_ptr, idx_ptr, H, out_prealloc, out
@@ -248,21 +251,15 @@ def test_problems_name_the_fix(monkeypatch):
     assert any("the triton package is not installed" in p for p in triton_backend.problems())
 
 
-def _gather_spec():
-    from te_jax_perm.core.launch import bind_call, configure
-    call = bind_call(gather_rows.decl, [jnp.ones((7, 64), jnp.float32), jnp.zeros((5,), jnp.int32)], {}, "triton")
-    return triton_backend.launch_spec(configure(call, gather_rows.decl.default_config(call.dims, call.params)))
-
-
 def test_kernels_compile_without_line_info_unless_the_user_asks(monkeypatch, tmp_path):
     """Line info more than doubles the PTX each call's payload carries (and XLA's Triton call
     reads the payload on every execution); a user's own TRITON_DISABLE_LINE_INFO=0 keeps it."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TRITON_DISABLE_LINE_INFO", raising=False)
-    spec = _gather_spec()
+    spec = _gather_spec(64)
     bare = spec.compile(("cuda", 90, 32)).asm["ptx"]
     assert ".loc" not in bare and ".file" not in bare
-    assert "TRITON_DISABLE_LINE_INFO" not in __import__("os").environ  # the compile left no trace
+    assert "TRITON_DISABLE_LINE_INFO" not in os.environ  # the compile left no trace
     monkeypatch.setenv("TRITON_DISABLE_LINE_INFO", "0")
     with_lines = spec.compile(("cuda", 90, 32)).asm["ptx"]
     assert ".loc" in with_lines and len(with_lines) > 2 * len(bare)
