@@ -334,3 +334,17 @@ def test_hopper_first_gemm_on_moved_rows_matches_the_gathering_kernel(monkeypatc
     launched = {s.kernel for s in report.launches}
     assert "moe_gather_gemm" not in launched and {"permute", "grouped_gemm"} <= launched, launched
     assert not report, report.text()
+
+
+@pytest.mark.parametrize("shards,align,want_align", [(1, 4, 4), (8, 2, 2), (8, 4, None), (4, None, None)])
+def test_a_token_shard_pads_only_where_its_rows_hold_the_padded_layout(shards, align, want_align):
+    """moe_ffn's rows are a multiple of T; a shard gets its share of them and of
+    num_out_tokens, and keeps align_size only where its rows hold the padded layout (the
+    result is the same either way; dropping rows to make room would change it)."""
+    from te_jax_perm.ops.moe_ffn.api import Layer, layer_rows
+    from te_jax_perm.ops.permute.api import dispatch_rows
+    t, e, n = 32, 4, 64
+    rows = layer_rows(t, dispatch_rows(n, e, align)[1])
+    assert rows % t == 0 and rows >= dispatch_rows(n, e, align)[1]
+    local_rows, budget, got = Layer(t, n, align, rows, "silu", "xla").shard(t // shards, e)
+    assert (local_rows, budget, got) == (rows // shards, n // shards, want_align)

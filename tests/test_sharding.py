@@ -176,3 +176,66 @@ def test_token_sharded_dispatch_counts_globally_and_shard_map_runs_the_experts_p
     layer = jax.jit(shard_map(local, mesh=MESH, in_specs=(P("d"), P("d"), P("d")), out_specs=P("d")))
     np.testing.assert_allclose(np.asarray(layer(_put(x, "d"), _put(rm, "d"), _put(probs, "d"))), np.asarray(dense),
                                rtol=1e-5, atol=1e-5)
+
+
+def _moe_problem(t, e, h, f, k, seed=6):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    rm = jnp.asarray(top_k_routing(rng.standard_normal((t, e)), k))
+    probs = jnp.asarray(rng.random((t, e)), jnp.float32) * rm
+    w_in = jnp.asarray(rng.standard_normal((e, h, 2 * f)) / 3, jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((e, f, h)) / 3, jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    return x, rm, probs, w_in, w_out, dy
+
+
+@multidevice
+# align 2 leaves each shard room for its padded layout, align 4 does not (it runs unpadded).
+@pytest.mark.parametrize("drop,align", [(0, None), (16, None), (12, 2), (0, 4)],
+                         ids=["all", "drop", "drop_align_fits", "align_unpadded"])
+def test_token_sharded_moe_ffn_runs_each_shard_locally(partitioner, drop, align):
+    """moe_ffn with tokens sharded: every shard runs the layer on its own tokens with its
+    share of num_out_tokens, as the per-shard call in shard_map does, forward and gradients;
+    the forward has no collective and the backward only the weight gradients' all-reduce."""
+    import te_jax_perm
+    from te_jax_perm.parallel.shard_map_compat import shard_map
+    t, e, h, f, k = 32, 4, 8, 6, 2
+    shards = len(jax.devices())
+    x, rm, probs, w_in, w_out, dy = _moe_problem(t, e, h, f, k)
+    n = t * k - drop
+
+    def loss(fn):
+        return lambda x, p, wi, wo, rm, dy: jnp.sum(fn(x, rm, p, wi, wo) * dy)
+
+    sharded = lambda x, rm, p, wi, wo: te_jax_perm.moe_ffn(x, rm, p, wi, wo, n, align_size=align, backend="xla")
+    per_shard = shard_map(lambda x, rm, p, wi, wo: te_jax_perm.moe_ffn(x, rm, p, wi, wo, n // shards,
+                                                                      align_size=align, backend="xla"),
+                          mesh=MESH, in_specs=(P("d"), P("d"), P("d"), P(), P()), out_specs=P("d"))
+    args = (_put(x, "d"), _put(rm, "d"), _put(probs, "d"), _put(w_in), _put(w_out))
+    y = jax.jit(sharded)(*args)
+    assert y.sharding.spec == P("d")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(jax.jit(per_shard)(*args)), rtol=1e-5, atol=1e-5)
+    if drop == 0 and align is None:   # nothing dropped: the sharded layer is the whole layer
+        np.testing.assert_allclose(np.asarray(y), np.asarray(sharded(x, rm, probs, w_in, w_out)),
+                                   rtol=1e-5, atol=1e-5)
+    grad = lambda fn: jax.grad(loss(fn), argnums=(0, 1, 2, 3))
+    gargs = (args[0], args[2], args[3], args[4], args[1], _put(dy, "d"))
+    for got, want in zip(jax.jit(grad(sharded))(*gargs), jax.jit(grad(per_shard))(*gargs)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert collectives(sharded, *args) == []
+    assert collectives(grad(sharded), *gargs) == ["all-reduce"]
+
+
+@multidevice
+def test_token_sharded_moe_ffn_names_an_indivisible_token_count(partitioner):
+    """36 tokens (32 sharded 8 ways, 4 more appended inside the program, sharded by
+    propagation) do not divide into 8 shards: our error, naming the op and the sizes."""
+    import te_jax_perm
+    x, rm, probs, w_in, w_out, _ = _moe_problem(32, 4, 8, 6, 2)
+
+    def f(x, rm, p):
+        x, rm, p = (jnp.concatenate([a, a[:4]]) for a in (x, rm, p))
+        return te_jax_perm.moe_ffn(x, rm, p, w_in, w_out, 72, backend="xla")
+    with pytest.raises(ValueError, match=r"^moe_ffn: its tokens \(36\) do not divide into the 8 token shards "
+                                         r"of mesh axes d; choose sizes divisible by 8"):
+        jax.jit(f)(_put(x, "d"), _put(rm, "d"), _put(probs, "d"))

@@ -305,11 +305,11 @@ def test_token_sharded_dispatch_and_combine_are_local(partitioner, mesh_shape, m
 # with it not divisible by the shard count, Shardy splits a mesh axis in a way no
 # PartitionSpec names, which once failed in JAX's decoding as an IndivisibleError.
 INDIVISIBLE = [
-    ("dp", 2, 8, 15, 0, "output rows (15)"),            # gcd 1: T and R share no divisor
-    ("dp", 4, 12, 18, 0, "output rows (18)"),           # gcd 6, not divisible by 4
-    ("dp", 4, 8, 2, 0, "output rows (2)"),              # gcd 2 < 4 shards
-    ("dp", 8, 16, 12, 0, "output rows (12)"),           # gcd 4 < 8 shards
-    (("dp", "fsdp"), 4, 8, 6, 0, "output rows (6)"),    # gcd 2 against two mesh axes of 2
+    ("dp", 2, 8, 15, 0, "expert-sorted rows (15)"),            # gcd 1: T and R share no divisor
+    ("dp", 4, 12, 18, 0, "expert-sorted rows (18)"),           # gcd 6, not divisible by 4
+    ("dp", 4, 8, 2, 0, "expert-sorted rows (2)"),              # gcd 2 < 4 shards
+    ("dp", 8, 16, 12, 0, "expert-sorted rows (12)"),           # gcd 4 < 8 shards
+    (("dp", "fsdp"), 4, 8, 6, 0, "expert-sorted rows (6)"),    # gcd 2 against two mesh axes of 2
     ("dp", 2, 8, 16, 1, "tokens (9)"),                  # T indivisible, reached by propagation
     ("dp", 4, 8, 16, 2, "tokens (10)"),                 # T indivisible, gcd(10, 16) = 2
 ]
@@ -358,7 +358,7 @@ def test_combine_rows_not_divisible_by_token_shards_raise_our_value_error(partit
     rm = _routing(12, 4, 2)
     x, _ = _inputs(12, 4, 16, jnp.float32)
     out, _, rid, _, _ = te_jax_perm.token_dispatch(x, rm, 18, backend="xla")
-    with pytest.raises(ValueError, match=r"^token_combine: its output rows \(18\) do not divide into the 4 token "
+    with pytest.raises(ValueError, match=r"^token_combine: its expert-sorted rows \(18\) do not divide into the 4 token "
                                          r"shards of mesh axes dp; choose sizes divisible by 4"):
         jax.jit(lambda o, r: te_jax_perm.token_combine(o, r, backend="xla"))(
             out, jax.device_put(rid, NamedSharding(mesh, P("dp", None))))

@@ -157,11 +157,11 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg
         for n in SPLIT:
             if n in sizes and sizes[n] % shards:
                 raise errors.keep(ValueError(
-                    f"{name}: its {'tokens' if n == 'T' else 'output rows'} ({sizes[n]}) do not divide into "
+                    f"{name}: its {'tokens' if n == 'T' else 'expert-sorted rows'} ({sizes[n]}) do not divide into "
                     f"the {shards} token shards {where}; choose sizes divisible by {shards}"))
         if tokens is None and shards > 1:
             raise errors.keep(ValueError(
-                f"{name}: its tokens ({sizes.get('T')}) and output rows ({sizes.get('R')}) arrive split "
+                f"{name}: its tokens ({sizes.get('T')}) and expert-sorted rows ({sizes.get('R')}) arrive split "
                 f"{shards} ways along part of a mesh axis; expected them split along whole mesh axes, "
                 "as a PartitionSpec names them"))
 

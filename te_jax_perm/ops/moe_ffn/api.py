@@ -31,11 +31,15 @@ first GEMM's input gradient and, from ``x``'s rows moved the same way, its weigh
 One ``permute_bwd_probs`` gather sums each token's rows into ``dx`` and moves each row's
 probability gradient into place. The row copies live only inside the pass that makes
 them; the forward keeps none for the backward. No kernel uses float atomics.
+
+Both passes run per token shard (``te_jax_perm.ops.token_split``): under a multi-device
+``jit`` with tokens sharded, each shard runs the layer on its own tokens, and the weights'
+gradients are summed over the shards.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +53,8 @@ from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS, activate, row_probs
 from te_jax_perm.ops.permute import decl as P
 from te_jax_perm.ops.permute.api import dispatch_rows, local_budget, permute_fwd, unread_pad
 from te_jax_perm.ops.row_id_map.api import dispatch_map
-from te_jax_perm.ops.row_id_map.reference import padded_counts_of
+from te_jax_perm.ops.row_id_map.reference import kept_of, padded_counts_of, routed
+from te_jax_perm.ops.token_split import split_over_tokens
 
 
 @_checks.keyword_only
@@ -76,7 +81,9 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
       activation: ``"silu_glu"`` (SwiGLU), ``"gelu_glu"``, ``"silu"``, ``"gelu"`` (tanh
         form) or ``"relu"``; computed in float32.
       align_size: optional static int: each expert's rows padded to a multiple of it, as
-        ``token_dispatch(align_size=...)`` pads them (the result does not change).
+        ``token_dispatch(align_size=...)`` pads them (the result does not change; under
+        token sharding, a shard whose share of the rows cannot hold the padded layout
+        runs unpadded).
       backend: ``"triton"``, ``"interpret"``, ``"xla"`` or ``None`` (the default backend).
 
     Returns:
@@ -84,10 +91,13 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
       routed experts' outputs weighted by ``probs`` and summed in float32. Differentiable
       in ``x``, ``probs``, ``w_in`` and ``w_out``; deterministic (no float atomics).
 
-    Sharding: it has no token-sharding rule. Under a multi-device ``jit`` with tokens
-    sharded it computes the whole (unsharded) layer, gathering the tokens, and returns a
-    replicated result; for a data-parallel layer call it per shard inside
-    ``jax.shard_map`` (each shard's own tokens and row budget).
+    Sharding: under a multi-device ``jit`` with the tokens sharded (data or FSDP
+    parallelism), each token shard runs the whole layer on its own tokens, as
+    ``token_dispatch`` does: its row-id map, both GEMMs on its own rows and the combine,
+    with ``num_out_tokens`` divided across the shards (each shard drops past its share);
+    the result stays sharded like ``x``. The weights are used whole (a sharded weight is
+    gathered, as FSDP does before a layer) and their gradients are summed over the shards.
+    ``T`` must divide by the number of shards. A split hidden axis is gathered. For expert parallelism see ``te_jax_perm.parallel.ep_moe_layer``.
     """
     x = jnp.asarray(x)
     xt = _checks.flatten_rows("x", x, "T", "H")
@@ -112,11 +122,8 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     if t == 0 or rows == 0 or f == 0:
         return jnp.zeros(x.shape, dt)  # no row reaches an expert
     backend = resolve_backend(backend)
-    budget = local_budget(num_out_tokens, 1, rows, e, align_size)
-    rid, kept, owner = dispatch_map(rm, budget, align_size or 1, rows, backend)
-    group_sizes = kept if align_size is None else padded_counts_of(kept, align_size)
-    y = _moe_ffn(xt.astype(dt), w_in.astype(dt), w_out.astype(dt), probs, rid, group_sizes, owner, activation,
-                 backend)
+    y = _moe_ffn(xt.astype(dt), w_in.astype(dt), w_out.astype(dt), probs, rm, unread_pad(e),
+                 Layer(t, num_out_tokens, align_size, layer_rows(t, rows), activation, backend))
     return y.reshape(x.shape)
 
 
@@ -133,12 +140,63 @@ def _check_weights(w_in: Any, w_out: Any, e: int, h: int, gated: bool) -> int:
 
 
 # -- the fused layer and its VJP ---------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _moe_ffn(x, w_in, w_out, probs, rid, group_sizes, owner, activation, backend):
-    return _fwd(x, w_in, w_out, probs, rid, group_sizes, owner, activation, backend)[0]
+# Forward and backward each run per token shard (``split_over_tokens``); what the backward
+# needs crosses between them as token- or row-sharded residuals.
+_IN_AXES = (("T", "D"), ("E", "D", "F2"), ("E", "F", "D"), ("T", "E"), ("T", "E"), ("E",))
+_RES_AXES = (("T", "W"), ("R",), ("R", "F2"))   # row-id map, row owners, first GEMM's output
 
 
-def _fwd(x, w_in, w_out, probs, rid, group_sizes, owner, activation, backend):
+def layer_rows(tokens: int, dispatch_rows: int) -> int:
+    """The layer's expert-sorted rows. They live only inside the layer, so their count is
+    ours to choose: the dispatch's rows rounded up to a multiple of the token count, so that
+    every token sharding divides them too (not past int32 row indices: there they stay as
+    they are, and a sharding must divide them)."""
+    rows = -(-dispatch_rows // tokens) * tokens
+    return rows if rows <= _checks.INT32_MAX else dispatch_rows
+
+
+class Layer(NamedTuple):
+    """The static facts of one call: global token and row counts, drop budget, activation."""
+    tokens: int
+    num_out_tokens: int
+    align_size: int | None
+    rows: int
+    activation: str
+    backend: str
+
+    def shard(self, local_tokens: int, num_experts: int) -> tuple[int, int, int | None]:
+        """``(rows, budget, align_size)`` of the shard holding ``local_tokens`` tokens: its
+        share of the rows and of ``num_out_tokens``, padded where its rows hold the padded
+        layout and unpadded where they cannot (the result is the same either way)."""
+        shards = self.tokens // local_tokens if local_tokens else 1
+        rows = self.rows // shards
+        budget = local_budget(self.num_out_tokens, shards, rows, num_experts, None)
+        padded_fits = local_budget(self.num_out_tokens, shards, rows, num_experts, self.align_size) == budget
+        return rows, budget, self.align_size if padded_fits else None
+
+
+def _group_sizes(kept: jax.Array, align_size: int | None) -> jax.Array:
+    return kept if align_size is None else padded_counts_of(kept, align_size)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _moe_ffn(x, w_in, w_out, probs, rm, pad, layer):
+    return _fwd(x, w_in, w_out, probs, rm, pad, layer)[0]
+
+
+def _fwd(x, w_in, w_out, probs, rm, pad, layer):
+    y, rid, owner, h = split_over_tokens("moe_ffn", functools.partial(_fwd_local, layer),
+                                         (x, w_in, w_out, probs, rm, pad), _IN_AXES, (("T", "D"),) + _RES_AXES,
+                                         layer.backend)
+    return y, (x, w_in, w_out, probs, rm, pad, rid, owner, h)
+
+
+def _fwd_local(layer, x, w_in, w_out, probs, rm, pad):
+    """One token shard's layer: ``(y, row_id_map, owner, h)``."""
+    backend, e = layer.backend, w_in.shape[0]
+    rows, budget, align = layer.shard(x.shape[0], e)
+    rid, kept, owner = dispatch_map(rm, budget, align or 1, rows, backend)
+    group_sizes = _group_sizes(kept, align)
     fwd, _, _ = gemms(backend)
     if on_hopper(backend):
         # Hopper's TMA moves blocks, not gathered rows, and the grouped GEMM's TMA kernel
@@ -146,36 +204,50 @@ def _fwd(x, w_in, w_out, probs, rid, group_sizes, owner, activation, backend):
         # an H100, steps of 15.25 and 29.54 ms at Qwen3-235B's and Mixtral's layers against
         # 15.83 and 30.34 ms gathering. The moved rows live only
         # until the GEMM has read them.
-        h = fwd(_rows(x, rid, owner, w_in.shape[0], backend), w_in, group_sizes, x.dtype)
+        h = fwd(_rows(x, rid, owner, pad, backend), w_in, group_sizes, x.dtype)
     else:
         (h,) = D.moe_gather_gemm(x, w_in, group_sizes, owner, backend=backend, elem_bytes=x.dtype.itemsize)
     p, _ = row_probs(probs, group_sizes, owner)
     # The probability rides on the activations, rounded once with them. A row without an
     # owner has h = 0, so act = 0, and p = 0: it stays zero.
-    a = activate(activation, h) * p[:, None]
+    a = activate(layer.activation, h) * p[:, None]
     z = fwd(a.astype(x.dtype), w_out, group_sizes, x.dtype)
-    (y,) = P.unpermute(z, rid, unread_pad(w_in.shape[0]), backend=backend, padded=False)
-    return y, (x, w_in, w_out, probs, rid, group_sizes, owner, h)
+    (y,) = P.unpermute(z, rid, pad, backend=backend, padded=False)
+    return y, rid, owner, h
 
 
-def _rows(v, rid, owner, num_groups, backend):
+def _rows(v, rid, owner, pad, backend):
     """``[M, K]``: each expert-sorted row's token row of ``v [T, K]`` (zeros for rows no
     token owns), moved by the dispatch's ``permute`` kernel along the owner table."""
-    (rows, _), _ = permute_fwd(v, None, rid, unread_pad(num_groups), owner.shape[0], False, backend, owner)
+    (rows, _), _ = permute_fwd(v, None, rid, pad, owner.shape[0], False, backend, owner)
     return rows
 
 
-def _bwd(activation, backend, res, dy):
-    x, w_in, w_out, probs, rid, group_sizes, owner, h = res
-    dt, e = x.dtype, w_in.shape[0]
+def _bwd(layer, res, dy):
+    args = res + (dy,)
+    dx, dw_in, dw_out, dprobs = split_over_tokens(
+        "moe_ffn (backward)", functools.partial(_bwd_local, layer), args, _IN_AXES + _RES_AXES + (("T", "D"),),
+        (("T", "D"), ("E", "D", "F2"), ("E", "F", "D"), ("T", "E")), layer.backend, summed=(1, 2))
+    # The routing map and pad are not differentiable inputs: their cotangents are symbolic zeros.
+    return dx, dw_in, dw_out, dprobs, None, None
+
+
+def _bwd_local(layer, x, w_in, w_out, probs, rm, pad, rid, owner, h, dy):
+    """One token shard's gradients ``(dx, dw_in, dw_out, dprobs)``, the weights' partial
+    over the shard's rows."""
+    backend, dt, e = layer.backend, x.dtype, w_in.shape[0]
+    _, budget, align = layer.shard(x.shape[0], e)
+    # The shard's group sizes again, from its routing map (a column sum): a per-shard [E]
+    # array has no token axis to cross from the forward on.
+    group_sizes = _group_sizes(kept_of(routed(rm).sum(axis=0, dtype=jnp.int32), budget), align)
     _, dgrad, wgrad = gemms(backend)
-    a, act_vjp = jax.vjp(lambda v: activate(activation, v), h)
+    a, act_vjp = jax.vjp(lambda v: activate(layer.activation, v), h)
     p, _ = row_probs(probs, group_sizes, owner)
     # Second GEMM and combine: y[t] = sum_r (p_r a_r) @ w_out[g]. Row r's gradient before its
     # probability, dy[token] @ w_out[g].T, gives both the probability's gradient (its dot
     # with a_r) and, scaled, a_r's; w_out[g]'s is the scaled rows the forward multiplied,
     # transposed, times dy's rows (dy's rows stay unscaled for the input gradient).
-    dy_rows = _rows(dy.astype(dt), rid, owner, e, backend)
+    dy_rows = _rows(dy.astype(dt), rid, owner, pad, backend)
     # In the kernels' dtype, widened where it is read: a float32 copy would double its bytes.
     da_unscaled = dgrad(dy_rows, w_out, group_sizes, dt).astype(jnp.float32)
     dprobs_rows = jnp.sum(da_unscaled * a, axis=-1)
@@ -184,11 +256,10 @@ def _bwd(activation, backend, res, dy):
     # First GEMM and dispatch: each row's input gradient, summed into its token with the
     # probability gradients moved alongside (one gather, fixed order).
     dx_rows = dgrad(dh, w_in, group_sizes, dt)
-    dw_in = wgrad(_rows(x, rid, owner, e, backend), dh, group_sizes, dt)
-    dx, dprobs = P.permute_bwd_probs(dx_rows, rid, unread_pad(e), dprobs_rows.astype(probs.dtype),
+    dw_in = wgrad(_rows(x, rid, owner, pad, backend), dh, group_sizes, dt)
+    dx, dprobs = P.permute_bwd_probs(dx_rows, rid, pad, dprobs_rows.astype(probs.dtype),
                                      backend=backend, padded=False)
-    # The map, group sizes and owners are integers: their cotangents are symbolic zeros.
-    return dx, dw_in, dw_out, dprobs, None, None, None
+    return dx, dw_in, dw_out, dprobs
 
 
 _moe_ffn.defvjp(_fwd, _bwd)

@@ -65,8 +65,15 @@ def map_from_counts(rm, counts, block_t: int, drop_at: int, xp: ModuleType = jnp
     ve = xp.where(is_routed, xp.arange(e, dtype=xp.int32)[None, :], -1)
     rid = xp.concatenate([xp.take_along_axis(vd, order, 1), xp.take_along_axis(ve, order, 1).astype(xp.int32),
                           cnt[:, None]], axis=1)
-    kept = xp.clip(drop_at - start, 0, totals).astype(xp.int32)
-    return rid, kept
+    return rid, kept_of(totals, drop_at, xp)
+
+
+def kept_of(totals, drop_at: int, xp: ModuleType = jnp):
+    """Each expert's rows not dropped, from its routed-row ``totals`` ``[E]``: experts fill the
+    expert-sorted rows in ascending order, and rows at or past ``drop_at`` are dropped (what
+    the map kernels write as ``kept``)."""
+    start = xp.cumsum(totals) - totals
+    return xp.clip(drop_at - start, 0, totals).astype(xp.int32)
 
 
 def padded_counts_of(kept, align: int):
