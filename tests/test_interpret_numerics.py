@@ -218,6 +218,30 @@ def test_fp8_combine_matches_xla(kernel_backend, weighted):
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fp8_sums_past_the_largest_value_saturate_on_every_backend(kernel_backend, dtype, weighted):
+    """Rows whose sum overflows fp8 (and, in e5m2, infinite rows): the kernels store the
+    largest finite value (the GPU's saturating conversion), and the xla backend, the
+    reference, stores the same bits (its plain cast gave NaN in e4m3fn and inf in e5m2)."""
+    from te_jax_perm import token_combine, token_dispatch
+
+    dt = jnp.dtype(dtype)
+    big = float(jnp.finfo(dt).max)
+    rm = jnp.array([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1], [1, 0, 0, 1]], bool)
+    x = np.full((4, 16), 0.75 * big, np.float32)
+    x[1] *= -1
+    if dt.name == "float8_e5m2":
+        x[2, :4] = np.inf
+    x = jnp.asarray(x, dt)
+    p = rm * 1.0 if weighted else None
+    out, _, rid, _, _ = token_dispatch(x, rm, 8, probs=p, backend="xla")
+    got = np.asarray(token_combine(out, rid, merging_probs=p, backend=kernel_backend))
+    want = np.asarray(token_combine(out, rid, merging_probs=p, backend="xla"))
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    assert np.all(np.abs(want.astype(np.float32)) == big)
+
+
 def test_fp8_dispatch_gradient_matches_xla(kernel_backend):
     from te_jax_perm import token_dispatch
 

@@ -105,13 +105,24 @@ def permute_rows_reference(x, rid, pad, owner, probs=None, *, num_out_rows, padd
     return out, pout
 
 
+def to_output(v: jax.Array, dtype) -> jax.Array:
+    """float32 sums ``v`` in the output ``dtype`` as the kernels store them: rounded to
+    nearest, and into fp8 saturating at its largest finite value (the GPU's ``.satfinite``
+    conversion, which Triton's interpreter follows), where XLA's own cast would give NaN or
+    inf. NaN stays NaN."""
+    if jnp.dtype(dtype).name.startswith("float8"):
+        big = float(jnp.finfo(dtype).max)
+        v = jnp.clip(v, -big, big)
+    return v.astype(dtype)
+
+
 def unpermute_bwd_weighted_reference(g, rid, pad, owner, w, y, *, padded):
     """Kernel ``unpermute_bwd_weighted``: the weighted combine's gradients (rows and weights)."""
     del owner
     n, t, e = y.shape[0], g.shape[0], w.shape[1]
     row_token, row_expert = _inverse_map(rid, pad, padded, n)
     g_rows = _pad_rows(g.astype(jnp.float32))[row_token]  # [N, H]; zero for unwritten rows
-    out = (g_rows * _weights_at(w, row_token, row_expert)[:, None]).astype(y.dtype)
+    out = to_output(g_rows * _weights_at(w, row_token, row_expert)[:, None], y.dtype)
     # d w[t, e] = <g[t], y[r]> for the row r of (t, e): N dots over H, scattered into [T, E].
     dots = jnp.sum(g_rows * y.astype(jnp.float32), axis=-1)
     return out, _to_token_expert(dots, row_token, row_expert, t, e, w.dtype)
@@ -146,7 +157,7 @@ def _gather_by_row(y, rid, owner, w, gpp):
     if w is not None:
         rows = rows * _weights_at(w, row_token, row_expert)[:, None]
     # Unwritten rows go to segment T, which is sliced off; f32 accumulation, then cast.
-    out = jax.ops.segment_sum(rows, row_token, num_segments=t + 1)[:t].astype(y.dtype)
+    out = to_output(jax.ops.segment_sum(rows, row_token, num_segments=t + 1)[:t], y.dtype)
     if gpp is None:
         return (out,)
     return out, _to_token_expert(gpp, row_token, row_expert, t, e, gpp.dtype)
@@ -176,7 +187,7 @@ def _gather_per_entry(y, dest, ex, ok, w, gpp):
 
     init = (jnp.zeros((t, h), jnp.float32), None if gpp is None else jnp.zeros((t, e + 1), gpp.dtype))
     out, dprobs = jax.lax.fori_loop(0, cols, column, init)
-    out = out.astype(y.dtype)
+    out = to_output(out, y.dtype)
     return (out,) if gpp is None else (out, dprobs[:, :e])
 
 
