@@ -1,4 +1,5 @@
-"""Small memcheck target: every shipped kernel (forward and backward) on the machine's
+"""Small memcheck target: the permutation ops' kernels (dispatch, chunk sort and combine,
+forward and backward; the grouped GEMM's run in the hostile-input memcheck) on the machine's
 kernel backend, checked against the NumPy loop reference on the host - no XLA reference
 computation, so what compute-sanitizer sees is our kernels plus a little glue.
 
