@@ -4,7 +4,9 @@ Public ops run forward and backward with ``backend="interpret"`` over a shape sw
 (T=1, odd H, empty experts, skewed routing, dropping, padding, chunk sorts with empty
 chunks and unmapped rows); a config sweep then re-runs some scenarios once per distinct
 unpruned autotune candidate of every kernel they launch (``num_warps``/``num_stages`` do
-not change what the interpreter runs, so configs differing only in those are one).
+not change what the interpreter runs, so configs differing only in those are one). The
+sweep's scenarios together run every config of every kernel's tuning space that some size
+admits (a test holds them to it).
 """
 import importlib
 import inspect
@@ -101,13 +103,13 @@ def run_row_id_map(T, E, k, mode, *, drop=0, single_pass=False, seed=0):
     return make_row_id_map(rm, max(int(rm.sum()) - drop, 0), block_tokens=4, single_pass=single_pass, backend=BE)
 
 
-def run_grouped_gemm(M, K, N, sizes, seed=0):
+def run_grouped_gemm(M, K, N, sizes, seed=0, dtype=jnp.float32):
     """The expert grouped GEMM forward and backward (input and weight gradients)."""
     from te_jax_perm.ops.grouped_gemm.api import grouped_gemm_triton
 
     rng = np.random.default_rng(seed)
-    lhs = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-    rhs = jnp.asarray(rng.standard_normal((len(sizes), K, N)), jnp.float32)
+    lhs = jnp.asarray(rng.standard_normal((M, K)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), K, N)), dtype)
     gs = jnp.asarray(sizes, jnp.int32)
     out, vjp = jax.vjp(lambda a, b: grouped_gemm_triton(a, b, gs, backend=BE), lhs, rhs)
     return out, vjp(jnp.ones_like(out))
@@ -131,15 +133,15 @@ def run_hopper_row_tile_gemms(M, C, sizes, seed=0, tma_default=True):
             GD.grouped_gemm_rhs_t_hopper(lhs, rhs, gs, backend=BE, elem_bytes=2))  # C == D: rhs read transposed
 
 
-def run_moe_ffn(T, H, E, k, F, mode, *, drop=0, align=None, seed=0):
+def run_moe_ffn(T, H, E, k, F, mode, *, drop=0, align=None, seed=0, dtype=jnp.float32):
     """The fused MoE experts (dispatch and combine inside the GEMMs), forward and backward."""
     import te_jax_perm
     rng = np.random.default_rng(seed)
     rm = jnp.asarray(routing(rng, T, E, k, mode))
-    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((T, H)), dtype)
     p = jnp.asarray(rng.random((T, E)), jnp.float32) * rm
-    w_in = jnp.asarray(rng.standard_normal((E, H, 2 * F)) / np.sqrt(H), jnp.float32)
-    w_out = jnp.asarray(rng.standard_normal((E, F, H)) / np.sqrt(F), jnp.float32)
+    w_in = jnp.asarray(rng.standard_normal((E, H, 2 * F)) / np.sqrt(H), dtype)
+    w_out = jnp.asarray(rng.standard_normal((E, F, H)) / np.sqrt(F), dtype)
     num_out = max(int(rm.sum()) - drop, 0)
 
     def f(x, p, w_in, w_out):
@@ -170,6 +172,16 @@ SCENARIOS = {
     # Small enough to run once per config of the Hopper declarations' tuning space.
     "grouped_gemm_hopper_small": lambda: run_hopper_row_tile_gemms(40, 32, [10, 0, 25], tma_default=False),
     "moe_ffn_dropping_padded": lambda: run_moe_ffn(12, 16, 4, 2, 8, "empty", drop=3, align=4),
+    # Rows wide enough (H past 2048, a multiple of no block) and tokens enough (4 and more)
+    # that every row mover's whole tuning space is valid, for the config sweep; each runs
+    # several ops, since every config round re-runs its whole scenario.
+    "movers_wide_rows": lambda: (run_moe(4, 2050, 4, 2, "topk", drop=1), run_moe(4, 2050, 4, 2, "topk", probs=False),
+                                 run_mask_map_inference(4, 2050, 4, 2, "topk")),
+    # 16-bit operands admit larger GEMM tiles than float32's (shared memory): their sweep.
+    "gemms_bf16": lambda: (run_grouped_gemm(40, 24, 40, [10, 0, 25], dtype=jnp.bfloat16),
+                           run_moe_ffn(12, 16, 4, 2, 8, "empty", drop=3, dtype=jnp.bfloat16)),
+    "chunks_wide_rows": lambda: (run_chunk_sort(8, 2050, [3, 0, 4, 1], [2, 0, 3, 1]),
+                                 run_chunk_sort(8, 2050, [3, 0, 4, 1], [2, 0, 3, 1], probs=False)),
 }
 
 # Scenarios re-run once per distinct unpruned config; together they launch every
@@ -177,7 +189,7 @@ SCENARIOS = {
 CONFIG_SWEEP = ("moe_padding", "chunks_full", "chunks_empty_and_unmapped", "copy_odd", "grouped_gemm_ragged",
                 "moe_drop_and_pad_noprobs", "mask_map_inference_dropping", "row_id_map_two_pass",
                 "row_id_map_one_pass", "moe_two_pass_map", "moe_ffn_dropping_padded", "chunks_T1",
-                "grouped_gemm_hopper_small")
+                "grouped_gemm_hopper_small", "movers_wide_rows", "chunks_wide_rows", "gemms_bf16")
 
 
 class _Launched(set):
@@ -311,13 +323,43 @@ def test_every_shipped_kernel_ran_under_the_sanitizer(launched):
     assert not missing, f"shipped kernels never launched by the sanitizer sweep: {sorted(missing)}"
 
 
-def test_the_config_sweep_launches_every_kernel():
-    """Every config of every interpretable shipped kernel runs under the sanitizer: each
-    kernel is launched by at least one scenario of the per-config sweep (one plain run of
-    each tells which)."""
-    swept = set().union(*(sanitized_launches(name) for name in CONFIG_SWEEP))
+class _Coverage:
+    """Config resolver that keeps each launch's default and records, per kernel, the
+    distinct configs the config sweep runs at its size (``swept``) and the configs of its
+    tuning space valid at some size (``valid_somewhere``: every dim 8192, the launch's
+    params), leaving out what no size admits (e.g. tiles past shared memory at this dtype)."""
+
+    BIG = 8192
+
+    def __init__(self):
+        self.swept: dict[str, set] = {}
+        self.valid_somewhere: dict[str, set] = {}
+
+    def __call__(self, call):
+        decl = call.decl
+        valid, _ = candidates(decl, call.dims, call.params)
+        self.swept.setdefault(decl.name, set()).update(c.constants for c in valid)
+        big = dict.fromkeys(call.dims, self.BIG)
+        self.valid_somewhere.setdefault(decl.name, set()).update(
+            c.constants for c in decl.configs if not decl.violated(big, call.params, c))
+        return None
+
+
+def test_the_config_sweep_launches_every_kernel_in_every_config():
+    """The config sweep's scenarios launch every interpretable kernel, each at a size where
+    every config of its tuning space that any size admits is valid: none ships that never
+    ran under the sanitizer."""
+    cover = _Coverage()
+    with hooks.using_config_resolver(cover):
+        jax.clear_caches()  # the resolver runs at lowering time
+        swept = set().union(*(sanitized_launches(name) for name in CONFIG_SWEEP))
+    jax.clear_caches()
     missing = interpretable_kernels() - swept
     assert not missing, f"kernels no CONFIG_SWEEP scenario launches (add one that does): {sorted(missing)}"
+    unswept = {k: sorted(v - cover.swept.get(k, set())) for k, v in cover.valid_somewhere.items()
+               if v - cover.swept.get(k, set())}
+    assert not unswept, ("configs no CONFIG_SWEEP scenario runs (add one at a size where they are valid): "
+                         + "; ".join(f"{k}: {len(v)}, e.g. {v[0]}" for k, v in sorted(unswept.items())))
 
 
 def test_every_kernel_the_sanitizer_cannot_run_is_in_the_hostile_memcheck():
