@@ -110,3 +110,18 @@ def test_architecture_names_every_op_package_and_module():
     missing = [f"te_jax_perm/ops/{p}/" for p in packages if f"`te_jax_perm/ops/{p}/`" not in text]
     missing += [m for m in modules if f"`{m}`" not in text and f"`te_jax_perm/ops/{m}`" not in text]
     assert not missing, f"docs/architecture.md does not name: {missing}"
+
+
+def test_readme_op_table_names_every_public_op():
+    """Every public op (a function of the package taking ``backend`` or ``impl``) has a row of
+    the README's op table, where a user looks an op up."""
+    import inspect
+    import re
+
+    import te_jax_perm
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `")]
+    ops = [n for n in te_jax_perm.__all__ if inspect.isfunction(getattr(te_jax_perm, n))
+           and {"backend", "impl"} & set(inspect.signature(getattr(te_jax_perm, n)).parameters)]
+    assert len(ops) >= 8
+    missing = [n for n in ops if not any(re.match(rf"\| (`[\w, `]*)?`{n}[`(]", r) for r in rows)]
+    assert not missing, f"README.md's op table has no row for: {missing}"
