@@ -221,6 +221,13 @@ def test_bad_arguments_name_what_they_are():
         call(w_in=w_in[..., :15])
     with pytest.raises(ValueError, match=r"w_out has shape \(4, 8, 8\); expected \[E=4, F=8, H=16\]"):
         call(w_out=w_out[..., :8])
+    # Gated weights with a plain activation, and plain ones with a gated activation: named as such.
+    with pytest.raises(ValueError, match=r"w_out has shape \(4, 8, 16\), which fits w_in \(4, 16, 16\) as a gated "
+                                         r"activation's weights, but activation='silu' is not gated"):
+        call(activation="silu")
+    with pytest.raises(ValueError, match=r"w_out has shape \(4, 8, 16\), which fits w_in \(4, 16, 8\) as a plain "
+                                         r"activation's weights, but activation='silu_glu' is gated"):
+        call(w_in=w_in[..., :8])
     with pytest.raises(ValueError, match=r"probs has shape \(8, 3\); expected \(8, 4\)"):
         call(probs=probs[:, :3])
     with pytest.raises(ValueError, match=r"routing_map has shape \(7, 4\); expected 8 tokens like x"):

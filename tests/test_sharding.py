@@ -239,3 +239,21 @@ def test_token_sharded_moe_ffn_names_an_indivisible_token_count(partitioner):
     with pytest.raises(ValueError, match=r"^moe_ffn: its tokens \(36\) do not divide into the 8 token shards "
                                          r"of mesh axes d; choose sizes divisible by 8"):
         jax.jit(f)(_put(x, "d"), _put(rm, "d"), _put(probs, "d"))
+
+
+@multidevice
+def test_tokens_split_along_an_automatic_axis_of_a_partly_manual_shard_map_raise_our_error(partitioner):
+    """Inside a shard_map manual over "d0" only, tokens split along the automatic "d1" too:
+    our error naming the op and what to do (was a KeyError inside JAX's sharding parser).
+    Shardy only: under GSPMD propagation XLA aborts the process on this program."""
+    import te_jax_perm
+    if not partitioner:
+        pytest.skip("XLA aborts the process under GSPMD here")
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("d0", "d1"))
+    x, rm, probs, w_in, w_out, _ = _moe_problem(64, 4, 8, 6, 2)
+    from te_jax_perm.parallel.shard_map_compat import shard_map
+    f = jax.jit(shard_map(lambda x, rm, p: te_jax_perm.moe_ffn(x, rm, p, w_in, w_out, 32, backend="xla"),
+                          mesh=mesh, in_specs=(P("d0"),) * 3, out_specs=P("d0"), axis_names={"d0"}))
+    both = NamedSharding(mesh, P(("d0", "d1")))
+    with pytest.raises(ValueError, match=r"^moe_ffn: its tokens \(16\) .* partly manual shard_map"):
+        f(*(jax.device_put(v, both) for v in (x, rm, probs)))

@@ -61,7 +61,9 @@ def dim_splits(mesh, sharding, ndim: int) -> list[tuple[Any, int]]:
     from jax._src import sharding_impls
     try:
         spec = tuple(sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0])
-    except (ValueError, NotImplementedError):  # IndivisibleError is a ValueError
+    except (ValueError, NotImplementedError, KeyError):
+        # IndivisibleError is a ValueError; a KeyError comes from a mesh that is manual along
+        # some axes (a partly manual shard_map), whose devices the split does not name.
         return [(None, p) for p in pieces]
     spec = (spec + (None,) * ndim)[:ndim]
     return [(_entry(ax), p) for ax, p in zip(spec, pieces)]
@@ -162,8 +164,9 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg
         if tokens is None and shards > 1:
             raise errors.keep(ValueError(
                 f"{name}: its tokens ({sizes.get('T')}) and expert-sorted rows ({sizes.get('R')}) arrive split "
-                f"{shards} ways along part of a mesh axis; expected them split along whole mesh axes, "
-                "as a PartitionSpec names them"))
+                f"{shards} ways along part of a mesh axis, or along an automatic axis of a partly manual "
+                "shard_map; expected them split along whole mesh axes, as a PartitionSpec names them (inside "
+                "a shard_map, make the token axes manual)"))
 
         def run(*xs):
             outs = list(local(*xs))

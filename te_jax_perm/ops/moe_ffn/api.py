@@ -94,10 +94,15 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     Sharding: under a multi-device ``jit`` with the tokens sharded (data or FSDP
     parallelism), each token shard runs the whole layer on its own tokens, as
     ``token_dispatch`` does: its row-id map, both GEMMs on its own rows and the combine,
-    with ``num_out_tokens`` divided across the shards (each shard drops past its share);
-    the result stays sharded like ``x``. The weights are used whole (a sharded weight is
-    gathered, as FSDP does before a layer) and their gradients are summed over the shards.
-    ``T`` must divide by the number of shards. A split hidden axis is gathered. For expert parallelism see ``te_jax_perm.parallel.ep_moe_layer``.
+    with ``num_out_tokens // shards`` rows of budget each (each shard drops past its
+    share); the result stays sharded like ``x``. The weights are used whole (a sharded
+    weight is gathered, as FSDP does before a layer) and their gradients are summed over
+    the shards. ``T`` must divide by the number of shards. The token axis is ``[B*S]``
+    flattened: shard ``B`` (or ``T``); a split ``S`` or hidden axis is gathered, and so are
+    token operands sharded differently from ``x``. With ``backend="interpret"`` a
+    multi-device program computes the unsharded layer (one global budget). Inside
+    ``jax.shard_map``, pass ``check_vma=False`` (the ops' custom VJPs do not carry
+    varying-axis types). For expert parallelism see ``te_jax_perm.parallel.ep_moe_layer``.
     """
     x = jnp.asarray(x)
     xt = _checks.flatten_rows("x", x, "T", "H")
@@ -110,9 +115,8 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     probs = _checks.probs_like_map(probs, routing_map)
     if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}; expected one of {tuple(ACTIVATIONS)}")
-    gated = ACTIVATIONS[activation][1]
     w_in, w_out = jnp.asarray(w_in), jnp.asarray(w_out)
-    f = _check_weights(w_in, w_out, e, h, gated)
+    f = _check_weights(w_in, w_out, e, h, activation)
     for name, arr in (("x", x), ("w_in", w_in), ("w_out", w_out)):
         if arr.dtype not in KERNEL_DTYPES:
             raise TypeError(f"{name} has dtype {arr.dtype}; expected float16, bfloat16 or float32")
@@ -127,14 +131,23 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     return y.reshape(x.shape)
 
 
-def _check_weights(w_in: Any, w_out: Any, e: int, h: int, gated: bool) -> int:
+def _check_weights(w_in: Any, w_out: Any, e: int, h: int, activation: str) -> int:
     """The checked weights' inner size ``F``."""
+    gated = ACTIVATIONS[activation][1]
     want_in = f"[E={e}, H={h}, {'2F' if gated else 'F'}]"
     _checks.check_rank("w_in", w_in, (3,), want_in)
     if tuple(w_in.shape[:2]) != (e, h) or (gated and w_in.shape[2] % 2):
         raise ValueError(f"w_in has shape {tuple(w_in.shape)}; expected {want_in} (E from routing_map, H from x"
                          f"{'; gate and up columns side by side, an even count' if gated else ''})")
     f = w_in.shape[2] // 2 if gated else w_in.shape[2]
+    other = w_in.shape[2] if gated else w_in.shape[2] // 2   # F under the other reading of w_in
+    if (getattr(w_out, "ndim", None) == 3 and tuple(w_out.shape) == (e, other, h) and other != f
+            and (gated or w_in.shape[2] % 2 == 0)):
+        raise ValueError(
+            f"w_out has shape {tuple(w_out.shape)}, which fits w_in {tuple(w_in.shape)} as a "
+            f"{'plain' if gated else 'gated'} activation's weights, but activation={activation!r} is "
+            f"{'gated' if gated else 'not gated'}: expected w_out [E={e}, F={f}, H={h}]; or choose a "
+            f"{'plain activation (silu, gelu, relu)' if gated else 'gated activation (silu_glu, gelu_glu)'}")
     _checks.check_shape("w_out", w_out, (e, f, h), f"[E={e}, F={f}, H={h}] (F from w_in {tuple(w_in.shape)})")
     return f
 
