@@ -173,23 +173,26 @@ SCENARIOS = {
     "grouped_gemm_hopper_small": lambda: run_hopper_row_tile_gemms(40, 32, [10, 0, 25], tma_default=False),
     "moe_ffn_dropping_padded": lambda: run_moe_ffn(12, 16, 4, 2, 8, "empty", drop=3, align=4),
     # Rows wide enough (H past 2048, a multiple of no block) and tokens enough (4 and more)
-    # that every row mover's whole tuning space is valid, for the config sweep; each runs
-    # several ops, since every config round re-runs its whole scenario.
-    "movers_wide_rows": lambda: (run_moe(4, 2050, 4, 2, "topk", drop=1), run_moe(4, 2050, 4, 2, "topk", probs=False),
-                                 run_mask_map_inference(4, 2050, 4, 2, "topk")),
+    # that every row mover's whole tuning space is valid, for the config sweep (one scenario
+    # per op path, so parallel runs share them out).
+    "movers_wide_rows": lambda: run_moe(4, 2050, 4, 2, "topk", drop=1),
+    "movers_wide_rows_noprobs": lambda: run_moe(4, 2050, 4, 2, "topk", probs=False),
+    "mask_map_inference_wide_rows": lambda: run_mask_map_inference(4, 2050, 4, 2, "topk"),
     # 16-bit operands admit larger GEMM tiles than float32's (shared memory): their sweep.
-    "gemms_bf16": lambda: (run_grouped_gemm(40, 24, 40, [10, 0, 25], dtype=jnp.bfloat16),
-                           run_moe_ffn(12, 16, 4, 2, 8, "empty", drop=3, dtype=jnp.bfloat16)),
+    "grouped_gemm_bf16": lambda: run_grouped_gemm(40, 24, 40, [10, 0, 25], dtype=jnp.bfloat16),
+    "moe_ffn_bf16": lambda: run_moe_ffn(12, 16, 4, 2, 8, "empty", drop=3, dtype=jnp.bfloat16),
     "chunks_wide_rows": lambda: (run_chunk_sort(8, 2050, [3, 0, 4, 1], [2, 0, 3, 1]),
                                  run_chunk_sort(8, 2050, [3, 0, 4, 1], [2, 0, 3, 1], probs=False)),
 }
 
 # Scenarios re-run once per distinct unpruned config; together they launch every
-# interpretable kernel (test_the_config_sweep_launches_every_kernel).
+# interpretable kernel in every config some size admits
+# (test_the_config_sweep_launches_every_kernel_in_every_config).
 CONFIG_SWEEP = ("moe_padding", "chunks_full", "chunks_empty_and_unmapped", "copy_odd", "grouped_gemm_ragged",
                 "moe_drop_and_pad_noprobs", "mask_map_inference_dropping", "row_id_map_two_pass",
                 "row_id_map_one_pass", "moe_two_pass_map", "moe_ffn_dropping_padded", "chunks_T1",
-                "grouped_gemm_hopper_small", "movers_wide_rows", "chunks_wide_rows", "gemms_bf16")
+                "grouped_gemm_hopper_small", "movers_wide_rows", "movers_wide_rows_noprobs",
+                "mask_map_inference_wide_rows", "chunks_wide_rows", "grouped_gemm_bf16", "moe_ffn_bf16")
 
 
 class _Launched(set):
