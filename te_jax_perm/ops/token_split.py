@@ -129,6 +129,13 @@ def _rule(arg_axes: Sequence[Axes], out_axes: Sequence[Axes], sizes: dict[str, i
     return SdyShardingRule(ops, outs, need_replication_factors=replicate, **factor_sizes)
 
 
+def shard_count(tokens: int, local_tokens: int) -> int:
+    """The number of token shards a per-shard function of :func:`split_over_tokens` runs
+    in, read off its own operands: the global token count over its shard's (1 unsharded,
+    and for a shard without tokens)."""
+    return tokens // local_tokens if local_tokens else 1
+
+
 def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg_axes: Sequence[Axes],
                       out_axes: Sequence[Axes], backend: str, summed: Sequence[int] = ()) -> tuple[jax.Array, ...]:
     """``local(*args)``, run per token shard under SPMD as the module docstring says.

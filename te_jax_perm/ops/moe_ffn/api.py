@@ -54,7 +54,7 @@ from te_jax_perm.ops.permute import decl as P
 from te_jax_perm.ops.permute.api import dispatch_rows, local_budget, permute_fwd, unread_pad
 from te_jax_perm.ops.row_id_map.api import dispatch_map
 from te_jax_perm.ops.row_id_map.reference import kept_of, padded_counts_of, routed
-from te_jax_perm.ops.token_split import split_over_tokens
+from te_jax_perm.ops.token_split import shard_count, split_over_tokens
 
 
 @_checks.keyword_only
@@ -181,7 +181,7 @@ class Layer(NamedTuple):
         """``(rows, budget, align_size)`` of the shard holding ``local_tokens`` tokens: its
         share of the rows and of ``num_out_tokens``, padded where its rows hold the padded
         layout and unpadded where they cannot (the result is the same either way)."""
-        shards = self.tokens // local_tokens if local_tokens else 1
+        shards = shard_count(self.tokens, local_tokens)
         rows = self.rows // shards
         budget = local_budget(self.num_out_tokens, shards, rows, num_experts, None)
         padded_fits = local_budget(self.num_out_tokens, shards, rows, num_experts, self.align_size) == budget

@@ -42,7 +42,7 @@ from te_jax_perm.ops._bits import from_bits, to_bits
 from te_jax_perm.ops.permute import decl as D
 from te_jax_perm.ops.row_id_map.api import dispatch_map
 from te_jax_perm.ops.row_id_map.reference import pad_offsets_of, padded_counts_of
-from te_jax_perm.ops.token_split import split_over_tokens
+from te_jax_perm.ops.token_split import shard_count, split_over_tokens
 
 
 def unread_pad(e: int) -> np.ndarray:
@@ -293,7 +293,7 @@ def _dispatch_local(tokens, num_out_tokens, align_size, rows, backend):
     shards there are."""
     def run(x, rm, *rest):
         *probs, pad = rest
-        shards = tokens // x.shape[0] if x.shape[0] else 1
+        shards = shard_count(tokens, x.shape[0])
         e, local_rows = rm.shape[1], rows // shards
         budget = local_budget(num_out_tokens, shards, local_rows, e, align_size)
         rid, kept, owner = dispatch_map(rm, budget, align_size or 1, local_rows, backend)
