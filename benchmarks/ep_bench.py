@@ -40,7 +40,6 @@ def exchange_ms(sz: example.Sizes, mesh, rm_host, mode: str, steps: int) -> floa
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from te_jax_perm.parallel.exchange import send_rows
-    from te_jax_perm.parallel.shard_map_compat import shard_map
 
     ep, el, cap = sz.n_dev, sz.experts // sz.n_dev, sz.cap
     rows_to = rm_host.reshape(ep, sz.tokens, ep, el).sum(axis=(1, 3))           # [src, dst] routed rows
@@ -51,7 +50,7 @@ def exchange_ms(sz: example.Sizes, mesh, rm_host, mode: str, steps: int) -> floa
     rows = jax.device_put(jnp.zeros((ep * sz.num_out, sz.hidden), sz.dtype), shard)
     args = [jax.device_put(a.reshape(-1), shard) for a in (rank_start, sent, recv)]
     body = lambda r, s0, s, rv: send_rows(r, s0, s, rv, cap, "ep", mode)
-    fn = jax.jit(shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep")))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep")))
     return median_wall_ms(fn, (rows, *args), steps)
 
 

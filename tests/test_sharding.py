@@ -156,7 +156,6 @@ def test_token_sharded_dispatch_counts_globally_and_shard_map_runs_the_experts_p
     run the experts on such rows: dispatch, grouped GEMM and combine per shard in shard_map,
     which equals the dense layer."""
     import te_jax_perm
-    from te_jax_perm.parallel.shard_map_compat import shard_map
     t, e, h, f, k = 32, 4, 8, 6, 2
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
@@ -173,7 +172,7 @@ def test_token_sharded_dispatch_counts_globally_and_shard_map_runs_the_experts_p
         rows, _, rid, _, local_counts = te_jax_perm.token_dispatch(x, rm, x.shape[0] * k, backend="xla")
         return te_jax_perm.token_combine(te_jax_perm.grouped_matmul(rows, w, local_counts, impl="xla"), rid, p,
                                          backend="xla")
-    layer = jax.jit(shard_map(local, mesh=MESH, in_specs=(P("d"), P("d"), P("d")), out_specs=P("d")))
+    layer = jax.jit(jax.shard_map(local, mesh=MESH, in_specs=(P("d"), P("d"), P("d")), out_specs=P("d")))
     np.testing.assert_allclose(np.asarray(layer(_put(x, "d"), _put(rm, "d"), _put(probs, "d"))), np.asarray(dense),
                                rtol=1e-5, atol=1e-5)
 
@@ -198,7 +197,6 @@ def test_token_sharded_moe_ffn_runs_each_shard_locally(partitioner, drop, align)
     share of num_out_tokens, as the per-shard call in shard_map does, forward and gradients;
     the forward has no collective and the backward only the weight gradients' all-reduce."""
     import te_jax_perm
-    from te_jax_perm.parallel.shard_map_compat import shard_map
     t, e, h, f, k = 32, 4, 8, 6, 2
     shards = len(jax.devices())
     x, rm, probs, w_in, w_out, dy = _moe_problem(t, e, h, f, k)
@@ -208,9 +206,9 @@ def test_token_sharded_moe_ffn_runs_each_shard_locally(partitioner, drop, align)
         return lambda x, p, wi, wo, rm, dy: jnp.sum(fn(x, rm, p, wi, wo) * dy)
 
     sharded = lambda x, rm, p, wi, wo: te_jax_perm.moe_ffn(x, rm, p, wi, wo, n, align_size=align, backend="xla")
-    per_shard = shard_map(lambda x, rm, p, wi, wo: te_jax_perm.moe_ffn(x, rm, p, wi, wo, n // shards,
-                                                                      align_size=align, backend="xla"),
-                          mesh=MESH, in_specs=(P("d"), P("d"), P("d"), P(), P()), out_specs=P("d"))
+    per_shard = jax.shard_map(lambda x, rm, p, wi, wo: te_jax_perm.moe_ffn(x, rm, p, wi, wo, n // shards,
+                                                                          align_size=align, backend="xla"),
+                              mesh=MESH, in_specs=(P("d"), P("d"), P("d"), P(), P()), out_specs=P("d"))
     args = (_put(x, "d"), _put(rm, "d"), _put(probs, "d"), _put(w_in), _put(w_out))
     y = jax.jit(sharded)(*args)
     assert y.sharding.spec == P("d")
@@ -224,6 +222,51 @@ def test_token_sharded_moe_ffn_runs_each_shard_locally(partitioner, drop, align)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert collectives(sharded, *args) == []
     assert collectives(grad(sharded), *gargs) == ["all-reduce"]
+
+
+@multidevice
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_ops_inside_shard_map_with_its_type_check_on(backend):
+    """Inside ``jax.shard_map`` with its default ``check_vma=True`` every op runs and
+    differentiates: results vary along the mesh axes their operands vary along, and each
+    gradient has its primal's type, the replicated weights' summed over the shards. Loss and
+    every gradient equal those of the same function with the check off, and of the whole
+    batch run unsharded (each token's rows stay in its shard)."""
+    import te_jax_perm
+    t, e, h, f, k = 32, 4, 8, 6, 2
+    x, rm, probs, w_in, w_out, dy = _moe_problem(t, e, h, f, k, seed=7)
+    w = w_in[..., :h]
+    order = jnp.asarray([1, 0, 3, 2, 4], jnp.int32)
+
+    def layer(x, rm, p, w, wi, wo):   # every op on the backend in effect (use_backend below)
+        rows, pp, rid, pad, tpe = te_jax_perm.token_dispatch(x, rm, x.shape[0] * k, probs=p)
+        y = te_jax_perm.grouped_matmul(rows, w, tpe, impl="triton") * pp[:, None]
+        sizes = jnp.concatenate([tpe, jnp.asarray([rows.shape[0]], jnp.int32) - tpe.sum(keepdims=True)])
+        moved, smap = te_jax_perm.sort_chunks_by_index(y, sizes, order)
+        back, _ = te_jax_perm.sort_chunks_by_map(moved, smap, is_forward=False)
+        out = te_jax_perm.token_combine(back, rid, pad_offsets=pad)
+        out = out + te_jax_perm.token_combine(rows, rid, merging_probs=p)
+        return out + te_jax_perm.moe_ffn(x, rm, p, wi, wo, x.shape[0] * k)
+
+    def loss(fn):
+        return lambda x, p, w, wi, wo, rm, dy: jnp.sum(fn(x, rm, p, w, wi, wo) * dy)
+
+    specs = dict(mesh=MESH, in_specs=(P("d"), P("d"), P("d"), P(), P(), P()), out_specs=P("d"))
+    checked = jax.shard_map(layer, **specs)
+    unchecked = jax.shard_map(layer, check_vma=False, **specs)
+    whole = (x, probs, w, w_in, w_out, rm, dy)
+    sharded = (_put(x, "d"), _put(probs, "d"), _put(w), _put(w_in), _put(w_out), _put(rm, "d"), _put(dy, "d"))
+    # The whole batch on unsharded operands (sharded ones would have the dispatch count tokens
+    # per expert over every shard while grouping the rows per shard), on the xla backend; the
+    # interpreter, slow, runs the checked shard_map only.
+    runs = ((checked, sharded, backend),) + (((unchecked, sharded, backend),) if backend == "xla" else ())
+    results = []
+    for fn, args, b in runs + ((layer, whole, "xla"),):
+        with te_jax_perm.use_backend(b):
+            results.append(jax.jit(jax.value_and_grad(loss(fn), argnums=(0, 1, 2, 3, 4)))(*args))
+    for other in results[1:]:
+        for got, want in zip(jax.tree.leaves(results[0]), jax.tree.leaves(other)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @multidevice
@@ -251,9 +294,8 @@ def test_tokens_split_along_an_automatic_axis_of_a_partly_manual_shard_map_raise
         pytest.skip("XLA aborts the process under GSPMD here")
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("d0", "d1"))
     x, rm, probs, w_in, w_out, _ = _moe_problem(64, 4, 8, 6, 2)
-    from te_jax_perm.parallel.shard_map_compat import shard_map
-    f = jax.jit(shard_map(lambda x, rm, p: te_jax_perm.moe_ffn(x, rm, p, w_in, w_out, 32, backend="xla"),
-                          mesh=mesh, in_specs=(P("d0"),) * 3, out_specs=P("d0"), axis_names={"d0"}))
+    f = jax.jit(jax.shard_map(lambda x, rm, p: te_jax_perm.moe_ffn(x, rm, p, w_in, w_out, 32, backend="xla"),
+                              mesh=mesh, in_specs=(P("d0"),) * 3, out_specs=P("d0"), axis_names={"d0"}))
     both = NamedSharding(mesh, P(("d0", "d1")))
     with pytest.raises(ValueError, match=r"^moe_ffn: its tokens \(16\) .* partly manual shard_map"):
         f(*(jax.device_put(v, both) for v in (x, rm, probs)))

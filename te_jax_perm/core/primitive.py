@@ -17,6 +17,7 @@ from jax._src import dispatch
 from jax.interpreters import batching, mlir
 
 from te_jax_perm.core import backends, checks, sharding
+from te_jax_perm.core.manual_axes import plain_avals, vary_like
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import bind_call, configure, select_config
 
@@ -68,7 +69,8 @@ class KernelPrimitive:
             # tracer, whose values would be checked only in the checked mode.
             shown = tuple(g if isinstance(g, np.ndarray) else o for g, o in zip(given, operands))
             checks.check_values(functools.partial(_validation_problem, decl, call.dims, params), *shown)
-        return tuple(self.prim.bind(*operands, backend=chosen, config=config, **params))
+        # Inside jax.shard_map, the results vary along the operands' varying axes.
+        return vary_like(self.prim.bind(*operands, backend=chosen, config=config, **params), operands)
 
     # -- primitive rules --------------------------------------------------------------
     def abstract_eval(self, *avals, backend: str, config: Config | None, **params):   # a config sets no shape
@@ -88,6 +90,7 @@ class KernelPrimitive:
 
     def _lower_local(self, platform: str, ctx, *args, backend: str, config: Config | None, **params):
         decl = self.decl
+        ctx = plain_avals(ctx)
         if backend == "xla":
             return mlir.lower_fun(lambda *ops: list(decl.reference(*ops, **params)), multiple_results=True)(ctx, *args)
         fn = self._backend_fn(platform, backend)

@@ -37,6 +37,7 @@ from jax.experimental.custom_partitioning import CompoundFactor, SdyShardingRule
 from jax.sharding import NamedSharding, PartitionSpec
 
 from te_jax_perm.core import errors
+from te_jax_perm.core.manual_axes import vary_like
 from te_jax_perm.core.sharding import spec_axes
 
 SPLIT = ("T", "R")
@@ -199,4 +200,5 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg
         out = jax.vmap(local, in_axes=tuple(0 if b else None for b in in_batched))(*xs)
         return tuple(out), tuple(True for _ in out)
 
-    return tuple(batched(*args))
+    # custom_partitioning and custom_vmap drop the operands' varying axes inside jax.shard_map.
+    return vary_like(batched(*args), args)

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from te_jax_perm.parallel.shard_map_compat import shard_map
 
 
 def ragged_all_to_all_supported(devices: Sequence[jax.Device]) -> bool:
@@ -62,7 +61,7 @@ def probe(devices: tuple) -> bool:
     try:
         # Compiled ahead of time and called as an executable: this also runs for real when
         # first asked while tracing a jitted caller (ep_moe_layer with a2a="auto").
-        fn = jax.jit(shard_map(body, mesh=mesh, in_specs=P("probe"), out_specs=P("probe")))
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("probe"), out_specs=P("probe")))
         compiled = fn.lower(jax.ShapeDtypeStruct(x.shape, x.dtype)).compile()
         got = np.asarray(compiled(x)).reshape(n, n, n)         # [dst, src, slot]
     except Exception as e:  # noqa: BLE001 - any failure to compile or run means "unsupported"

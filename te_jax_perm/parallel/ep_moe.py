@@ -39,7 +39,6 @@ from te_jax_perm.ops.permute.api import permute_with_mask_map, unpermute_with_ma
 from te_jax_perm.ops.row_id_map.api import make_row_id_map
 from te_jax_perm.parallel.a2a_support import ragged_all_to_all_supported, resolve_a2a
 from te_jax_perm.parallel.exchange import return_rows, send_rows
-from te_jax_perm.parallel.shard_map_compat import shard_map
 
 @dataclasses.dataclass(frozen=True)
 class EPConfig:
@@ -157,7 +156,7 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
     spec = P(cfg.axis)
     cfg = dataclasses.replace(cfg, a2a=resolve_a2a(cfg.a2a, tuple(mesh.devices.flat)))
     body = lambda *a: ep_moe_local(*a, cfg=cfg)
-    return shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)(x, routing_map, probs, w1, w2)
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)(x, routing_map, probs, w1, w2)
 
 
 def _check_layout(x, routing_map, probs, w1, w2, mesh: Mesh, cfg: EPConfig) -> None:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_jax_perm.core import resolve_backend
+from te_jax_perm.core.manual_axes import like_primal, witness
 from te_jax_perm.ops import _checks
 from te_jax_perm.ops._bits import from_bits, to_bits
 from te_jax_perm.ops.chunk_sort import decl as D
@@ -57,15 +58,16 @@ def _move(inp, src_map, dst_map, probs, backend: str):
 
 
 def _move_fwd(inp, src_map, dst_map, probs, backend):
-    return _gather(inp, src_map, probs, backend), dst_map
+    return _gather(inp, src_map, probs, backend), (dst_map, witness(inp), witness(probs))
 
 
-def _move_bwd(backend, dst_map, cotangents):
+def _move_bwd(backend, res, cotangents):
+    dst_map, inp, probs = res
     # Gradient rows go back through the inverse map: the same aliased gather, a fresh
     # preallocated output, never the incoming gradient buffer.
     g_out, g_probs = cotangents
     g_inp, g_p = _gather(g_out, dst_map, g_probs, backend)
-    return g_inp, None, None, g_p
+    return like_primal(g_inp, inp), None, None, like_primal(g_p, probs)
 
 
 _move.defvjp(_move_fwd, _move_bwd)

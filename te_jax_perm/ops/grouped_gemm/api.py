@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from te_jax_perm.core import env, resolve_backend
 from te_jax_perm.core.launch import bind_dims
+from te_jax_perm.core.manual_axes import like_primal
 from te_jax_perm.ops import _checks
 from te_jax_perm.ops.grouped_gemm import decl as D
 from te_jax_perm.ops.grouped_gemm import reference as R
@@ -238,7 +239,7 @@ def _bwd(impl, out_dtype, res, dout):
     dlhs = dgrad(dout.astype(rhs.dtype), rhs, group_sizes, lhs.dtype)
     drhs = wgrad(lhs, dout.astype(lhs.dtype), group_sizes, rhs.dtype)
     # group_sizes is an integer input: its cotangent is symbolic zero.
-    return dlhs, drhs, None
+    return like_primal(dlhs, lhs), like_primal(drhs, rhs), None
 
 
 _grouped_gemm.defvjp(_fwd, _bwd)

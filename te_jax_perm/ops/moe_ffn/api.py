@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax_perm.core import resolve_backend
+from te_jax_perm.core.manual_axes import like_primal
 from te_jax_perm.ops import _checks
 from te_jax_perm.ops.grouped_gemm.api import KERNEL_DTYPES, gemms
 from te_jax_perm.ops.grouped_gemm.decl import on_hopper
@@ -101,8 +102,9 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     flattened: shard ``B`` (or ``T``); a split ``S`` or hidden axis is gathered, and so are
     token operands sharded differently from ``x``. With ``backend="interpret"`` a
     multi-device program computes the unsharded layer (one global budget). Inside
-    ``jax.shard_map``, pass ``check_vma=False`` (the ops' custom VJPs do not carry
-    varying-axis types). For expert parallelism see ``te_jax_perm.parallel.ep_moe_layer``.
+    ``jax.shard_map`` (its type check on or off), weights the body receives replicated get
+    gradients summed over the shards. For expert parallelism see
+    ``te_jax_perm.parallel.ep_moe_layer``.
     """
     x = jnp.asarray(x)
     xt = _checks.flatten_rows("x", x, "T", "H")
@@ -242,7 +244,9 @@ def _bwd(layer, res, dy):
         "moe_ffn (backward)", functools.partial(_bwd_local, layer), args, _IN_AXES + _RES_AXES + (("T", "D"),),
         (("T", "D"), ("E", "D", "F2"), ("E", "F", "D"), ("T", "E")), layer.backend, summed=(1, 2))
     # The routing map and pad are not differentiable inputs: their cotangents are symbolic zeros.
-    return dx, dw_in, dw_out, dprobs, None, None
+    x, w_in, w_out, probs = res[:4]
+    return (like_primal(dx, x), like_primal(dw_in, w_in), like_primal(dw_out, w_out), like_primal(dprobs, probs),
+            None, None)
 
 
 def _bwd_local(layer, x, w_in, w_out, probs, rm, pad, rid, owner, h, dy):

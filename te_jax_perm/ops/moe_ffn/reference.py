@@ -51,11 +51,11 @@ def row_tokens(owner: jax.Array, num_groups: int, num_tokens: int) -> tuple[jax.
 def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
     """Each of ``rows`` rows' group, int32 ``[rows]``; ``G`` for rows past the groups."""
     ends = jnp.cumsum(clamped_group_sizes(group_sizes, rows))
-    # Every row against every end (one fused reduction): the default binary search is a
-    # loop, which on a GPU reads its condition back to the host at every step, stalling
-    # the stream in the middle of a training step.
-    return jnp.searchsorted(ends, jnp.arange(rows, dtype=ends.dtype), side="right",
-                            method="compare_all").astype(jnp.int32)
+    # Every row against every end (one fused reduction): a binary search is a loop, which on
+    # a GPU reads its condition back to the host at every step, stalling the stream in the
+    # middle of a training step. (Written out rather than as jnp.searchsorted, whose shape
+    # rule fails inside a partly manual jax.shard_map.)
+    return jnp.sum(ends[None, :] <= jnp.arange(rows, dtype=ends.dtype)[:, None], axis=1, dtype=jnp.int32)
 
 
 def row_probs(probs: jax.Array, group_sizes: jax.Array, owner: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_jax_perm.core import resolve_backend
+from te_jax_perm.core.manual_axes import like_primal, witness
 from te_jax_perm.ops import _checks
 from te_jax_perm.ops._bits import from_bits, to_bits
 from te_jax_perm.ops.permute import decl as D
@@ -76,17 +77,17 @@ def permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend, owner=None)
         (out,), pout = D.permute(x, rid, pad, owner, **kw), None
     else:
         out, pout = D.permute_probs(x, rid, pad, owner, probs, **kw)
-    return (from_bits(out, inp.dtype, (num_out_rows,) + inp.shape[1:]), pout), (rid, pad)
+    return (from_bits(out, inp.dtype, (num_out_rows,) + inp.shape[1:]), pout), (rid, pad, witness(inp), witness(probs))
 
 
 def permute_bwd(num_out_rows, padded, backend, res, cts):
-    rid, pad = res
+    rid, pad, inp, probs = res
     g_out, g_pout = cts
     if g_pout is not None:
         g_inp, g_probs = D.permute_bwd_probs(g_out, rid, pad, g_pout, backend=backend, padded=padded)
     else:
         (g_inp,), g_probs = D.unpermute(g_out, rid, pad, backend=backend, padded=padded), None
-    return g_inp, g_probs, None, None
+    return like_primal(g_inp, inp), like_primal(g_probs, probs), None, None
 
 
 _permute.defvjp(permute_fwd, permute_bwd)
@@ -125,7 +126,7 @@ def unpermute_bwd(padded, backend, res, g):
     else:
         g_inp, g_w = D.unpermute_bwd_weighted(g, rid, pad, owner, merging_probs, inp, backend=backend,
                                               padded=padded)
-    return g_inp, g_w, None, None
+    return like_primal(g_inp, inp), like_primal(g_w, merging_probs), None, None
 
 
 _unpermute.defvjp(unpermute_fwd, unpermute_bwd)
@@ -306,7 +307,7 @@ def _dispatch_bwd_local(backend):
     """``(g_out[, g_pp], rid, pad) -> (g_x[, g_probs])``: the gather of the dispatch backward."""
     def run(g_out, *rest):
         *g_pp, rid, pad = rest
-        g_x, g_probs = permute_bwd(g_out.shape[0], False, backend, (rid, pad),
+        g_x, g_probs = permute_bwd(g_out.shape[0], False, backend, (rid, pad, None, None),
                                    (g_out, g_pp[0] if g_pp else None))[:2]
         return (g_x, g_probs) if g_pp else (g_x,)
     return run
@@ -336,10 +337,11 @@ def _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend):
     outs = split_over_tokens("token_dispatch", _dispatch_local(x.shape[0], num_out_tokens, align_size, rows, backend),
                              args, arg_axes, out_axes, backend, summed=(len(out_axes) - 1,))
     out, pp, rid, kept = outs if with_probs else (outs[0], None, outs[1], outs[2])
-    return (out, pp, rid, kept), rid
+    return (out, pp, rid, kept), (rid, witness(x), witness(probs))
 
 
-def _dispatch_bwd(num_out_tokens, align_size, rows, backend, rid, cts):
+def _dispatch_bwd(num_out_tokens, align_size, rows, backend, res, cts):
+    rid, x, probs = res
     g_out, g_pp, _, _ = cts
     with_probs = g_pp is not None
     args = (g_out,) + ((g_pp,) if with_probs else ()) + (rid, _unread_pad_of(rid))
@@ -347,7 +349,7 @@ def _dispatch_bwd(num_out_tokens, align_size, rows, backend, rid, cts):
     out_axes = (("T", "H"),) + ((("T", "E"),) if with_probs else ())
     grads = split_over_tokens("token_dispatch (backward)", _dispatch_bwd_local(backend),
                               args, arg_axes, out_axes, backend)
-    return grads[0], None, (grads[1] if with_probs else None)
+    return like_primal(grads[0], x), None, like_primal(grads[1], probs) if with_probs else None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -402,7 +404,7 @@ def _combine_bwd(backend, res, g):
     out_axes = (("R", "H"),) + ((("T", "E"),) if weighted else ())
     grads = split_over_tokens("token_combine (backward)", _combine_bwd_local(backend), args, arg_axes,
                               out_axes, backend)
-    return grads[0], (grads[1] if weighted else None), None
+    return like_primal(grads[0], inp), like_primal(grads[1], w) if weighted else None, None
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
