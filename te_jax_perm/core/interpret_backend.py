@@ -82,19 +82,36 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
 
 
 _rewritten: dict[Any, Any] = {}
+# The language modules the enclosing ``_interpreted`` blocks have patched (innermost last).
+_patched: list[frozenset[int]] = []
+
+
+def _languages(fn: Any) -> frozenset[int]:
+    """Ids of the language modules Triton's ``_patch_lang(fn)`` patches: ``triton.language``
+    and ``triton.language.core``, where ``fn``'s globals hold them."""
+    import triton.language as tl
+
+    return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
 
 
 @contextlib.contextmanager
 def _interpreted(fn: Any) -> Iterator[Callable]:
     """``fn``'s interpreter rewrite (made once), the language patched for it in the block.
     The patch also lets it call other ``@triton.jit`` functions (helpers, ``tl.sum``...):
-    outside ``TRITON_INTERPRET=1`` their ``__call__`` refuses to run, so it runs their rewrite."""
+    outside ``TRITON_INTERPRET=1`` their ``__call__`` refuses to run, so it runs their rewrite.
+    A helper called where its language modules are already patched runs as it is: patching
+    them again would set every attribute to what it already is, at the cost of walking the
+    whole language, on every call of every helper in every program."""
     import triton.language as tl
     from triton.runtime import interpreter as interp
     from triton.runtime.jit import JITFunction
 
     if fn not in _rewritten:
         _rewritten[fn] = interp.InterpretedFunction(fn).rewrite()
+    langs = _languages(fn)
+    if langs and _patched and langs <= _patched[-1]:
+        yield _rewritten[fn]
+        return
     scope = interp._patch_lang(fn)
     # Scalars used as Python ints (loop bounds, ``range``) under NumPy >= 2.4, which refuses
     # Triton 3.6-3.8's ``int(one-element array)``; truth values keep the interpreter's own
@@ -103,9 +120,11 @@ def _interpreted(fn: Any) -> Iterator[Callable]:
     scope.set_attr(tl.core.tensor, "__index__", lambda self: int(first(self)))
     scope.set_attr(tl.core.tensor, "__bool__", lambda self: bool(first(self)) if self.handle.data.size == 1 else True)
     scope.set_attr(JITFunction, "__call__", _call_nested)
+    _patched.append(langs | (_patched[-1] if _patched else frozenset()))
     try:
         yield _rewritten[fn]
     finally:
+        _patched.pop()
         scope.restore()
 
 
