@@ -3,10 +3,11 @@
 Public ops run forward and backward with ``backend="interpret"`` over a shape sweep
 (T=1, odd H, empty experts, skewed routing, dropping, padding, chunk sorts with empty
 chunks and unmapped rows); a config sweep then re-runs some scenarios once per distinct
-unpruned autotune candidate of every kernel they launch (``num_warps``/``num_stages`` do
+unpruned autotune candidate of the kernels they sweep (``num_warps``/``num_stages`` do
 not change what the interpreter runs, so configs differing only in those are one). The
 sweep's scenarios together run every config of every kernel's tuning space that some size
-admits (a test holds them to it).
+admits (a test holds them to it), each config where it costs least: a scenario leaves to
+another the kernels that one sweeps, and tiles that fit narrow rows run on narrow rows.
 """
 import importlib
 import inspect
@@ -20,6 +21,7 @@ import pytest
 import te_jax_perm.ops
 from te_jax_perm.autotune.tuner import candidates
 from te_jax_perm.core import KernelPrimitive, hooks
+from te_jax_perm.core.launch import Call
 from te_jax_perm.sanitize import sanitize
 from tests.conftest import routing
 
@@ -173,26 +175,59 @@ SCENARIOS = {
     "grouped_gemm_hopper_small": lambda: run_hopper_row_tile_gemms(40, 32, [10, 0, 25], tma_default=False),
     "moe_ffn_dropping_padded": lambda: run_moe_ffn(12, 16, 4, 2, 8, "empty", drop=3, align=4),
     # Rows wide enough (H past 2048, a multiple of no block) and tokens enough (4 and more)
-    # that every row mover's whole tuning space is valid, for the config sweep (one scenario
-    # per op path, so parallel runs share them out).
-    "movers_wide_rows": lambda: run_moe(4, 2050, 4, 2, "topk", drop=1),
-    "movers_wide_rows_noprobs": lambda: run_moe(4, 2050, 4, 2, "topk", probs=False),
-    "mask_map_inference_wide_rows": lambda: run_mask_map_inference(4, 2050, 4, 2, "topk"),
+    # that every row mover's whole tuning space is valid, for the config sweep, and the same
+    # op path on rows of NARROW_H columns, where the tiles those admit run (one scenario per
+    # op path, so parallel runs share them out).
+    "movers_wide_rows": lambda: (run_moe(4, NARROW_H, 4, 2, "topk", drop=1), run_moe(4, 2050, 4, 2, "topk", drop=1)),
+    "movers_wide_rows_noprobs": lambda: (run_moe(4, NARROW_H, 4, 2, "topk", probs=False),
+                                         run_moe(4, 2050, 4, 2, "topk", probs=False)),
+    "mask_map_inference_wide_rows": lambda: (run_mask_map_inference(4, NARROW_H, 4, 2, "topk"),
+                                             run_mask_map_inference(4, 2050, 4, 2, "topk")),
     # 16-bit operands admit larger GEMM tiles than float32's (shared memory): their sweep.
     "grouped_gemm_bf16": lambda: run_grouped_gemm(40, 24, 40, [10, 0, 25], dtype=jnp.bfloat16),
     "moe_ffn_bf16": lambda: run_moe_ffn(12, 16, 4, 2, 8, "empty", drop=3, dtype=jnp.bfloat16),
-    "chunks_wide_rows": lambda: (run_chunk_sort(8, 2050, [3, 0, 4, 1], [2, 0, 3, 1]),
-                                 run_chunk_sort(8, 2050, [3, 0, 4, 1], [2, 0, 3, 1], probs=False)),
+    "chunks_wide_rows": lambda: tuple(run_chunk_sort(8, h, [3, 0, 4, 1], [2, 0, 3, 1], probs=probs)
+                                      for h in (NARROW_H, 2050) for probs in (True, False)),
 }
 
-# Scenarios re-run once per distinct unpruned config; together they launch every
-# interpretable kernel in every config some size admits
+def sweeping(kernels: tuple[str, ...] | None = None, narrow_h: int | None = None):
+    """Which configs a config sweep scenario runs at a launch (``runs(call, config)``): every
+    config valid at the launch's size, of ``kernels`` only (all by default; the others keep
+    their default config); with ``narrow_h``, at a launch of rows wider than ``narrow_h``
+    columns only those rows of ``narrow_h`` columns do not admit, the scenario running the
+    rest on such rows. The interpreter runs a program at a time, and a narrow tile on a
+    wide row is many programs (or column steps): a wide row is for the wide tiles."""
+    def runs(call: Call, config) -> bool:
+        if kernels is not None and call.decl.name not in kernels:
+            return False
+        if narrow_h is None or call.dims.get("H", 0) <= narrow_h:
+            return True
+        return call.decl.violated({**call.dims, "H": narrow_h}, call.params, config) is not None
+    return runs
+
+
+EVERY = sweeping()
+# The narrow rows of the wide-row scenarios: a multiple of no block, as 2050 is.
+NARROW_H = 130
+
+# Scenarios re-run once per distinct unpruned config of what they sweep; together they
+# launch every interpretable kernel in every config some size admits
 # (test_the_config_sweep_launches_every_kernel_in_every_config).
-CONFIG_SWEEP = ("moe_padding", "chunks_full", "chunks_empty_and_unmapped", "copy_odd", "grouped_gemm_ragged",
-                "moe_drop_and_pad_noprobs", "mask_map_inference_dropping", "row_id_map_two_pass",
-                "row_id_map_one_pass", "moe_two_pass_map", "moe_ffn_dropping_padded", "chunks_T1",
-                "grouped_gemm_hopper_small", "movers_wide_rows", "movers_wide_rows_noprobs",
-                "mask_map_inference_wide_rows", "chunks_wide_rows", "grouped_gemm_bf16", "moe_ffn_bf16")
+CONFIG_SWEEP = {
+    **dict.fromkeys(("moe_padding", "chunks_full", "chunks_empty_and_unmapped", "copy_odd", "grouped_gemm_ragged",
+                     "moe_drop_and_pad_noprobs", "mask_map_inference_dropping", "row_id_map_two_pass",
+                     "row_id_map_one_pass", "moe_two_pass_map", "chunks_T1", "grouped_gemm_hopper_small",
+                     "grouped_gemm_bf16"), EVERY),
+    "movers_wide_rows": sweeping(narrow_h=NARROW_H),
+    "movers_wide_rows_noprobs": sweeping(narrow_h=NARROW_H),
+    # Its map kernels and permute_probs run their every config in the scenarios above.
+    "mask_map_inference_wide_rows": sweeping(("unpermute_weighted",), narrow_h=NARROW_H),
+    "chunks_wide_rows": sweeping(narrow_h=NARROW_H),
+    # The experts' own GEMM; the grouped GEMMs run their every config in grouped_gemm_ragged
+    # (float32) and grouped_gemm_bf16, the row movers and the map in the scenarios above.
+    "moe_ffn_dropping_padded": sweeping(("moe_gather_gemm",)),
+    "moe_ffn_bf16": sweeping(("moe_gather_gemm",)),
+}
 
 
 class _Launched(set):
@@ -231,39 +266,63 @@ def test_shipped_kernels_are_clean(name, launched):
     launched.scenarios.add(name)
 
 
-class _EveryConfig:
-    """Config resolver picking, per launch, the ``k``-th distinct unpruned candidate."""
+def swept_configs(runs, call: Call) -> list:
+    """The distinct unpruned configs a sweep that ``runs`` (see :func:`sweeping`) runs at
+    ``call``'s launch; none where it leaves the launch its default config."""
+    valid, _ = candidates(call.decl, call.dims, call.params)
+    return [c for c in {c.constants: c for c in valid}.values() if runs(call, c)]
 
-    def __init__(self):
+
+class _EveryConfig:
+    """Config resolver picking, per launch, the ``k``-th distinct config the sweep runs
+    there (``runs``, see :func:`sweeping`); counts the launches lowered (``lowered``)."""
+
+    def __init__(self, runs):
+        self.runs = runs
         self.k = 0
         self.rounds = 1
+        self.lowered = 0
         self.seen: dict[tuple, set] = {}
+        self.want: dict[tuple, set] = {}
 
     def __call__(self, call):
-        decl, dims, params = call.decl, call.dims, call.params
-        valid, _ = candidates(decl, dims, params)
-        distinct = list({c.constants: c for c in valid}.values())
+        self.lowered += 1
+        distinct = swept_configs(self.runs, call)
         if not distinct:
             return None
         self.rounds = max(self.rounds, len(distinct))
         cfg = distinct[self.k % len(distinct)]
-        key = (decl.name, tuple(sorted(dims.items())), tuple(sorted(params.items())))
+        key = (call.decl.name, tuple(sorted(call.dims.items())), tuple(sorted(call.params.items())))
         self.seen.setdefault(key, set()).add(cfg.constants)
-        self.want = getattr(self, "want", {})
         self.want[key] = {c.constants for c in distinct}
         return cfg
 
 
+def relower_kernels() -> None:
+    """Makes the next eager kernel calls lower again, consulting the config resolver (it runs
+    at lowering time). Eager calls run through one jitted bind per kernel and parameter set;
+    dropping those rather than every JAX cache keeps the scenario's other operations
+    compiled (recompiling them each round was much of a round's time)."""
+    KernelPrimitive._jitted_bind.cache_clear()
+
+
 @pytest.mark.parametrize("name", CONFIG_SWEEP)
 def test_every_unpruned_config_is_clean(name, launched):
-    pick = _EveryConfig()
+    pick = _EveryConfig(CONFIG_SWEEP[name])
+    lowered = None
     try:
         with hooks.using_config_resolver(pick):
+            jax.clear_caches()  # a lowering cached elsewhere would show as fewer lowerings below
             while pick.k < pick.rounds:
-                jax.clear_caches()  # the resolver runs at lowering time
+                relower_kernels()
+                pick.lowered = 0
                 with sanitize() as report:
                     jax.block_until_ready(SCENARIOS[name]())
                 assert not report, f"config round {pick.k}:\n{report.text()}"
+                # Every round lowers what the first did, after clearing every cache: a launch
+                # reusing another round's executable would run that round's config unseen.
+                lowered = pick.lowered if lowered is None else lowered
+                assert pick.lowered == lowered, f"config round {pick.k}: {pick.lowered} kernel lowerings, not {lowered}"
                 launched.update(s.kernel for s in report.launches)
                 pick.k += 1
     finally:
@@ -328,20 +387,22 @@ def test_every_shipped_kernel_ran_under_the_sanitizer(launched):
 
 class _Coverage:
     """Config resolver that keeps each launch's default and records, per kernel, the
-    distinct configs the config sweep runs at its size (``swept``) and the configs of its
-    tuning space valid at some size (``valid_somewhere``: every dim 8192, the launch's
+    distinct configs the config sweep runs at its size (``swept``; the scenario's ``runs``,
+    see :func:`sweeping`, says which: the default where it sweeps none) and the configs of
+    its tuning space valid at some size (``valid_somewhere``: every dim 8192, the launch's
     params), leaving out what no size admits (e.g. tiles past shared memory at this dtype)."""
 
     BIG = 8192
 
     def __init__(self):
+        self.runs = EVERY
         self.swept: dict[str, set] = {}
         self.valid_somewhere: dict[str, set] = {}
 
     def __call__(self, call):
         decl = call.decl
-        valid, _ = candidates(decl, call.dims, call.params)
-        self.swept.setdefault(decl.name, set()).update(c.constants for c in valid)
+        swept = swept_configs(self.runs, call) or [decl.default_config(call.dims, call.params)]
+        self.swept.setdefault(decl.name, set()).update(c.constants for c in swept)
         big = dict.fromkeys(call.dims, self.BIG)
         self.valid_somewhere.setdefault(decl.name, set()).update(
             c.constants for c in decl.configs if not decl.violated(big, call.params, c))
@@ -353,9 +414,13 @@ def test_the_config_sweep_launches_every_kernel_in_every_config():
     every config of its tuning space that any size admits is valid: none ships that never
     ran under the sanitizer."""
     cover = _Coverage()
+    swept = set()
     with hooks.using_config_resolver(cover):
         jax.clear_caches()  # the resolver runs at lowering time
-        swept = set().union(*(sanitized_launches(name) for name in CONFIG_SWEEP))
+        for name, runs in CONFIG_SWEEP.items():
+            cover.runs = runs
+            relower_kernels()
+            swept |= sanitized_launches(name)
     jax.clear_caches()
     missing = interpretable_kernels() - swept
     assert not missing, f"kernels no CONFIG_SWEEP scenario launches (add one that does): {sorted(missing)}"
