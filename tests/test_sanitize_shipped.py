@@ -303,7 +303,7 @@ def relower_kernels() -> None:
     at lowering time). Eager calls run through one jitted bind per kernel and parameter set;
     dropping those rather than every JAX cache keeps the scenario's other operations
     compiled (recompiling them each round was much of a round's time)."""
-    KernelPrimitive._jitted_bind.cache_clear()
+    KernelPrimitive.forget_eager_executables()
 
 
 @pytest.mark.parametrize("name", CONFIG_SWEEP)

@@ -83,6 +83,13 @@ class KernelPrimitive:
         from te_jax_perm.core.interpret_backend import run_eagerly
         return run_eagerly(run, args)
 
+    @staticmethod
+    def forget_eager_executables() -> None:
+        """Makes the next eager (un-jitted) call of every kernel lower again. A kernel's config
+        is chosen when it lowers, so a config resolver installed since (the tuner, a sweep
+        over configs) is then consulted; nothing else JAX compiled is dropped."""
+        KernelPrimitive._jitted_bind.cache_clear()
+
     @functools.lru_cache(maxsize=256)
     def _jitted_bind(self, prim: Primitive, kw_items):
         # One jitted callable per parameter set, so eager calls reuse compiled executables.
