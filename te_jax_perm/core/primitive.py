@@ -17,9 +17,9 @@ from jax._src import dispatch
 from jax.interpreters import batching, mlir
 
 from te_jax_perm.core import backends, checks, sharding
-from te_jax_perm.core.manual_axes import plain_avals, vary_like
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import bind_call, configure, select_config
+from te_jax_perm.core.manual_axes import plain_avals, vary_like
 
 _RESERVED = ("backend", "config")
 

@@ -17,7 +17,6 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 
-
 def ragged_all_to_all_supported(devices: Sequence[jax.Device]) -> bool:
     """True when a ragged all-to-all over ``devices`` compiles and gives the right result."""
     devices = tuple(devices)
