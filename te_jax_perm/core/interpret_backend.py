@@ -82,16 +82,20 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
 
 
 _rewritten: dict[Any, Any] = {}
-# The language modules the enclosing ``_interpreted`` blocks have patched (innermost last).
-_patched: list[frozenset[int]] = []
+# How many ``_interpreted`` blocks enclose this point (launches run one at a time: the lock).
+_depth = 0
 
 
-def _languages(fn: Any) -> frozenset[int]:
-    """Ids of the language modules Triton's ``_patch_lang(fn)`` patches: ``triton.language``
-    and ``triton.language.core``, where ``fn``'s globals hold them."""
+def _languages() -> Any:
+    """What Triton's ``_patch_lang(fn)`` reads of ``fn`` (its globals), naming both language
+    modules: ``triton.language`` (what kernels use) and ``triton.language.core`` (what
+    Triton's own helpers, ``tl.sum``, ``tl.max``, ``tl.zeros``..., reach the builtins
+    through)."""
+    import types
+
     import triton.language as tl
 
-    return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+    return types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core})
 
 
 @contextlib.contextmanager
@@ -99,20 +103,20 @@ def _interpreted(fn: Any) -> Iterator[Callable]:
     """``fn``'s interpreter rewrite (made once), the language patched for it in the block.
     The patch also lets it call other ``@triton.jit`` functions (helpers, ``tl.sum``...):
     outside ``TRITON_INTERPRET=1`` their ``__call__`` refuses to run, so it runs their rewrite.
-    A helper called where its language modules are already patched runs as it is: patching
+    The outermost block patches both language modules, so a helper runs as it is: patching
     them again would set every attribute to what it already is, at the cost of walking the
     whole language, on every call of every helper in every program."""
+    global _depth
     import triton.language as tl
     from triton.runtime import interpreter as interp
     from triton.runtime.jit import JITFunction
 
     if fn not in _rewritten:
         _rewritten[fn] = interp.InterpretedFunction(fn).rewrite()
-    langs = _languages(fn)
-    if langs and _patched and langs <= _patched[-1]:
+    if _depth:
         yield _rewritten[fn]
         return
-    scope = interp._patch_lang(fn)
+    scope = interp._patch_lang(_languages())
     # Scalars used as Python ints (loop bounds, ``range``) under NumPy >= 2.4, which refuses
     # Triton 3.6-3.8's ``int(one-element array)``; truth values keep the interpreter's own
     # rule (only a scalar has one), read as a scalar. The scope undoes this with the rest.
@@ -120,11 +124,11 @@ def _interpreted(fn: Any) -> Iterator[Callable]:
     scope.set_attr(tl.core.tensor, "__index__", lambda self: int(first(self)))
     scope.set_attr(tl.core.tensor, "__bool__", lambda self: bool(first(self)) if self.handle.data.size == 1 else True)
     scope.set_attr(JITFunction, "__call__", _call_nested)
-    _patched.append(langs | (_patched[-1] if _patched else frozenset()))
+    _depth += 1
     try:
         yield _rewritten[fn]
     finally:
-        _patched.pop()
+        _depth -= 1
         scope.restore()
 
 
