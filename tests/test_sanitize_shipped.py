@@ -230,25 +230,12 @@ CONFIG_SWEEP = {
 }
 
 
-class _Launched(set):
-    """Kernels launched under the sanitizer in this process, and the scenarios that ran."""
-
-    def __init__(self):
-        super().__init__()
-        self.scenarios: set[str] = set()
-
-
-@pytest.fixture(scope="module")
-def launched():
-    return _Launched()
-
-
 def sanitized_launches(name: str) -> set[str]:
     """The kernels scenario ``name`` launches, run once under the sanitizer, which must
     find nothing."""
     with sanitize() as report:
         jax.block_until_ready(SCENARIOS[name]())
-    assert not report, report.text()
+    assert not report, f"{name}:\n{report.text()}"
     return {s.kernel for s in report.launches}
 
 
@@ -258,12 +245,11 @@ def interpretable_kernels() -> set[str]:
     return {name for name, k in shipped_kernels().items() if k.decl.interpretable}
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_shipped_kernels_are_clean(name, launched):
-    kernels = sanitized_launches(name)
-    assert kernels, f"{name}: no kernel launch was observed"
-    launched.update(kernels)
-    launched.scenarios.add(name)
+# The config sweep's scenarios run at their default configs in
+# test_the_config_sweep_launches_every_kernel_in_every_config.
+@pytest.mark.parametrize("name", sorted(set(SCENARIOS) - set(CONFIG_SWEEP)))
+def test_shipped_kernels_are_clean(name):
+    assert sanitized_launches(name), f"{name}: no kernel launch was observed"
 
 
 def swept_configs(runs, call: Call) -> list:
@@ -307,7 +293,7 @@ def relower_kernels() -> None:
 
 
 @pytest.mark.parametrize("name", CONFIG_SWEEP)
-def test_every_unpruned_config_is_clean(name, launched):
+def test_every_unpruned_config_is_clean(name):
     pick = _EveryConfig(CONFIG_SWEEP[name])
     lowered = None
     try:
@@ -323,7 +309,6 @@ def test_every_unpruned_config_is_clean(name, launched):
                 # reusing another round's executable would run that round's config unseen.
                 lowered = pick.lowered if lowered is None else lowered
                 assert pick.lowered == lowered, f"config round {pick.k}: {pick.lowered} kernel lowerings, not {lowered}"
-                launched.update(s.kernel for s in report.launches)
                 pick.k += 1
     finally:
         jax.clear_caches()
@@ -377,14 +362,6 @@ def test_hostile_inputs_access_nothing_out_of_bounds(name):
     assert not report, report.text()
 
 
-def test_every_shipped_kernel_ran_under_the_sanitizer(launched):
-    # Scenarios another test process ran (parallel runs split this module) run here again.
-    for name in sorted(set(SCENARIOS) - launched.scenarios):
-        launched.update(sanitized_launches(name))
-    missing = interpretable_kernels() - launched
-    assert not missing, f"shipped kernels never launched by the sanitizer sweep: {sorted(missing)}"
-
-
 class _Coverage:
     """Config resolver that keeps each launch's default and records, per kernel, the
     distinct configs the config sweep runs at its size (``swept``; the scenario's ``runs``,
@@ -410,9 +387,10 @@ class _Coverage:
 
 
 def test_the_config_sweep_launches_every_kernel_in_every_config():
-    """The config sweep's scenarios launch every interpretable kernel, each at a size where
-    every config of its tuning space that any size admits is valid: none ships that never
-    ran under the sanitizer."""
+    """The config sweep's scenarios, run here at their default configs under the sanitizer
+    (clean), launch every interpretable kernel, each at a size where every config of its
+    tuning space that any size admits is valid: none ships that never ran under the
+    sanitizer, in any config."""
     cover = _Coverage()
     swept = set()
     with hooks.using_config_resolver(cover):
@@ -420,7 +398,9 @@ def test_the_config_sweep_launches_every_kernel_in_every_config():
         for name, runs in CONFIG_SWEEP.items():
             cover.runs = runs
             relower_kernels()
-            swept |= sanitized_launches(name)
+            kernels = sanitized_launches(name)
+            assert kernels, f"{name}: no kernel launch was observed"
+            swept |= kernels
     jax.clear_caches()
     missing = interpretable_kernels() - swept
     assert not missing, f"kernels no CONFIG_SWEEP scenario launches (add one that does): {sorted(missing)}"
