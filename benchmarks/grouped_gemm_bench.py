@@ -76,7 +76,7 @@ from benchmarks.timing import median_wall_ms
 from te_jax_perm import cli
 from te_jax_perm.core import Config
 from te_jax_perm.ops.grouped_gemm import decl as D
-from te_jax_perm.ops.grouped_gemm.api import grouped_gemm_triton
+from te_jax_perm.ops.grouped_gemm.api import grouped_matmul
 from te_jax_perm.ops.grouped_gemm.reference import grouped_gemm_reference
 
 _OUT = flags.DEFINE_string("out", "/tmp/grouped_gemm_bench", "Directory for grouped_gemm.json.")
@@ -319,14 +319,14 @@ def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, swee
     few = min(reps, 5)
     r: dict[str, Any] = {"M": m, "K": k, "N": n, "G": g}
     r["dense_ms"] = median_wall_ms(jax.jit(gemm_problems.dense_dot), (lhs, ops.dense_rhs), reps)
-    fwd = jax.jit(lambda a, b, s: grouped_gemm_triton(a, b, s, backend=backend))
+    fwd = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, backend=backend))
     r["ours_fwd_ms"] = median_wall_ms(fwd, (lhs, rhs, sizes), reps)
     rows = min(m, CHECK_ROWS)
     one_group = jnp.zeros_like(sizes).at[0].set(rows)
     ref = jax.jit(grouped_gemm_reference)(lhs[:rows], rhs, one_group)
     ours = fwd(lhs[:rows], rhs, one_group)
     r["check_max_abs_err"] = float(jnp.max(jnp.abs(ours.astype(jnp.float32) - ref.astype(jnp.float32))))
-    fb = jax.jit(lambda a, b, s, d: jax.vjp(lambda x, y: grouped_gemm_triton(x, y, s, backend=backend), a, b)[1](d))
+    fb = jax.jit(lambda a, b, s, d: jax.vjp(lambda x, y: grouped_matmul(x, y, s, backend=backend), a, b)[1](d))
     r["ours_bwd_ms"] = median_wall_ms(fb, (lhs, rhs, sizes, dout), reps)
     if sweep:
         r["sweep_fwd_ms"] = {}

@@ -96,7 +96,7 @@ from benchmarks.shapes import by_substrings
 from benchmarks.timing import interleaved_ms, median_wall_ms
 from examples import moe_permute as example
 from te_jax_perm.core import resolve_backend
-from te_jax_perm.ops.grouped_gemm.api import default_impl, grouped_matmul, tokamax_available
+from te_jax_perm.ops.grouped_gemm.api import grouped_matmul, tokamax_available
 from te_jax_perm.workloads import DEEPSEEK_V3, MIXTRAL_8X7B, QWEN3_235B
 
 # Targets (H100): the step over its limit, by model name as the rows carry it (the GEMM
@@ -368,23 +368,23 @@ def loss_and_grads(mm: MatMul) -> Callable:
     return jax.jit(jax.value_and_grad(lambda a, b: jnp.mean(jnp.square(mm(a, b).astype(jnp.float32))), (0, 1)))
 
 
-def gemm_cases(group_sizes: jax.Array, impls: tuple[str, ...]) -> dict[str, MatMul]:
-    """``mm(lhs, rhs)`` of each grouped-GEMM implementation over ``group_sizes`` (``rhs``:
+def gemm_cases(group_sizes: jax.Array, backends: tuple[str, ...]) -> dict[str, MatMul]:
+    """``mm(lhs, rhs)`` of the grouped GEMM on each of ``backends`` over ``group_sizes`` (``rhs``:
     ``Operands.rhs``), and ``"dense"``, the dense dot (``rhs``: ``Operands.dense_rhs``)."""
-    cases = {impl: (lambda a, b, impl=impl: grouped_matmul(a, b, group_sizes, impl=impl)) for impl in impls}
+    cases = {b: (lambda x, w, b=b: grouped_matmul(x, w, group_sizes, backend=b)) for b in backends}
     cases["dense"] = gemm_problems.dense_dot
     return cases
 
 
-def gemm_row(shape: GemmShape, dtype: str, impls: tuple[str, ...], steps: int, profile: bool = True) -> dict:
-    """Forward and fwd+bwd (:func:`loss_and_grads`) times of each grouped-GEMM
-    implementation and of the dense dot of the same FLOPs: wall time (``*_ms``) and, with
+def gemm_row(shape: GemmShape, dtype: str, backends: tuple[str, ...], steps: int, profile: bool = True) -> dict:
+    """Forward and fwd+bwd (:func:`loss_and_grads`) times of the grouped GEMM on each of
+    ``backends`` and of the dense dot of the same FLOPs: wall time (``*_ms``) and, with
     ``profile``, the profiler's kernel time per call (``*_kernel_ms``), which the targets
     use: a wall time of a few milliseconds moved by up to 20% between runs of the same code."""
     ops = gemm_problems.operands(shape, dtype)
     row: dict[str, Any] = {"name": shape.name, "M": shape.M, "K": shape.K, "N": shape.N, "G": shape.G,
                            "dtype": dtype, "tflop_fwd": shape.flops / 1e12, "bytes_fwd": shape.bytes_fwd(dtype)}
-    for name, mm in gemm_cases(ops.group_sizes, impls).items():
+    for name, mm in gemm_cases(ops.group_sizes, backends).items():
         rhs = ops.dense_rhs if name == "dense" else ops.rhs
         for what, fn, gemms in (("fwd", jax.jit(mm), 1), ("fwd_bwd", loss_and_grads(mm), 3)):
             try:
@@ -415,7 +415,7 @@ def _max_rel_diff(a: Any, b: Any, chunk: int = 1 << 24) -> float:
 
 def layer_row(shape: LayerShape, dtype: str, backend: str | None, gemm: str, steps: int,
               profile: bool = False, copy_gbps: float | None = None) -> dict:
-    gemm = default_impl(dtype, dtype) if gemm == "auto" else gemm
+    gemm = resolve_backend(None) if gemm == "auto" else gemm   # grouped_matmul's default for float operands
     cfg = example.MoEConfig(tokens=shape.T, hidden=shape.H, ffn=shape.F, experts=shape.E, topk=shape.k, dtype=dtype,
                             backend=resolve_backend(backend), gemm=gemm)
     fused = dataclasses.replace(cfg, gemm="fused")
@@ -573,8 +573,8 @@ def _waited(r: dict, a: str, b: str) -> str:
     return _ratio("calls waited for", r.get(f"{a}_blocking_ms"), r.get(f"{b}_blocking_ms"))
 
 
-def gemm_verdicts(rows: list[dict], impl: str = "triton") -> list[str]:
-    """The grouped GEMM (``impl``) against the dense dot of the same FLOPs at G <= 32, and
+def gemm_verdicts(rows: list[dict], backend: str = "triton") -> list[str]:
+    """The grouped GEMM (on ``backend``) against the dense dot of the same FLOPs at G <= 32, and
     against its roofline at many groups."""
     lines = []
     many, limit = TARGET_GEMM_MANY_GROUPS
@@ -582,20 +582,20 @@ def gemm_verdicts(rows: list[dict], impl: str = "triton") -> list[str]:
     for r in rows:
         name = f"grouped GEMM M={r['M']} K={r['K']} N={r['N']} G={r['G']}"
         if r["G"] >= many:
-            ours, roof, how = _times(r, f"{impl}_fwd", "roofline_fwd")
+            ours, roof, how = _times(r, f"{backend}_fwd", "roofline_fwd")
             if ours is not None:
                 ratio = ours / roof
                 lines.append(_verdict(ratio <= limit, f"{name} fwd: {ours:.3f} ms / roofline {roof:.3f} ms "
                                       f"= {ratio:.2f}{how} (target <= {limit})"))
             continue
         for what, want in TARGET_GEMM_SPEED.items():
-            ours, dense, how = _times(r, f"{impl}_{what}", f"dense_{what}")
+            ours, dense, how = _times(r, f"{backend}_{what}", f"dense_{what}")
             if ours is not None:
                 speed = dense / ours
                 # Beside it, the same kernel on one group of the same size, where measured:
                 # how much of the gap the groups make and how much the kernel's own tiles.
                 single = one_group.get((r["M"], r["K"], r["N"])) if r["G"] > 1 else None
-                ours1, dense1, _ = _times(single or {}, f"{impl}_{what}", f"dense_{what}")
+                ours1, dense1, _ = _times(single or {}, f"{backend}_{what}", f"dense_{what}")
                 alone = "" if ours1 is None else f"; on one group {dense1 / ours1:.2f}x"
                 lines.append(_verdict(speed >= want, f"{name} {what}: {speed:.2f}x the dense speed "
                                       f"({ours:.3f} vs {dense:.3f} ms{how}{alone}; target >= {want})"))
@@ -679,8 +679,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="stop starting new measurements after this many seconds (the JSON and PNG are still written)")
     ap.add_argument("--shapes", default="", help="comma-separated substrings of the layer shapes to run (default: all)")
     ap.add_argument("--steps", type=int, default=None, help="timed calls per measurement (default: 10 on GPU, 2 on CPU)")
-    ap.add_argument("--gemm", choices=("auto", "triton", "tokamax", "xla"), default="auto",
-                    help="grouped GEMM inside the layers (auto: triton on a GPU, else xla)")
+    ap.add_argument("--gemm", choices=("auto", "triton", "interpret", "tokamax", "xla"), default="auto",
+                    help="grouped GEMM inside the layers, grouped_matmul's backend "
+                         "(auto: triton on a GPU, else xla)")
     ap.add_argument("--no-gemm-table", action="store_true", help="skip the grouped-GEMM table")
     ap.add_argument("--profile", action="store_true",
                     help="profile each layer's step: the share of GPU kernel time in te_jax_perm's kernels (GPU)")
@@ -763,13 +764,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_gemm_table:
         # lax.ragged_dot densifies on GPUs (4-30x the dense time, out of memory at DeepSeek-V3
         # sizes), so the GPU table compares the two real grouped GEMMs.
-        impls = (("triton",) + (("tokamax",) if result["tokamax_available"] else ())) if on_gpu else ("xla",)
+        gemm_backends = (("triton",) + (("tokamax",) if result["tokamax_available"] else ())) if on_gpu else ("xla",)
         for shape in (GPU_GEMMS if on_gpu else CPU_GEMMS):
             m, k, n, g = shape.M, shape.K, shape.N, shape.G
             if budget_left() < 0:
                 result["skipped"].append(f"gemm {m}x{k}x{n} G={g}: budget")
                 continue
-            row = gemm_row(shape, dtype, impls, steps)
+            row = gemm_row(shape, dtype, gemm_backends, steps)
             if "dense_fwd_ms" in row:
                 row["roofline_fwd_ms"] = roofline_ms(row["dense_fwd_ms"], row["bytes_fwd"], result["copy_GBps"])
             if "dense_fwd_kernel_ms" in row:
@@ -778,11 +779,11 @@ def main(argv: list[str] | None = None) -> int:
             result["gemm_table"].append(row)
             parts = [f"{name} {row[f'{name}_fwd_ms']:.3f} ms ({row[f'{name}_fwd_tflops']:.0f} TFLOP/s)"
                      if f"{name}_fwd_ms" in row else f"{name} {row.get(f'{name}_fwd_error', '?')[:80]}"
-                     for name in (*impls, "dense")]
+                     for name in (*gemm_backends, "dense")]
             log(f"GEMM M={m} K={k} N={n} G={g} fwd: " + "; ".join(parts))
             parts = [f"{name} {row[f'{name}_fwd_bwd_ms']:.3f} ms (kernels {row.get(f'{name}_fwd_bwd_kernel_ms', 0):.3f})"
                      if f"{name}_fwd_bwd_ms" in row
-                     else f"{name} failed" for name in (*impls, "dense")]
+                     else f"{name} failed" for name in (*gemm_backends, "dense")]
             log(f"GEMM M={m} K={k} N={n} G={g} fwd+bwd: " + "; ".join(parts))
 
     if not smoke:

@@ -44,9 +44,10 @@ flags.DEFINE_integer("capacity", None, "rows each device may send to each device
                      "(default: the worst case, nothing drops)")
 flags.DEFINE_string("backend", None, "te_jax_perm kernel backend: triton, interpret or xla "
                     "(default: triton on GPUs, xla on CPU)")
-flags.DEFINE_enum("gemm", "auto", ["auto", "triton", "tokamax", "xla"],
-                  "expert grouped GEMM: triton (our Triton grouped GEMM), tokamax (GPUs, needs "
-                  "te_jax_perm[gemm]), xla (jax.lax.ragged_dot) or auto (triton on GPUs, else xla)")
+flags.DEFINE_enum("gemm", "auto", ["auto", "triton", "interpret", "tokamax", "xla"],
+                  "expert grouped GEMM, grouped_matmul's backend: triton (our Triton grouped GEMM, GPU), "
+                  "interpret (the same in Triton's CPU interpreter), tokamax (GPUs, needs te_jax_perm[gemm]), "
+                  "xla (jax.lax.ragged_dot) or auto (triton on GPUs, else xla)")
 flags.DEFINE_enum("a2a", "both", ["dense", "ragged", "both"],
                   "all-to-all: dense (capacity-padded), ragged (exact rows; where the platform supports it) or "
                   "both (ragged only where supported)")

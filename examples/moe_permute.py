@@ -36,7 +36,6 @@ import numpy as np
 
 import te_jax_perm
 from te_jax_perm import cli
-from te_jax_perm.ops.grouped_gemm.api import default_impl
 
 flags.DEFINE_integer("tokens", 256, "tokens T in the batch")
 flags.DEFINE_integer("hidden", 128, "hidden size H of each token")
@@ -49,8 +48,9 @@ flags.DEFINE_integer("align_size", 0, "pad each expert's rows to a multiple of t
 flags.DEFINE_enum("backend", None, ["triton", "interpret", "xla"], "te_jax_perm backend: triton (GPU), "
                   "interpret (the Triton kernels in Triton's CPU interpreter, slow) or xla (plain JAX); "
                   "default: triton on a GPU, xla elsewhere")
-flags.DEFINE_enum("gemm", None, ["triton", "tokamax", "xla", "fused"], "the experts' grouped GEMM: triton "
-                  "(ours), tokamax (needs te_jax_perm[gemm]), xla (jax.lax.ragged_dot), or fused: the whole "
+flags.DEFINE_enum("gemm", None, ["triton", "interpret", "tokamax", "xla", "fused"], "the experts' grouped GEMM, "
+                  "grouped_matmul's backend: triton (ours, GPU), interpret (ours in Triton's CPU interpreter), "
+                  "tokamax (needs te_jax_perm[gemm]), xla (jax.lax.ragged_dot), or fused: the whole "
                   "dispatch-experts-combine as te_jax_perm.moe_ffn (with --probs_in=combine and --ep_ranks=1); "
                   "default: triton on a GPU, xla elsewhere")
 flags.DEFINE_enum("probs_in", "combine", ["combine", "dispatch"], "where the routing probabilities apply: "
@@ -104,8 +104,8 @@ def swiglu(h: jax.Array) -> jax.Array:
 
 def expert_ffn(params, rows: jax.Array, group_sizes: jax.Array, gemm: str | None) -> jax.Array:
     """The SwiGLU experts on rows grouped by expert; zero rows (padding) stay zero."""
-    h = te_jax_perm.grouped_matmul(rows, params["w_in"], group_sizes, impl=gemm)
-    return te_jax_perm.grouped_matmul(swiglu(h).astype(rows.dtype), params["w_out"], group_sizes, impl=gemm)
+    h = te_jax_perm.grouped_matmul(rows, params["w_in"], group_sizes, backend=gemm)
+    return te_jax_perm.grouped_matmul(swiglu(h).astype(rows.dtype), params["w_out"], group_sizes, backend=gemm)
 
 
 def moe_layer(params, x: jax.Array, cfg: MoEConfig) -> jax.Array:
@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     f = flags.FLAGS
     backend = te_jax_perm.resolve_backend(f.backend)
     cfg = MoEConfig(f.tokens, f.hidden, f.ffn, f.experts, f.topk, f.dtype, f.align_size or None, backend,
-                    f.gemm or default_impl(f.dtype, f.dtype), f.probs_in, f.ep_ranks, f.seed)
+                    f.gemm or te_jax_perm.resolve_backend(None), f.probs_in, f.ep_ranks, f.seed)
     experts = "experts fused with dispatch and combine (moe_ffn)" if cfg.gemm == "fused" else f"grouped GEMM {cfg.gemm}"
     print(f"MoE layer: T={cfg.tokens} H={cfg.hidden} F={cfg.ffn} E={cfg.experts} k={cfg.topk} {cfg.dtype}, "
           f"align_size={cfg.align_size}, probs in {cfg.probs_in}, ep_ranks={cfg.ep_ranks}; te_jax_perm backend "

@@ -336,7 +336,8 @@ def test_every_public_op_takes_backend_by_keyword_only():
         obj = getattr(te_jax_perm, name)
         if inspect.isfunction(obj) and "backend" in inspect.signature(obj).parameters:
             takes[name] = inspect.signature(obj).parameters["backend"].kind
-    assert {"token_dispatch", "permute_with_mask_map", "sort_chunks_by_map", "make_chunk_sort_map"} <= set(takes)
+    assert {"token_dispatch", "permute_with_mask_map", "sort_chunks_by_map", "make_chunk_sort_map",
+            "grouped_matmul"} <= set(takes)
     assert {n: k for n, k in takes.items() if k is not inspect.Parameter.KEYWORD_ONLY} == {}
     # ... and a positional one fails naming the keyword-only parameters (``_checks.keyword_only``).
     assert [n for n in takes if not hasattr(getattr(te_jax_perm, n), "__wrapped__")] == []

@@ -608,7 +608,6 @@ def test_layer_gemm_row_at_deepseek_v3_holds_no_float32_copy_of_the_weights():
     graph)."""
     from benchmarks import gemm_problems as gp
     from benchmarks import layer_bench
-    from te_jax_perm import use_backend
     from tests.conftest import KERNEL_BACKEND
     (shape,) = [s for s in layer_bench.GPU_GEMMS if s.G == 256]
     weights = shape.G * shape.K * shape.N
@@ -619,16 +618,15 @@ def test_layer_gemm_row_at_deepseek_v3_holds_no_float32_copy_of_the_weights():
 
     assert not wide_arrays(jax.make_jaxpr(build)(), weights)
     lhs = jax.ShapeDtypeStruct((shape.M, shape.K), jnp.bfloat16)
-    rhs = {"triton": jax.ShapeDtypeStruct((shape.G, shape.K, shape.N), jnp.bfloat16),
+    rhs = {KERNEL_BACKEND: jax.ShapeDtypeStruct((shape.G, shape.K, shape.N), jnp.bfloat16),
            "dense": jax.ShapeDtypeStruct((shape.K, shape.N), jnp.bfloat16)}
-    with use_backend(KERNEL_BACKEND):
-        cases = layer_bench.gemm_cases(jnp.asarray(gp.group_sizes(shape.M, shape.G)), ("triton",))
-        assert set(cases) == set(rhs)
-        for name, mm in cases.items():
-            for fn in (jax.jit(mm), layer_bench.loss_and_grads(mm)):
-                jaxpr = jax.make_jaxpr(fn)(lhs, rhs[name])
-                assert not wide_arrays(jaxpr, weights), (name, wide_arrays(jaxpr, weights))
-            assert jaxpr.out_avals[-1].shape == rhs[name].shape and jaxpr.out_avals[-1].dtype == jnp.bfloat16
+    cases = layer_bench.gemm_cases(jnp.asarray(gp.group_sizes(shape.M, shape.G)), (KERNEL_BACKEND,))
+    assert set(cases) == set(rhs)
+    for name, mm in cases.items():
+        for fn in (jax.jit(mm), layer_bench.loss_and_grads(mm)):
+            jaxpr = jax.make_jaxpr(fn)(lhs, rhs[name])
+            assert not wide_arrays(jaxpr, weights), (name, wide_arrays(jaxpr, weights))
+        assert jaxpr.out_avals[-1].shape == rhs[name].shape and jaxpr.out_avals[-1].dtype == jnp.bfloat16
 
 
 def test_ncu_movers_summary_groups_launches_by_shape_and_compares_time_per_byte():

@@ -19,9 +19,9 @@ import te_jax_perm
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare, hooks
 from te_jax_perm.kernels.grouped_gemm import row_schedule, schedule_tile
 from te_jax_perm.ops.grouped_gemm import decl as D
-from te_jax_perm.ops.grouped_gemm.api import default_impl, grouped_gemm_triton, grouped_matmul, tokamax_available
+from te_jax_perm.ops.grouped_gemm.api import BACKENDS, KERNEL_BACKENDS, grouped_matmul, tokamax_available
 from te_jax_perm.ops.grouped_gemm.reference import clamped_group_sizes, grouped_matmul_reference
-from tests.conftest import ON_GPU, compiled_for_sm90, top_k_routing
+from tests.conftest import compiled_for_sm90, top_k_routing
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
@@ -78,14 +78,14 @@ SIZES = [
 def test_values_match_numpy_and_ragged_dot(sizes, dtype):
     m = 16 if sum(sizes) == 16 else sum(sizes) + 3
     lhs, rhs, gs, _ = _problem(m, 24, 12, sizes, dtype)
-    out = grouped_matmul(lhs, rhs, gs, preferred_element_type=jnp.float32, impl="xla")
+    out = grouped_matmul(lhs, rhs, gs, preferred_element_type=jnp.float32, backend="xla")
     assert out.shape == (m, 12) and out.dtype == jnp.float32
     clean = jnp.nan_to_num(lhs)
     _close(out, grouped_matmul_reference(clean, rhs, gs), dtype, "vs numpy")
     _close(out, jax.lax.ragged_dot(clean, rhs, gs, preferred_element_type=jnp.float32), dtype,
            "vs lax.ragged_dot")
     assert np.all(np.asarray(out)[sum(sizes):] == 0), "rows past the groups must be zero"
-    assert grouped_matmul(lhs, rhs, gs, impl="xla").dtype == jnp.dtype(dtype)
+    assert grouped_matmul(lhs, rhs, gs, backend="xla").dtype == jnp.dtype(dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -93,7 +93,7 @@ def test_values_match_numpy_and_ragged_dot(sizes, dtype):
 def test_vjp_matches_numpy_and_ragged_dot(sizes, dtype):
     m = sum(sizes) + 5
     lhs, rhs, gs, dout = _problem(m, 16, 8, sizes, dtype, seed=1)
-    _, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs, preferred_element_type=jnp.float32, impl="xla"),
+    _, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs, preferred_element_type=jnp.float32, backend="xla"),
                      lhs, rhs)
     dlhs, drhs = vjp(jnp.asarray(dout))
     assert dlhs.dtype == lhs.dtype and drhs.dtype == rhs.dtype
@@ -119,7 +119,7 @@ def test_second_order_shapes_under_jit_and_grad_of_a_two_layer_ffn():
     def ffn(mm):
         return lambda x, a, b: jnp.sum(jnp.tanh(mm(jax.nn.silu(mm(x, a)), b)))
 
-    ours = ffn(lambda x, w: grouped_matmul(x, w, gs, impl="xla"))
+    ours = ffn(lambda x, w: grouped_matmul(x, w, gs, backend="xla"))
     ref = ffn(lambda x, w: jax.lax.ragged_dot(x, w, gs))
     got = jax.jit(jax.grad(ours, (0, 1, 2)))(lhs, w1, w2)
     want = jax.grad(ref, (0, 1, 2))(lhs, w1, w2)
@@ -127,16 +127,15 @@ def test_second_order_shapes_under_jit_and_grad_of_a_two_layer_ffn():
         _close(g, w, "float32", name)
 
 
-@pytest.mark.parametrize("impl", ["xla", "triton"])
-def test_vmap_with_shared_weights_nested_and_over_the_weights(impl):
+def test_vmap_with_shared_weights_nested_and_over_the_weights(backend):
     """A vmapped batch of row blocks sharing one weight tensor (XLA's ragged dot has no rule
     for an unbatched operand), gradients included; vmap nested; and vmap over the weights
-    alone: each equals the blocks one by one. ``triton`` runs the ``xla`` backend here."""
+    alone: each equals the blocks one by one, on each backend of this machine."""
     rng = np.random.default_rng(4)
     lhs = jnp.asarray(rng.standard_normal((3, 12, 8)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((4, 8, 5)), jnp.float32)
     gs = jnp.asarray([[3, 4, 2, 3], [0, 6, 6, 0], [12, 0, 0, 0]], jnp.int32)
-    mm = lambda x, w, g: grouped_matmul(x, w, g, impl=impl)  # noqa: E731
+    mm = lambda x, w, g: grouped_matmul(x, w, g, backend=backend)  # noqa: E731
     one_by_one = jnp.stack([mm(lhs[i], w, gs[i]) for i in range(3)])
     _close(jax.vmap(mm, in_axes=(0, None, 0))(lhs, w, gs), one_by_one, "float32", "shared weights")
     _close(jax.vmap(jax.vmap(mm, in_axes=(0, None, 0)), in_axes=(0, None, 0))(lhs[None], w, gs[None])[0],
@@ -168,7 +167,7 @@ def test_padded_groups_from_token_dispatch(align):
     if align:
         assert np.all(np.asarray(tpe) % align == 0)
     assert int(np.sum(tpe)) <= rows.shape[0]
-    y = grouped_matmul(rows, w, tpe, impl="xla")
+    y = grouped_matmul(rows, w, tpe, backend="xla")
     assert np.all(np.asarray(y)[int(np.sum(tpe)):] == 0)
     out = te_jax_perm.token_combine(y, rid, merging_probs=jnp.asarray(probs), pad_offsets=pad_offsets,
                                     backend="xla")
@@ -177,7 +176,7 @@ def test_padded_groups_from_token_dispatch(align):
 
     def loss(x, w):
         r, _, rid, pad, tpe = te_jax_perm.token_dispatch(x, jnp.asarray(rm), t * k, align_size=align, backend="xla")
-        return jnp.sum(te_jax_perm.token_combine(grouped_matmul(r, w, tpe, impl="xla"), rid,
+        return jnp.sum(te_jax_perm.token_combine(grouped_matmul(r, w, tpe, backend="xla"), rid,
                                                  merging_probs=jnp.asarray(probs), pad_offsets=pad,
                                                  backend="xla") ** 2)
 
@@ -188,22 +187,37 @@ def test_padded_groups_from_token_dispatch(align):
         _close(g, r, "float32", f"grad {name}")
 
 
-def test_triton_promotes_mixed_operand_dtypes_instead_of_rounding_rhs():
-    """bf16 lhs with fp32 rhs: impl='triton' computes in fp32 (the promoted dtype), as the
-    other implementations do; rounding rhs to bf16 would be off by ~1e-3 relative here.
-    Gradients come back in each operand's dtype. Dtypes with no kernel raise."""
+def test_kernels_promote_mixed_operand_dtypes_instead_of_rounding_rhs(kernel_backend):
+    """bf16 lhs with fp32 rhs: our kernels compute in fp32 (the promoted dtype), as the
+    other backends do; rounding rhs to bf16 would be off by ~1e-3 relative here.
+    Gradients come back in each operand's dtype."""
     rng = np.random.default_rng(3)
     lhs = jnp.asarray(rng.standard_normal((12, 16)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((3, 16, 8)), jnp.float32)
     sizes = jnp.asarray([5, 4, 3], jnp.int32)
     want = grouped_matmul_reference(np.asarray(lhs, np.float32), np.asarray(rhs), np.asarray(sizes))
-    got = grouped_matmul(lhs, rhs, sizes, impl="triton")
+    got = grouped_matmul(lhs, rhs, sizes, backend=kernel_backend)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    gl, gr = jax.grad(lambda a, b: jnp.sum(grouped_matmul(a, b, sizes, impl="triton")), argnums=(0, 1))(lhs, rhs)
+    gl, gr = jax.grad(lambda a, b: jnp.sum(grouped_matmul(a, b, sizes, backend=kernel_backend)),
+                      argnums=(0, 1))(lhs, rhs)
     assert (gl.dtype, gr.dtype) == (jnp.bfloat16, jnp.float32)
-    with pytest.raises(TypeError, match="lhs has dtype int8 and rhs int8, which promote to int8"):
-        grouped_matmul(jnp.zeros((4, 16), jnp.int8), jnp.zeros((1, 16, 8), jnp.int8), jnp.asarray([4]), impl="triton")
+
+
+@pytest.mark.parametrize("name", [*KERNEL_BACKENDS, "Interpret"])
+@pytest.mark.parametrize("lhs_dtype,rhs_dtype,promoted", [("int8", "int8", "int8"), ("int8", "int32", "int32")])
+def test_a_named_kernel_backend_refuses_dtypes_it_has_no_kernel_for(name, lhs_dtype, rhs_dtype, promoted):
+    """Asked for our kernels by name, operands that promote to no kernel dtype raise, naming
+    the backend and the way out; the same call on backend='xla' computes exactly."""
+    lhs = jnp.arange(4 * 16, dtype=lhs_dtype).reshape(4, 16) % 5
+    rhs = jnp.ones((1, 16, 8), rhs_dtype)
+    with pytest.raises(TypeError, match=rf"backend='{name.lower()}' computes in float16, bfloat16 or float32; "
+                                        rf"lhs has dtype {lhs_dtype} and rhs {rhs_dtype}, which promote to "
+                                        rf"{promoted}; use backend='xla'"):
+        grouped_matmul(lhs, rhs, jnp.asarray([4]), backend=name)
+    out = grouped_matmul(lhs, rhs, jnp.asarray([4]), backend="xla")
+    assert out.dtype == jnp.dtype(promoted)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(lhs, np.int64).sum(1, keepdims=True).repeat(8, 1))
 
 
 def test_errors_name_the_argument():
@@ -216,51 +230,115 @@ def test_errors_name_the_argument():
         grouped_matmul(lhs, rhs, jnp.array([1, 1, 1], jnp.int32))
     with pytest.raises(TypeError, match="group_sizes has dtype float32"):
         grouped_matmul(lhs, rhs, jnp.array([1.0, 1.0]))
-    with pytest.raises(ValueError, match="impl='cublas'"):
-        grouped_matmul(lhs, rhs, gs, impl="cublas")
+    with pytest.raises(ValueError, match=r"^unknown backend='cublas'; expected one of "
+                                         r"\('triton', 'interpret', 'xla', 'tokamax'\) or None$"):
+        grouped_matmul(lhs, rhs, gs, backend="cublas")
+    with pytest.raises(TypeError, match=r"^backend must be a string, got int 1; expected one of "):
+        grouped_matmul(lhs, rhs, gs, backend=1)
     with pytest.raises(TypeError, match="grouped_matmul takes at most 3 positional arguments, got 4: "
-                                        "preferred_element_type and impl are keyword-only"):
+                                        "preferred_element_type and backend are keyword-only"):
         grouped_matmul(lhs, rhs, gs, "xla")
-    # impl names, like backend names, in any case
-    np.testing.assert_array_equal(grouped_matmul(lhs, rhs, gs, impl="XLA"), grouped_matmul(lhs, rhs, gs, impl="xla"))
+    # backend names in any case, as for every op
+    np.testing.assert_array_equal(grouped_matmul(lhs, rhs, gs, backend="XLA"),
+                                  grouped_matmul(lhs, rhs, gs, backend="xla"))
 
 
-def test_default_impl_and_missing_tokamax():
-    if not ON_GPU:
-        assert default_impl() == "xla"
-    if not tokamax_available():
-        lhs, rhs, gs, _ = _problem(8, 4, 3, [2, 2], "float32", tail=0.0)
-        with pytest.raises(ImportError, match=r"needs tokamax: "):
-            grouped_matmul(lhs, rhs, gs, impl="tokamax")
+def test_backend_names_are_the_op_backends_and_tokamax():
+    assert BACKENDS == (*te_jax_perm.BACKENDS, "tokamax")
+    assert set(KERNEL_BACKENDS) == {"triton", "interpret"}
+
+
+def _kernels_of_default_backend(lhs, rhs, gs) -> set[str]:
+    """Our kernels in the lowered program of ``grouped_matmul(lhs, rhs, gs)`` with no
+    ``backend=``, traced now (a new function each time: jit would reuse an earlier trace made
+    under another backend): empty when it runs none."""
+    return {c.kernel for c in te_jax_perm.audit_aliases(lambda a, b: grouped_matmul(a, b, gs), lhs, rhs).ours}
+
+
+def test_default_backend_follows_use_backend_and_falls_back_to_xla_for_int8(on_cpu):
+    """backend=None is the op backend in effect: XLA's ragged dot by default on a CPU, our
+    kernels under use_backend('interpret') (the result theirs); operands they have no kernel
+    for run XLA's ragged dot there rather than raise."""
+    lhs, rhs, gs, _ = _problem(12, 16, 8, [5, 0, 4], "float32", tail=0.0)
+    int8 = (jnp.asarray(lhs * 4, jnp.int8), jnp.asarray(rhs * 4, jnp.int8))
+    assert _kernels_of_default_backend(lhs, rhs, gs) == set()
+    with te_jax_perm.use_backend("interpret"):
+        assert _kernels_of_default_backend(lhs, rhs, gs) == {"grouped_gemm"}
+        np.testing.assert_array_equal(np.asarray(grouped_matmul(lhs, rhs, gs)),
+                                      np.asarray(grouped_matmul(lhs, rhs, gs, backend="interpret")))
+        assert _kernels_of_default_backend(*int8, gs) == set()
+        out = grouped_matmul(*int8, gs)
+        assert out.dtype == jnp.int8
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(grouped_matmul(*int8, gs, backend="xla")))
+    with te_jax_perm.use_backend("xla"):
+        assert _kernels_of_default_backend(lhs, rhs, gs) == set()
+
+
+@pytest.mark.parametrize("lhs_dtype,rhs_dtype,out_dtype", [("float32", "float32", None),
+                                                          ("bfloat16", "bfloat16", "float32"),
+                                                          ("bfloat16", "float32", None)])
+def test_interpret_and_xla_give_the_same_values_and_gradients(on_cpu, lhs_dtype, rhs_dtype, out_dtype):
+    """Our kernels in Triton's interpreter and XLA's ragged dot, one call apart: the same
+    output (dtype included) and the same gradients in each operand's dtype, with an empty
+    group and NaN rows past the groups. Equal to float32 rounding for float32 operands; with
+    a bfloat16 operand the two round at different points (the kernels' bf16 result before
+    the cast to float32; XLA's weight gradient of mixed operands takes dout in bf16)."""
+    rng = np.random.default_rng(11)
+    lhs = rng.standard_normal((40, 24)).astype(np.float32)
+    lhs[33:] = np.nan
+    lhs, rhs = jnp.asarray(lhs, lhs_dtype), jnp.asarray(rng.standard_normal((3, 24, 16)) / 5, rhs_dtype)
+    gs = jnp.asarray([10, 0, 23], jnp.int32)
+    dout = jnp.asarray(rng.standard_normal((40, 16)), jnp.float32)
+
+    def run(backend):
+        f = lambda a, b: grouped_matmul(a, b, gs, preferred_element_type=out_dtype, backend=backend)  # noqa: E731
+        out, vjp = jax.vjp(f, lhs, rhs)
+        return (out, *vjp(dout.astype(out.dtype)))
+
+    ours, xla = run("interpret"), run("xla")
+    precision = "bfloat16" if "bfloat16" in (lhs_dtype, rhs_dtype) else "float32"
+    for got, want, name in zip(ours, xla, ("out", "dlhs", "drhs")):
+        assert got.dtype == want.dtype, name
+        assert np.all(np.isfinite(np.asarray(got, np.float32))), name
+        _close(got, want, precision, name)
+    assert not np.asarray(ours[0], np.float32)[33:].any() and not np.asarray(ours[1], np.float32)[33:].any()
+
+
+def test_missing_tokamax():
+    if tokamax_available():
+        pytest.skip("tokamax is installed")
+    lhs, rhs, gs, _ = _problem(8, 4, 3, [2, 2], "float32", tail=0.0)
+    with pytest.raises(ImportError, match=r"^grouped_matmul\(backend='tokamax'\) needs tokamax: "):
+        grouped_matmul(lhs, rhs, gs, backend="TokaMax")
 
 
 def test_tokamax_hint_says_what_is_true_on_each_python():
     from te_jax_perm.ops.grouped_gemm.api import tokamax_install_hint
     old = tokamax_install_hint((3, 11))
     assert "Python 3.12 or newer" in old and "Python 3.11" in old and "installs nothing" in old
-    assert "impl='triton'" in old and "pip install" not in old
+    assert "backend='triton'" in old and "pip install" not in old
     assert tokamax_install_hint((3, 12)) == tokamax_install_hint((3, 13)) == "pip install 'te_jax_perm[gemm]'"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["triton", "tokamax"])
+@pytest.mark.parametrize("backend", ["triton", "tokamax"])
 @pytest.mark.parametrize("sizes", [[300, 0, 1000, 700, 48], [0, 2048, 0, 0, 0]])
-def test_gpu_grouped_gemm_matches_reference(impl, sizes):
+def test_gpu_grouped_gemm_matches_reference(backend, sizes):
     """The GPU grouped GEMMs, bf16, with NaN garbage past the groups: forward and VJP."""
-    if impl == "tokamax" and not tokamax_available():
+    if backend == "tokamax" and not tokamax_available():
         pytest.skip("tokamax is not installed")
     m = (sum(sizes) + 200 + 63) // 64 * 64  # tokamax's Mosaic kernel needs M in whole 64-row tiles
     lhs, rhs, gs, dout = _problem(m, 256, 384, sizes, "bfloat16", seed=5)
-    if impl == "triton":  # on Hopper: the forward and the input gradient on TMA tiles
+    if backend == "triton":  # on Hopper: the forward and the input gradient on TMA tiles
         _assert_hopper_defaults(m, 256, 384, 5)
-    f = jax.jit(lambda a, b, d: jax.vjp(lambda a, b: grouped_matmul(a, b, gs, impl=impl), a, b)[1](d))
-    out = jax.jit(lambda a, b: grouped_matmul(a, b, gs, impl=impl))(lhs, rhs)
+    f = jax.jit(lambda a, b, d: jax.vjp(lambda a, b: grouped_matmul(a, b, gs, backend=backend), a, b)[1](d))
+    out = jax.jit(lambda a, b: grouped_matmul(a, b, gs, backend=backend))(lhs, rhs)
     clean = jnp.nan_to_num(lhs)
-    _close(out, grouped_matmul_reference(clean, rhs, gs), "bfloat16", f"{impl} forward")
+    _close(out, grouped_matmul_reference(clean, rhs, gs), "bfloat16", f"{backend} forward")
     dlhs, drhs = f(lhs, rhs, jnp.asarray(dout, jnp.bfloat16))
     want_dlhs, want_drhs = _reference_grads(clean, rhs, gs, np.asarray(jnp.asarray(dout, jnp.bfloat16), np.float32))
-    _close(dlhs, want_dlhs, "bfloat16", f"{impl} dlhs")
-    _close(drhs, want_drhs, "bfloat16", f"{impl} drhs")
+    _close(dlhs, want_dlhs, "bfloat16", f"{backend} dlhs")
+    _close(drhs, want_drhs, "bfloat16", f"{backend} drhs")
 
 
 # -- the Triton grouped GEMM on each backend ------------------------------------------------
@@ -342,7 +420,7 @@ def test_values_and_vjp_match_numpy(backend, m, k, n, sizes):
     rhs = rng.standard_normal((len(sizes), k, n)).astype(np.float32)
     dout = rng.standard_normal((m, n)).astype(np.float32)
     gs = np.asarray(sizes, np.int32)
-    out, vjp = jax.vjp(lambda a, b: grouped_gemm_triton(a, b, gs, backend=backend), lhs, rhs)
+    out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs, backend=backend), lhs, rhs)
     # TF32 tensor cores on GPU: the tolerance covers 10-bit mantissas over K <= 64 terms.
     tol = dict(rtol=2e-2, atol=5e-2)
     np.testing.assert_allclose(np.asarray(out), grouped_matmul_reference(lhs, rhs, sizes), **tol)
@@ -357,7 +435,7 @@ def test_bf16_under_jit_with_traced_sizes(backend):
     lhs = jnp.asarray(rng.standard_normal((96, 64)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((4, 64, 128)) / 8, jnp.bfloat16)
     sizes = jnp.asarray([30, 0, 50, 10], jnp.int32)
-    out = jax.jit(lambda a, b, s: grouped_gemm_triton(a, b, s, backend=backend))(lhs, rhs, sizes)
+    out = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, backend=backend))(lhs, rhs, sizes)
     assert out.dtype == jnp.bfloat16 and out.shape == (96, 128)
     ref = grouped_matmul_reference(np.asarray(lhs, np.float32), np.asarray(rhs, np.float32), [30, 0, 50, 10])
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=2e-2, atol=5e-2)
@@ -403,11 +481,11 @@ def test_every_weight_gradient_config_is_correct_on_the_kernel_backend(kernel_ba
     assert {-(-192 // c["BK"]) < -(-384 // c["BN"]) for c in map(dict, seen)} == {True, False}
 
 
-def test_shape_errors_name_the_argument():
+def test_shape_errors_name_the_argument(kernel_backend):
     with pytest.raises(ValueError, match=r"rhs has shape \(2, 8, 4\); expected \[G, 16, N\]"):
-        grouped_gemm_triton(jnp.zeros((4, 16)), jnp.zeros((2, 8, 4)), jnp.zeros((3,), jnp.int32))
-    with pytest.raises(TypeError, match="lhs has dtype float32 but rhs has bfloat16"):
-        grouped_gemm_triton(jnp.zeros((4, 8)), jnp.zeros((1, 8, 4), jnp.bfloat16), jnp.zeros((1,), jnp.int32))
+        grouped_matmul(jnp.zeros((4, 16)), jnp.zeros((2, 8, 4)), jnp.zeros((3,), jnp.int32), backend=kernel_backend)
+    with pytest.raises(ValueError, match=r"group_sizes has shape \(3,\); expected \(2,\)"):
+        grouped_matmul(jnp.zeros((4, 8)), jnp.zeros((2, 8, 4)), jnp.zeros((3,), jnp.int32), backend=kernel_backend)
 
 
 def test_clamped_group_sizes():
@@ -495,7 +573,7 @@ def test_tma_configs_values_and_vjp_match_numpy(on_cpu, descriptor_count, m, k, 
     dout = rng.standard_normal((m, n)).astype(np.float32)
     gs = jnp.asarray(sizes, jnp.int32)
     with _tma_for_row_tile_gemms(_tma(programs)):
-        out, vjp = jax.vjp(lambda a, b: grouped_gemm_triton(a, b, gs, backend="interpret"), lhs, rhs)
+        out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs, backend="interpret"), lhs, rhs)
         dlhs, drhs = vjp(dout)
     tol = dict(rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out), grouped_matmul_reference(lhs, rhs, sizes), **tol)
@@ -724,10 +802,10 @@ def test_gpu_default_row_tile_gemms_on_hostile_sizes():
     hostile memcheck list)."""
     m, k, n = WS_DIMS
     _assert_hopper_defaults(m, k, n, 5)
-    f = jax.jit(lambda a, b, s, d: jax.vjp(lambda a, b: grouped_matmul(a, b, s, impl="triton"), a, b)[1](d))
+    f = jax.jit(lambda a, b, s, d: jax.vjp(lambda a, b: grouped_matmul(a, b, s, backend="triton"), a, b)[1](d))
     for sizes in WS_SIZES:
         (lhs, rhs, gs, dout), (want, want_dlhs, want_drhs) = _hostile_problem(sizes, seed=9)
-        out = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, impl="triton"))(lhs, rhs, gs)
+        out = jax.jit(lambda a, b, s: grouped_matmul(a, b, s, backend="triton"))(lhs, rhs, gs)
         _close(out, want, "bfloat16", f"forward {sizes}")
         dlhs, drhs = f(lhs, rhs, gs, dout)
         _close(dlhs, want_dlhs, "bfloat16", f"input gradient {sizes}")
@@ -952,9 +1030,9 @@ def test_gpu_tma_configs_match_reference(sizes, programs):
     cfg = Config.make(cfg.num_warps, cfg.num_stages, **{**cfg.kw, "PROGRAMS": programs})
     clean = jnp.nan_to_num(lhs)
     with _tma_for_row_tile_gemms(cfg):
-        out = jax.jit(lambda a, b: grouped_gemm_triton(a, b, gs))(lhs, rhs)
-        dlhs, drhs = jax.jit(lambda a, b, d: jax.vjp(lambda a, b: grouped_gemm_triton(a, b, gs), a, b)[1](d))(
-            lhs, rhs, jnp.asarray(dout, jnp.bfloat16))
+        mm = lambda a, b: grouped_matmul(a, b, gs, backend="triton")  # noqa: E731
+        out = jax.jit(mm)(lhs, rhs)
+        dlhs, drhs = jax.jit(lambda a, b, d: jax.vjp(mm, a, b)[1](d))(lhs, rhs, jnp.asarray(dout, jnp.bfloat16))
     _close(out, grouped_matmul_reference(clean, rhs, gs), "bfloat16", f"{cfg} forward")
     want_dlhs, want_drhs = _reference_grads(clean, rhs, gs, np.asarray(jnp.asarray(dout, jnp.bfloat16), np.float32))
     _close(dlhs, want_dlhs, "bfloat16", f"{cfg} dlhs")

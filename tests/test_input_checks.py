@@ -272,7 +272,8 @@ def test_numpy_constants_under_jit_are_checked_as_concrete(monkeypatch, call, me
 
 
 @pytest.mark.parametrize("call,error,message", [
-    (lambda: te_jax_perm.grouped_matmul(np.ones((6, 8)), np.ones((3, 8, 5)), np.array([2**32 + 2, 2, 2]), impl="xla"),
+    (lambda: te_jax_perm.grouped_matmul(np.ones((6, 8)), np.ones((3, 8, 5)), np.array([2**32 + 2, 2, 2]),
+                                          backend="xla"),
      ValueError, r"group_sizes = \[4294967298, 2, 2\] has entries outside int32"),
     # 2**32 + 1 would run as row 1
     (lambda: te_jax_perm.sort_chunks_by_map(X, np.array([2**32 + 1, 0, 2, 3, 4, 5, 6, 7, 8, 9], np.int64)),

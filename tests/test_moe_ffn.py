@@ -43,11 +43,10 @@ def _problem(t, h, e, k, f, activation, dtype, mode="topk", seed=0, empty_tokens
 def unfused(x, rm, probs, w_in, w_out, num_out_tokens, activation="silu_glu", align_size=None, backend=None):
     """The composition moe_ffn fuses, on the same backend (the grouped GEMM on our kernels
     there, XLA's ragged dot on the xla backend)."""
-    impl = "xla" if backend == "xla" else "triton"
     with te_jax_perm.use_backend(backend):
         rows, _, rid, pad, tpe = te_jax_perm.token_dispatch(x, rm, num_out_tokens, align_size=align_size)
-        a = activate(activation, grouped_matmul(rows, w_in, tpe, impl=impl)).astype(rows.dtype)
-        y = grouped_matmul(a, w_out, tpe, impl=impl)
+        a = activate(activation, grouped_matmul(rows, w_in, tpe, backend=backend)).astype(rows.dtype)
+        y = grouped_matmul(a, w_out, tpe, backend=backend)
         return te_jax_perm.token_combine(y, rid, merging_probs=probs, pad_offsets=pad)
 
 

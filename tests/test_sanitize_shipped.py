@@ -107,13 +107,13 @@ def run_row_id_map(T, E, k, mode, *, drop=0, single_pass=False, seed=0):
 
 def run_grouped_gemm(M, K, N, sizes, seed=0, dtype=jnp.float32):
     """The expert grouped GEMM forward and backward (input and weight gradients)."""
-    from te_jax_perm.ops.grouped_gemm.api import grouped_gemm_triton
+    from te_jax_perm.ops.grouped_gemm.api import grouped_matmul
 
     rng = np.random.default_rng(seed)
     lhs = jnp.asarray(rng.standard_normal((M, K)), dtype)
     rhs = jnp.asarray(rng.standard_normal((len(sizes), K, N)), dtype)
     gs = jnp.asarray(sizes, jnp.int32)
-    out, vjp = jax.vjp(lambda a, b: grouped_gemm_triton(a, b, gs, backend=BE), lhs, rhs)
+    out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, gs, backend=BE), lhs, rhs)
     return out, vjp(jnp.ones_like(out))
 
 

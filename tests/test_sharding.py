@@ -170,7 +170,7 @@ def test_token_sharded_dispatch_counts_globally_and_shard_map_runs_the_experts_p
 
     def local(x, rm, p):
         rows, _, rid, _, local_counts = te_jax_perm.token_dispatch(x, rm, x.shape[0] * k, backend="xla")
-        return te_jax_perm.token_combine(te_jax_perm.grouped_matmul(rows, w, local_counts, impl="xla"), rid, p,
+        return te_jax_perm.token_combine(te_jax_perm.grouped_matmul(rows, w, local_counts, backend="xla"), rid, p,
                                          backend="xla")
     layer = jax.jit(jax.shard_map(local, mesh=MESH, in_specs=(P("d"), P("d"), P("d")), out_specs=P("d")))
     np.testing.assert_allclose(np.asarray(layer(_put(x, "d"), _put(rm, "d"), _put(probs, "d"))), np.asarray(dense),
@@ -240,7 +240,7 @@ def test_ops_inside_shard_map_with_its_type_check_on(backend):
 
     def layer(x, rm, p, w, wi, wo):   # every op on the backend in effect (use_backend below)
         rows, pp, rid, pad, tpe = te_jax_perm.token_dispatch(x, rm, x.shape[0] * k, probs=p)
-        y = te_jax_perm.grouped_matmul(rows, w, tpe, impl="triton") * pp[:, None]
+        y = te_jax_perm.grouped_matmul(rows, w, tpe) * pp[:, None]
         sizes = jnp.concatenate([tpe, jnp.asarray([rows.shape[0]], jnp.int32) - tpe.sum(keepdims=True)])
         moved, smap = te_jax_perm.sort_chunks_by_index(y, sizes, order)
         back, _ = te_jax_perm.sort_chunks_by_map(moved, smap, is_forward=False)

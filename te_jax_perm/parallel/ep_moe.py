@@ -55,9 +55,9 @@ class EPConfig:
       a2a: how rows cross devices: ``"dense"`` (``all_to_all`` of capacity-padded chunks),
         ``"ragged"`` (``ragged_all_to_all``, exactly the kept rows; needs backend support)
         or ``"auto"`` (ragged where a probe finds it works, else dense). Same results.
-      gemm: the grouped GEMM of the experts, ``grouped_matmul``'s ``impl`` (``None``: its
-        default: ``"triton"`` on GPUs for equal bfloat16, float16 or float32 operands, else
-        ``"xla"``).
+      gemm: the grouped GEMM of the experts, ``grouped_matmul``'s ``backend``: ``"triton"``,
+        ``"interpret"``, ``"xla"`` or ``"tokamax"`` (``None``: its default, the op backend in
+        effect, or ``"xla"`` for dtypes the kernels do not compute in).
     """
 
     num_out_tokens: int | None = None
@@ -124,9 +124,9 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
 
     # 4. expert FFN; the padding tail after the groups comes out zero
     gs = recv_sizes.sum(0).astype(jnp.int32)
-    hid = grouped_matmul(grouped, w1, gs, preferred_element_type=jnp.float32, impl=cfg.gemm)
+    hid = grouped_matmul(grouped, w1, gs, preferred_element_type=jnp.float32, backend=cfg.gemm)
     y = grouped_matmul(cfg.activation(hid).astype(w2.dtype), w2, gs, preferred_element_type=jnp.float32,
-                       impl=cfg.gemm).astype(x.dtype)
+                       backend=cfg.gemm).astype(x.dtype)
 
     # 5. back home and combine
     back = sort_chunks_by_map(y, smap, is_forward=False, backend=be)

@@ -32,7 +32,7 @@ def dispatch_combine(a) -> tuple[Callable, tuple, Callable]:
 
 
 def expert_gemms(a) -> tuple[Callable, tuple, Callable]:
-    from te_jax_perm.ops.grouped_gemm.api import grouped_gemm_triton
+    from te_jax_perm.ops.grouped_gemm.api import grouped_matmul
     t, h, f, g, layers = a.tokens * a.topk, a.hidden, 2 * a.hidden, a.experts, 2
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (t, h), jnp.bfloat16)
@@ -43,7 +43,8 @@ def expert_gemms(a) -> tuple[Callable, tuple, Callable]:
     sizes = jnp.asarray(sizes, jnp.int32)
 
     def layer(y, w):
-        return y + grouped_gemm_triton(jax.nn.gelu(grouped_gemm_triton(y, w[0], sizes)), w[1], sizes), None
+        hidden = grouped_matmul(y, w[0], sizes, backend="triton")
+        return y + grouped_matmul(jax.nn.gelu(hidden), w[1], sizes, backend="triton"), None
 
     def loss(x, w1, w2):
         return jnp.mean(jax.lax.scan(layer, x, (w1, w2))[0].astype(jnp.float32) ** 2)

@@ -1,3 +1,3 @@
-"""The grouped GEMM op: ``api`` (``grouped_matmul``, ``grouped_gemm_triton``, their one
-VJP and implementation selector), ``decl`` (its kernels), ``reference`` (the pure-JAX GEMMs
+"""The grouped GEMM op: ``api`` (``grouped_matmul``, its one VJP and the selector of each
+backend's GEMMs), ``decl`` (its kernels), ``reference`` (the pure-JAX GEMMs
 every non-kernel path runs, and ``grouped_matmul_reference``)."""

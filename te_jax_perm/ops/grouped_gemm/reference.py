@@ -1,6 +1,6 @@
 """Pure-JAX grouped GEMMs, the one computation of every path that is not a Triton kernel:
-``impl="xla"`` (XLA's ragged dot), ``impl="tokamax"`` (the same with tokamax's ragged dot in
-its place) and the kernels' ``xla`` backend; and the float64 NumPy
+``grouped_matmul(backend="xla")`` (XLA's ragged dot), ``backend="tokamax"`` (the same with
+tokamax's ragged dot in its place) and the kernel declarations' ``xla`` backend; and the float64 NumPy
 :func:`grouped_matmul_reference` the tests hold every path to.
 
 Semantics every path shares: group sizes are clamped to ``[0, M]`` and their running sum to
