@@ -21,7 +21,7 @@ from te_jax_perm.kernels.grouped_gemm import row_schedule, schedule_tile
 from te_jax_perm.ops.grouped_gemm import decl as D
 from te_jax_perm.ops.grouped_gemm.api import BACKENDS, KERNEL_BACKENDS, grouped_matmul, tokamax_available
 from te_jax_perm.ops.grouped_gemm.reference import clamped_group_sizes, grouped_matmul_reference
-from tests.conftest import compiled_for_sm90, top_k_routing
+from tests.conftest import ON_GPU, compiled_for_sm90, top_k_routing
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 
@@ -261,7 +261,8 @@ def test_default_backend_follows_use_backend_and_falls_back_to_xla_for_int8(on_c
     for run XLA's ragged dot there rather than raise."""
     lhs, rhs, gs, _ = _problem(12, 16, 8, [5, 0, 4], "float32", tail=0.0)
     int8 = (jnp.asarray(lhs * 4, jnp.int8), jnp.asarray(rhs * 4, jnp.int8))
-    assert _kernels_of_default_backend(lhs, rhs, gs) == set()
+    if not ON_GPU:   # a GPU machine's default is the triton backend (the test below)
+        assert _kernels_of_default_backend(lhs, rhs, gs) == set()
     with te_jax_perm.use_backend("interpret"):
         assert _kernels_of_default_backend(lhs, rhs, gs) == {"grouped_gemm"}
         np.testing.assert_array_equal(np.asarray(grouped_matmul(lhs, rhs, gs)),
@@ -272,6 +273,16 @@ def test_default_backend_follows_use_backend_and_falls_back_to_xla_for_int8(on_c
         np.testing.assert_array_equal(np.asarray(out), np.asarray(grouped_matmul(*int8, gs, backend="xla")))
     with te_jax_perm.use_backend("xla"):
         assert _kernels_of_default_backend(lhs, rhs, gs) == set()
+
+
+@pytest.mark.gpu
+def test_default_backend_on_a_gpu_runs_our_kernels():
+    """backend=None on a GPU machine: the triton backend, our grouped GEMM kernels (and XLA's
+    ragged dot for operands they have no kernel for)."""
+    lhs, rhs, gs, _ = _problem(12, 16, 8, [5, 0, 4], "float32", tail=0.0)
+    kernels = _kernels_of_default_backend(lhs, rhs, gs)
+    assert kernels and all(k.startswith("grouped_gemm") for k in kernels), kernels
+    assert _kernels_of_default_backend(jnp.asarray(lhs * 4, jnp.int8), jnp.asarray(rhs * 4, jnp.int8), gs) == set()
 
 
 @pytest.mark.parametrize("lhs_dtype,rhs_dtype,out_dtype", [("float32", "float32", None),
