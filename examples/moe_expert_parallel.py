@@ -284,8 +284,9 @@ def setup(counts_of=lambda n: []) -> Run | int:
     """The :class:`Run` of the flags, after the memory check of all devices and of each
     device count ``counts_of(n)`` (fewer devices at the same sizes per device); an exit
     status, with the reason printed, where the layer cannot run."""
-    if "XLA_FLAGS" not in os.environ:   # only affects the CPU platform; must precede backend start-up
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={FLAGS.cpu_devices}"
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in xla_flags:  # CPU platform only; before start-up
+        os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={FLAGS.cpu_devices}".strip()
     import jax
 
     if jax.default_backend() == "cpu":

@@ -4,6 +4,24 @@ import os
 # Tests must not depend on a developer's environment default.
 os.environ.pop("TE_JAX_PERM_BACKEND", None)
 
+
+def _cpu_only() -> bool:
+    """Whether jax can start nothing but its CPU backend here (decided before jax starts)."""
+    import importlib.metadata
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return True
+    return not any((d.metadata["Name"] or "").lower().replace("_", "-").startswith("jax-cuda")
+                   for d in importlib.metadata.distributions())
+
+
+# On CPU this suite is compile-bound: thousands of small XLA programs, most run once or
+# twice on tiny arrays, and LLVM's optimisation passes were about a third of their compile
+# time (test_dispatch.py 130 s -> 94 s on two cores). Subprocesses inherit the flag.
+# A GPU machine keeps XLA's defaults: its GPU tests run what users run.
+CPU_TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
+if _cpu_only() and CPU_TEST_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_TEST_XLA_FLAG}".strip()
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

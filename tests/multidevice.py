@@ -4,6 +4,7 @@ XLA_FLAGS must be set before jax starts, so a module's multi-device tests run in
 subprocess started by its driver test; in the ordinary single-device run they skip.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -15,18 +16,33 @@ MULTI = os.environ.get("TE_JAX_PERM_MULTIDEVICE") == "1"
 multidevice = pytest.mark.skipif(not MULTI, reason="runs in the 8-device subprocess")
 
 
+def with_cpu_devices(n: int) -> str:
+    """This process's XLA_FLAGS with ``n`` virtual CPU devices in place of any device count."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", ""))
+    return f"{flags.strip()} --xla_force_host_platform_device_count={n}".strip()
+
+
 def run_module_on_8_devices(module_file: str) -> None:
     if MULTI:
         pytest.skip("already in the 8-device subprocess")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # JAX_PLATFORMS=cpu: the 8 devices are virtual CPU devices, also on a GPU machine.
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "XLA_FLAGS": with_cpu_devices(8), "JAX_PLATFORMS": "cpu",
            "TE_JAX_PERM_MULTIDEVICE": "1", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TE_JAX_PERM_BACKEND", None)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(module_file)],
                        env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
+
+
+def shardy_all_gspmd_some(cases: list[tuple], ids: list[str], gspmd: tuple[int, ...]) -> list:
+    """Parameters ``(partitioner, *case)`` for a test using the ``partitioner`` fixture
+    indirectly: every case under Shardy (JAX's default partitioner) and the cases numbered
+    ``gspmd`` under GSPMD too, for tests whose cases each cost seconds of compiling and
+    whose partitioner-specific part a few of them exercise."""
+    return ([pytest.param(True, *c, id=f"shardy-{i}") for c, i in zip(cases, ids)]
+            + [pytest.param(False, *cases[n], id=f"gspmd-{ids[n]}") for n in gspmd])
 
 
 def collectives(f, *args) -> list[str]:

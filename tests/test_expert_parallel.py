@@ -184,6 +184,7 @@ def test_gpu_all_devices(a2a):
 import json  # noqa: E402
 import os  # noqa: E402
 import pathlib  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -217,7 +218,8 @@ def test_working_set_counts_weights_activations_and_capacity():
 def _run_example(*args, bench: bool = False):
     """The example (or, with ``bench``, ``benchmarks.ep_bench``) in a fresh process."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
+    # The example's --cpu_devices decides the device count, not this process's.
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")).strip()
     env.pop("TE_JAX_PERM_BACKEND", None)
     env["JAX_PLATFORMS"] = "cpu"  # these runs are about virtual CPU devices, also on a GPU machine
     cmd = [sys.executable, "-m", "benchmarks.ep_bench"] if bench else [sys.executable, str(EP_EXAMPLE)]

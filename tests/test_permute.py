@@ -411,7 +411,8 @@ def test_row_movers_shard_local_along_h():
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+    from tests.multidevice import with_cpu_devices
+    env = {**os.environ, "XLA_FLAGS": with_cpu_devices(4), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run([sys.executable, "-c", _SHARD_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
                        timeout=300)

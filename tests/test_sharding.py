@@ -9,7 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.multidevice import MULTI, collectives, multidevice, run_module_on_8_devices  # noqa: E402,F401
+from tests.multidevice import (MULTI, collectives, multidevice, run_module_on_8_devices,  # noqa: E402,F401
+                               shardy_all_gspmd_some)
 from tests.conftest import top_k_routing
 
 
@@ -190,8 +191,11 @@ def _moe_problem(t, e, h, f, k, seed=6):
 
 @multidevice
 # align 2 leaves each shard room for its padded layout, align 4 does not (it runs unpadded).
-@pytest.mark.parametrize("drop,align", [(0, None), (16, None), (12, 2), (0, 4)],
-                         ids=["all", "drop", "drop_align_fits", "align_unpadded"])
+# GSPMD runs the case with drops and padding in one (every shard's budget and padded layout).
+@pytest.mark.parametrize("partitioner,drop,align",
+                         shardy_all_gspmd_some([(0, None), (16, None), (12, 2), (0, 4)],
+                                               ["all", "drop", "drop_align_fits", "align_unpadded"], gspmd=(2,)),
+                         indirect=["partitioner"])
 def test_token_sharded_moe_ffn_runs_each_shard_locally(partitioner, drop, align):
     """moe_ffn with tokens sharded: every shard runs the layer on its own tokens with its
     share of num_out_tokens, as the per-shard call in shard_map does, forward and gradients;

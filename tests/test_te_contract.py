@@ -23,7 +23,8 @@ import pytest
 import te_jax_perm
 from tests import numpy_reference as ref
 from tests.conftest import BACKENDS_HERE, routing
-from tests.multidevice import MULTI, collectives, multidevice, run_module_on_8_devices  # noqa: F401
+from tests.multidevice import (MULTI, collectives, multidevice, run_module_on_8_devices,  # noqa: F401
+                               shardy_all_gspmd_some)
 
 # (num_tokens, num_experts, hidden_size, topk): TE's L0 cases, scaled down for the interpreter.
 CASES = [(32, 5, 32, 3), (24, 8, 40, 8)]
@@ -256,8 +257,11 @@ MESHES = [((2, 2), ("dp", "tpsp"), "dp"), ((2, 2, 2), ("dp", "fsdp", "tpsp"), "d
 
 
 @multidevice
-@pytest.mark.parametrize("mesh_shape,mesh_axes,token_axes", MESHES, ids=["dp2_tp2", "dp2_fsdp2_tp2", "dpfsdp4_tp2"])
-@pytest.mark.parametrize("align", [None, 8])
+# GSPMD: TE's own mesh unpadded, and the padded layout over two token axes.
+@pytest.mark.parametrize("partitioner,mesh_shape,mesh_axes,token_axes,align", shardy_all_gspmd_some(
+    [(*m, a) for a in (None, 8) for m in MESHES],
+    [f"{a}-{i}" for a in (None, 8) for i in ("dp2_tp2", "dp2_fsdp2_tp2", "dpfsdp4_tp2")], gspmd=(0, 5)),
+    indirect=["partitioner"])
 def test_token_sharded_dispatch_and_combine_are_local(partitioner, mesh_shape, mesh_axes, token_axes, align):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from te_jax_perm.ops.permute.api import local_budget
