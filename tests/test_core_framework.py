@@ -184,9 +184,11 @@ def test_use_backend_context_and_keyword_precedence():
         assert len(te_jax_perm.audit_aliases(lambda s, i: gather_rows(s, i), src, idx).ours) == 1
         # The keyword wins over the context.
         assert te_jax_perm.audit_aliases(lambda s, i: gather_rows(s, i, backend="xla"), src, idx).ours == ()
-    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+    with pytest.raises(ValueError, match=r"^unknown backend='cuda'; expected one of \('triton', 'interpret', 'xla'\)$"):
         with te_jax_perm.use_backend("cuda"):
             pass
+    with pytest.raises(ValueError, match=r"^unknown backend='cuda'; expected one of "):
+        gather_rows(src, idx, backend="cuda")
 
 
 def test_env_var_sets_default_backend_in_fresh_process():

@@ -235,9 +235,12 @@ def test_errors_name_the_argument():
         grouped_matmul(lhs, rhs, gs, backend="cublas")
     with pytest.raises(TypeError, match=r"^backend must be a string, got int 1; expected one of "):
         grouped_matmul(lhs, rhs, gs, backend=1)
-    with pytest.raises(TypeError, match="grouped_matmul takes at most 3 positional arguments, got 4: "
-                                        "preferred_element_type and backend are keyword-only"):
-        grouped_matmul(lhs, rhs, gs, "xla")
+    for name in ("xla", "tokamax"):  # every name its backend= takes gets the hint
+        with pytest.raises(TypeError, match="grouped_matmul takes at most 3 positional arguments, got 4: preferred_"
+                                            f"element_type and backend are keyword-only; pass backend='{name}'$"):
+            grouped_matmul(lhs, rhs, gs, name)
+    with pytest.raises(TypeError, match="preferred_element_type and backend are keyword-only$"):
+        grouped_matmul(lhs, rhs, gs, "float32")   # a dtype's name: no backend hint
     # backend names in any case, as for every op
     np.testing.assert_array_equal(grouped_matmul(lhs, rhs, gs, backend="XLA"),
                                   grouped_matmul(lhs, rhs, gs, backend="xla"))

@@ -29,7 +29,7 @@ def _check_name(name: str) -> str:
     if not isinstance(name, str):
         raise TypeError(f"backend must be a string, got {type(name).__name__} {name!r}; expected one of {BACKENDS}")
     if name.lower() not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; expected one of {BACKENDS}")
+        raise ValueError(f"unknown backend={name!r}; expected one of {BACKENDS}")
     return name.lower()
 
 

@@ -26,10 +26,13 @@ def _shown(values: np.ndarray, limit: int = 16) -> str:
     return f"{flat[:limit]}{'...' if len(flat) > limit else ''}"
 
 
-def keyword_only(fn: Callable) -> Callable:
+def keyword_only(fn: Callable | None = None, *, backends: Sequence[str] = BACKEND_VALUES) -> Callable:
     """``fn`` naming its keyword-only parameters when it gets too many positional arguments
-    (Python's own error counts them and names none), and, when the extra one is a backend's
-    name, the ``backend=`` to pass instead."""
+    (Python's own error counts them and names none), and, when the extra one is the name of
+    one of ``backends`` (what ``fn``'s ``backend=`` takes), the ``backend=`` to pass instead.
+    Used bare (``@keyword_only``) or with the backends of an op that takes more names."""
+    if fn is None:
+        return functools.partial(keyword_only, backends=backends)
     params = inspect.signature(fn).parameters.values()
     most = sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
     names = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
@@ -40,7 +43,7 @@ def keyword_only(fn: Callable) -> Callable:
         if len(args) > most:
             extra = args[most]
             hint = (f"; pass backend={extra!r}" if "backend" in names and isinstance(extra, str)
-                    and extra.lower() in BACKEND_VALUES else "")
+                    and extra.lower() in backends else "")
             raise TypeError(f"{fn.__name__} takes at most {most} positional arguments, got {len(args)}: "
                             f"{named} keyword-only{hint}")
         return fn(*args, **kwargs)

@@ -61,7 +61,7 @@ KERNEL_BACKENDS = tuple(b for b in OP_BACKENDS if b != "xla")
 KERNEL_DTYPES = frozenset(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
-@_checks.keyword_only
+@_checks.keyword_only(backends=BACKENDS)
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    preferred_element_type: Any = None, backend: str | None = None) -> jax.Array:
     """Multiplies each contiguous group of ``lhs`` rows by its own matrix of ``rhs``.
