@@ -74,7 +74,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         it is data; sizes are clamped to fit; concrete sizes must fit int32). Typically ``tokens_per_expert`` from
         ``token_dispatch``.
       preferred_element_type: output dtype (default: the promoted input dtype);
-        accumulation is float32 either way.
+        accumulation is float32 either way. ``"xla"`` and ``"tokamax"`` convert the float32
+        accumulator to it; our kernels store their result in the dtype they compute in and
+        convert that, so a float32 result of bfloat16 operands holds bfloat16-rounded values
+        there (promote the operands to float32 for an unrounded one).
       backend: ``"triton"``, ``"interpret"``, ``"xla"``, ``"tokamax"`` (any case) or
         ``None``: the op backend in effect (:func:`te_jax_perm.resolve_backend`), or
         ``"xla"`` where that runs our kernels and ``lhs`` and ``rhs`` promote to a dtype
