@@ -32,13 +32,14 @@ def test_row_id_map_matches_reference(backend, t, e, k, mode, budget, block, int
 @pytest.mark.parametrize("single", [True, False])
 def test_row_id_map_large_xla_and_kernel_agree(kernel_backend, single):
     # Many blocks (more than one reduction chunk of the counts at E=37 -> 64: CH=128 rows of
-    # blocks with block_tokens=1), E not a power of two, a bool map.
-    rm = routing(np.random.default_rng(1), 300, 37, 5, "skew")
-    out = [te_jax_perm.make_row_id_map(rm, 1000, block_tokens=1 if b != "xla" else 8, single_pass=single, backend=b)
+    # blocks with block_tokens=1, so 150 tokens), E not a power of two, a bool map, entries
+    # dropped (750 routed, 500 kept).
+    rm = routing(np.random.default_rng(1), 150, 37, 5, "skew")
+    out = [te_jax_perm.make_row_id_map(rm, 500, block_tokens=1 if b != "xla" else 8, single_pass=single, backend=b)
            for b in ("xla", kernel_backend)]
     np.testing.assert_array_equal(np.asarray(out[0][0]), np.asarray(out[1][0]))
     np.testing.assert_array_equal(np.asarray(out[0][1]), np.asarray(out[1][1]))
-    np.testing.assert_array_equal(np.asarray(out[0][0]), ref.row_id_map(rm, 1000))
+    np.testing.assert_array_equal(np.asarray(out[0][0]), ref.row_id_map(rm, 500))
 
 
 @pytest.mark.parametrize("t,e,launches", [(64, 8, 1), (1024, 8, 1), (8192, 16, 2), (8192, 256, 2), (4096, 128, 2)])
