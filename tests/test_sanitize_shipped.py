@@ -168,7 +168,7 @@ SCENARIOS = {
     "row_id_map_two_pass": lambda: run_row_id_map(19, 6, 2, "skew", drop=5),
     "row_id_map_one_pass": lambda: run_row_id_map(19, 6, 2, "topk", drop=3, single_pass=True),
     # T*E large enough for the dispatch's two-launch map (counts, then the padded, owned fill).
-    "moe_two_pass_map": lambda: run_moe(64, 8, 128, 2, "topk", align=4),
+    "moe_two_pass_map": lambda: run_moe(16, 8, 256, 2, "topk", align=4),
     "grouped_gemm_ragged": lambda: run_grouped_gemm(40, 24, 40, [10, 0, 25]),
     "grouped_gemm_hopper_tma_tiles": lambda: run_hopper_row_tile_gemms(2176, 256, [1000, 0, 1100]),
     # Small enough to run once per config of the Hopper declarations' tuning space.

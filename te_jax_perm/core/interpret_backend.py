@@ -355,6 +355,27 @@ def install_numerics() -> None:
     builder.cast_impl = gpu_conversion(builder.cast_impl)
     builder.create_fp_to_fp = gpu_conversion(builder.create_fp_to_fp)
     builder.create_dot = create_dot
+    if hasattr(interp, "_get_np_dtype"):
+        interp._get_np_dtype = _memoized_np_dtype(interp._get_np_dtype)
+
+
+def _memoized_np_dtype(orig: Callable) -> Callable:
+    """The interpreter's Triton-to-NumPy type lookup, remembered per element type: it builds
+    its fixed table anew on every call (about a tenth of an interpreted kernel's time), and a
+    block's answer is its element type's."""
+    import triton.language as tl
+    known: dict = {}
+
+    def np_dtype(tt):
+        scalar = tt.element_ty if isinstance(tt, tl.block_type) else tt
+        try:
+            return known[scalar]
+        except KeyError:
+            known[scalar] = found = orig(scalar)
+            return found
+        except TypeError:   # an unhashable type: ask the interpreter
+            return orig(tt)
+    return np_dtype
 
 
 def _as_f32(t) -> np.ndarray:
