@@ -365,12 +365,12 @@ def test_gpu_driver_hostile_memcheck_logs_where_a_hung_test_hangs(tmp_path):
     hangs.write_text("import time\n\n\ndef test_waits_forever():\n    time.sleep(120)\n")
     stand_in = _stand_in_sanitizer(tmp_path / "hang.py", str(hangs))
     run = subprocess.run([sys.executable, "-m", "tests.gpu.hostile", f"--sanitizer={stand_in}",
-                          f"--out={tmp_path / 'out'}", f"--tests={_quick_test(tmp_path)}", "--timeout_s=8"],
+                          f"--out={tmp_path / 'out'}", f"--tests={_quick_test(tmp_path)}", "--timeout_s=10"],
                          cwd=root, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"))
     assert run.returncode == 1, run.stdout + run.stderr
-    assert re.search(r"^TIMEOUT +\S+ \((?:[89]|1\d) s\) \(try 2\)$", run.stdout, re.M), run.stdout
-    assert "Timeout (0:00:06)!" in run.stdout and "in test_waits_forever" in run.stdout, run.stdout
+    assert re.search(r"^TIMEOUT +\S+ \(1\d s\) \(try 2\)$", run.stdout, re.M), run.stdout
+    assert "Timeout (0:00:07)!" in run.stdout and "in test_waits_forever" in run.stdout, run.stdout
     assert "MEMCHECK-HOSTILE FAIL: 0 of 1" in run.stdout
 
 
