@@ -336,3 +336,15 @@ def test_alias_audit_of_the_xla_backend_says_there_was_nothing_to_audit():
     g = lambda x: te_jax_perm.sort_chunks_by_index(x, jnp.array([2, 2]), jnp.array([1, 0]), backend=INTERP)[0]
     report = te_jax_perm.audit_aliases(g, jnp.ones((4, 3)))
     assert report.audited and report.ok, str(report)
+
+
+def test_unique_is_numpys_unique_by_one_sort():
+    """The tracer's distinct-values helper gives ``np.unique``'s answer (sorted, distinct),
+    empty and int64 keys past 2**32 included."""
+    from te_jax_perm.sanitize.tracer import unique
+    rng = np.random.default_rng(0)
+    for a in (np.zeros(0, np.int64), np.array([5], np.int64), rng.integers(0, 50, 1000),
+              rng.integers(-2**40, 2**40, 10_000), np.repeat(np.arange(7, dtype=np.int64), 3)[::-1]):
+        got = unique(a)
+        np.testing.assert_array_equal(got, np.unique(a))
+        assert got.dtype == a.dtype
