@@ -16,10 +16,14 @@ MULTI = os.environ.get("TE_JAX_PERM_MULTIDEVICE") == "1"
 multidevice = pytest.mark.skipif(not MULTI, reason="runs in the 8-device subprocess")
 
 
+def without_cpu_devices() -> str:
+    """This process's XLA_FLAGS without any virtual CPU device count."""
+    return re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", "")).strip()
+
+
 def with_cpu_devices(n: int) -> str:
     """This process's XLA_FLAGS with ``n`` virtual CPU devices in place of any device count."""
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", ""))
-    return f"{flags.strip()} --xla_force_host_platform_device_count={n}".strip()
+    return f"{without_cpu_devices()} --xla_force_host_platform_device_count={n}".strip()
 
 
 def run_module_on_8_devices(module_file: str) -> None:

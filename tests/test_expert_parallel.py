@@ -9,7 +9,7 @@ checks our offsets and sizes; the real collective is checked by the GPU test."""
 import numpy as np
 import pytest
 
-from tests.multidevice import MULTI, multidevice, run_module_on_8_devices  # noqa: E402,F401
+from tests.multidevice import MULTI, multidevice, run_module_on_8_devices, without_cpu_devices  # noqa: E402,F401
 
 
 def test_in_8_device_subprocess():
@@ -184,7 +184,6 @@ def test_gpu_all_devices(a2a):
 import json  # noqa: E402
 import os  # noqa: E402
 import pathlib  # noqa: E402
-import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -219,7 +218,7 @@ def _run_example(*args, bench: bool = False):
     """The example (or, with ``bench``, ``benchmarks.ep_bench``) in a fresh process."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # The example's --cpu_devices decides the device count, not this process's.
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")).strip()
+    env["XLA_FLAGS"] = without_cpu_devices()
     env.pop("TE_JAX_PERM_BACKEND", None)
     env["JAX_PLATFORMS"] = "cpu"  # these runs are about virtual CPU devices, also on a GPU machine
     cmd = [sys.executable, "-m", "benchmarks.ep_bench"] if bench else [sys.executable, str(EP_EXAMPLE)]
