@@ -44,8 +44,9 @@ def run_moe(T, H, E, k, mode, *, drop=0, align=None, probs=True, dtype=jnp.float
     from te_jax_perm import token_combine, token_dispatch
 
     rng = np.random.default_rng(seed)
-    rm = jnp.asarray(routing(rng, T, E, k, mode))
+    rm = routing(rng, T, E, k, mode)
     num_out = max(int(rm.sum()) - drop, 0)
+    rm = jnp.asarray(rm)
     x = jnp.asarray(rng.standard_normal((T, H)), dtype)
     p = jnp.asarray(rng.random((T, E)), jnp.float32) * rm if probs else None
 
@@ -65,8 +66,9 @@ def run_mask_map_inference(T, H, E, k, mode, *, drop=0, seed=0):
     from te_jax_perm import make_row_id_map, permute_with_mask_map, unpermute_with_mask_map
 
     rng = np.random.default_rng(seed)
-    rm = jnp.asarray(routing(rng, T, E, k, mode))
+    rm = routing(rng, T, E, k, mode)
     num_out = max(int(rm.sum()) - drop, 0)
+    rm = jnp.asarray(rm)
     x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
     p = jnp.asarray(rng.random((T, E)), jnp.float32) * rm
     rid, tpe = make_row_id_map(rm, num_out, backend=BE)
@@ -101,8 +103,9 @@ def run_row_id_map(T, E, k, mode, *, drop=0, single_pass=False, seed=0):
     """The public map build, in one launch or two (counts, then fill)."""
     from te_jax_perm import make_row_id_map
 
-    rm = jnp.asarray(routing(np.random.default_rng(seed), T, E, k, mode))
-    return make_row_id_map(rm, max(int(rm.sum()) - drop, 0), block_tokens=4, single_pass=single_pass, backend=BE)
+    rm = routing(np.random.default_rng(seed), T, E, k, mode)
+    return make_row_id_map(jnp.asarray(rm), max(int(rm.sum()) - drop, 0), block_tokens=4, single_pass=single_pass,
+                           backend=BE)
 
 
 def run_grouped_gemm(M, K, N, sizes, seed=0, dtype=jnp.float32):
@@ -139,12 +142,13 @@ def run_moe_ffn(T, H, E, k, F, mode, *, drop=0, align=None, seed=0, dtype=jnp.fl
     """The fused MoE experts (dispatch and combine inside the GEMMs), forward and backward."""
     import te_jax_perm
     rng = np.random.default_rng(seed)
-    rm = jnp.asarray(routing(rng, T, E, k, mode))
+    rm = routing(rng, T, E, k, mode)
+    num_out = max(int(rm.sum()) - drop, 0)
+    rm = jnp.asarray(rm)
     x = jnp.asarray(rng.standard_normal((T, H)), dtype)
     p = jnp.asarray(rng.random((T, E)), jnp.float32) * rm
     w_in = jnp.asarray(rng.standard_normal((E, H, 2 * F)) / np.sqrt(H), dtype)
     w_out = jnp.asarray(rng.standard_normal((E, F, H)) / np.sqrt(F), dtype)
-    num_out = max(int(rm.sum()) - drop, 0)
 
     def f(x, p, w_in, w_out):
         return te_jax_perm.moe_ffn(x, rm, p, w_in, w_out, num_out, align_size=align, backend=BE)
@@ -194,15 +198,17 @@ def sweeping(kernels: tuple[str, ...] | None = None, narrow_h: int | None = None
     """Which configs a config sweep scenario runs at a launch (``runs(call, config)``): every
     config valid at the launch's size, of ``kernels`` only (all by default; the others keep
     their default config); with ``narrow_h``, at a launch of rows wider than ``narrow_h``
-    columns only those rows of ``narrow_h`` columns do not admit, the scenario running the
-    rest on such rows. The interpreter runs a program at a time, and a narrow tile on a
-    wide row is many programs (or column steps): a wide row is for the wide tiles."""
+    columns only those rows of ``narrow_h`` columns do not admit and the launch's default,
+    the scenario running the rest on such rows. The interpreter runs a program at a time,
+    and a narrow tile on a wide row is many programs (or column steps): a wide row is for
+    the wide tiles, and for the default that runs there."""
     def runs(call: Call, config) -> bool:
         if kernels is not None and call.decl.name not in kernels:
             return False
         if narrow_h is None or call.dims.get("H", 0) <= narrow_h:
             return True
-        return call.decl.violated({**call.dims, "H": narrow_h}, call.params, config) is not None
+        return (call.decl.violated({**call.dims, "H": narrow_h}, call.params, config) is not None
+                or config.constants == call.decl.default_config(call.dims, call.params).constants)
     return runs
 
 
@@ -365,21 +371,26 @@ def test_hostile_inputs_access_nothing_out_of_bounds(name):
 class _Coverage:
     """Config resolver that keeps each launch's default and records, per kernel, the
     distinct configs the config sweep runs at its size (``swept``; the scenario's ``runs``,
-    see :func:`sweeping`, says which: the default where it sweeps none) and the configs of
-    its tuning space valid at some size (``valid_somewhere``: every dim 8192, the launch's
-    params), leaving out what no size admits (e.g. tiles past shared memory at this dtype)."""
+    see :func:`sweeping`, says which: the default where it sweeps none), the defaults it
+    would leave unswept (``unswept_defaults``), and the configs of its tuning space valid
+    at some size (``valid_somewhere``: every dim 8192, the launch's params), leaving out
+    what no size admits (e.g. tiles past shared memory at this dtype)."""
 
     BIG = 8192
 
     def __init__(self):
         self.runs = EVERY
         self.swept: dict[str, set] = {}
+        self.unswept_defaults: set[tuple] = set()
         self.valid_somewhere: dict[str, set] = {}
 
     def __call__(self, call):
         decl = call.decl
-        swept = swept_configs(self.runs, call) or [decl.default_config(call.dims, call.params)]
-        self.swept.setdefault(decl.name, set()).update(c.constants for c in swept)
+        default = decl.default_config(call.dims, call.params)
+        swept = swept_configs(self.runs, call)
+        if swept and default.constants not in {c.constants for c in swept}:
+            self.unswept_defaults.add((decl.name, default.constants))
+        self.swept.setdefault(decl.name, set()).update(c.constants for c in swept or [default])
         big = dict.fromkeys(call.dims, self.BIG)
         self.valid_somewhere.setdefault(decl.name, set()).update(
             c.constants for c in decl.configs if not decl.violated(big, call.params, c))
@@ -387,23 +398,25 @@ class _Coverage:
 
 
 def test_the_config_sweep_launches_every_kernel_in_every_config():
-    """The config sweep's scenarios, run here at their default configs under the sanitizer
-    (clean), launch every interpretable kernel, each at a size where every config of its
-    tuning space that any size admits is valid: none ships that never ran under the
-    sanitizer, in any config."""
+    """The config sweep's scenarios launch every interpretable kernel, each at a size where
+    every config of its tuning space that any size admits is valid, and wherever a scenario
+    sweeps a kernel its sweep includes the default: none ships that never ran under the
+    sanitizer, in any config. Which kernels launch, at which sizes, is decided when the
+    scenario lowers, so each is lowered under ``jax.jit`` and not run (the sweeps run them)."""
     cover = _Coverage()
-    swept = set()
     with hooks.using_config_resolver(cover):
         jax.clear_caches()  # the resolver runs at lowering time
         for name, runs in CONFIG_SWEEP.items():
             cover.runs = runs
-            relower_kernels()
-            kernels = sanitized_launches(name)
-            assert kernels, f"{name}: no kernel launch was observed"
-            swept |= kernels
+            with hooks.observe_calls(lambda call: launched.add(call.decl.name)):
+                launched: set[str] = set()
+                jax.jit(SCENARIOS[name]).lower()
+            assert launched, f"{name}: no kernel launch was observed"
+            cover.launched = getattr(cover, "launched", set()) | launched
     jax.clear_caches()
-    missing = interpretable_kernels() - swept
+    missing = interpretable_kernels() - cover.launched
     assert not missing, f"kernels no CONFIG_SWEEP scenario launches (add one that does): {sorted(missing)}"
+    assert not cover.unswept_defaults, f"defaults a sweep leaves out: {sorted(cover.unswept_defaults)}"
     unswept = {k: sorted(v - cover.swept.get(k, set())) for k, v in cover.valid_somewhere.items()
                if v - cover.swept.get(k, set())}
     assert not unswept, ("configs no CONFIG_SWEEP scenario runs (add one at a size where they are valid): "
