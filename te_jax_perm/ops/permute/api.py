@@ -80,13 +80,16 @@ def permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend, owner=None)
     return (from_bits(out, inp.dtype, (num_out_rows,) + inp.shape[1:]), pout), (rid, pad, witness(inp), witness(probs))
 
 
+def permute_grads(g_out, g_pout, rid, pad, padded, backend):
+    """The permute's backward gather: ``(g_inp, g_probs)``, ``g_probs`` None without ``g_pout``."""
+    if g_pout is not None:
+        return D.permute_bwd_probs(g_out, rid, pad, g_pout, backend=backend, padded=padded)
+    return D.unpermute(g_out, rid, pad, backend=backend, padded=padded)[0], None
+
+
 def permute_bwd(num_out_rows, padded, backend, res, cts):
     rid, pad, inp, probs = res
-    g_out, g_pout = cts
-    if g_pout is not None:
-        g_inp, g_probs = D.permute_bwd_probs(g_out, rid, pad, g_pout, backend=backend, padded=padded)
-    else:
-        (g_inp,), g_probs = D.unpermute(g_out, rid, pad, backend=backend, padded=padded), None
+    g_inp, g_probs = permute_grads(*cts, rid, pad, padded, backend)
     return like_primal(g_inp, inp), like_primal(g_probs, probs), None, None
 
 
@@ -118,14 +121,16 @@ def unpermute_fwd(inp, merging_probs, rid, pad, padded, backend):
     return out, (inp, merging_probs, rid, pad, owner)
 
 
+def unpermute_grads(g, inp, merging_probs, rid, pad, owner, padded, backend):
+    """The combine's backward scatter: ``(g_inp, g_w)``, ``g_w`` None without ``merging_probs``."""
+    if merging_probs is None:
+        return permute_fwd(g.astype(inp.dtype), None, rid, pad, inp.shape[0], padded, backend, owner)[0][0], None
+    return D.unpermute_bwd_weighted(g, rid, pad, owner, merging_probs, inp, backend=backend, padded=padded)
+
+
 def unpermute_bwd(padded, backend, res, g):
     inp, merging_probs, rid, pad, owner = res
-    if merging_probs is None:
-        g_inp, _ = permute_fwd(g.astype(inp.dtype), None, rid, pad, inp.shape[0], padded, backend, owner)[0]
-        g_w = None
-    else:
-        g_inp, g_w = D.unpermute_bwd_weighted(g, rid, pad, owner, merging_probs, inp, backend=backend,
-                                              padded=padded)
+    g_inp, g_w = unpermute_grads(g, inp, merging_probs, rid, pad, owner, padded, backend)
     return like_primal(g_inp, inp), like_primal(g_w, merging_probs), None, None
 
 
@@ -307,8 +312,7 @@ def _dispatch_bwd_local(backend):
     """``(g_out[, g_pp], rid, pad) -> (g_x[, g_probs])``: the gather of the dispatch backward."""
     def run(g_out, *rest):
         *g_pp, rid, pad = rest
-        g_x, g_probs = permute_bwd(g_out.shape[0], False, backend, (rid, pad, None, None),
-                                   (g_out, g_pp[0] if g_pp else None))[:2]
+        g_x, g_probs = permute_grads(g_out, g_pp[0] if g_pp else None, rid, pad, False, backend)
         return (g_x, g_probs) if g_pp else (g_x,)
     return run
 
@@ -372,7 +376,7 @@ def _combine_bwd_local(backend):
     """``(g, rid, inp, owner[, w], pad) -> (g_inp[, g_w])``: the scatter of the combine backward."""
     def run(g, rid, inp, owner, *rest):
         *w, pad = rest
-        g_inp, g_w = unpermute_bwd(False, backend, (inp, w[0] if w else None, rid, pad, owner), g)[:2]
+        g_inp, g_w = unpermute_grads(g, inp, w[0] if w else None, rid, pad, owner, False, backend)
         return (g_inp, g_w) if w else (g_inp,)
     return run
 
