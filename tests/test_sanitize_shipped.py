@@ -76,6 +76,20 @@ def run_mask_map_inference(T, H, E, k, mode, *, drop=0, seed=0):
     return out, pp, unpermute_with_mask_map(out, rid, merging_probs=p, backend=BE)
 
 
+def run_weighted_unpermute(T, H, E, k, mode, *, seed=0):
+    """The weighted unpermute's forward alone (an inference step's combine), on rows and a
+    map the ``xla`` backend builds: the sweep of its configs runs no other kernel."""
+    from te_jax_perm import make_row_id_map, permute_with_mask_map, unpermute_with_mask_map
+
+    rng = np.random.default_rng(seed)
+    rm = routing(rng, T, E, k, mode)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    p = jnp.asarray(rng.random((T, E)), jnp.float32) * rm
+    rid, tpe = make_row_id_map(jnp.asarray(rm), int(rm.sum()), backend="xla")
+    out, _ = permute_with_mask_map(x, rid, tpe, int(rm.sum()), backend="xla")
+    return unpermute_with_mask_map(out, rid, merging_probs=p, backend=BE)
+
+
 def run_chunk_sort(N, H, sizes, order, *, probs=True, seed=0):
     from te_jax_perm import sort_chunks_by_index, sort_chunks_by_index_with_probs
 
@@ -88,6 +102,24 @@ def run_chunk_sort(N, H, sizes, order, *, probs=True, seed=0):
         if p is None:
             return (sort_chunks_by_index(x, sizes_, order_, backend=BE)[0],)
         return sort_chunks_by_index_with_probs(x, sizes_, order_, p, backend=BE)[:2]
+
+    primals, vjp = jax.vjp(f, x, p)
+    return primals, vjp(tuple(jnp.ones_like(v) for v in primals))
+
+
+def run_chunk_sort_by_map(N, H, sizes, order, *, probs=True, seed=0):
+    """The chunk sort's row gathers alone, forward and backward, through a map the ``xla``
+    backend builds: the sweep of their configs runs no map kernel."""
+    from te_jax_perm import make_chunk_sort_map, sort_chunks_by_map
+
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((N, H)), jnp.float32)
+    p = jnp.asarray(rng.random(N), jnp.float32) if probs else None
+    row_map = make_chunk_sort_map(jnp.asarray(sizes, jnp.int32), jnp.asarray(order, jnp.int32), N, backend="xla")
+
+    def f(x, p):
+        out, pp = sort_chunks_by_map(x, row_map, p, backend=BE)
+        return (out,) if pp is None else (out, pp)
 
     primals, vjp = jax.vjp(f, x, p)
     return primals, vjp(tuple(jnp.ones_like(v) for v in primals))
@@ -185,12 +217,12 @@ SCENARIOS = {
     "movers_wide_rows": lambda: (run_moe(4, NARROW_H, 4, 2, "topk", drop=1), run_moe(4, 2050, 4, 2, "topk", drop=1)),
     "movers_wide_rows_noprobs": lambda: (run_moe(4, NARROW_H, 4, 2, "topk", probs=False),
                                          run_moe(4, 2050, 4, 2, "topk", probs=False)),
-    "mask_map_inference_wide_rows": lambda: (run_mask_map_inference(4, NARROW_H, 4, 2, "topk"),
-                                             run_mask_map_inference(4, 2050, 4, 2, "topk")),
+    "weighted_unpermute_wide_rows": lambda: (run_weighted_unpermute(4, NARROW_H, 4, 2, "topk"),
+                                             run_weighted_unpermute(4, 2050, 4, 2, "topk")),
     # 16-bit operands admit larger GEMM tiles than float32's (shared memory): their sweep.
     "grouped_gemm_bf16": lambda: run_grouped_gemm(40, 24, 40, [10, 0, 25], dtype=jnp.bfloat16),
     "moe_ffn_bf16": lambda: run_moe_ffn(12, 16, 4, 2, 8, "empty", drop=3, dtype=jnp.bfloat16),
-    "chunks_wide_rows": lambda: tuple(run_chunk_sort(8, h, [3, 0, 4, 1], [2, 0, 3, 1], probs=probs)
+    "chunks_wide_rows": lambda: tuple(run_chunk_sort_by_map(8, h, [3, 0, 4, 1], [2, 0, 3, 1], probs=probs)
                                       for h in (NARROW_H, 2050) for probs in (True, False)),
 }
 
@@ -226,8 +258,7 @@ CONFIG_SWEEP = {
                      "grouped_gemm_bf16"), EVERY),
     "movers_wide_rows": sweeping(narrow_h=NARROW_H),
     "movers_wide_rows_noprobs": sweeping(narrow_h=NARROW_H),
-    # Its map kernels and permute_probs run their every config in the scenarios above.
-    "mask_map_inference_wide_rows": sweeping(("unpermute_weighted",), narrow_h=NARROW_H),
+    "weighted_unpermute_wide_rows": sweeping(narrow_h=NARROW_H),
     "chunks_wide_rows": sweeping(narrow_h=NARROW_H),
     # The experts' own GEMM; the grouped GEMMs run their every config in grouped_gemm_ragged
     # (float32) and grouped_gemm_bf16, the row movers and the map in the scenarios above.
