@@ -35,6 +35,9 @@ BACKENDS_HERE = ("xla", KERNEL_BACKEND)
 
 
 def pytest_collection_modifyitems(config, items):
+    # Long tests first (a stable sort keeps the rest in file order): started last, one of
+    # them would leave the other workers idle at the end of a parallel run.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if ON_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

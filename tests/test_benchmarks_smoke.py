@@ -315,6 +315,7 @@ def _stand_in_sanitizer(path, test: str, before: str = "", run: str = "os.execv(
     return str(path)
 
 
+@pytest.mark.slow
 def test_gpu_driver_hostile_memcheck_reruns_a_crash_or_hang_once_and_fails_on_errors(tmp_path):
     """The hostile-input memcheck runs each test in a sanitized process of its own: a process
     killed by a signal or past its time limit without a report is rerun once; a memcheck
@@ -352,6 +353,7 @@ def test_gpu_driver_hostile_memcheck_reruns_a_crash_or_hang_once_and_fails_on_er
     assert re.search(r"memcheck: \S*test_quick\.py::test_passes", report.stdout), report.stdout
 
 
+@pytest.mark.slow
 def test_gpu_driver_hostile_memcheck_logs_where_a_hung_test_hangs(tmp_path):
     """A sanitized test still running at three quarters of its limit dumps its Python stack
     before it is killed, and the run prints that log's end and each test's time: a hang on

@@ -12,6 +12,7 @@ import pytest
 from tests.multidevice import MULTI, multidevice, run_module_on_8_devices, without_cpu_devices  # noqa: E402,F401
 
 
+@pytest.mark.slow
 def test_in_8_device_subprocess():
     run_module_on_8_devices(__file__)
 

@@ -329,6 +329,7 @@ def relower_kernels() -> None:
     KernelPrimitive.forget_eager_executables()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIG_SWEEP)
 def test_every_unpruned_config_is_clean(name):
     pick = _EveryConfig(CONFIG_SWEEP[name])

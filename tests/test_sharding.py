@@ -15,6 +15,7 @@ from tests.conftest import top_k_routing
 
 
 
+@pytest.mark.slow
 def test_in_8_device_subprocess():
     run_module_on_8_devices(__file__)
 

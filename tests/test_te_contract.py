@@ -246,6 +246,7 @@ def test_sort_chunks_probs_variant_keeps_te_arity_separate(backend):
 
 
 # -- sharded semantics (8 virtual CPU devices) -----------------------------------------------
+@pytest.mark.slow
 def test_in_8_device_subprocess():
     run_module_on_8_devices(__file__)
 
