@@ -2,7 +2,7 @@
 
 Inputs that could reach a kernel out of bounds or return a silent wrong answer: chunk sizes whose int32 sum overflows, a combine given fewer rows than its
 map addresses, corrupt row-id maps, a padded dispatch combined without its pad offsets, zero
-experts, dtypes Triton cannot hold, and bit patterns that value moves would change. Each
+experts, rows without columns, dtypes Triton cannot hold, and bit patterns that value moves would change. Each
 runs on ``xla`` and the kernel backend; on ``interpret`` under the hazard sanitizer, which
 reports any access outside a buffer.
 """
@@ -168,6 +168,31 @@ def test_zero_experts(backend):
     np.testing.assert_array_equal(np.asarray(te_jax_perm.token_combine(out, rid, backend=backend)), np.zeros((4, 8)))
     rid2, kept = te_jax_perm.make_row_id_map(rm, backend=backend)
     assert rid2.shape == (4, 1) and kept.shape == (0,)
+
+
+def test_rows_without_columns_still_move_their_probabilities(backend):
+    """H = 0: no row has a column, yet the permuted probabilities, the probabilities'
+    gradients and the combine's weight gradient are values every backend writes (a kernel
+    whose programs were all column slices would leave them as allocated)."""
+    rng = np.random.default_rng(3)
+    rm = routing(rng, 8, 4, 2, "topk")
+    n = int(rm.sum())
+    p = (rng.random((8, 4)) * rm).astype(np.float32)
+    x, y = np.zeros((8, 0), np.float32), np.zeros((n, 0), np.float32)
+
+    def step(b):
+        def f(p, w, x, y):
+            _, pp, rid, _, _ = te_jax_perm.token_dispatch(x, rm, n, probs=p, backend=b)
+            combined = te_jax_perm.token_combine(y, rid, merging_probs=w, backend=b)
+            _, cp, _ = te_jax_perm.sort_chunks_by_index_with_probs(
+                x, jnp.asarray([3, 5]), jnp.asarray([1, 0]), p[:, 0], backend=b)
+            return jnp.sum(pp * jnp.arange(n)) + jnp.sum(cp * jnp.arange(8)) + jnp.sum(combined), (pp, cp)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(p, p, x, y)
+
+    with clean(backend):
+        got = jax.block_until_ready(step(backend))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(step("xla"))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("dtype", [jnp.complex64, jnp.bool_, jnp.int8, jnp.uint16, jnp.float8_e5m2])

@@ -216,8 +216,10 @@ def _grad_lanes(dims, prob_grads: bool) -> int:
 
 
 def _slices(dims, config) -> int:
-    """Programs along a row: one per BLOCK_H columns (grid axis 1)."""
-    return -(-dims["H"] // config.kw["BLOCK_H"])
+    """Programs along a row: one per BLOCK_H columns (grid axis 1), and one where rows have
+    no columns: the slice-0 programs also write the values without a column axis (permuted
+    probabilities and their gradients), which would otherwise be left as allocated."""
+    return max(1, -(-dims["H"] // config.kw["BLOCK_H"]))
 
 
 def _scatter_fill_grid(dims, rows: int, config, split: bool = True) -> tuple[int, int]:
