@@ -291,3 +291,21 @@ def test_a_numpy_chunk_sort_map_may_be_any_integer_dtype_that_fits_int32():
     np.testing.assert_array_equal(np.asarray(out), x[::-1])
     with pytest.raises(TypeError, match="row_id_map has dtype float32; expected an integer dtype"):
         te_jax_perm.sort_chunks_by_map(x, order.astype(np.float32), backend="xla")
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_batched_inputs_with_an_empty_last_axis_flatten(backend):
+    """[B, S, 0] tokens, routing maps and probabilities are [B*S, 0] (a reshape to (-1, 0)
+    cannot infer its rows)."""
+    rm = np.zeros((2, 4, 4), bool)
+    rm[..., :2] = True
+    out, _, rid, _, _ = te_jax_perm.token_dispatch(np.zeros((2, 4, 0), np.float32), rm, 16, backend=backend)
+    assert out.shape == (16, 0) and rid.shape == (8, 9)
+    out, pp, rid, _, _ = te_jax_perm.token_dispatch(np.ones((2, 4, 3), np.float32), np.zeros((2, 4, 0), bool), 4,
+                                                    probs=np.zeros((2, 4, 0), np.float32), backend=backend)
+    assert out.shape == (4, 3) and pp.shape == (4,) and rid.shape == (8, 1)
+    np.testing.assert_array_equal(np.asarray(out), 0)
+    combined = te_jax_perm.token_combine(out, rid, merging_probs=np.zeros((2, 4, 0), np.float32), backend=backend)
+    np.testing.assert_array_equal(np.asarray(combined), np.zeros((8, 3)))
+    sorted_rows, _ = te_jax_perm.sort_chunks_by_index(np.zeros((2, 4, 0), np.float32), [8], [0], backend=backend)
+    assert sorted_rows.shape == (8, 0)

@@ -57,6 +57,20 @@ def test_row_id_map_is_only_its_kernels(t, e, launches, kernel_backend):
                         "stablehlo.bitcast_convert"}, ops
 
 
+@pytest.mark.parametrize("block", [16, 2**20])
+def test_a_block_past_the_tokens_is_one_block_of_them_all(block, kernel_backend):
+    """block_tokens beyond the tokens launches one block of the tokens rounded up to a
+    power of two (the same map; no program walks tokens that do not exist)."""
+    from te_jax_perm.core import hooks
+
+    rm = routing(np.random.default_rng(0), 8, 4, 2)
+    blocks = []
+    with hooks.observe_calls(lambda call: blocks.append(call.params["block_t"])):
+        got = jax.jit(lambda r: te_jax_perm.make_row_id_map(r, 12, block_tokens=block, backend=kernel_backend))(rm)
+    assert blocks == [8]
+    np.testing.assert_array_equal(np.asarray(got[0]), ref.row_id_map(rm, 12))
+
+
 @pytest.mark.gpu
 def test_row_id_map_real_size(kernel_backend):
     rm = routing(np.random.default_rng(2), 4096, 256, 8, "topk")

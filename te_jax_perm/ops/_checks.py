@@ -67,7 +67,8 @@ def check_rank(name: str, x: Any, ranks: Sequence[int], expected: str) -> None:
 def flatten_rows(name: str, x: Any, rows: str, last: str) -> Any:
     """``x`` of shape ``[rows, last]``, or ``[B, S, last]`` flattened to ``B*S`` rows."""
     check_rank(name, x, (2, 3), f"[{rows}, {last}] or [B, S, {last}]")
-    return x.reshape(-1, x.shape[-1]) if x.ndim == 3 else x
+    # Rows counted, not inferred: a -1 cannot be inferred when the last axis is empty.
+    return x.reshape(x.shape[0] * x.shape[1], x.shape[2]) if x.ndim == 3 else x
 
 
 def check_shape(name: str, x: Any, shape: tuple[int, ...], expected: str | None = None) -> None:
@@ -140,7 +141,7 @@ def probs_like_map(probs: Any, routing_map: Any) -> jax.Array:
         raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} "
                          "(the routing_map shape)")
     check_probs_dtype("probs", probs)
-    return probs.reshape(-1, routing_map.shape[-1])
+    return probs.reshape(math.prod(routing_map.shape[:-1]), routing_map.shape[-1])
 
 
 def check_float(name: str, x: Any) -> None:

@@ -12,7 +12,7 @@ from te_jax_perm.ops import _checks
 from te_jax_perm.ops.row_id_map.decl import (dispatch_map_fill, dispatch_map_fused, map_plan, row_id_map_block_counts,
                                              row_id_map_fill, row_id_map_fused)
 from te_jax_perm.ops.row_id_map.reference import drop_threshold, num_blocks
-from te_jax_perm.ops.tiling import not_pow2
+from te_jax_perm.ops.tiling import next_pow2, not_pow2
 
 
 @_checks.keyword_only
@@ -26,7 +26,8 @@ def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *
         to expert ``e``.
       num_out_tokens: static row budget; rows whose expert-sorted destination is
         ``>= num_out_tokens`` are dropped (their map entry is ``-1``). ``None`` keeps all.
-      block_tokens: tokens per block (one program each; a power of two); ``None`` takes
+      block_tokens: tokens per block (one program each; a power of two; past ``T``, one
+        block of all the tokens); ``None`` takes
         :func:`~te_jax_perm.ops.row_id_map.decl.map_plan`'s, measured per (T, E). Results do
         not depend on it.
       single_pass: one launch in which every program reduces the whole routing map
@@ -47,6 +48,9 @@ def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *
     bt = plan.block_tokens if block_tokens is None else _checks.check_static_int("block_tokens", block_tokens, 1)
     if not_pow2("block_tokens", bt):
         raise ValueError(f"block_tokens must be a positive power of two, got {bt}")
+    # A block past the tokens is one block of them all: the same result, without a program
+    # walking sub-tiles of tokens that do not exist.
+    bt = min(bt, next_pow2(t))
     if single_pass is None:
         single_pass = plan.single_pass or num_blocks(t, bt) <= 1
     else:
