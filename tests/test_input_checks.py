@@ -239,6 +239,8 @@ _W_IN, _W_OUT = np.ones((4, 8, 12), np.float32), np.ones((4, 6, 8), np.float32)
      TypeError, "is_forward must be a static Python bool, got DynamicJaxprTracer"),
     (lambda: te_jax_perm.sort_chunks_by_index_with_probs(X, [5, 5], [1, 0], None), TypeError,
      r"probs is None; expected float \[N\] probabilities"),
+    (lambda: te_jax_perm.sort_chunks_by_index_with_probs(X, [5, 5], [1, 0], jnp.ones(10, jnp.float8_e4m3fn)),
+     TypeError, "probs has dtype float8_e4m3fn; expected bfloat16, float16 or float32"),
     (lambda: te_jax_perm.routing_map_to_topk(np.bool_(True), 0), ValueError,
      r"routing_map has shape \(\); expected \[T, E\]"),
     (lambda: te_jax_perm.grouped_matmul(np.ones((6, 8)), np.ones((3, 8, 5)), [2, 2, 2], preferred_element_type="foo"),
@@ -248,7 +250,7 @@ _W_IN, _W_OUT = np.ones((4, 8, 12), np.float32), np.ones((4, 6, 8), np.float32)
     (lambda: te_jax_perm.moe_ffn(np.ones((6, 8)), _RM, np.ones((6, 4)), _W_IN, _W_OUT, 6, activation=["silu"]),
      ValueError, r"activation=\['silu'\]; expected one of"),
 ], ids=["block_tokens_float", "block_tokens_bool", "block_tokens_huge", "single_pass_str", "make_row_id_map_backend",
-        "is_forward_str", "is_forward_none", "is_forward_traced", "with_probs_none", "topk_rank0",
+        "is_forward_str", "is_forward_none", "is_forward_traced", "with_probs_none", "chunk_probs_fp8", "topk_rank0",
         "preferred_element_type", "moe_ffn_probs_none", "moe_ffn_activation_list"])
 def test_static_and_required_arguments_are_checked(call, error, message):
     with pytest.raises(error, match=message):

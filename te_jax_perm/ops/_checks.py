@@ -144,12 +144,6 @@ def probs_like_map(probs: Any, routing_map: Any) -> jax.Array:
     return probs.reshape(math.prod(routing_map.shape[:-1]), routing_map.shape[-1])
 
 
-def check_float(name: str, x: Any) -> None:
-    dt = _dt(x)
-    if not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(f"{name} has dtype {dt.name}; expected a floating dtype")
-
-
 def check_index_values(name: str, x: Any) -> None:
     """``x`` has an integer dtype and, when concrete, values that fit int32 (the ops cast
     to int32: a concrete 2**32 + 3 must fail here, not run as 3)."""

@@ -137,7 +137,7 @@ def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array |
         ``[-1, N)``, no output row named twice (checked when concrete, and under
         ``TE_JAX_PERM_CHECKS=1``). Otherwise, an entry outside ``[0, N)``, and each entry
         naming the same output row as an earlier entry, counts as ``-1``.
-      probs: optional float [N], moved with the rows.
+      probs: optional bfloat16, float16 or float32 [N], moved with the rows.
       is_forward: static bool; ``True`` sorts (row ``i`` goes to ``row_id_map[i]``); ``False``
         undoes it (output row ``i`` is input row ``row_id_map[i]``).
       backend: ``"triton"``, ``"interpret"`` or ``"xla"``; ``None`` picks the default.
@@ -192,7 +192,7 @@ def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices:
 def sort_chunks_by_index_with_probs(inp: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array,
                                     probs: jax.Array, *, backend: str | None = None
                                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """:func:`sort_chunks_by_index` moving float ``probs [N]`` with the rows.
+    """:func:`sort_chunks_by_index` moving ``probs [N]`` (bfloat16, float16 or float32) with the rows.
 
     Returns:
       ``(output [N, H], permuted_probs [N] in probs.dtype, row_id_map int32 [N])``;

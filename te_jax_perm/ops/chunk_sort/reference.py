@@ -37,7 +37,7 @@ def checked_rows(inp, probs):
     if probs is not None:
         probs = jnp.asarray(probs)
         _checks.check_shape("probs", probs, (inp.shape[0],), f"({inp.shape[0]},) (one probability per row of inp)")
-        _checks.check_float("probs", probs)
+        _checks.check_probs_dtype("probs", probs)
     return inp, probs
 
 
