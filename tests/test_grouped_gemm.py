@@ -204,6 +204,24 @@ def test_kernels_promote_mixed_operand_dtypes_instead_of_rounding_rhs(kernel_bac
     assert (gl.dtype, gr.dtype) == (jnp.bfloat16, jnp.float32)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_float8_operands_take_xla_and_mixed_ones_name_both(dtype):
+    """float8 operands (no kernel of ours) take XLA's ragged dot, accumulated in float32 and
+    rounded once to float8; float8 with another dtype has no promotion, and the error names
+    both operands."""
+    rng = np.random.default_rng(0)
+    lhs = jnp.asarray(rng.standard_normal((6, 8)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((2, 8, 4)), dtype)
+    sizes = jnp.asarray([2, 3])
+    out = grouped_matmul(lhs, rhs, sizes)
+    assert out.dtype == dtype
+    want = grouped_matmul(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes, backend="xla").astype(dtype)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(TypeError, match=rf"lhs has dtype {jnp.dtype(dtype).name} and rhs float32, which JAX "
+                                        "does not promote"):
+        grouped_matmul(lhs, rhs.astype(jnp.float32), sizes)
+
+
 @pytest.mark.parametrize("name", [*KERNEL_BACKENDS, "Interpret"])
 @pytest.mark.parametrize("lhs_dtype,rhs_dtype,promoted", [("int8", "int8", "int8"), ("int8", "int32", "int32")])
 def test_a_named_kernel_backend_refuses_dtypes_it_has_no_kernel_for(name, lhs_dtype, rhs_dtype, promoted):

@@ -90,7 +90,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       ``rhs``; each gradient has its operand's dtype.
     """
     lhs, rhs, group_sizes = _operands(lhs, rhs, group_sizes)
-    dt = jnp.result_type(lhs.dtype, rhs.dtype)
+    dt = _operand_dtype(lhs.dtype, rhs.dtype)
     out_dtype = _out_dtype(preferred_element_type) if preferred_element_type is not None else dt
     backend = _chosen_backend(backend, lhs.dtype, rhs.dtype)
     if backend in KERNEL_BACKENDS:
@@ -100,11 +100,22 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return _grouped_gemm(lhs, rhs, group_sizes, backend, out_dtype)
 
 
+def _operand_dtype(lhs_dtype: Any, rhs_dtype: Any) -> jnp.dtype:
+    """The dtype both operands promote to, or an error naming both (JAX promotes float8
+    with no other dtype, and its error names neither operand)."""
+    try:
+        return jnp.result_type(lhs_dtype, rhs_dtype)
+    except jax.dtypes.TypePromotionError as e:
+        raise TypeError(f"lhs has dtype {jnp.dtype(lhs_dtype).name} and rhs {jnp.dtype(rhs_dtype).name}, which JAX "
+                        f"does not promote to one dtype ({e}); expected operands of one dtype, or dtypes that "
+                        "promote") from None
+
+
 def _chosen_backend(backend: str | None, lhs_dtype: Any, rhs_dtype: Any) -> str:
     """The implementation ``grouped_matmul`` runs for ``backend=``, checked here, before
     tracing: an unknown name, a backend unavailable here, missing tokamax, or a named kernel
     backend for dtypes it has no kernel for."""
-    dt = jnp.result_type(lhs_dtype, rhs_dtype)
+    dt = _operand_dtype(lhs_dtype, rhs_dtype)
     if backend is None:
         chosen = resolve_backend(None)
         # Nobody asked for the kernels: dtypes they do not compute in take XLA's ragged dot.

@@ -35,7 +35,9 @@ def xla_ragged_dot(a: jax.Array, b: jax.Array, group_sizes: jax.Array, dims: Any
     vmapped batch) and nested (:func:`_folded`). ``group_sizes`` sum to at most the ragged
     dimension (the references clamp them)."""
     out_dtype = jnp.dtype(out_dtype)
-    acc = jnp.promote_types(out_dtype, jnp.float32) if jnp.issubdtype(out_dtype, jnp.floating) else out_dtype
+    # Not promote_types(out_dtype, float32): JAX promotes float8 with no other dtype.
+    wide = jnp.issubdtype(out_dtype, jnp.floating) and out_dtype.itemsize < 4
+    acc = jnp.dtype(jnp.float32) if wide else out_dtype
 
     def plain(a, b, group_sizes):
         return jax.lax.ragged_dot_general(a, b, group_sizes, dims, preferred_element_type=acc).astype(out_dtype)
