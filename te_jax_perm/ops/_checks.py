@@ -50,9 +50,21 @@ def keyword_only(fn: Callable | None = None, *, backends: Sequence[str] = BACKEN
     return checked
 
 
-def array_like(x: Any) -> Any:
-    """``x`` itself when it is an array (jax or NumPy), else ``np.asarray(x)``: no cast yet."""
-    return x if hasattr(x, "dtype") and hasattr(x, "shape") else np.asarray(x)
+def array_like(name: str, x: Any) -> Any:
+    """``x`` itself when it is an array (jax or NumPy), else ``np.asarray(x)``: no cast yet.
+    ``None``, text and other objects that make no array of numbers raise, naming ``name``."""
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return x
+    a = np.asarray(x) if x is not None else None
+    if a is None or a.dtype.kind in "OUSV":
+        raise TypeError(f"{name} is {type(x).__name__} {x!r:.60}; expected an array (jax or NumPy) or a nested "
+                        "list of numbers")
+    return a
+
+
+def array(name: str, x: Any) -> jax.Array:
+    """``x`` as a jax array (see :func:`array_like`)."""
+    return jnp.asarray(array_like(name, x))
 
 
 def _dt(x: Any) -> np.dtype:
@@ -104,7 +116,7 @@ def check_routing_dtype(name: str, x: Any) -> None:
 def routing_map_array(name: str, x: Any) -> jax.Array:
     """``x`` as a routing map array: bool, or integers that are all 0 or 1 (checked before
     any cast, at once when concrete)."""
-    x = array_like(x)
+    x = array_like(name, x)
     check_routing_dtype(name, x)
     if _dt(x) != np.bool_:
         check_values(functools.partial(_not_zero_one, name), x)
@@ -136,7 +148,7 @@ def probs_like_map(probs: Any, routing_map: Any) -> jax.Array:
     if probs is None:
         raise TypeError(f"probs is None; expected routing probabilities of shape {tuple(routing_map.shape)} "
                         "(the routing_map shape)")
-    probs = jnp.asarray(probs)
+    probs = array("probs", probs)
     if tuple(probs.shape) != tuple(routing_map.shape):
         raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} "
                          "(the routing_map shape)")
@@ -157,7 +169,7 @@ def check_index_values(name: str, x: Any) -> None:
 
 def index_vector(name: str, x: Any) -> Any:
     """``x`` as an int32 vector ``[C]`` (chunk sizes, chunk orders), checked before the cast."""
-    x = array_like(x)
+    x = array_like(name, x)
     check_rank(name, x, (1,), "rank 1 [C]")
     check_index_values(name, x)
     # NumPy values stay NumPy: under jit, jnp.asarray makes even a constant a tracer, and

@@ -26,9 +26,8 @@ def topk_to_routing_map(indices: jax.Array, num_experts: int) -> jax.Array:
       bool ``[T, E]`` (or ``[B, S, E]``): ``True`` where a token is routed to an expert.
     """
     e = _checks.check_static_int("num_experts", num_experts, 0)
-    indices = _checks.array_like(indices)
-    if indices.ndim < 1:
-        raise ValueError(f"indices has shape {tuple(indices.shape)}; expected [T, k]")
+    indices = _checks.array_like("indices", indices)
+    _checks.check_rank("indices", indices, (2, 3), "[T, k] or [B, S, k]")
     _checks.check_index_values("indices", indices)
     _checks.check_values(lambda i: None if ((i >= 0) & (i < e)).all() else
                          f"indices hold {sorted(set(i[(i < 0) | (i >= e)].tolist()))[:8]}; expected expert ids "
@@ -49,10 +48,12 @@ def routing_map_to_topk(routing_map: jax.Array, k: int) -> jax.Array:
       token; ``-1`` fills the tail of a token routed to fewer than ``k``.
     """
     routing_map = _checks.routing_map_array("routing_map", routing_map)
-    if routing_map.ndim < 1:
-        raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected [T, E]")
+    _checks.check_rank("routing_map", routing_map, (2, 3), "[T, E] or [B, S, E]")
     e = routing_map.shape[-1]
-    k = _checks.check_static_int("k", k, 0, e)
+    k = _checks.check_static_int("k", k, 0)
+    if k > e:
+        raise ValueError(f"k = {k} exceeds the routing map's E = {e} experts (routing_map has shape "
+                         f"{tuple(routing_map.shape)}); expected k <= E")
     ids = jnp.arange(e, dtype=jnp.int32)
     # top_k of (E - id) over routed experts picks the lowest ids first; unrouted score 0.
     score, top = jax.lax.top_k(jnp.where(routing_map != 0, e - ids, 0), k)

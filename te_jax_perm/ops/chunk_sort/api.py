@@ -150,7 +150,7 @@ def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array |
     # Checked as given: jnp.asarray would wrap int64 entries to int32, and under jit make a
     # NumPy map a tracer whose entries go unchecked. A NumPy (or list) map may be any integer
     # dtype whose entries fit int32; an array map must be int32.
-    row_id_map = _checks.array_like(row_id_map)
+    row_id_map = _checks.array_like("row_id_map", row_id_map)
     _checks.check_shape("row_id_map", row_id_map, (inp.shape[0],), f"({inp.shape[0]},) int32")
     if isinstance(row_id_map, np.ndarray):
         _checks.check_index_values("row_id_map", row_id_map)
@@ -206,7 +206,7 @@ def sort_chunks_by_index_with_probs(inp: jax.Array, split_sizes: jax.Array, sort
 
 
 def _sort_chunks(inp, split_sizes, sorted_indices, probs, backend):
-    inp, probs = checked_rows(_checks.flatten_rows("inp", jnp.asarray(inp), "N", "H"), probs)
+    inp, probs = checked_rows(_checks.flatten_rows("inp", _checks.array("inp", inp), "N", "H"), probs)
     chosen = resolve_backend(backend)
     row_map, src_map = _maps(split_sizes, sorted_indices, inp.shape[0], chosen)
     out, permuted_probs = _move(inp, src_map, row_map, probs, chosen)

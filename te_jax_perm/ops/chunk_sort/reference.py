@@ -22,7 +22,7 @@ def sort_chunks_reference(inp: jax.Array, split_sizes: jax.Array, sorted_indices
     """What :func:`~te_jax_perm.ops.chunk_sort.api.sort_chunks_by_index` (``probs=None``) or
     :func:`~te_jax_perm.ops.chunk_sort.api.sort_chunks_by_index_with_probs` returns, in plain JAX,
     with their return arity."""
-    inp, probs = checked_rows(_checks.flatten_rows("inp", jnp.asarray(inp), "N", "H"), probs)
+    inp, probs = checked_rows(_checks.flatten_rows("inp", _checks.array("inp", inp), "N", "H"), probs)
     split_sizes, sorted_indices = checked_chunks(split_sizes, sorted_indices)
     row_map, src_map = chunk_maps_reference(split_sizes, sorted_indices, num_tokens=inp.shape[0])
     outs = gather_rows_reference(inp, src_map, probs)
@@ -32,10 +32,10 @@ def sort_chunks_reference(inp: jax.Array, split_sizes: jax.Array, sorted_indices
 
 def checked_rows(inp, probs):
     """``(inp [N, H], probs [N] or None)`` as arrays, checked as the op and its reference take them."""
-    inp = jnp.asarray(inp)
+    inp = _checks.array("inp", inp)
     _checks.check_rank("inp", inp, (2,), "[N, H]")
     if probs is not None:
-        probs = jnp.asarray(probs)
+        probs = _checks.array("probs", probs)
         _checks.check_shape("probs", probs, (inp.shape[0],), f"({inp.shape[0]},) (one probability per row of inp)")
         _checks.check_probs_dtype("probs", probs)
     return inp, probs

@@ -162,7 +162,8 @@ def tokamax_install_hint(python: tuple[int, ...] = tuple(sys.version_info[:2])) 
 def _operands(lhs: Any, rhs: Any, group_sizes: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``grouped_matmul``'s input check: ``(lhs, rhs, group_sizes int32)``."""
     # group_sizes as given: jnp.asarray would wrap int64 sizes past int32 before the check.
-    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), _checks.array_like(group_sizes)
+    lhs, rhs = _checks.array("lhs", lhs), _checks.array("rhs", rhs)
+    group_sizes = _checks.array_like("group_sizes", group_sizes)
     if lhs.ndim != 2:
         raise ValueError(f"lhs has shape {tuple(lhs.shape)}; expected [M, K]")
     if rhs.ndim != 3:

@@ -106,7 +106,7 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     gradients summed over the shards. For expert parallelism see
     ``te_jax_perm.parallel.ep_moe_layer``.
     """
-    x = jnp.asarray(x)
+    x = _checks.array("x", x)
     xt = _checks.flatten_rows("x", x, "T", "H")
     routing_map = _checks.routing_map_array("routing_map", routing_map)
     t, h = xt.shape
@@ -117,7 +117,7 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     probs = _checks.probs_like_map(probs, routing_map)
     if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}; expected one of {tuple(ACTIVATIONS)}")
-    w_in, w_out = jnp.asarray(w_in), jnp.asarray(w_out)
+    w_in, w_out = _checks.array("w_in", w_in), _checks.array("w_out", w_out)
     f = _check_weights(w_in, w_out, e, h, activation)
     for name, arr in (("x", x), ("w_in", w_in), ("w_out", w_out)):
         if arr.dtype not in KERNEL_DTYPES:

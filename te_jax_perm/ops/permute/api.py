@@ -141,18 +141,18 @@ _unpermute.defvjp(unpermute_fwd, unpermute_bwd)
 def _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_offsets):
     """Checked arguments of :func:`permute_with_mask_map`: ``(inp, probs, pad, padded, num_out_rows)``,
     arrays taken as token_dispatch takes them (lists too)."""
-    inp = jnp.asarray(inp)
+    inp = _checks.array("inp", inp)
     _checks.check_rank("inp", inp, (2,), "[T, H]")
     _checks.check_token_dtype("inp", inp)
     e = _checks.num_experts_of_map(row_id_map)
     _checks.check_shape("row_id_map", row_id_map, (inp.shape[0], 2 * e + 1),
                         f"[T={inp.shape[0]}, 2E+1] (T from inp {tuple(inp.shape)})")
-    tokens_per_expert = _checks.array_like(tokens_per_expert)
+    tokens_per_expert = _checks.array_like("tokens_per_expert", tokens_per_expert)
     _checks.check_shape("tokens_per_expert", tokens_per_expert, (e,), f"[E={e}]")
     _checks.check_index_values("tokens_per_expert", tokens_per_expert)
     num_out_rows = _checks.check_static_int("num_out_rows", num_out_rows, 0)
     if probs is not None:
-        probs = jnp.asarray(probs)
+        probs = _checks.array("probs", probs)
         _checks.check_shape("probs", probs, (inp.shape[0], e), f"[T={inp.shape[0]}, E={e}]")
         _checks.check_probs_dtype("probs", probs)
     return inp, probs, pad_operand(pad_offsets, e), pad_offsets is not None, num_out_rows
@@ -192,17 +192,17 @@ def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expe
 def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expert):
     """Checked arguments of :func:`unpermute_with_mask_map`: ``(inp, merging_probs, pad, padded)``,
     arrays taken as token_combine takes them (lists too)."""
-    inp = jnp.asarray(inp)
+    inp = _checks.array("inp", inp)
     _checks.check_rank("inp", inp, (2,), "[N, H]")
     _checks.check_token_dtype("inp", inp)
     e = _checks.num_experts_of_map(row_id_map)
     t = row_id_map.shape[0]
     if merging_probs is not None:
-        merging_probs = jnp.asarray(merging_probs)
+        merging_probs = _checks.array("merging_probs", merging_probs)
         _checks.check_shape("merging_probs", merging_probs, (t, e), f"[T={t}, E={e}] (from row_id_map)")
         _checks.check_probs_dtype("merging_probs", merging_probs)
     if tokens_per_expert is not None:
-        tokens_per_expert = _checks.array_like(tokens_per_expert)
+        tokens_per_expert = _checks.array_like("tokens_per_expert", tokens_per_expert)
         _checks.check_shape("tokens_per_expert", tokens_per_expert, (e,), f"[E={e}]")
         _checks.check_index_values("tokens_per_expert", tokens_per_expert)
     return inp, merging_probs, pad_operand(pad_offsets, e), pad_offsets is not None
@@ -239,7 +239,7 @@ def pad_operand(pad_offsets, e):
     there are none."""
     if pad_offsets is None:
         return unread_pad(e)
-    pad_offsets = _checks.array_like(pad_offsets)
+    pad_offsets = _checks.array_like("pad_offsets", pad_offsets)
     _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}]")
     _checks.check_index_values("pad_offsets", pad_offsets)
     return jnp.asarray(pad_offsets).astype(jnp.int32)
@@ -450,7 +450,7 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
     ``jax.shard_map`` (each shard then gets its own counts), or use the expert-parallel
     layer.
     """
-    inp = jnp.asarray(inp)
+    inp = _checks.array("inp", inp)
     routing_map = _checks.routing_map_array("routing_map", routing_map)
     x = _checks.flatten_rows("inp", inp, "T", "H")
     _checks.check_token_dtype("inp", inp)
@@ -496,17 +496,17 @@ def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Arra
     map entry writes each row of ``inp``'s gradient (rows no entry names get zeros), filled
     by the forward's own kernel from the entries it reads.
     """
-    inp = jnp.asarray(inp)
+    inp = _checks.array("inp", inp)
     _checks.check_rank("inp", inp, (2,), "[R, H]")
     _checks.check_token_dtype("inp", inp)
     e = _checks.num_experts_of_map(row_id_map)
     t = row_id_map.shape[0]
     if merging_probs is not None:
-        merging_probs = _checks.flatten_rows("merging_probs", jnp.asarray(merging_probs), "T", "E")
+        merging_probs = _checks.flatten_rows("merging_probs", _checks.array("merging_probs", merging_probs), "T", "E")
         _checks.check_shape("merging_probs", merging_probs, (t, e), f"[T={t}, E={e}] (from row_id_map)")
         _checks.check_probs_dtype("merging_probs", merging_probs)
     if pad_offsets is not None:
-        pad_offsets = _checks.array_like(pad_offsets)
+        pad_offsets = _checks.array_like("pad_offsets", pad_offsets)
         _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}] (from row_id_map)")
         _checks.check_index_values("pad_offsets", pad_offsets)
     _checks.check_values(functools.partial(_checks.row_id_map_problem, inp.shape[0]), row_id_map,
