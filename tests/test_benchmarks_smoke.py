@@ -315,6 +315,14 @@ def _stand_in_sanitizer(path, test: str, before: str = "", run: str = "os.execv(
     return str(path)
 
 
+def _quick_pytest_env(root):
+    """The driver's environment for a trivial test file: the sanitized pytest loads no
+    installed plugin, so it reaches the test within a second even on a machine busy with
+    a whole test suite (its time limit counts from the process start, the stack dump's
+    from the test's)."""
+    return dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+
+
 @pytest.mark.slow
 def test_gpu_driver_hostile_memcheck_reruns_a_crash_or_hang_once_and_fails_on_errors(tmp_path):
     """The hostile-input memcheck runs each test in a sanitized process of its own: a process
@@ -335,7 +343,7 @@ def test_gpu_driver_hostile_memcheck_reruns_a_crash_or_hang_once_and_fails_on_er
         "reports": _stand_in_sanitizer(tmp_path / "reports.py", test, run="subprocess.call(cmd)\n"
                                        "print('========= ERROR SUMMARY: 1 error')\nsys.exit(99)"),
     }
-    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+    env = _quick_pytest_env(root)
     runs = {}
     for name, sanitizer in sanitizers.items():
         runs[name] = subprocess.run(
@@ -369,7 +377,7 @@ def test_gpu_driver_hostile_memcheck_logs_where_a_hung_test_hangs(tmp_path):
     run = subprocess.run([sys.executable, "-m", "tests.gpu.hostile", f"--sanitizer={stand_in}",
                           f"--out={tmp_path / 'out'}", f"--tests={_quick_test(tmp_path)}", "--timeout_s=10"],
                          cwd=root, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu"))
+                         env=_quick_pytest_env(root))
     assert run.returncode == 1, run.stdout + run.stderr
     assert re.search(r"^TIMEOUT +\S+ \(1\d s\) \(try 2\)$", run.stdout, re.M), run.stdout
     assert "Timeout (0:00:07)!" in run.stdout and "in test_waits_forever" in run.stdout, run.stdout
