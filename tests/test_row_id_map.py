@@ -141,14 +141,16 @@ def test_dispatch_map_is_the_padded_map_and_its_row_owners(kernel_backend, t, e,
     else:
         (counts,) = M.row_id_map_block_counts(rm, backend=kernel_backend, block_t=block)
         rid, kept, owner = M.dispatch_map_fill(rm, counts, **kw)
-    plain, want_kept = te_jax_perm.make_row_id_map(rm, n, backend="xla")
+    # The expected values each under one jit: eagerly, each of their XLA ops compiles alone.
+    plain, want_kept = jax.jit(lambda r: te_jax_perm.make_row_id_map(r, n, backend="xla"))(rm)
     dest, ex = np.asarray(plain)[:, :e], np.asarray(plain)[:, e:2 * e]
     pad = np.asarray(R.pad_offsets_of(np.asarray(want_kept), align, np))
     want = np.asarray(plain).copy()
     want[:, :e] = np.where(dest >= 0, dest + pad[np.clip(ex, 0, e - 1)], dest)
     np.testing.assert_array_equal(np.asarray(rid), want)
     np.testing.assert_array_equal(np.asarray(kept), np.asarray(want_kept))
-    (want_owner,) = movers.row_owner(want, np.zeros(e, np.int32), backend="xla", num_out_rows=rows, padded=False)
+    (want_owner,) = jax.jit(lambda m: movers.row_owner(m, np.zeros(e, np.int32), backend="xla", num_out_rows=rows,
+                                                       padded=False))(want)
     np.testing.assert_array_equal(np.asarray(owner), np.asarray(want_owner))
 
 
