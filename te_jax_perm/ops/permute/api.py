@@ -189,18 +189,27 @@ def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expe
     return _permute(inp, probs, row_id_map, pad, num_out_rows, padded, backend)
 
 
-def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expert):
-    """Checked arguments of :func:`unpermute_with_mask_map`: ``(inp, merging_probs, pad, padded)``,
-    arrays taken as token_combine takes them (lists too)."""
+def _combine_inputs(inp, row_id_map, merging_probs, rows: str, batched: bool):
+    """Checked ``(inp [rows, H], merging_probs [T, E] or None, E)`` of a combine, ``E`` and
+    ``T`` from ``row_id_map``; ``batched`` also takes ``[B, S, E]`` weights (flattened)."""
     inp = _checks.array("inp", inp)
-    _checks.check_rank("inp", inp, (2,), "[N, H]")
+    _checks.check_rank("inp", inp, (2,), f"[{rows}, H]")
     _checks.check_token_dtype("inp", inp)
     e = _checks.num_experts_of_map(row_id_map)
     t = row_id_map.shape[0]
     if merging_probs is not None:
         merging_probs = _checks.array("merging_probs", merging_probs)
+        if batched:
+            merging_probs = _checks.flatten_rows("merging_probs", merging_probs, "T", "E")
         _checks.check_shape("merging_probs", merging_probs, (t, e), f"[T={t}, E={e}] (from row_id_map)")
         _checks.check_probs_dtype("merging_probs", merging_probs)
+    return inp, merging_probs, e
+
+
+def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expert):
+    """Checked arguments of :func:`unpermute_with_mask_map`: ``(inp, merging_probs, pad, padded)``,
+    arrays taken as token_combine takes them (lists too)."""
+    inp, merging_probs, e = _combine_inputs(inp, row_id_map, merging_probs, "N", batched=False)
     if tokens_per_expert is not None:
         tokens_per_expert = _checks.array_like("tokens_per_expert", tokens_per_expert)
         _checks.check_shape("tokens_per_expert", tokens_per_expert, (e,), f"[E={e}]")
@@ -496,15 +505,7 @@ def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Arra
     map entry writes each row of ``inp``'s gradient (rows no entry names get zeros), filled
     by the forward's own kernel from the entries it reads.
     """
-    inp = _checks.array("inp", inp)
-    _checks.check_rank("inp", inp, (2,), "[R, H]")
-    _checks.check_token_dtype("inp", inp)
-    e = _checks.num_experts_of_map(row_id_map)
-    t = row_id_map.shape[0]
-    if merging_probs is not None:
-        merging_probs = _checks.flatten_rows("merging_probs", _checks.array("merging_probs", merging_probs), "T", "E")
-        _checks.check_shape("merging_probs", merging_probs, (t, e), f"[T={t}, E={e}] (from row_id_map)")
-        _checks.check_probs_dtype("merging_probs", merging_probs)
+    inp, merging_probs, e = _combine_inputs(inp, row_id_map, merging_probs, "R", batched=True)
     if pad_offsets is not None:
         pad_offsets = _checks.array_like("pad_offsets", pad_offsets)
         _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}] (from row_id_map)")
