@@ -171,7 +171,8 @@ def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices:
     Args:
       inp: ``[N, H]`` or ``[B, S, H]`` (flattened to ``N = B*S`` rows), any dtype; rows
         grouped in chunks of ``split_sizes`` rows from row 0.
-      split_sizes: int [C], may be traced (no host sync); ``sum <= N``.
+      split_sizes: int [C] with C >= 1 (no chunks raise a ValueError), may be traced (no host
+        sync); ``sum <= N``.
       sorted_indices: int [C], a permutation of ``range(C)`` (checked when concrete; a
         traced index outside ``[0, C)``, or one that repeats an earlier index, places
         nothing, so a chunk no valid index names is dropped: zero rows, zero gradient).
