@@ -62,6 +62,7 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
     from triton.runtime import interpreter as interp  # lazy: keep import cost off xla-only use
 
     install_numerics()   # the GPU's rounding, not the interpreter's
+    _skip_dropped_overflow_checks(interp)
     grid3 = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
     if any(g == 0 for g in grid3):
         return
@@ -79,6 +80,17 @@ def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any]
         finally:
             for ob in observers:
                 ob.launch_end()
+
+
+def _skip_dropped_overflow_checks(interp: Any) -> None:
+    """With ``sanitize_overflow`` on (the interpreter's default), every 32-bit integer add,
+    subtract and multiply also runs in int64 and compares the result with the int32 range,
+    about a quarter of a launch's time here, and then hands the comparison to
+    ``device_assert``, which drops it unless ``debug`` is on: off, the same kernel runs the
+    same values. With ``debug`` on the checks assert, and stay."""
+    options = interp.interpreter_builder.options
+    if getattr(options, "sanitize_overflow", False) and not getattr(options, "debug", False):
+        interp.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
 _rewritten: dict[Any, Any] = {}
