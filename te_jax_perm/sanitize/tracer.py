@@ -272,6 +272,8 @@ def _keys(rec: LaunchRecord, region: int, kind: str, nprog: int) -> np.ndarray:
 def _by_pair(first: np.ndarray, second: np.ndarray, byte: np.ndarray, reg: BufferInfo
              ) -> Iterator[tuple[int, int, tuple[int, int], int]]:
     """Groups conflicting bytes by program pair: (first, second, element range, count)."""
+    if byte.size == 0:   # the common case, a clean launch: np.unique(axis=0) costs ms even on nothing
+        return
     elem = byte // reg.itemsize
     uniq, inv = np.unique(np.stack([first, second], axis=1), axis=0, return_inverse=True)
     inv = inv.reshape(-1)
