@@ -22,6 +22,9 @@ from te_jax_perm.core.launch import bind_call, configure, select_config
 from te_jax_perm.core.manual_axes import plain_avals, vary_like
 
 _RESERVED = ("backend", "config")
+# Eager calls' jitted binds by (kernel, primitive, parameters), least recently used first.
+_EAGER: dict[tuple, Callable] = {}
+_EAGER_MAX = 256
 
 
 class KernelPrimitive:
@@ -85,15 +88,21 @@ class KernelPrimitive:
 
     @staticmethod
     def forget_eager_executables() -> None:
-        """Makes the next eager (un-jitted) call of every kernel lower again. A kernel's config
-        is chosen when it lowers, so a config resolver installed since (the tuner, a sweep
-        over configs) is then consulted; nothing else JAX compiled is dropped."""
-        KernelPrimitive._jitted_bind.cache_clear()
+        """Makes the next eager (un-jitted) call of every kernel on a kernel backend lower
+        again. A kernel's config is chosen when it lowers, so a config resolver installed
+        since (the tuner, a sweep over configs) is then consulted; nothing else JAX compiled
+        is dropped (the ``xla`` backend's calls, which choose no config, are kept)."""
+        for key in [k for k in _EAGER if dict(k[2])["backend"] != "xla"]:
+            del _EAGER[key]
 
-    @functools.lru_cache(maxsize=256)
     def _jitted_bind(self, prim: Primitive, kw_items):
         # One jitted callable per parameter set, so eager calls reuse compiled executables.
-        return jax.jit(functools.partial(prim.bind, **dict(kw_items)))
+        key = (self, prim, kw_items)
+        run = _EAGER.pop(key, None) or jax.jit(functools.partial(prim.bind, **dict(kw_items)))
+        _EAGER[key] = run   # the most recently used last
+        while len(_EAGER) > _EAGER_MAX:
+            del _EAGER[next(iter(_EAGER))]
+        return run
 
     def _lower_local(self, platform: str, ctx, *args, backend: str, config: Config | None, **params):
         decl = self.decl
