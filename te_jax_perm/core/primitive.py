@@ -22,9 +22,17 @@ from te_jax_perm.core.launch import bind_call, configure, select_config
 from te_jax_perm.core.manual_axes import plain_avals, vary_like
 
 _RESERVED = ("backend", "config")
-# Eager calls' jitted binds by (kernel, primitive, parameters), least recently used first.
-_EAGER: dict[tuple, Callable] = {}
-_EAGER_MAX = 256
+
+
+def _jit_bind(prim: Primitive, kw_items) -> Callable:
+    return jax.jit(functools.partial(prim.bind, **dict(kw_items)))
+
+
+# Eager calls' jitted binds, one per primitive and parameter set, so eager calls reuse
+# compiled executables: the kernel backends' apart from the xla backend's, which choose no
+# config and so outlive forget_eager_executables.
+_kernel_binds = functools.lru_cache(maxsize=256)(_jit_bind)
+_xla_binds = functools.lru_cache(maxsize=256)(_jit_bind)
 
 
 class KernelPrimitive:
@@ -80,7 +88,7 @@ class KernelPrimitive:
         return list(bind_call(self.decl, avals, params, backend).out_avals)
 
     def _impl(self, prim: Primitive, *args, **kw):
-        run = self._jitted_bind(prim, tuple(sorted(kw.items())))
+        run = (_xla_binds if kw["backend"] == "xla" else _kernel_binds)(prim, tuple(sorted(kw.items())))
         if kw["backend"] != "interpret":
             return run(*args)
         from te_jax_perm.core.interpret_backend import run_eagerly
@@ -92,17 +100,7 @@ class KernelPrimitive:
         again. A kernel's config is chosen when it lowers, so a config resolver installed
         since (the tuner, a sweep over configs) is then consulted; nothing else JAX compiled
         is dropped (the ``xla`` backend's calls, which choose no config, are kept)."""
-        for key in [k for k in _EAGER if dict(k[2])["backend"] != "xla"]:
-            del _EAGER[key]
-
-    def _jitted_bind(self, prim: Primitive, kw_items):
-        # One jitted callable per parameter set, so eager calls reuse compiled executables.
-        key = (self, prim, kw_items)
-        run = _EAGER.pop(key, None) or jax.jit(functools.partial(prim.bind, **dict(kw_items)))
-        _EAGER[key] = run   # the most recently used last
-        while len(_EAGER) > _EAGER_MAX:
-            del _EAGER[next(iter(_EAGER))]
-        return run
+        _kernel_binds.cache_clear()
 
     def _lower_local(self, platform: str, ctx, *args, backend: str, config: Config | None, **params):
         decl = self.decl
