@@ -230,6 +230,68 @@ def test_token_sharded_moe_ffn_runs_each_shard_locally(partitioner, drop, align)
     assert collectives(grad_sharded, *gargs) == ["all-reduce"]
 
 
+def _all_reduced_shapes(hlo: str) -> list[tuple[int, ...]]:
+    """The shapes of the arrays a compiled module's text all-reduces."""
+    import re
+    shapes = []
+    for line in hlo.splitlines():
+        if " all-reduce(" in line or " all-reduce-start(" in line:
+            result = line.split("=", 1)[1].split(" all-reduce", 1)[0]
+            shapes += [tuple(int(d) for d in m.split(",") if d) for m in re.findall(r"\[([\d,]*)\]", result)]
+    return shapes
+
+
+# Weights split as FSDP splits them, along mesh axes that also shard the tokens (or not):
+# (mesh shape, mesh axes, token axes, w_in's spec, w_out's spec, partitioner).
+_FSDP_CASES = {
+    "hidden_over_tokens": ((8,), ("d",), "d", (None, "d", None), (None, None, "d"), True),
+    "hidden_over_tokens_gspmd": ((8,), ("d",), "d", (None, "d", None), (None, None, "d"), False),
+    "experts_over_one_of_two": ((4, 2), ("data", "fsdp"), ("data", "fsdp"), ("fsdp", None, None),
+                                (None, None, ("data", "fsdp")), True),
+    "over_a_non_token_axis": ((4, 2), ("data", "tp"), "data", (None, None, "tp"), (None, "tp", None), True),
+}
+
+
+@multidevice
+@pytest.mark.parametrize("case", list(_FSDP_CASES))
+def test_token_sharded_moe_ffn_reduce_scatters_fsdp_weight_gradients(case):
+    """Weights split along a dimension by token mesh axes (FSDP) get their gradients
+    reduce-scattered there and split like the weight: no all-reduce of a whole weight's
+    gradient, only of a scattered piece over the token axes that split no dimension of it.
+    A weight split by an axis that does not shard the tokens keeps the all-reduce. The
+    gradients equal the unsharded layer's."""
+    import te_jax_perm
+    shape, names, tok, spec_in, spec_out, shardy = _FSDP_CASES[case]
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
+    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    t, e, h, f, k = 32, 4, 8, 8, 2
+    x, rm, probs, w_in, w_out, dy = _moe_problem(t, e, h, f, k, seed=8)
+    grad = jax.grad(lambda x, p, wi, wo, rm, dy: jnp.sum(te_jax_perm.moe_ffn(x, rm, p, wi, wo, t * k,
+                                                                             backend="xla") * dy),
+                    argnums=(0, 1, 2, 3))
+    args = (put(x, tok), put(probs, tok), put(w_in, *spec_in), put(w_out, *spec_out), put(rm, tok), put(dy, tok))
+    try:
+        # As a training step asks: each gradient split like its primal.
+        step = jax.jit(grad, out_shardings=tuple(a.sharding for a in args[:4]))
+        got = step(*args)
+        for g, want in zip(got, jax.jit(grad)(x, probs, w_in, w_out, rm, dy)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5)
+        hlo = step.lower(*args).compile().as_text()
+        reduced = _all_reduced_shapes(hlo)
+        if case == "over_a_non_token_axis":
+            assert w_in.shape in reduced and w_out.shape in reduced, reduced
+            return
+        assert "reduce-scatter(" in hlo or "reduce-scatter-start(" in hlo, "no reduce-scatter in the module"
+        assert w_in.shape not in reduced and w_out.shape not in reduced, reduced
+        if case == "experts_over_one_of_two":   # w_in's piece still summed over "data"; w_out's not at all
+            assert reduced == [(e // 2, h, 2 * f)], reduced
+        else:
+            assert reduced == [], reduced
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", True)
+
+
 @multidevice
 def test_ops_inside_shard_map_with_its_type_check_on():
     """Inside ``jax.shard_map`` with its default ``check_vma=True`` every op runs and

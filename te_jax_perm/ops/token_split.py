@@ -12,7 +12,11 @@ and the matching combine (and both backward passes) run locally too: no collecti
 
 Axis names: ``"T"`` (tokens) and ``"R"`` (expert-sorted rows) are split together along
 the mesh axes that shard the tokens; ``"H"`` is local (sliced along whatever shards it, as
-every row mover is); any other axis is replicated. ``T`` and ``R`` must be divisible by
+every row mover is); any other axis is replicated. A per-shard partial sum (a weight's
+gradient) is summed over the token shards; where the operand it follows (the weight)
+arrives split along a dimension by token mesh axes alone, as FSDP splits weights, the sum
+is reduce-scattered along that dimension over those axes (half an all-reduce's bytes on
+the wire) and comes out split like the operand. ``T`` and ``R`` must be divisible by
 the number of token shards: otherwise compiling the program raises a ``ValueError`` that
 names the op, the size and the shard count (not XLA's own error; see
 :func:`te_jax_perm.core.errors.keep`).
@@ -29,7 +33,7 @@ unsharded (global) result instead.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax.custom_batching import custom_vmap
@@ -93,6 +97,47 @@ def _split(mesh, arg_shapes, arg_axes: Sequence[Axes], name_set) -> tuple[object
     return None, 1
 
 
+def _axis_names(ax) -> tuple[str, ...]:
+    """The mesh axis names of a PartitionSpec entry (none for ``None``)."""
+    return () if ax is None else tuple(ax) if isinstance(ax, (tuple, list)) else (ax,)
+
+
+def _scatter_plan(mesh, operand, tokens) -> tuple[tuple[int, Any], ...]:
+    """``(dimension, mesh axes)`` pairs along which a partial sum shaped like ``operand``
+    is reduce-scattered: each dimension ``operand`` arrives split along by token mesh axes
+    alone, evenly, each axis in one dimension only. Summed over those axes in this way, the
+    sum lands split as ``operand`` is; the other token axes are summed whole."""
+    tok, used, plan = set(_axis_names(tokens)), set(), []
+    for d, (ax, pieces) in enumerate(dim_splits(mesh, operand.sharding, len(operand.shape))):
+        names = set(_axis_names(ax))
+        if pieces > 1 and names and names <= tok and not names & used and operand.shape[d] % pieces == 0:
+            plan.append((d, ax))
+            used |= names
+    return tuple(plan)
+
+
+def _summed_shardings(mesh, shardings: list[NamedSharding], out_axes: Sequence[Axes],
+                      plans: dict[int, tuple[tuple[int, Any], ...]]) -> list[NamedSharding]:
+    """``shardings`` with each reduce-scattered output split as its plan says."""
+    out = list(shardings)
+    for i, plan in plans.items():
+        spec = [None] * len(out_axes[i])
+        for d, ax in plan:
+            spec[d] = ax
+        out[i] = NamedSharding(mesh, PartitionSpec(*spec))
+    return out
+
+
+def _sum_over_tokens(x: jax.Array, tokens, plan: tuple[tuple[int, Any], ...]) -> jax.Array:
+    """``x`` summed over the token shards: reduce-scattered along ``plan``'s dimensions, then
+    all-reduced over the token axes no dimension took."""
+    for d, ax in plan:
+        x = jax.lax.psum_scatter(x, ax, scatter_dimension=d, tiled=True)
+    scattered = {n for _, ax in plan for n in _axis_names(ax)}
+    rest = tuple(n for n in _axis_names(tokens) if n not in scattered)
+    return jax.lax.psum(x, rest) if rest else x
+
+
 def _shardings(mesh, axes_list: Sequence[Axes], tokens, hidden) -> list[NamedSharding]:
     pick = lambda n: tokens if n in SPLIT else (hidden if n == LOCAL else None)  # noqa: E731
     return [NamedSharding(mesh, PartitionSpec(*(pick(n) for n in axes))) for axes in axes_list]
@@ -138,24 +183,39 @@ def shard_count(tokens: int, local_tokens: int) -> int:
 
 
 def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg_axes: Sequence[Axes],
-                      out_axes: Sequence[Axes], backend: str, summed: Sequence[int] = ()) -> tuple[jax.Array, ...]:
+                      out_axes: Sequence[Axes], backend: str,
+                      summed: Mapping[int, int | None] | None = None) -> tuple[jax.Array, ...]:
     """``local(*args)``, run per token shard under SPMD as the module docstring says.
 
     ``local`` is what every shard runs on its own operands (and, unsharded, on the whole
     ones): it reads the shard's size off them; ``arg_axes``/``out_axes`` name each
-    operand's and output's axes. The outputs at positions ``summed`` are per-shard partial
-    sums (without a token axis): the result holds their sum over the shards.
+    operand's and output's axes. The outputs at the positions ``summed`` maps are per-shard
+    partial sums (without a token axis): the result holds their sum over the shards. Each
+    maps to the position of the operand of its shape whose split the sum takes (a weight
+    gradient to its weight; see the module docstring), or to ``None``.
     """
-    sizes = {n: d for axes, a in zip(arg_axes, args) for n, d in zip(axes, a.shape)}
+    summed = dict(summed or {})
     outs = jax.eval_shape(local, *args)
+    for i, j in summed.items():
+        if j is not None and outs[i].shape != args[j].shape:
+            raise ValueError(f"{name}: summed output {i} has shape {outs[i].shape}; expected operand {j}'s "
+                             f"{args[j].shape}, whose split its sum takes")
+    sizes = {n: d for axes, a in zip(arg_axes, args) for n, d in zip(axes, a.shape)}
     sizes.update({n: d for axes, o in zip(out_axes, outs) for n, d in zip(axes, o.shape)})
     if backend == "interpret" or any(sizes.get(n, 1) == 0 for n in SPLIT):
         return tuple(local(*args))
 
+    def plans(mesh, arg_shapes, tokens) -> dict[int, tuple[tuple[int, Any], ...]]:
+        if tokens is None:
+            return {}
+        found = {i: _scatter_plan(mesh, arg_shapes[j], tokens) for i, j in summed.items() if j is not None}
+        return {i: p for i, p in found.items() if p}
+
     def infer(mesh, arg_shapes, result_shape):
         tokens = _split(mesh, arg_shapes, arg_axes, SPLIT)[0]
         hidden = _split(mesh, arg_shapes, arg_axes, {LOCAL})[0]
-        return tuple(_shardings(mesh, out_axes, tokens, hidden))
+        return tuple(_summed_shardings(mesh, _shardings(mesh, out_axes, tokens, hidden), out_axes,
+                                       plans(mesh, arg_shapes, tokens)))
 
     def partition(mesh, arg_shapes, result_shape):
         tokens, shards = _split(mesh, arg_shapes, arg_axes, SPLIT)
@@ -176,13 +236,15 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg
                 "shard_map; expected them split along whole mesh axes, as a PartitionSpec names them (inside "
                 "a shard_map, make the token axes manual)"))
 
+        scatter = plans(mesh, arg_shapes, tokens)
+
         def run(*xs):
             outs = list(local(*xs))
             for i in summed if tokens is not None else ():
-                outs[i] = jax.lax.psum(outs[i], tokens)
+                outs[i] = _sum_over_tokens(outs[i], tokens, scatter.get(i, ()))
             return tuple(outs)
-        return (mesh, run, tuple(_shardings(mesh, out_axes, tokens, hidden)),
-                tuple(_shardings(mesh, arg_axes, tokens, hidden)))
+        outs_sharded = _summed_shardings(mesh, _shardings(mesh, out_axes, tokens, hidden), out_axes, scatter)
+        return mesh, run, tuple(outs_sharded), tuple(_shardings(mesh, arg_axes, tokens, hidden))
 
     partitioned = custom_partitioning(lambda *xs: tuple(local(*xs)))
     # decode_shardings=False: the callbacks read the operands' shardings themselves

@@ -34,7 +34,8 @@ them; the forward keeps none for the backward. No kernel uses float atomics.
 
 Both passes run per token shard (``te_jax_perm.ops.token_split``): under a multi-device
 ``jit`` with tokens sharded, each shard runs the layer on its own tokens, and the weights'
-gradients are summed over the shards.
+gradients are summed over the shards (reduce-scattered where a weight arrives split by the
+token axes, as FSDP splits it).
 """
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     with ``num_out_tokens // shards`` rows of budget each (each shard drops past its
     share); the result stays sharded like ``x``. The weights are used whole (a sharded
     weight is gathered, as FSDP does before a layer) and their gradients are summed over
-    the shards. ``T`` must divide by the number of shards. The token axis is ``[B*S]``
+    the shards; a weight split along a dimension by the token mesh axes (FSDP) gets its
+    gradient reduce-scattered along it, split like the weight, instead of all-reduced. ``T`` must divide by the number of shards. The token axis is ``[B*S]``
     flattened: shard ``B`` (or ``T``); a split ``S`` or hidden axis is gathered, and so are
     token operands sharded differently from ``x``. With ``backend="interpret"`` a
     multi-device program computes the unsharded layer (one global budget). Inside
@@ -242,7 +244,8 @@ def _bwd(layer, res, dy):
     args = res + (dy,)
     dx, dw_in, dw_out, dprobs = split_over_tokens(
         "moe_ffn (backward)", functools.partial(_bwd_local, layer), args, _IN_AXES + _RES_AXES + (("T", "D"),),
-        (("T", "D"), ("E", "D", "F2"), ("E", "F", "D"), ("T", "E")), layer.backend, summed=(1, 2))
+        (("T", "D"), ("E", "D", "F2"), ("E", "F", "D"), ("T", "E")), layer.backend,
+        summed={1: 1, 2: 2})
     # The routing map and pad are not differentiable inputs: their cotangents are symbolic zeros.
     x, w_in, w_out, probs = res[:4]
     return (like_primal(dx, x), like_primal(dw_in, w_in), like_primal(dw_out, w_out), like_primal(dprobs, probs),

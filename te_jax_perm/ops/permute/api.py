@@ -348,7 +348,7 @@ def _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend):
     args = (x, rm) + ((probs,) if with_probs else ()) + (unread_pad(rm.shape[1]),)
     arg_axes, out_axes = _dispatch_axes(with_probs)
     outs = split_over_tokens("token_dispatch", _dispatch_local(x.shape[0], num_out_tokens, align_size, rows, backend),
-                             args, arg_axes, out_axes, backend, summed=(len(out_axes) - 1,))
+                             args, arg_axes, out_axes, backend, summed={len(out_axes) - 1: None})
     out, pp, rid, kept = outs if with_probs else (outs[0], None, outs[1], outs[2])
     return (out, pp, rid, kept), (rid, witness(x), witness(probs))
 
