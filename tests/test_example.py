@@ -12,6 +12,7 @@ from absl.testing import flagsaver
 import te_jax_perm
 from examples import moe_permute as example
 from tests.conftest import KERNEL_BACKEND, ON_GPU
+from tests.multidevice import without_cpu_devices
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "moe_permute.py"
@@ -107,3 +108,21 @@ def test_example_helpshort_explains_every_flag_and_exits_0():
     assert {n for n, _ in names} == {"tokens", "hidden", "ffn", "experts", "topk", "dtype", "backend", "gemm",
                                      "align_size", "probs_in", "ep_ranks", "seed"}
     assert all(len(h.strip()) > 10 for _, h in names), names
+
+
+FSDP_EXAMPLE = ROOT / "examples" / "moe_fsdp.py"
+
+
+def test_fsdp_example_reduce_scatters_the_weight_gradients_and_matches_one_device():
+    """The data x FSDP example on 8 virtual CPU devices (2 x 4): one step equals the step on
+    one device, the weights come back split, and the step's module reduce-scatters the weight
+    gradients (an all-reduce of whole gradients would show no reduce-scatter)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               XLA_FLAGS=without_cpu_devices(), JAX_PLATFORMS="cpu")
+    env.pop("TE_JAX_PERM_BACKEND", None)
+    proc = subprocess.run([sys.executable, str(FSDP_EXAMPLE), "--cpu_devices=8", "--data=2", "--steps=1"],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "mesh data=2 x fsdp=4" in out and out.rstrip().endswith("vs one device") and "\nPASS" in out, out
+    assert re.search(r"reduce-scatter x2\b", out), out
