@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.multidevice import (MULTI, collectives, multidevice, run_module_on_8_devices,  # noqa: E402,F401
+from tests.multidevice import (COLLECTIVES, MULTI, collectives, multidevice, run_module_on_8_devices,  # noqa: E402,F401
                                shardy_all_gspmd_some)
 from tests.conftest import top_k_routing
 
@@ -190,6 +190,16 @@ def _moe_problem(t, e, h, f, k, seed=6):
     return x, rm, probs, w_in, w_out, dy
 
 
+def _compiled(f, *args):
+    """``f`` compiled for ``args``: called for results and read for collectives, one compile."""
+    return jax.jit(f).lower(*args).compile()
+
+
+def _collectives_of(compiled) -> list[str]:
+    txt = compiled.as_text()
+    return [c for c in COLLECTIVES if c in txt]
+
+
 @multidevice
 # align 2 leaves each shard room for its padded layout, align 4 does not (it runs unpadded).
 # GSPMD runs the case with drops and padding in one (every shard's budget and padded layout).
@@ -215,19 +225,20 @@ def test_token_sharded_moe_ffn_runs_each_shard_locally(partitioner, drop, align)
                                                                           align_size=align, backend="xla"),
                               mesh=MESH, in_specs=(P("d"), P("d"), P("d"), P(), P()), out_specs=P("d"))
     args = (_put(x, "d"), _put(rm, "d"), _put(probs, "d"), _put(w_in), _put(w_out))
-    y = jax.jit(sharded)(*args)
+    fwd = _compiled(sharded, *args)   # run and read for collectives: one compile
+    y = fwd(*args)
     assert y.sharding.spec == P("d")
     np.testing.assert_allclose(np.asarray(y), np.asarray(jax.jit(per_shard)(*args)), rtol=1e-5, atol=1e-5)
     if drop == 0 and align is None:   # nothing dropped: the sharded layer is the whole layer
         np.testing.assert_allclose(np.asarray(y), np.asarray(sharded(x, rm, probs, w_in, w_out)),
                                    rtol=1e-5, atol=1e-5)
     grad = lambda fn: jax.grad(loss(fn), argnums=(0, 1, 2, 3))
-    grad_sharded = grad(sharded)  # one function: the collectives check reuses its compile
     gargs = (args[0], args[2], args[3], args[4], args[1], _put(dy, "d"))
-    for got, want in zip(jax.jit(grad_sharded)(*gargs), jax.jit(grad(per_shard))(*gargs)):
+    bwd = _compiled(grad(sharded), *gargs)
+    for got, want in zip(bwd(*gargs), jax.jit(grad(per_shard))(*gargs)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    assert collectives(sharded, *args) == []
-    assert collectives(grad_sharded, *gargs) == ["all-reduce"]
+    assert _collectives_of(fwd) == []
+    assert _collectives_of(bwd) == ["all-reduce"]
 
 
 def _all_reduced_shapes(hlo: str) -> list[tuple[int, ...]]:
@@ -273,11 +284,11 @@ def test_token_sharded_moe_ffn_reduce_scatters_fsdp_weight_gradients(case):
     args = (put(x, tok), put(probs, tok), put(w_in, *spec_in), put(w_out, *spec_out), put(rm, tok), put(dy, tok))
     try:
         # As a training step asks: each gradient split like its primal.
-        step = jax.jit(grad, out_shardings=tuple(a.sharding for a in args[:4]))
+        step = jax.jit(grad, out_shardings=tuple(a.sharding for a in args[:4])).lower(*args).compile()
         got = step(*args)
         for g, want in zip(got, jax.jit(grad)(x, probs, w_in, w_out, rm, dy)):
             np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5)
-        hlo = step.lower(*args).compile().as_text()
+        hlo = step.as_text()
         reduced = _all_reduced_shapes(hlo)
         if case == "over_a_non_token_axis":
             assert w_in.shape in reduced and w_out.shape in reduced, reduced
