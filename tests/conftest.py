@@ -16,11 +16,16 @@ def _cpu_only() -> bool:
 
 # On CPU this suite is compile-bound: thousands of small XLA programs, most run once or
 # twice on tiny arrays, and LLVM's optimisation passes were about a third of their compile
-# time (test_dispatch.py 130 s -> 94 s on two cores). Subprocesses inherit the flag.
+# time (test_dispatch.py 130 s -> 94 s on two cores). XLA:CPU's MLIR fusion emitters then
+# took about a third of what was left: its older emitters compile the same fusions directly
+# to LLVM IR (test_te_contract.py and test_dispatch.py 372 -> 251 s of CPU time on two
+# cores). Subprocesses inherit the flags; a flag already in XLA_FLAGS keeps its value.
 # A GPU machine keeps XLA's defaults: its GPU tests run what users run.
-CPU_TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
-if _cpu_only() and CPU_TEST_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_TEST_XLA_FLAG}".strip()
+CPU_TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+if _cpu_only():
+    for _flag in CPU_TEST_XLA_FLAGS:
+        if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
