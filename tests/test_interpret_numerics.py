@@ -194,7 +194,9 @@ def test_bf16_weighted_combine_rounds_to_nearest_even(kernel_backend, k):
     rm, rng = _routing(T, E, k, k)
     x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
     p = jnp.asarray(rng.random((T, E)), jnp.float32) * rm
-    out, _, rid, _, _ = token_dispatch(x, rm, T * k, probs=p, backend=kernel_backend)
+    # The rows and map as any backend builds them: what is checked is the combine's rounding
+    # (the interpreter would spend as long again on the dispatch's kernels).
+    out, _, rid, _, _ = token_dispatch(x, rm, T * k, probs=p, backend="xla")
     y = np.asarray(token_combine(out, rid, merging_probs=p, backend=kernel_backend))
     want = _combine_model(np.asarray(out), np.asarray(rid), np.asarray(p))
     np.testing.assert_array_equal(y.view(np.uint16), want.view(np.uint16))
