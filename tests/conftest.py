@@ -20,8 +20,20 @@ def _cpu_only() -> bool:
 # took about a third of what was left: its older emitters compile the same fusions directly
 # to LLVM IR (test_te_contract.py and test_dispatch.py 372 -> 251 s of CPU time on two
 # cores). Subprocesses inherit the flags; a flag already in XLA_FLAGS keeps its value.
-# A GPU machine keeps XLA's defaults: its GPU tests run what users run.
-CPU_TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+# A GPU machine keeps XLA's defaults: its GPU tests run what users run. XLA stops the
+# process at an unknown flag, and jaxlib 0.11's XLA no longer knows the emitters' flag (its
+# CPU subprocesses on GPU machines would die), so that one goes only to older jaxlibs.
+def _jaxlib_before(major: int, minor: int) -> bool:
+    import importlib.metadata
+    try:
+        parts = importlib.metadata.version("jaxlib").split(".")[:2]
+        return tuple(int(p) for p in parts) < (major, minor)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+
+
+CPU_TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",) + (
+    ("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_before(0, 11) else ())
 if _cpu_only():
     for _flag in CPU_TEST_XLA_FLAGS:
         if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
