@@ -1,4 +1,5 @@
 """Shared test set-up: GPU tests skip without a CUDA GPU; CPU backends are parametrizable."""
+import importlib.metadata
 import os
 
 # Tests must not depend on a developer's environment default.
@@ -7,11 +8,19 @@ os.environ.pop("TE_JAX_PERM_BACKEND", None)
 
 def _cpu_only() -> bool:
     """Whether jax can start nothing but its CPU backend here (decided before jax starts)."""
-    import importlib.metadata
     if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
         return True
     return not any((d.metadata["Name"] or "").lower().replace("_", "-").startswith("jax-cuda")
                    for d in importlib.metadata.distributions())
+
+
+def _jaxlib_before(major: int, minor: int) -> bool:
+    """Whether the installed jaxlib is older than ``major.minor`` (read before jax starts)."""
+    try:
+        parts = importlib.metadata.version("jaxlib").split(".")[:2]
+        return tuple(int(p) for p in parts) < (major, minor)
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
 
 
 # On CPU this suite is compile-bound: thousands of small XLA programs, most run once or
@@ -23,15 +32,6 @@ def _cpu_only() -> bool:
 # A GPU machine keeps XLA's defaults: its GPU tests run what users run. XLA stops the
 # process at an unknown flag, and jaxlib 0.11's XLA no longer knows the emitters' flag (its
 # CPU subprocesses on GPU machines would die), so that one goes only to older jaxlibs.
-def _jaxlib_before(major: int, minor: int) -> bool:
-    import importlib.metadata
-    try:
-        parts = importlib.metadata.version("jaxlib").split(".")[:2]
-        return tuple(int(p) for p in parts) < (major, minor)
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        return False
-
-
 CPU_TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",) + (
     ("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_before(0, 11) else ())
 if _cpu_only():

@@ -52,5 +52,10 @@ def shardy_all_gspmd_some(cases: list[tuple], ids: list[str], gspmd: tuple[int, 
 def collectives(f, *args) -> list[str]:
     """The collective ops in ``f``'s compiled module for ``args``."""
     import jax
-    txt = jax.jit(f).lower(*args).compile().as_text()
+    return collectives_in(jax.jit(f).lower(*args).compile())
+
+
+def collectives_in(compiled) -> list[str]:
+    """The collective ops in a compiled module (what ``jax.jit(f).lower(...).compile()`` gives)."""
+    txt = compiled.as_text()
     return [c for c in COLLECTIVES if c in txt]

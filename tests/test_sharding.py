@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.multidevice import (COLLECTIVES, MULTI, collectives, multidevice, run_module_on_8_devices,  # noqa: E402,F401
+from tests.multidevice import (MULTI, collectives, collectives_in, multidevice, run_module_on_8_devices,  # noqa: E402,F401
                                shardy_all_gspmd_some)
 from tests.conftest import top_k_routing
 
@@ -195,11 +195,6 @@ def _compiled(f, *args):
     return jax.jit(f).lower(*args).compile()
 
 
-def _collectives_of(compiled) -> list[str]:
-    txt = compiled.as_text()
-    return [c for c in COLLECTIVES if c in txt]
-
-
 @multidevice
 # align 2 leaves each shard room for its padded layout, align 4 does not (it runs unpadded).
 # GSPMD runs the case with drops and padding in one (every shard's budget and padded layout).
@@ -237,8 +232,8 @@ def test_token_sharded_moe_ffn_runs_each_shard_locally(partitioner, drop, align)
     bwd = _compiled(grad(sharded), *gargs)
     for got, want in zip(bwd(*gargs), jax.jit(grad(per_shard))(*gargs)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    assert _collectives_of(fwd) == []
-    assert _collectives_of(bwd) == ["all-reduce"]
+    assert collectives_in(fwd) == []
+    assert collectives_in(bwd) == ["all-reduce"]
 
 
 def _all_reduced_shapes(hlo: str) -> list[tuple[int, ...]]:
@@ -253,27 +248,26 @@ def _all_reduced_shapes(hlo: str) -> list[tuple[int, ...]]:
 
 
 # Weights split as FSDP splits them, along mesh axes that also shard the tokens (or not):
-# (mesh shape, mesh axes, token axes, w_in's spec, w_out's spec, partitioner).
+# (mesh shape, mesh axes, token axes, w_in's spec, w_out's spec).
 _FSDP_CASES = {
-    "hidden_over_tokens": ((8,), ("d",), "d", (None, "d", None), (None, None, "d"), True),
-    "hidden_over_tokens_gspmd": ((8,), ("d",), "d", (None, "d", None), (None, None, "d"), False),
+    "hidden_over_tokens": ((8,), ("d",), "d", (None, "d", None), (None, None, "d")),
     "experts_over_one_of_two": ((4, 2), ("data", "fsdp"), ("data", "fsdp"), ("fsdp", None, None),
-                                (None, None, ("data", "fsdp")), True),
-    "over_a_non_token_axis": ((4, 2), ("data", "tp"), "data", (None, None, "tp"), (None, "tp", None), True),
+                                (None, None, ("data", "fsdp"))),
+    "over_a_non_token_axis": ((4, 2), ("data", "tp"), "data", (None, None, "tp"), (None, "tp", None)),
 }
 
 
 @multidevice
-@pytest.mark.parametrize("case", list(_FSDP_CASES))
-def test_token_sharded_moe_ffn_reduce_scatters_fsdp_weight_gradients(case):
+@pytest.mark.parametrize("partitioner,case", shardy_all_gspmd_some([(c,) for c in _FSDP_CASES], list(_FSDP_CASES),
+                                                                   gspmd=(0,)), indirect=["partitioner"])
+def test_token_sharded_moe_ffn_reduce_scatters_fsdp_weight_gradients(partitioner, case):
     """Weights split along a dimension by token mesh axes (FSDP) get their gradients
     reduce-scattered there and split like the weight: no all-reduce of a whole weight's
     gradient, only of a scattered piece over the token axes that split no dimension of it.
     A weight split by an axis that does not shard the tokens keeps the all-reduce. The
     gradients equal the unsharded layer's."""
     import te_jax_perm
-    shape, names, tok, spec_in, spec_out, shardy = _FSDP_CASES[case]
-    jax.config.update("jax_use_shardy_partitioner", shardy)
+    shape, names, tok, spec_in, spec_out = _FSDP_CASES[case]
     mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
     put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
     t, e, h, f, k = 32, 4, 8, 8, 2
@@ -282,25 +276,22 @@ def test_token_sharded_moe_ffn_reduce_scatters_fsdp_weight_gradients(case):
                                                                              backend="xla") * dy),
                     argnums=(0, 1, 2, 3))
     args = (put(x, tok), put(probs, tok), put(w_in, *spec_in), put(w_out, *spec_out), put(rm, tok), put(dy, tok))
-    try:
-        # As a training step asks: each gradient split like its primal.
-        step = jax.jit(grad, out_shardings=tuple(a.sharding for a in args[:4])).lower(*args).compile()
-        got = step(*args)
-        for g, want in zip(got, jax.jit(grad)(x, probs, w_in, w_out, rm, dy)):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5)
-        hlo = step.as_text()
-        reduced = _all_reduced_shapes(hlo)
-        if case == "over_a_non_token_axis":
-            assert w_in.shape in reduced and w_out.shape in reduced, reduced
-            return
-        assert "reduce-scatter(" in hlo or "reduce-scatter-start(" in hlo, "no reduce-scatter in the module"
-        assert w_in.shape not in reduced and w_out.shape not in reduced, reduced
-        if case == "experts_over_one_of_two":   # w_in's piece still summed over "data"; w_out's not at all
-            assert reduced == [(e // 2, h, 2 * f)], reduced
-        else:
-            assert reduced == [], reduced
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", True)
+    # As a training step asks: each gradient split like its primal.
+    step = jax.jit(grad, out_shardings=tuple(a.sharding for a in args[:4])).lower(*args).compile()
+    got = step(*args)
+    for g, want in zip(got, jax.jit(grad)(x, probs, w_in, w_out, rm, dy)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5)
+    hlo = step.as_text()
+    reduced = _all_reduced_shapes(hlo)
+    if case == "over_a_non_token_axis":
+        assert w_in.shape in reduced and w_out.shape in reduced, reduced
+        return
+    assert "reduce-scatter(" in hlo or "reduce-scatter-start(" in hlo, "no reduce-scatter in the module"
+    assert w_in.shape not in reduced and w_out.shape not in reduced, reduced
+    if case == "experts_over_one_of_two":   # w_in's piece still summed over "data"; w_out's not at all
+        assert reduced == [(e // 2, h, 2 * f)], reduced
+    else:
+        assert reduced == [], reduced
 
 
 @multidevice

@@ -82,9 +82,7 @@ def _entry(ax):
 
 
 def _axes_size(mesh, ax) -> int:
-    if ax is None:
-        return 1
-    return int(math.prod(mesh.shape[a] for a in (ax if isinstance(ax, tuple) else (ax,))))
+    return int(math.prod(mesh.shape[a] for a in _axis_names(ax)))
 
 
 def _split(mesh, arg_shapes, arg_axes: Sequence[Axes], name_set) -> tuple[object, int]:
@@ -116,10 +114,11 @@ def _scatter_plan(mesh, operand, tokens) -> tuple[tuple[int, Any], ...]:
     return tuple(plan)
 
 
-def _summed_shardings(mesh, shardings: list[NamedSharding], out_axes: Sequence[Axes],
-                      plans: dict[int, tuple[tuple[int, Any], ...]]) -> list[NamedSharding]:
-    """``shardings`` with each reduce-scattered output split as its plan says."""
-    out = list(shardings)
+def _out_shardings(mesh, out_axes: Sequence[Axes], tokens, hidden,
+                   plans: dict[int, tuple[tuple[int, Any], ...]]) -> list[NamedSharding]:
+    """The outputs' shardings: :func:`_shardings`, each reduce-scattered output split as its
+    plan says."""
+    out = _shardings(mesh, out_axes, tokens, hidden)
     for i, plan in plans.items():
         spec = [None] * len(out_axes[i])
         for d, ax in plan:
@@ -214,8 +213,7 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg
     def infer(mesh, arg_shapes, result_shape):
         tokens = _split(mesh, arg_shapes, arg_axes, SPLIT)[0]
         hidden = _split(mesh, arg_shapes, arg_axes, {LOCAL})[0]
-        return tuple(_summed_shardings(mesh, _shardings(mesh, out_axes, tokens, hidden), out_axes,
-                                       plans(mesh, arg_shapes, tokens)))
+        return tuple(_out_shardings(mesh, out_axes, tokens, hidden, plans(mesh, arg_shapes, tokens)))
 
     def partition(mesh, arg_shapes, result_shape):
         tokens, shards = _split(mesh, arg_shapes, arg_axes, SPLIT)
@@ -243,8 +241,8 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg
             for i in summed if tokens is not None else ():
                 outs[i] = _sum_over_tokens(outs[i], tokens, scatter.get(i, ()))
             return tuple(outs)
-        outs_sharded = _summed_shardings(mesh, _shardings(mesh, out_axes, tokens, hidden), out_axes, scatter)
-        return mesh, run, tuple(outs_sharded), tuple(_shardings(mesh, arg_axes, tokens, hidden))
+        return (mesh, run, tuple(_out_shardings(mesh, out_axes, tokens, hidden, scatter)),
+                tuple(_shardings(mesh, arg_axes, tokens, hidden)))
 
     partitioned = custom_partitioning(lambda *xs: tuple(local(*xs)))
     # decode_shardings=False: the callbacks read the operands' shardings themselves

@@ -100,7 +100,8 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     share); the result stays sharded like ``x``. The weights are used whole (a sharded
     weight is gathered, as FSDP does before a layer) and their gradients are summed over
     the shards; a weight split along a dimension by the token mesh axes (FSDP) gets its
-    gradient reduce-scattered along it, split like the weight, instead of all-reduced. ``T`` must divide by the number of shards. The token axis is ``[B*S]``
+    gradient reduce-scattered along it, split like the weight, instead of all-reduced.
+    ``T`` must divide by the number of shards. The token axis is ``[B*S]``
     flattened: shard ``B`` (or ``T``); a split ``S`` or hidden axis is gathered, and so are
     token operands sharded differently from ``x``. With ``backend="interpret"`` a
     multi-device program computes the unsharded layer (one global budget). Inside
