@@ -6,8 +6,9 @@ The layer, its sizes and flags are ``examples/moe_expert_parallel.py``'s (import
 run the example first for its check against the single-device reference). For each
 all-to-all mode this times the compiled fwd+bwd step (median of --steps calls, each blocked
 until done), one forward row exchange of the same rows measured on its own, and reports the
-rows on the wire. With --weak_scaling it also times 1, 2, 4, ... devices at the same tokens
-and experts per device, and each step over the 1-device step.
+rows on the wire. With --weak_scaling it also times expert-parallel groups of 1, 2, 4, ...
+devices (each copied --data times) at the same tokens and experts per device, and each step
+over the 1-device group's step.
 """
 from __future__ import annotations
 
@@ -41,16 +42,16 @@ def exchange_ms(sz: example.Sizes, mesh, rm_host, mode: str, steps: int) -> floa
     from jax.sharding import NamedSharding, PartitionSpec as P
     from te_jax_perm.parallel.exchange import send_rows
 
-    ep, el, cap = sz.n_dev, sz.experts // sz.n_dev, sz.cap
-    rows_to = rm_host.reshape(ep, sz.tokens, ep, el).sum(axis=(1, 3))           # [src, dst] routed rows
+    ep, el, cap = sz.ep, sz.experts // sz.ep, sz.cap
+    rows_to = rm_host.reshape(sz.n_dev, sz.tokens, ep, el).sum(axis=(1, 3))     # [device, rank in group] routed rows
     sent = np.minimum(rows_to, cap).astype(np.int32)
     rank_start = (np.cumsum(rows_to, 1) - rows_to).astype(np.int32)
-    recv = sent.T.copy()
-    shard = NamedSharding(mesh, P("ep"))
-    rows = jax.device_put(jnp.zeros((ep * sz.num_out, sz.hidden), sz.dtype), shard)
+    recv = sent.reshape(sz.data, ep, ep).transpose(0, 2, 1).reshape(sz.n_dev, ep)   # from each rank of the group
+    shard = NamedSharding(mesh, P(mesh.axis_names))
+    rows = jax.device_put(jnp.zeros((sz.n_dev * sz.num_out, sz.hidden), sz.dtype), shard)
     args = [jax.device_put(a.reshape(-1), shard) for a in (rank_start, sent, recv)]
     body = lambda r, s0, s, rv: send_rows(r, s0, s, rv, cap, "ep", mode)
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep")))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(mesh.axis_names),) * 4, out_specs=P(mesh.axis_names)))
     return median_wall_ms(fn, (rows, *args), steps)
 
 
@@ -58,12 +59,11 @@ def time_config(sz: example.Sizes, devices, modes: list[str], backend: str, step
     """Each mode's step and exchange times on ``devices`` and its rows on the wire."""
     import jax
     import numpy as np
-    from jax.sharding import Mesh
 
-    mesh = Mesh(np.array(devices), ("ep",))
-    x, rm, probs, w1, w2, rm_host = example.make_problem(sz, mesh, FLAGS.routing)
-    args = (x, probs, w1, w2, rm, jax.device_put(np.ones((sz.n_dev * sz.tokens,), np.float32), x.sharding))
-    kept = np.minimum(rm_host.reshape(sz.n_dev, sz.tokens, sz.n_dev, -1).sum(axis=(1, 3)), sz.cap)
+    mesh = example.make_mesh(sz, devices)
+    x, rm, probs, w_in, w_out, rm_host = example.make_problem(sz, mesh, FLAGS.routing)
+    args = (x, probs, w_in, w_out, rm, jax.device_put(np.ones((sz.n_dev * sz.tokens,), np.float32), x.sharding))
+    kept = np.minimum(rm_host.reshape(sz.n_dev, sz.tokens, sz.ep, -1).sum(axis=(1, 3)), sz.cap)
     res: dict[str, Any] = {"devices": sz.n_dev, "experts": sz.experts, "modes": {}}
     for mode in modes:
         compiled, r = example.compiled_step(sz, mesh, mode, backend, args, example.memory_limit(devices[0]))
@@ -71,7 +71,7 @@ def time_config(sz: example.Sizes, devices, modes: list[str], backend: str, step
         r["step_ms"] = statistics.median(times)
         r["step_ms_min_max"] = (min(times), max(times))
         r["exchange_ms"] = exchange_ms(sz, mesh, rm_host, mode, steps)
-        r["rows_on_wire_per_device"] = ([sz.n_dev * sz.cap] * sz.n_dev if mode == "dense"
+        r["rows_on_wire_per_device"] = ([sz.ep * sz.cap] * sz.n_dev if mode == "dense"
                                         else kept.sum(1).astype(int).tolist())
         res["modes"][mode] = r
         print(f"[{sz.n_dev} devices, a2a={mode}] train step (fwd+bwd) per device: median {r['step_ms']:.2f} ms "
@@ -83,8 +83,10 @@ def time_config(sz: example.Sizes, devices, modes: list[str], backend: str, step
 
 
 def weak_counts(n: int) -> list[int]:
-    """1, 2, 4, ... devices below ``n``, where --weak_scaling asks for them."""
-    return [1 << i for i in range(n.bit_length()) if (1 << i) < n] if FLAGS.weak_scaling else []
+    """1, 2, 4, ... devices per expert-parallel group (times --data) below ``n``, where
+    --weak_scaling asks for them."""
+    d = FLAGS.data
+    return [d << i for i in range((n // d).bit_length()) if (d << i) < n] if FLAGS.weak_scaling else []
 
 
 def main(argv: list[str]) -> int:
@@ -97,19 +99,20 @@ def main(argv: list[str]) -> int:
                                "sizes": {**dataclasses.asdict(sz), "cap": sz.cap}, "runs": []}
     try:
         for n in weak_counts(sz.n_dev) + [sz.n_dev]:
-            modes = ["dense"] if n == 1 else run.modes
+            modes = ["dense"] if n == sz.data else run.modes
             results["runs"].append(time_config(example.on_devices(sz, n), run.devices[:n], modes, run.backend, steps))
     except MemoryError as e:
         print(f"WON'T FIT: {e}")
         return example.EXIT_WONT_FIT
     if len(results["runs"]) > 1:
-        base = results["runs"][0]["modes"]["dense"]["step_ms"]
+        first = results["runs"][0]
+        base = first["modes"]["dense"]["step_ms"]
         for r in results["runs"][1:]:
             for mode, m in r["modes"].items():
                 m["weak_scaling_ratio"] = m["step_ms"] / base
                 print(f"weak scaling: {r['devices']} devices ({r['experts']} experts), a2a={mode}: "
-                      f"{m['step_ms']:.2f} ms per step = {m['weak_scaling_ratio']:.2f}x the 1-device step "
-                      f"({base:.2f} ms)")
+                      f"{m['step_ms']:.2f} ms per step = {m['weak_scaling_ratio']:.2f}x the {first['devices']}-device "
+                      f"step ({base:.2f} ms)")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,18 +1,21 @@
 """Expert-parallel MoE layer on the GPUs of this machine, or on N virtual CPU devices.
 
-Each device holds --tokens tokens and E / devices experts; rows cross devices by an
-all-to-all (dense: capacity-padded chunks; ragged: exactly the kept rows), the experts run
-as grouped GEMMs, and the rows come home by the reverse exchange (see
-te_jax_perm.parallel.ep_moe_layer).
+Each device holds --tokens tokens and E / ep experts (ep = devices / --data); rows cross
+devices by an all-to-all (dense: capacity-padded chunks; ragged: exactly the kept rows), the
+experts run as grouped GEMMs around the --activation (SwiGLU by default), and the rows come
+home by the reverse exchange (see te_jax_perm.parallel.ep_moe_layer). With --data=D the
+devices form a [D, ep] mesh: D data-parallel copies of one expert-parallel group, each with
+its own tokens, rows exchanged inside a copy, weight gradients summed over the copies.
 
     python3 examples/moe_expert_parallel.py                      # all GPUs, else 8 CPU devices
     python3 examples/moe_expert_parallel.py --hidden=7168 --experts=256
+    python3 examples/moe_expert_parallel.py --data=2             # 2 copies of a 4-device group on 8
     python3 examples/moe_expert_parallel.py --cpu_devices=4 --backend=interpret --tokens=16 --hidden=32
 
 Before compiling, it estimates the per-device working set and compares it with the
 device's memory: a layer that cannot fit exits with a message (status 2) instead of
 running out of memory inside a collective, where the other devices would wait forever.
-For each all-to-all mode it checks the output and the gradients of x, probs, w1 and w2
+For each all-to-all mode it checks the output and the gradients of x, probs, w_in and w_out
 against the single-device reference (on a subset of the tokens at real sizes: the loss
 of the checked step counts only those tokens). The last line is PASS or FAIL (exit status
 0 or 1). Step and exchange times, and weak scaling over 1, 2, 4, ... devices, are
@@ -34,8 +37,13 @@ flags.DEFINE_integer("devices", None, "use the first N devices (default: all)")
 flags.DEFINE_integer("tokens", None, "tokens per device T (default: 4096 on GPUs, 64 on CPU)")
 flags.DEFINE_integer("hidden", None, "hidden size H (default: 4096 on GPUs, 64 on CPU)")
 flags.DEFINE_integer("ffn", None, "expert FFN inner size F (default: 2048 on GPUs, 64 on CPU)")
-flags.DEFINE_integer("experts", None, "routed experts E over all devices, a multiple of the device count "
-                     "(default: 32 on GPUs, 2 per device on CPU)")
+flags.DEFINE_integer("data", 1, "data-parallel copies of the expert-parallel group; the devices form a "
+                     "[data, devices / data] mesh (1: one group over every device)")
+flags.DEFINE_integer("experts", None, "routed experts E, a multiple of the expert-parallel group's size "
+                     "devices / data (default: 32 on GPUs, 2 per group member on CPU)")
+flags.DEFINE_enum("activation", "silu_glu", ["silu_glu", "gelu_glu", "silu", "gelu", "relu"],
+                  "the experts' activation, as moe_ffn names it: silu_glu (SwiGLU) and gelu_glu are gated "
+                  "(w_in holds gate and up columns, [E, H, 2F])")
 flags.DEFINE_integer("topk", None, "experts per token k (default: 8 on GPUs, 2 on CPU)")
 flags.DEFINE_string("dtype", None, "token and weight dtype (default: bfloat16 on GPUs, float32 on CPU)")
 flags.DEFINE_enum("routing", "uniform", ["uniform", "skewed"],
@@ -70,6 +78,19 @@ class Sizes:
     topk: int
     dtype: str
     capacity: int | None
+    data: int = 1
+    activation: str = "silu_glu"
+
+    @property
+    def ep(self) -> int:
+        """Devices of one expert-parallel group."""
+        return self.n_dev // self.data
+
+    @property
+    def gated(self) -> bool:
+        """Whether w_in holds gate and up columns (``[E, H, 2F]``)."""
+        from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS
+        return ACTIVATIONS[self.activation][1]
 
     @property
     def num_out(self) -> int:
@@ -78,25 +99,36 @@ class Sizes:
     @property
     def cap(self) -> int:
         """Rows per (source, destination) slot: the worst case unless --capacity is given."""
-        return min(self.num_out, self.tokens * self.experts // self.n_dev) if self.capacity is None else self.capacity
+        return min(self.num_out, self.tokens * self.experts // self.ep) if self.capacity is None else self.capacity
 
 
 def sizes_from_flags(n_dev: int, on_gpu: bool) -> Sizes:
     pick = lambda v, gpu, cpu: v if v is not None else (gpu if on_gpu else cpu)
-    e = pick(FLAGS.experts, 32, 2 * n_dev)
+    e = pick(FLAGS.experts, 32, 2 * max(1, n_dev // FLAGS.data))
     return Sizes(n_dev, pick(FLAGS.tokens, 4096, 64), pick(FLAGS.hidden, 4096, 64), pick(FLAGS.ffn, 2048, 64), e,
-                 pick(FLAGS.topk, 8, 2), pick(FLAGS.dtype, "bfloat16", "float32"), FLAGS.capacity)
+                 pick(FLAGS.topk, 8, 2), pick(FLAGS.dtype, "bfloat16", "float32"), FLAGS.capacity, FLAGS.data,
+                 FLAGS.activation)
 
 
 def on_devices(sz: Sizes, n: int) -> Sizes:
-    """The same layer per device on ``n`` devices: tokens and experts per device kept (weak scaling)."""
-    return dataclasses.replace(sz, n_dev=n, experts=sz.experts // sz.n_dev * n)
+    """The same layer per device on ``n`` devices (``n / data`` per expert-parallel group):
+    tokens and experts per device kept (weak scaling)."""
+    return dataclasses.replace(sz, n_dev=n, experts=sz.experts // sz.ep * (n // sz.data))
+
+
+def make_mesh(sz: Sizes, devices):
+    """The ``[data, ep]`` mesh of ``devices`` (axes ``("data", "ep")``; ``("ep",)`` for one copy)."""
+    import numpy as np
+    from jax.sharding import Mesh
+    if sz.data == 1:
+        return Mesh(np.array(devices), ("ep",))
+    return Mesh(np.array(devices).reshape(sz.data, sz.ep), ("data", "ep"))
 
 
 def memory_check(sz: Sizes, modes: list[str], devices) -> tuple[bool, str]:
     from te_jax_perm.parallel.memory import ep_working_set, fits
-    ws = max((ep_working_set(tokens=sz.tokens, hidden=sz.hidden, ffn=sz.ffn, experts=sz.experts, ep=sz.n_dev,
-                             capacity=sz.cap, num_out_tokens=sz.num_out, dtype=sz.dtype, a2a=m)
+    ws = max((ep_working_set(tokens=sz.tokens, hidden=sz.hidden, ffn=sz.ffn, experts=sz.experts, ep=sz.ep,
+                             capacity=sz.cap, num_out_tokens=sz.num_out, dtype=sz.dtype, a2a=m, gated=sz.gated)
               for m in modes), key=lambda w: w.total)
     return fits(ws, memory_limit(devices[0]))
 
@@ -117,27 +149,29 @@ def make_problem(sz: Sizes, mesh, routing: str, seed: int = 0):
     top = np.argpartition(-logits, sz.topk - 1, axis=1)[:, :sz.topk]
     rm = np.zeros((tt, sz.experts), bool)
     np.put_along_axis(rm, top, True, 1)
-    shard = NamedSharding(mesh, P("ep"))
+    shard = NamedSharding(mesh, P(mesh.axis_names))          # tokens over every mesh axis, data major
+    experts = NamedSharding(mesh, P("ep"))                    # experts over the group, copied over data
     probs = jax.device_put(jax.nn.softmax(jnp.asarray(logits), -1), shard)
     dt = jnp.dtype(sz.dtype)
+    f_in = 2 * sz.ffn if sz.gated else sz.ffn
 
     def weights(key):
         k0, k1, k2 = jax.random.split(key, 3)
         x = jax.random.normal(k0, (tt, sz.hidden), dt)
-        w1 = (jax.random.normal(k1, (sz.experts, sz.hidden, sz.ffn), dt) / np.sqrt(sz.hidden)).astype(dt)
-        w2 = (jax.random.normal(k2, (sz.experts, sz.ffn, sz.hidden), dt) / np.sqrt(sz.ffn)).astype(dt)
-        return x, w1, w2
+        w_in = (jax.random.normal(k1, (sz.experts, sz.hidden, f_in), dt) / np.sqrt(sz.hidden)).astype(dt)
+        w_out = (jax.random.normal(k2, (sz.experts, sz.ffn, sz.hidden), dt) / np.sqrt(sz.ffn)).astype(dt)
+        return x, w_in, w_out
 
     # Made directly in their shards: the full weights never sit on one device.
-    x, w1, w2 = jax.jit(weights, out_shardings=(shard, shard, shard))(jax.random.PRNGKey(seed))
-    return x, jax.device_put(rm, shard), probs, w1, w2, rm
+    x, w_in, w_out = jax.jit(weights, out_shardings=(shard, experts, experts))(jax.random.PRNGKey(seed))
+    return x, jax.device_put(rm, shard), probs, w_in, w_out, rm
 
 
 def loss_fn(layer):
     import jax.numpy as jnp
 
-    def loss(x, p, w1, w2, rm, weights):
-        out = layer(x, rm, p, w1, w2).astype(jnp.float32)
+    def loss(x, p, w_in, w_out, rm, weights):
+        out = layer(x, rm, p, w_in, w_out).astype(jnp.float32)
         return jnp.sum(weights[:, None] * out * out) / x.shape[1], out
     return loss
 
@@ -152,7 +186,7 @@ def checked_rows(sz: Sizes) -> Any:
     return (np.arange(sz.n_dev)[:, None] * sz.tokens + np.arange(per)[None, :]).reshape(-1)
 
 
-def reference_grads(sz: Sizes, x, p, w1, w2, rm_host, rows):
+def reference_grads(sz: Sizes, x, p, w_in, w_out, rm_host, rows):
     """Output and gradients of the single-device reference on ``rows`` (everything on device 0)."""
     import jax
     import jax.numpy as jnp
@@ -160,14 +194,16 @@ def reference_grads(sz: Sizes, x, p, w1, w2, rm_host, rows):
 
     full = len(rows) == sz.n_dev * sz.tokens
     xs, ps, rms = (x, p, jnp.asarray(rm_host)) if full else (x[rows], p[rows], jnp.asarray(rm_host[rows]))
-    xs, ps, rms, w1, w2 = (on_first_device(a) for a in (xs, ps, rms, w1, w2))
+    xs, ps, rms, w_in, w_out = (on_first_device(a) for a in (xs, ps, rms, w_in, w_out))
     if full:
-        ref = lambda x, rm, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=sz.n_dev, num_out_tokens=sz.num_out,
-                                                         capacity=sz.capacity)
+        ref = lambda x, rm, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=sz.ep, data=sz.data,
+                                                         num_out_tokens=sz.num_out, capacity=sz.capacity,
+                                                         activation=sz.activation)
     else:       # nothing drops: each token's output depends on that token only
-        ref = lambda x, rm, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=1, num_out_tokens=len(rows) * sz.topk)
+        ref = lambda x, rm, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=1, num_out_tokens=len(rows) * sz.topk,
+                                                         activation=sz.activation)
     step = jax.jit(jax.value_and_grad(loss_fn(ref), argnums=(0, 1, 2, 3), has_aux=True))
-    (l, out), g = step(xs, ps, w1, w2, rms, jnp.ones((len(rows),), jnp.float32))
+    (l, out), g = step(xs, ps, w_in, w_out, rms, jnp.ones((len(rows),), jnp.float32))
     return l, out, g
 
 
@@ -203,7 +239,7 @@ def memory_limit(device) -> int | None:
 
 
 def compiled_step(sz: Sizes, mesh, mode: str, backend: str, args: tuple, limit: int | None) -> tuple[Any, dict]:
-    """The layer's training step (value and gradients of x, probs, w1, w2) for one all-to-all
+    """The layer's training step (value and gradients of x, probs, w_in, w_out) for one all-to-all
     ``mode``, compiled for ``args``, with its compile time and compiled working set; raises
     MemoryError, before anything runs, when that exceeds ``limit`` bytes (a rank out of
     memory would hang the others in the all-to-all)."""
@@ -211,7 +247,8 @@ def compiled_step(sz: Sizes, mesh, mode: str, backend: str, args: tuple, limit: 
     from te_jax_perm.parallel import EPConfig, ep_moe_layer
 
     gemm = None if FLAGS.gemm == "auto" else FLAGS.gemm
-    cfg = EPConfig(num_out_tokens=sz.num_out, capacity=sz.capacity, backend=backend, a2a=mode, gemm=gemm)
+    cfg = EPConfig(num_out_tokens=sz.num_out, capacity=sz.capacity, backend=backend, a2a=mode, gemm=gemm,
+                   data_axes=("data",) if sz.data > 1 else (), activation=sz.activation)
     layer = lambda x, rm, p, a, b: ep_moe_layer(x, rm, p, a, b, mesh=mesh, cfg=cfg)
     step = jax.jit(jax.value_and_grad(loss_fn(layer), argnums=(0, 1, 2, 3), has_aux=True))
     t0 = time.perf_counter()
@@ -232,17 +269,16 @@ def check_config(sz: Sizes, devices, modes: list[str], backend: str) -> dict:
     """Each mode's output and gradients on ``checked_rows`` against the single-device reference."""
     import jax
     import numpy as np
-    from jax.sharding import Mesh
 
-    mesh = Mesh(np.array(devices), ("ep",))
-    x, rm, probs, w1, w2, rm_host = make_problem(sz, mesh, FLAGS.routing)
+    mesh = make_mesh(sz, devices)
+    x, rm, probs, w_in, w_out, rm_host = make_problem(sz, mesh, FLAGS.routing)
     rows = checked_rows(sz)
     res: dict[str, Any] = {"devices": sz.n_dev, **dataclasses.asdict(sz), "cap": sz.cap, "modes": {},
                            "checked_tokens": len(rows)}
-    l_ref, out_ref, g_ref = reference_grads(sz, x, probs, w1, w2, rm_host, rows)
+    l_ref, out_ref, g_ref = reference_grads(sz, x, probs, w_in, w_out, rm_host, rows)
     mask = np.zeros((sz.n_dev * sz.tokens,), np.float32)
     mask[rows] = 1.0
-    args = (x, probs, w1, w2, rm, jax.device_put(mask, x.sharding))
+    args = (x, probs, w_in, w_out, rm, jax.device_put(mask, x.sharding))
     for mode in modes:
         compiled, r = compiled_step(sz, mesh, mode, backend, args, memory_limit(devices[0]))
         (l, out), g = compiled(*args)
@@ -250,7 +286,7 @@ def check_config(sz: Sizes, devices, modes: list[str], backend: str) -> dict:
         q = np.sort(np.argsort(-rm_host[rows].sum(0), kind="stable")[:8])
         r["errors"] = {"loss": max_rel(l, l_ref), "out": max_rel(out[rows], out_ref)}
         for name, a, b, idx in (("dx", g[0], g_ref[0], rows), ("dprobs", g[1], g_ref[1], rows),
-                                ("dw1", g[2][q], g_ref[2][q], None), ("dw2", g[3][q], g_ref[3][q], None)):
+                                ("dw_in", g[2][q], g_ref[2][q], None), ("dw_out", g[3][q], g_ref[3][q], None)):
             r["errors"][name] = max_rel(a if idx is None else a[idx], b)
         del g, out
         r["ok"] = all(np.isfinite(v) and v <= TOL.get(sz.dtype, 5e-2) for v in r["errors"].values())
@@ -295,16 +331,21 @@ def setup(counts_of=lambda n: []) -> Run | int:
     devs = jax.devices()[:FLAGS.devices] if FLAGS.devices else jax.devices()
     on_gpu = devs[0].platform == "gpu"
     backend = FLAGS.backend or ("triton" if on_gpu else "xla")
+    if FLAGS.data < 1 or len(devs) % FLAGS.data:
+        print(f"--data={FLAGS.data} does not divide the {len(devs)} devices into equal expert-parallel groups")
+        return 1
     sz = sizes_from_flags(len(devs), on_gpu)
-    if sz.experts % sz.n_dev:
-        print(f"--experts={sz.experts} is not a multiple of the {sz.n_dev} devices")
+    if sz.experts % sz.ep:
+        print(f"--experts={sz.experts} is not a multiple of the expert-parallel group's {sz.ep} devices")
         return 1
     modes = modes_of(devs)
-    print(f"{jax.default_backend()} ({devs[0].device_kind}) x{sz.n_dev}: E={sz.experts} ({sz.experts // sz.n_dev} "
-          f"per device), top-{sz.topk}, T={sz.tokens} per device, H={sz.hidden}, F={sz.ffn}, {sz.dtype}, "
-          f"capacity {sz.cap}, backend {backend}, routing {FLAGS.routing}; a2a modes: {modes}")
+    print(f"{jax.default_backend()} ({devs[0].device_kind}) x{sz.n_dev}"
+          + (f" as {sz.data} data copies of {sz.ep}" if sz.data > 1 else "")
+          + f": E={sz.experts} ({sz.experts // sz.ep} per device), top-{sz.topk}, T={sz.tokens} per device, "
+          f"H={sz.hidden}, F={sz.ffn}, {sz.activation}, {sz.dtype}, capacity {sz.cap}, backend {backend}, "
+          f"routing {FLAGS.routing}; a2a modes: {modes}")
     for n in list(counts_of(sz.n_dev)) + [sz.n_dev]:
-        ok, msg = memory_check(on_devices(sz, n), modes if n > 1 else ["dense"], devs)
+        ok, msg = memory_check(on_devices(sz, n), modes if n > sz.data else ["dense"], devs)
         print(f"memory check ({n} device{'s' if n > 1 else ''}): {msg}")
         if not ok:
             print("WON'T FIT: not compiling. Try fewer --tokens, a smaller --hidden/--ffn, fewer --experts per "
@@ -328,7 +369,8 @@ def main(argv: list[str]) -> int:
     if not run.on_gpu and run.backend != "interpret":
         print("hint: --backend=interpret runs te_jax_perm's Triton kernels on the CPU interpreter "
               "(slow: try it with --tokens=16 --hidden=32 --cpu_devices=4)")
-    print(f"{'PASS' if ok else 'FAIL'}: expert-parallel layer on {run.sz.n_dev} {run.devices[0].platform} devices, "
+    print(f"{'PASS' if ok else 'FAIL'}: expert-parallel layer on {run.sz.n_dev} {run.devices[0].platform} devices"
+          + (f" ({run.sz.data} data copies)" if run.sz.data > 1 else "") + ", "
           f"a2a {'+'.join(run.modes)}, backend {run.backend}, vs the single-device reference")
     return 0 if ok else 1
 

@@ -1,5 +1,6 @@
 """Expert-parallel MoE layer on 8 virtual CPU devices against the dense single-device
-reference: forward, gradients, dropped rows, skewed routing, an expert with no tokens.
+reference: forward, gradients, dropped rows, skewed routing, an expert with no tokens,
+gated activations, and data-parallel copies of the expert-parallel group.
 Runs in a subprocess (XLA_FLAGS must precede jax start-up).
 
 XLA:CPU has no ragged all-to-all, so on CPU the ragged exchange runs on an emulation of
@@ -17,10 +18,13 @@ def test_in_8_device_subprocess():
     run_module_on_8_devices(__file__)
 
 
+import re  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS  # noqa: E402
 from te_jax_perm.parallel import EPConfig, ep_moe_layer, reference_moe_layer  # noqa: E402
 from te_jax_perm.parallel import exchange  # noqa: E402
 from te_jax_perm.parallel.a2a_support import ragged_all_to_all_supported, resolve_a2a  # noqa: E402
@@ -29,7 +33,7 @@ from tests.conftest import top_k_routing
 EP, T, H, F = 8, 12, 16, 8
 
 
-def _problem(n_dev, t, e, k, routing, seed):
+def _problem(n_dev, t, e, k, routing, seed, gated=False):
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((n_dev * t, e))
     if routing == "skewed":      # expert 0 takes every token (half of all routed rows at k=2)
@@ -39,9 +43,9 @@ def _problem(n_dev, t, e, k, routing, seed):
     rm = top_k_routing(logits, k)
     probs = jnp.asarray(jax.nn.softmax(jnp.asarray(logits), -1), jnp.float32)
     x = jnp.asarray(rng.standard_normal((n_dev * t, H)), jnp.float32)
-    w1 = jnp.asarray(rng.standard_normal((e, H, F)) * 0.2, jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((e, F, H)) * 0.2, jnp.float32)
-    return x, rm, probs, w1, w2
+    w_in = jnp.asarray(rng.standard_normal((e, H, 2 * F if gated else F)) * 0.2, jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((e, F, H)) * 0.2, jnp.float32)
+    return x, rm, probs, w_in, w_out
 
 
 def _fwd_and_grads(fn, args, ct):
@@ -50,24 +54,28 @@ def _fwd_and_grads(fn, args, ct):
 
 
 def _check(e, k, routing, num_out_tokens, capacity, backend="xla", a2a="dense", seed=0, devices=None,
-           t=T, rtol=1e-5, atol=1e-5):
-    """Compares output and all four gradients with the reference; returns the compiled HLO."""
+           t=T, rtol=1e-5, atol=1e-5, data=1, activation="gelu"):
+    """Compares output and all four gradients with the reference; returns the compiled HLO.
+    ``data`` > 1: the devices as a ``[data, ep]`` mesh, ``data`` copies of the group."""
     devices = jax.devices()[:EP] if devices is None else devices
     n_dev = len(devices)
-    mesh = Mesh(np.array(devices), ("ep",))
-    x, rm, probs, w1, w2 = _problem(n_dev, t, e, k, routing, seed)
-    cfg = EPConfig(num_out_tokens=num_out_tokens, capacity=capacity, backend=backend, a2a=a2a)
+    ep = n_dev // data
+    mesh = (Mesh(np.array(devices), ("ep",)) if data == 1
+            else Mesh(np.array(devices).reshape(data, ep), ("data", "ep")))
+    x, rm, probs, w_in, w_out = _problem(n_dev, t, e, k, routing, seed, gated=ACTIVATIONS[activation][1])
+    cfg = EPConfig(num_out_tokens=num_out_tokens, capacity=capacity, backend=backend, a2a=a2a,
+                   data_axes=("data",) if data > 1 else (), activation=activation)
     layer = lambda x, p, a, b: ep_moe_layer(x, rm, p, a, b, mesh=mesh, cfg=cfg)
-    ref = lambda x, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=n_dev, num_out_tokens=num_out_tokens,
-                                                 capacity=capacity)
-    args = (x, probs, w1, w2)
+    ref = lambda x, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=ep, data=data, num_out_tokens=num_out_tokens,
+                                                 capacity=capacity, activation=activation)
+    args = (x, probs, w_in, w_out)
     ct = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(x.shape), jnp.float32)
     # One compile per side: forward and gradients in the same program.
     compiled = jax.jit(lambda *a: _fwd_and_grads(layer, a, ct)).lower(*args).compile()
     got, g = compiled(*args)
     want, gr = jax.jit(lambda *a: _fwd_and_grads(ref, a, ct))(*args)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=atol)
-    for name, a, b in zip(("x", "probs", "w1", "w2"), g, gr):
+    for name, a, b in zip(("x", "probs", "w_in", "w_out"), g, gr):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=10 * rtol, atol=atol, err_msg=name)
     return compiled.as_text()
 
@@ -86,6 +94,29 @@ def test_forward_and_gradients_match_single_device(e, k, routing):
                           (T * 2, 0, "uniform")])   # capacity 0: nothing crosses, zero-row sorts
 def test_dropped_rows_follow_the_reference_rule(num_out_tokens, capacity, routing):
     _check(8, 2, routing, num_out_tokens, capacity, seed=3)
+
+
+@multidevice
+@pytest.mark.parametrize("activation", ["silu_glu", "gelu_glu", "relu"])
+def test_every_activation_matches_the_reference(activation):
+    # Gated ones read w_in as [E, H, 2F], gate columns first; drops on, so padding rows pass
+    # through the activation too.
+    _check(8, 2, "skewed", T * 2, 3, seed=4, activation=activation)
+
+
+def _replica_groups(hlo: str, op: str) -> set[str]:
+    return set(re.findall(rf"= [^=]*? {op}\(.*?replica_groups=(\{{[{{}}0-9,]*\}})", hlo))
+
+
+@multidevice
+@pytest.mark.parametrize("routing,num_out_tokens,capacity", [("uniform", None, None), ("skewed", T * 2, 3)])
+def test_data_parallel_copies_of_the_group(routing, num_out_tokens, capacity):
+    """2 data copies of a 4-device group: each copy's tokens follow their own drop rules,
+    rows cross only inside a copy, and the weights' gradients are summed over the copies."""
+    hlo = _check(8, 2, routing, num_out_tokens, capacity, seed=9, data=2, activation="silu_glu")
+    assert _replica_groups(hlo, "all-to-all") == {"{{0,1,2,3},{4,5,6,7}}"}
+    assert _replica_groups(hlo, "all-reduce") == {"{{0,4},{1,5},{2,6},{3,7}}"}
+    assert "all-gather" not in hlo
 
 
 @multidevice
@@ -132,13 +163,24 @@ def test_ragged_exchange_matches_reference(emulated_ragged, e, k, routing, num_o
 def test_layouts_the_layer_cannot_split_are_named_before_shard_map():
     x, rm, probs, w1, w2 = _problem(EP, T, 16, 2, "uniform", 0)
     mesh = Mesh(np.array(jax.devices()[:EP]), ("ep",))
-    bad = [((x[:-1], rm[:-1], probs[:-1], w1, w2, mesh, EPConfig()), r"x has shape \(95, 16\); expected \[ep \* T, H\]"),
+    mesh2 = Mesh(np.array(jax.devices()[:EP]).reshape(2, 4), ("data", "ep"))
+    bad = [((x[:-1], rm[:-1], probs[:-1], w1, w2, mesh, EPConfig()),
+            r"x has shape \(95, 16\); expected \[tokens, H\] with its rows split evenly into 8 token shards"),
+           ((x[:-4], rm[:-4], probs[:-4], w1, w2, mesh2, EPConfig(data_axes=("data",))),
+            r"x has shape \(92, 16\); .* 8 token shards: ep = 4 \(mesh axis 'ep'\) times the data axes \('data',\)"),
            ((x, rm, probs[:, :8], w1, w2, mesh, EPConfig()), r"probs has shape \(96, 8\); expected \(96, 16\)"),
            ((x, rm[:, :12], probs[:, :12], w1[:12], w2[:12], mesh, EPConfig()),
             "E = 12 experts, which the ep = 8 ranks of mesh axis 'ep' cannot split evenly"),
-           ((x, rm, probs, w1[:, :, :4], w2, mesh, EPConfig()), r"w2 has shape \(16, 8, 16\); expected \(16, 4, 16\)"),
+           ((x, rm, probs, w1[:, :, :4], w2, mesh, EPConfig()), r"w_out has shape \(16, 8, 16\); expected \[E=16, F=4"),
+           ((x, rm, probs, w1, w2, mesh, EPConfig(activation="silu_glu")),
+            r"w_out has shape \(16, 8, 16\), which fits w_in \(16, 16, 8\) as a plain activation's weights"),
+           ((x, rm, probs, w1, w2, mesh, EPConfig(activation="swish")),
+            r"EPConfig.activation='swish'; expected one of \('silu_glu'"),
            ((x, rm, probs, w1, w2, Mesh(np.array(jax.devices()[:EP]), ("data",)), EPConfig()),
             r"mesh has axes \('data',\); EPConfig.axis = 'ep' is not one of them"),
+           ((x, rm, probs, w1, w2, mesh2, EPConfig(data_axes=("batch",))),
+            r"EPConfig.data_axes = \('batch',\); expected distinct axes of the mesh \('data', 'ep'\) other than"),
+           ((x, rm, probs, w1, w2, mesh2, EPConfig(data_axes=("ep",))), r"EPConfig.data_axes = \('ep',\)"),
            ((x, rm, probs, w1, w2, mesh, EPConfig(a2a="ragged")), "ragged_all_to_all does not run on these cpu devices")]
     for args, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -202,6 +244,9 @@ def test_working_set_counts_weights_activations_and_capacity():
     el = 32 // 4
     weights = el * 2 * 4096 * 2048 * 2
     assert ws.parts["expert weights"] == ws.parts["weight gradients"] == weights
+    gated = ep_working_set(**kw, dtype="bfloat16", gated=True)     # w_in [E, H, 2F]
+    assert gated.parts["expert weights"] == weights * 3 // 2 and gated.parts["transposed weight copy"] == weights
+    assert gated.parts["grouped rows and FFN"] > ws.parts["grouped rows and FFN"]
     assert ws.total > 3 * weights
     # Dense exchange buffers grow with the capacity; ragged ones send no padding buffer.
     small = ep_working_set(**kw, capacity=4096, dtype="bfloat16")
@@ -238,15 +283,17 @@ def test_example_exits_with_a_message_when_the_layer_cannot_fit():
 
 @single_process
 def test_example_runs_when_the_layer_fits():
-    proc = _run_example("--cpu_devices=4", "--tokens=48", "--hidden=32", "--ffn=32", "--experts=8",
+    # Two data copies of a 2-device group, SwiGLU experts (the example's default activation).
+    proc = _run_example("--cpu_devices=4", "--data=2", "--tokens=48", "--hidden=32", "--ffn=32", "--experts=8",
                         "--check_tokens=32", "--device_memory_gib=1")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
+    assert "x4 as 2 data copies of 2: E=8 (4 per device)" in out and "silu_glu" in out
     assert "fits in 90% of the device's 1.0 GiB" in out
     assert "vs single-device reference on 32 tokens" in out and "-> ok" in out
     assert "train step" not in out      # timing is the benchmark's
     assert "--backend=interpret" in out
-    assert out.strip().splitlines()[-1].startswith("PASS")
+    assert out.strip().splitlines()[-1].startswith("PASS: expert-parallel layer on 4 cpu devices (2 data copies)")
 
 
 @single_process
@@ -270,7 +317,7 @@ def test_benchmark_times_the_example_layer_and_weak_scales(tmp_path):
 def test_example_helpshort_explains_every_flag():
     import re
     example = {"cpu_devices", "devices", "tokens", "hidden", "ffn", "experts", "topk", "dtype", "routing",
-               "capacity", "backend", "gemm", "a2a", "check_tokens", "device_memory_gib"}
+               "capacity", "backend", "gemm", "a2a", "check_tokens", "device_memory_gib", "data", "activation"}
     # The benchmark's own flags are its --helpshort; the example's, which it takes too, are in --helpfull.
     for bench, how, want in ((False, "--helpshort", example), (True, "--helpshort", {"steps", "weak_scaling", "json_out"}),
                              (True, "--helpfull", example)):

@@ -1,8 +1,9 @@
 """Expert-parallel MoE layer: local dispatch -> all-to-all -> chunk sort -> expert FFN ->
-inverse sort -> all-to-all back -> local combine, under ``shard_map`` over mesh axis ``ep``.
+inverse sort -> all-to-all back -> local combine, under ``shard_map`` over mesh axis ``ep``
+(and, optionally, data-parallel mesh axes that replicate the expert-parallel group).
 
-Each of the ``ep`` devices holds ``T`` tokens (its data shard) and ``E / ep`` experts
-(global experts ``r*E_l .. (r+1)*E_l - 1`` live on rank ``r``). Per device:
+Each of the ``ep`` devices of a group holds ``T`` tokens (its data shard) and ``E / ep``
+experts (global experts ``r*E_l .. (r+1)*E_l - 1`` live on rank ``r``). Per device:
 
 1. ``make_row_id_map`` + ``permute_with_mask_map`` sort the device's token rows by global
    expert, keeping at most ``num_out_tokens`` rows (later rows in expert-major order drop).
@@ -14,10 +15,16 @@ Each of the ``ep`` devices holds ``T`` tokens (its data shard) and ``E / ep`` ex
    :mod:`te_jax_perm.parallel.exchange`; ``EPConfig.a2a`` picks, ``"auto"`` probes.
 3. Received rows arrive grouped by (source rank, local expert); ``sort_chunks_by_index``
    regroups them by (local expert, source rank) so each local expert's rows are contiguous.
-4. The expert FFN is two grouped GEMMs (:func:`te_jax_perm.grouped_matmul`) over those
-   groups; the padding rows after them come out zero.
+4. The expert FFN is two grouped GEMMs (:func:`te_jax_perm.grouped_matmul`) around the
+   activation ``moe_ffn`` names (gated ones read ``w_in`` as gate and up columns side by
+   side); the padding rows after the groups come out zero.
 5. The inverse chunk sort, the reverse all-to-all and ``unpermute_with_mask_map`` (weighted
    by the routing probabilities) bring each token's expert outputs home and sum them.
+
+With ``EPConfig.data_axes``, every index along those mesh axes is an independent copy of
+the expert-parallel group: its own tokens, the same experts (the weights are replicated
+along the data axes, so their gradients are summed over them), rows exchanged only inside
+the group.
 
 Dropped rows contribute zero. Everything is differentiable: the ops have custom VJPs,
 ``all_to_all`` transposes to itself and ``ragged_all_to_all`` to the reverse ragged
@@ -26,7 +33,6 @@ exchange. :func:`te_jax_perm.parallel.reference_moe_layer` computes the same fun
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +41,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from te_jax_perm.ops.chunk_sort.api import sort_chunks_by_index, sort_chunks_by_map
 from te_jax_perm.ops.grouped_gemm.api import grouped_matmul
+from te_jax_perm.ops.moe_ffn.reference import activate, check_activation, check_expert_weights
 from te_jax_perm.ops.permute.api import permute_with_mask_map, unpermute_with_mask_map
 from te_jax_perm.ops.row_id_map.api import make_row_id_map
 from te_jax_perm.parallel.a2a_support import ragged_all_to_all_supported, resolve_a2a
@@ -50,7 +57,13 @@ class EPConfig:
       capacity: rows each device may send to each rank; ``None`` is the worst case
         (``min(num_out_tokens, T * E_local)``), so nothing drops at the exchange.
       axis: the mesh axis name of the expert-parallel group.
-      activation: the FFN nonlinearity; must map 0 to 0 (padding rows stay zero).
+      data_axes: mesh axis names along which the expert-parallel group is replicated
+        (data parallelism): each index along them has its own tokens and the same experts;
+        the weights' gradients are summed over them. ``()``: none.
+      activation: the activation between the expert GEMMs, one of ``moe_ffn``'s names:
+        ``"silu_glu"`` (SwiGLU), ``"gelu_glu"`` (both gated: ``w_in`` is ``[E, H, 2F]``,
+        gate columns first), ``"silu"``, ``"gelu"`` (tanh form) or ``"relu"``; computed
+        in float32.
       backend: the ops backend (``None``: the default).
       a2a: how rows cross devices: ``"dense"`` (``all_to_all`` of capacity-padded chunks),
         ``"ragged"`` (``ragged_all_to_all``, exactly the kept rows; needs backend support)
@@ -63,7 +76,8 @@ class EPConfig:
     num_out_tokens: int | None = None
     capacity: int | None = None
     axis: str = "ep"
-    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu
+    data_axes: tuple[str, ...] = ()
+    activation: str = "gelu"
     backend: str | None = None
     a2a: str = "auto"
     gemm: str | None = None
@@ -76,7 +90,7 @@ def _chunk_order(ep: int, el: int) -> np.ndarray:
                     np.int32)
 
 
-def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax.Array, w2: jax.Array,
+def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array,
                  cfg: EPConfig = EPConfig()) -> jax.Array:
     """The per-device body; call it inside ``shard_map`` over ``cfg.axis``.
 
@@ -84,8 +98,9 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
       x: ``[T, H]`` this device's tokens.
       routing_map: ``[T, E]`` bool, global experts.
       probs: ``[T, E]`` float32 routing weights (only routed entries are used).
-      w1: ``[E_l, H, F]`` this device's experts' first weights; ``E = ep * E_l``.
-      w2: ``[E_l, F, H]``.
+      w_in: ``[E_l, H, F]`` (``[E_l, H, 2F]`` for a gated activation) this device's
+        experts' first weights; ``E = ep * E_l``.
+      w_out: ``[E_l, F, H]``.
       cfg: :class:`EPConfig`.
 
     Returns:
@@ -94,9 +109,9 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
     ep = jax.lax.axis_size(cfg.axis)
     t, h = x.shape
     e = routing_map.shape[1]
-    el = w1.shape[0]
+    el = w_in.shape[0]
     if e != ep * el:
-        raise ValueError(f"ep_moe_local: routing_map has E={e} experts but w1 {tuple(w1.shape)} holds "
+        raise ValueError(f"ep_moe_local: routing_map has E={e} experts but w_in {tuple(w_in.shape)} holds "
                          f"E_local={el} on each of {ep} ranks (expected E = ep * E_local = {ep * el})")
     n = t * e if cfg.num_out_tokens is None else int(cfg.num_out_tokens)
     cap = min(n, t * el) if cfg.capacity is None else int(cfg.capacity)
@@ -122,11 +137,11 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
     grouped, smap = sort_chunks_by_index(recv, split_sizes,
                                             jnp.asarray(_chunk_order(ep, el)), backend=be)
 
-    # 4. expert FFN; the padding tail after the groups comes out zero
+    # 4. expert FFN; every activation maps 0 to 0, so the padding tail comes out zero
     gs = recv_sizes.sum(0).astype(jnp.int32)
-    hid = grouped_matmul(grouped, w1, gs, preferred_element_type=jnp.float32, backend=cfg.gemm)
-    y = grouped_matmul(cfg.activation(hid).astype(w2.dtype), w2, gs, preferred_element_type=jnp.float32,
-                       backend=cfg.gemm).astype(x.dtype)
+    hid = grouped_matmul(grouped, w_in, gs, preferred_element_type=jnp.float32, backend=cfg.gemm)
+    y = grouped_matmul(activate(cfg.activation, hid).astype(w_out.dtype), w_out, gs,
+                       preferred_element_type=jnp.float32, backend=cfg.gemm).astype(x.dtype)
 
     # 5. back home and combine
     back = sort_chunks_by_map(y, smap, is_forward=False, backend=be)
@@ -136,51 +151,65 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax
     return unpermute_with_mask_map(home, rid, merging_probs=weights, tokens_per_expert=kept, backend=be)
 
 
-def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax.Array, w2: jax.Array,
+def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array,
                  mesh: Mesh, cfg: EPConfig = EPConfig()) -> jax.Array:
-    """The expert-parallel MoE layer over ``mesh`` axis ``cfg.axis`` (size ``ep``).
+    """The expert-parallel MoE layer over ``mesh`` axis ``cfg.axis`` (size ``ep``), replicated
+    along ``cfg.data_axes`` (sizes multiplying to ``D``; 1 without them).
 
     Args:
-      x: ``[ep * T, H]`` tokens; device ``r`` holds rows ``r*T .. (r+1)*T - 1``.
-      routing_map: ``[ep * T, E]`` bool.
-      probs: ``[ep * T, E]`` float32.
-      w1: ``[E, H, F]``; device ``r`` holds experts ``r*E/ep .. (r+1)*E/ep - 1``.
-      w2: ``[E, F, H]``.
-      mesh: a mesh with axis ``cfg.axis``.
+      x: ``[D * ep * T, H]`` tokens, split over the mesh axes ``(*cfg.data_axes, cfg.axis)``
+        in that order: the device at data index ``d`` (row-major over the data axes) and
+        rank ``r`` holds rows ``(d * ep + r) * T .. (d * ep + r + 1) * T - 1``.
+      routing_map: ``[D * ep * T, E]`` bool.
+      probs: ``[D * ep * T, E]`` float32.
+      w_in: ``[E, H, F]``, ``[E, H, 2F]`` for a gated ``cfg.activation``; rank ``r`` holds
+        experts ``r*E/ep .. (r+1)*E/ep - 1`` (whatever its data index).
+      w_out: ``[E, F, H]``.
+      mesh: a mesh with axis ``cfg.axis`` and the axes of ``cfg.data_axes``; along any
+        other axis the layer is computed redundantly.
       cfg: :class:`EPConfig`; ``num_out_tokens`` and ``capacity`` are per device.
 
     Returns:
-      ``[ep * T, H]``, sharded like ``x``.
+      ``[D * ep * T, H]``, sharded like ``x``. Differentiable in ``x``, ``probs``, ``w_in``
+      and ``w_out`` (the weights' gradients summed over the data axes).
     """
-    _check_layout(x, routing_map, probs, w1, w2, mesh, cfg)
-    spec = P(cfg.axis)
-    cfg = dataclasses.replace(cfg, a2a=resolve_a2a(cfg.a2a, tuple(mesh.devices.flat)))
+    data_axes = _check_layout(x, routing_map, probs, w_in, w_out, mesh, cfg)
+    tokens, experts = P((*data_axes, cfg.axis)), P(cfg.axis)
+    cfg = dataclasses.replace(cfg, data_axes=data_axes, a2a=resolve_a2a(cfg.a2a, tuple(mesh.devices.flat)))
     body = lambda *a: ep_moe_local(*a, cfg=cfg)
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)(x, routing_map, probs, w1, w2)
+    return jax.shard_map(body, mesh=mesh, in_specs=(tokens,) * 3 + (experts,) * 2,
+                         out_specs=tokens)(x, routing_map, probs, w_in, w_out)
 
 
-def _check_layout(x, routing_map, probs, w1, w2, mesh: Mesh, cfg: EPConfig) -> None:
+def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig) -> tuple[str, ...]:
     """What ``shard_map`` and the collectives would otherwise report in their own terms (or,
-    for an exchange the devices cannot run, only when XLA compiles it)."""
+    for an exchange the devices cannot run, only when XLA compiles it); returns the data
+    axes as a tuple."""
     if cfg.axis not in mesh.axis_names:
         raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}; EPConfig.axis = {cfg.axis!r} is not one of them")
+    data_axes = (cfg.data_axes,) if isinstance(cfg.data_axes, str) else tuple(cfg.data_axes)
+    for a in data_axes:
+        if a not in mesh.axis_names or a == cfg.axis or data_axes.count(a) > 1:
+            raise ValueError(f"EPConfig.data_axes = {cfg.data_axes!r}; expected distinct axes of the mesh "
+                             f"{tuple(mesh.axis_names)} other than EPConfig.axis = {cfg.axis!r}")
+    check_activation("EPConfig.activation", cfg.activation)
     ep = mesh.shape[cfg.axis]
-    if x.ndim != 2 or x.shape[0] % ep:
-        raise ValueError(f"x has shape {tuple(x.shape)}; expected [ep * T, H] with ep = {ep} (mesh axis "
-                         f"{cfg.axis!r}) dividing its rows")
+    shards = ep * int(np.prod([mesh.shape[a] for a in data_axes], dtype=np.int64))
+    over = f"{shards} token shards: ep = {ep} (mesh axis {cfg.axis!r})" + (
+        f" times the data axes {data_axes}" if data_axes else "")
+    if x.ndim != 2 or x.shape[0] % shards:
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected [tokens, H] with its rows split evenly into {over}")
     if routing_map.ndim != 2 or routing_map.shape[0] != x.shape[0]:
         raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected [{x.shape[0]}, E] (one row "
                          "per row of x)")
     e, h = routing_map.shape[1], x.shape[1]
     if probs.shape != routing_map.shape:
         raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} (routing_map's)")
-    if w1.ndim != 3 or w1.shape[:2] != (e, h):
-        raise ValueError(f"w1 has shape {tuple(w1.shape)}; expected [{e}, {h}, F] (E from routing_map, H from x)")
-    if w2.shape != (e, w1.shape[2], h):
-        raise ValueError(f"w2 has shape {tuple(w2.shape)}; expected {(e, w1.shape[2], h)} (E, F from w1, H from x)")
+    check_expert_weights(w_in, w_out, e, h, cfg.activation)
     if e % ep:
         raise ValueError(f"routing_map has E = {e} experts, which the ep = {ep} ranks of mesh axis {cfg.axis!r} "
                          "cannot split evenly; expected E divisible by ep")
     if cfg.a2a == "ragged" and not ragged_all_to_all_supported(tuple(mesh.devices.flat)):
         raise ValueError(f"EPConfig.a2a = 'ragged', but ragged_all_to_all does not run on these "
                          f"{mesh.devices.flat[0].platform} devices; use a2a='auto' (ragged where it runs) or 'dense'")
+    return data_axes

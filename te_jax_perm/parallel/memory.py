@@ -39,28 +39,31 @@ class WorkingSet:
 
 def ep_working_set(*, tokens: int, hidden: int, ffn: int, experts: int, ep: int,
                    capacity: int | None = None, num_out_tokens: int | None = None, dtype: Any = "bfloat16",
-                   a2a: str = "dense") -> WorkingSet:
+                   a2a: str = "dense", gated: bool = False) -> WorkingSet:
     """Per-device bytes of one fwd+bwd step of ``ep_moe_layer`` (``tokens`` per device).
 
     ``capacity`` and ``num_out_tokens`` as in :class:`te_jax_perm.parallel.EPConfig`
-    (``None``: their defaults, ``T * E`` kept rows and the worst-case capacity).
+    (``None``: their defaults, ``T * E`` kept rows and the worst-case capacity); ``gated``:
+    a gated activation, whose first weight and GEMM output are twice as wide (``2F``).
     """
     b = np.dtype(dtype).itemsize
     el = experts // ep
     n = tokens * experts if num_out_tokens is None else num_out_tokens
     cap = min(n, tokens * el) if capacity is None else capacity
     recv = ep * cap                                               # rows after the exchange
+    w = 2 if gated else 1                                         # w_in's columns per F
     act = {
         "tokens and routing": tokens * hidden * b * 2 + tokens * experts * (1 + 4 + 4),   # x, out; map, probs, weights
         "dispatch rows": n * hidden * b * 2,                      # rows out, rows home
         "exchange buffers": recv * hidden * b * (3 if a2a == "dense" else 2),   # (send), receive, returned
-        "grouped rows and FFN": recv * (hidden * b * 2 + ffn * (4 + 4 + b) + hidden * 4),   # sorted, back; hid, act
+        # sorted, back; first GEMM's float32 output ([rows, 2F] gated), float32 activation and its cast
+        "grouped rows and FFN": recv * (hidden * b * 2 + ffn * (4 * w + 4 + b) + hidden * 4),
     }
-    weights = el * 2 * hidden * ffn * b
+    w_in, w_out = el * hidden * ffn * w * b, el * ffn * hidden * b
     parts = {k: 2 * v for k, v in act.items()}                     # saved for the backward + their gradients
-    parts["expert weights"] = weights
-    parts["weight gradients"] = weights
-    parts["transposed weight copy"] = weights // 2
+    parts["expert weights"] = w_in + w_out
+    parts["weight gradients"] = w_in + w_out
+    parts["transposed weight copy"] = max(w_in, w_out)
     return WorkingSet(parts)
 
 

@@ -1,10 +1,10 @@
 """Single-device, dense reference of the expert-parallel MoE layer, with its drop rules."""
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
+
+from te_jax_perm.ops.moe_ffn.reference import activate
 
 
 def _kept(routing_map: jax.Array, num_out_tokens: int, capacity: int, ep: int) -> jax.Array:
@@ -21,22 +21,24 @@ def _kept(routing_map: jax.Array, num_out_tokens: int, capacity: int, ep: int) -
     return keep & (pos - rank_start[None, :] < capacity)
 
 
-def reference_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w1: jax.Array,
-                        w2: jax.Array, *, ep: int, num_out_tokens: int | None = None,
-                        capacity: int | None = None,
-                        activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu) -> jax.Array:
+def reference_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array,
+                        w_out: jax.Array, *, ep: int, data: int = 1, num_out_tokens: int | None = None,
+                        capacity: int | None = None, activation: str = "gelu") -> jax.Array:
     """What :func:`ep_moe_layer` computes, densely: every expert on every token, masked.
 
-    Shapes as for :func:`te_jax_perm.parallel.ep_moe_layer`; ``x`` is split into ``ep``
-    equal contiguous shards whose drop rules apply separately.
+    Shapes as for :func:`te_jax_perm.parallel.ep_moe_layer`; ``x`` is split into
+    ``data * ep`` equal contiguous shards (``data``: the product of the data axes' sizes)
+    whose drop rules apply separately.
     """
     tt, h = x.shape
     e = routing_map.shape[1]
-    t = tt // ep
+    shards = data * ep
+    t = tt // shards
     n = t * e if num_out_tokens is None else num_out_tokens
     cap = min(n, t * (e // ep)) if capacity is None else capacity
-    keep = jax.vmap(lambda m: _kept(m, n, cap, ep))(routing_map.reshape(ep, t, e)).reshape(tt, e)
-    hid = jnp.einsum("th,ehf->etf", x, w1, preferred_element_type=jnp.float32)
-    y = jnp.einsum("etf,efh->eth", activation(hid).astype(w2.dtype), w2, preferred_element_type=jnp.float32)
+    keep = jax.vmap(lambda m: _kept(m, n, cap, ep))(routing_map.reshape(shards, t, e)).reshape(tt, e)
+    hid = jnp.einsum("th,ehf->etf", x, w_in, preferred_element_type=jnp.float32)
+    y = jnp.einsum("etf,efh->eth", activate(activation, hid).astype(w_out.dtype), w_out,
+                   preferred_element_type=jnp.float32)
     w = jnp.where(keep, probs, 0.0).astype(jnp.float32)
     return jnp.einsum("te,eth->th", w, y.astype(x.dtype).astype(jnp.float32)).astype(x.dtype)

@@ -40,7 +40,7 @@ token axes, as FSDP splits it).
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +51,7 @@ from te_jax_perm.ops import _checks
 from te_jax_perm.ops.grouped_gemm.api import KERNEL_DTYPES, gemms
 from te_jax_perm.ops.grouped_gemm.decl import on_hopper
 from te_jax_perm.ops.moe_ffn import decl as D
-from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS, activate, row_probs
+from te_jax_perm.ops.moe_ffn.reference import activate, check_activation, check_expert_weights, row_probs
 from te_jax_perm.ops.permute import decl as P
 from te_jax_perm.ops.permute.api import dispatch_rows, local_budget, permute_fwd, unread_pad
 from te_jax_perm.ops.row_id_map.api import dispatch_map
@@ -118,10 +118,9 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     if e == 0:
         raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected at least one expert")
     probs = _checks.probs_like_map(probs, routing_map)
-    if not isinstance(activation, str) or activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r}; expected one of {tuple(ACTIVATIONS)}")
+    check_activation("activation", activation)
     w_in, w_out = _checks.array("w_in", w_in), _checks.array("w_out", w_out)
-    f = _check_weights(w_in, w_out, e, h, activation)
+    f = check_expert_weights(w_in, w_out, e, h, activation)
     for name, arr in (("x", x), ("w_in", w_in), ("w_out", w_out)):
         if arr.dtype not in KERNEL_DTYPES:
             raise TypeError(f"{name} has dtype {arr.dtype}; expected float16, bfloat16 or float32")
@@ -134,27 +133,6 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     y = _moe_ffn(xt.astype(dt), w_in.astype(dt), w_out.astype(dt), probs, rm, unread_pad(e),
                  Layer(t, num_out_tokens, align_size, layer_rows(t, rows), activation, backend))
     return y.reshape(x.shape)
-
-
-def _check_weights(w_in: Any, w_out: Any, e: int, h: int, activation: str) -> int:
-    """The checked weights' inner size ``F``."""
-    gated = ACTIVATIONS[activation][1]
-    want_in = f"[E={e}, H={h}, {'2F' if gated else 'F'}]"
-    _checks.check_rank("w_in", w_in, (3,), want_in)
-    if tuple(w_in.shape[:2]) != (e, h) or (gated and w_in.shape[2] % 2):
-        raise ValueError(f"w_in has shape {tuple(w_in.shape)}; expected {want_in} (E from routing_map, H from x"
-                         f"{'; gate and up columns side by side, an even count' if gated else ''})")
-    f = w_in.shape[2] // 2 if gated else w_in.shape[2]
-    other = w_in.shape[2] if gated else w_in.shape[2] // 2   # F under the other reading of w_in
-    if (getattr(w_out, "ndim", None) == 3 and tuple(w_out.shape) == (e, other, h) and other != f
-            and (gated or w_in.shape[2] % 2 == 0)):
-        raise ValueError(
-            f"w_out has shape {tuple(w_out.shape)}, which fits w_in {tuple(w_in.shape)} as a "
-            f"{'plain' if gated else 'gated'} activation's weights, but activation={activation!r} is "
-            f"{'gated' if gated else 'not gated'}: expected w_out [E={e}, F={f}, H={h}]; or choose a "
-            f"{'plain activation (silu, gelu, relu)' if gated else 'gated activation (silu_glu, gelu_glu)'}")
-    _checks.check_shape("w_out", w_out, (e, f, h), f"[E={e}, F={f}, H={h}] (F from w_in {tuple(w_in.shape)})")
-    return f
 
 
 # -- the fused layer and its VJP ---------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Pure-JAX reference of the fused MoE layer's gathering GEMM (its ``xla`` backend), the
-activations ``moe_ffn`` applies between its expert GEMMs, and the float64 NumPy
+activations ``moe_ffn`` (and the expert-parallel layer) apply between the expert GEMMs with
+the checks of their names and weights, and the float64 NumPy
 :func:`moe_ffn_reference` the tests hold every path to.
 
 Row semantics every path shares (those of :mod:`te_jax_perm.kernels.moe_ffn`): ``M``
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax_perm.ops import _checks
 from te_jax_perm.ops.grouped_gemm.reference import clamped_group_sizes, grouped_gemm_reference
 
 # name -> (function of the first GEMM's float32 output, whether w_in holds gate and up side
@@ -26,6 +28,36 @@ ACTIVATIONS: dict[str, tuple[Callable[[jax.Array], jax.Array], bool]] = {
     "gelu": (jax.nn.gelu, False),
     "relu": (jax.nn.relu, False),
 }
+
+
+def check_activation(name: str, activation: Any) -> bool:
+    """Whether the activation named ``activation`` is gated; a ``ValueError`` naming the
+    argument ``name`` where it is not one of :data:`ACTIVATIONS`."""
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"{name}={activation!r}; expected one of {tuple(ACTIVATIONS)}")
+    return ACTIVATIONS[activation][1]
+
+
+def check_expert_weights(w_in: Any, w_out: Any, e: int, h: int, activation: str) -> int:
+    """Checks an expert FFN's ``w_in [E, H, F]`` (``[E, H, 2F]`` for a gated ``activation``)
+    and ``w_out [E, F, H]``; returns ``F``."""
+    gated = ACTIVATIONS[activation][1]
+    want_in = f"[E={e}, H={h}, {'2F' if gated else 'F'}]"
+    _checks.check_rank("w_in", w_in, (3,), want_in)
+    if tuple(w_in.shape[:2]) != (e, h) or (gated and w_in.shape[2] % 2):
+        raise ValueError(f"w_in has shape {tuple(w_in.shape)}; expected {want_in} (E from routing_map, H from x"
+                         f"{'; gate and up columns side by side, an even count' if gated else ''})")
+    f = w_in.shape[2] // 2 if gated else w_in.shape[2]
+    other = w_in.shape[2] if gated else w_in.shape[2] // 2   # F under the other reading of w_in
+    if (getattr(w_out, "ndim", None) == 3 and tuple(w_out.shape) == (e, other, h) and other != f
+            and (gated or w_in.shape[2] % 2 == 0)):
+        raise ValueError(
+            f"w_out has shape {tuple(w_out.shape)}, which fits w_in {tuple(w_in.shape)} as a "
+            f"{'plain' if gated else 'gated'} activation's weights, but activation={activation!r} is "
+            f"{'gated' if gated else 'not gated'}: expected w_out [E={e}, F={f}, H={h}]; or choose a "
+            f"{'plain activation (silu, gelu, relu)' if gated else 'gated activation (silu_glu, gelu_glu)'}")
+    _checks.check_shape("w_out", w_out, (e, f, h), f"[E={e}, F={f}, H={h}] (F from w_in {tuple(w_in.shape)})")
+    return f
 
 
 def activate(activation: str, h: jax.Array) -> jax.Array:
