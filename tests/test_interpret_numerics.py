@@ -259,3 +259,64 @@ def test_fp8_dispatch_gradient_matches_xla(kernel_backend):
     got, want = grad(kernel_backend), grad("xla")
     assert got.dtype == want.dtype == F8
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+# -- bf16 arithmetic: values, not bit patterns -------------------------------------------------
+@triton.jit
+def bf16_ops_kernel(x_ptr, y_ptr, z_ptr, el_prealloc_ptr, red_prealloc_ptr, scan_prealloc_ptr, el_ptr, red_ptr,
+                    scan_ptr, R: tl.constexpr, C: tl.constexpr):
+    # No conversions anywhere: every operation below sees bf16 operands.
+    offs = tl.arange(0, R * C)
+    x, y, z = tl.load(x_ptr + offs), tl.load(y_ptr + offs), tl.load(z_ptr + offs)
+    n = R * C
+    tl.store(el_ptr + offs, x + y)
+    tl.store(el_ptr + n + offs, x - y)
+    tl.store(el_ptr + 2 * n + offs, x * y)
+    tl.store(el_ptr + 3 * n + offs, x / y)
+    tl.store(el_ptr + 4 * n + offs, -x)
+    tl.store(el_ptr + 5 * n + offs, tl.maximum(x, y))
+    tl.store(el_ptr + 6 * n + offs, tl.fma(x, y, z))
+    tl.store(el_ptr + 7 * n + offs, tl.where(x < y, x, y))
+    rows = tl.reshape(x, (R, C))
+    r = tl.arange(0, R)
+    tl.store(red_ptr + r, tl.sum(rows, axis=1))
+    tl.store(red_ptr + R + r, tl.max(rows, axis=1))
+    tl.store(scan_ptr + offs, tl.reshape(tl.cumsum(rows, axis=1), (R * C,)))
+
+
+_OPS_R, _OPS_C = 8, 16
+bf16_ops = declare(KernelDecl(
+    name="test_bf16_ops", kernel=bf16_ops_kernel,
+    operands=(Operand("x", ("N",)), Operand("y", ("N",)), Operand("z", ("N",))),
+    outputs=(Output("el", lambda d, p: (8, d["N"]), lambda t, p: t["x"]),
+             Output("red", lambda d, p: (2, _OPS_R), lambda t, p: t["x"]),
+             Output("scan", lambda d, p: (d["N"],), lambda t, p: t["x"])),
+    reference=lambda x, y, z: (None, None, None),
+    grid=lambda d, p, c: (1,),
+    constexprs=lambda d, p, c: {"R": _OPS_R, "C": _OPS_C},
+    default_config=lambda d, p: Config.make(),
+))
+
+
+def test_bf16_arithmetic_acts_on_values(kernel_backend):
+    """bf16 operands in a kernel's float operators, comparisons and reductions, without a
+    conversion: each elementwise result is the exact result rounded once to bf16 (what the
+    GPU gives; the interpreter stores bf16 as uint16 and, left alone, computes on the bits),
+    sums and scans within a bf16 rounding per add of the exact sum."""
+    rng = np.random.default_rng(3)
+    n = _OPS_R * _OPS_C
+    x, y, z = (rng.standard_normal(n).astype(BF16) for _ in range(3))
+    el, red, scan = (np.asarray(a) for a in bf16_ops(jnp.asarray(x), jnp.asarray(y), jnp.asarray(z),
+                                                     backend=kernel_backend))
+    f = lambda a: a.astype(np.float64)
+    rnd = lambda v: v.astype(np.float32).astype(BF16)    # float32 first: harmless double rounding (24 >= 2 * 8 + 2)
+    want = [rnd(f(x) + f(y)), rnd(f(x) - f(y)), rnd(f(x) * f(y)), rnd(f(x) / f(y)), -x, np.maximum(x, y),
+            rnd(f(x) * f(y) + f(z)), np.where(f(x) < f(y), x, y)]
+    for i, w in enumerate(want):
+        np.testing.assert_array_equal(el[i].view(np.uint16), w.view(np.uint16), err_msg=f"elementwise op {i}")
+    rows = f(x).reshape(_OPS_R, _OPS_C)
+    np.testing.assert_array_equal(red[1].view(np.uint16), rows.max(1).astype(BF16).view(np.uint16))
+    bound = np.abs(rows).sum(1) * _OPS_C * 2.0 ** -8             # C adds, each off by at most half an ulp
+    assert np.all(np.abs(f(red[0]) - rows.sum(1)) <= bound), (red[0], rows.sum(1))
+    cum = np.cumsum(rows, 1)
+    assert np.all(np.abs(f(scan).reshape(_OPS_R, _OPS_C) - cum) <= bound[:, None]), (scan, cum)

@@ -17,7 +17,9 @@ Triton 3.6-3.9) with the GPU's:
 * float -> int: truncation toward zero, saturating at the integer range, NaN -> 0.
 
 NaN payloads are not modelled. Other conversions (fp8 variants not used on NVIDIA GPUs,
-int <-> int) keep the interpreter's own behaviour. bf16 dots multiply values, not bits.
+int <-> int) keep the interpreter's own behaviour. bf16 dots multiply values, not bits, and
+so does all other bf16 arithmetic (operators, comparisons, math functions, sums, scans,
+min/max): each operation is rounded once to nearest even, as the GPU rounds one operation.
 """
 from __future__ import annotations
 
@@ -367,8 +369,99 @@ def install_numerics() -> None:
     builder.cast_impl = gpu_conversion(builder.cast_impl)
     builder.create_fp_to_fp = gpu_conversion(builder.create_fp_to_fp)
     builder.create_dot = create_dot
+    _install_bf16_arithmetic(interp)
     if hasattr(interp, "_get_np_dtype"):
         interp._get_np_dtype = _memoized_np_dtype(interp._get_np_dtype)
+
+
+def _install_bf16_arithmetic(interp: Any) -> None:
+    """bf16 arithmetic on values, not bit patterns.
+
+    The interpreter stores bf16 as uint16 and its float operators, math functions, sums,
+    scans and min/max reductions would act on those integers (``x * s`` of bf16 tensors
+    gives garbage, comparisons order negative numbers backwards). Here every such operation
+    with a bf16 operand decodes the values, computes in float64 and rounds the result once
+    to bf16, nearest even: the GPU's result for one operation (float64's 53 bits make the
+    double rounding harmless), and a single rounding where the GPU rounds each add of a
+    bf16 sum in its own order. Selects and ``abs`` move bits and stay as they are."""
+    bf16 = FORMATS["bf16"]
+    handle = interp.TensorHandle
+
+    def is_bf16(h) -> bool:
+        return h.dtype.scalar.name == "bf16"
+
+    def values(h) -> np.ndarray:
+        return decode(h.data, bf16) if is_bf16(h) else h.data
+
+    def packed(out: np.ndarray) -> np.ndarray:
+        out = np.asarray(out)
+        return out if out.dtype == np.bool_ else round_float(out.astype(np.float64), bf16).view(np.uint16)
+
+    def on_values(orig: Callable, compute: Callable, result_of: Callable) -> Callable:
+        """``orig`` with ``compute(*args)`` in its place when its first operand is bf16 (Triton
+        gives a float operator operands of one type)."""
+        @functools.wraps(orig)
+        def wrapper(self, *args):
+            if args[0].dtype.scalar.name != "bf16":    # the interpreter's hot path: one lookup
+                return orig(self, *args)
+            return handle(packed(compute(*args)), result_of(*args).dtype.scalar)
+        return wrapper
+
+    b = interp.InterpreterBuilder
+    b.binary_op = on_values(b.binary_op, lambda x, y, op: op(values(x), values(y)), lambda x, y, op: x)
+    b.unary_op = on_values(b.unary_op, lambda x, op: op(values(x)), lambda x, op: x)
+    b.create_fma = on_values(b.create_fma, lambda x, y, z: values(x) * values(y) + values(z), lambda x, y, z: z)
+    b.create_rsqrt = on_values(b.create_rsqrt, lambda x: 1 / np.sqrt(values(x)), lambda x: x)
+    b.create_erf = on_values(b.create_erf, lambda x: _erf(values(x)), lambda x: x)
+    orig_ternary = b.ternary_op
+
+    @functools.wraps(orig_ternary)
+    def ternary_op(self, cond, x, y, op):
+        if op is np.where or x.dtype.scalar.name != "bf16":   # a select moves bits
+            return orig_ternary(self, cond, x, y, op)
+        return handle(packed(op(values(cond), values(x), values(y))), y.dtype.scalar)
+    b.ternary_op = ternary_op
+
+    def reduction(orig: Callable, compute: Callable) -> Callable:
+        @functools.wraps(orig)
+        def wrapper(self, input, *args, **kwargs):
+            if input.dtype.scalar.name != "bf16":
+                return orig(self, input, *args, **kwargs)
+            return compute(self, values(input.handle), input)
+        return wrapper
+
+    def to_bf16(self, out, like):
+        # ``to_tensor`` casts to the storage dtype: hand it the bits, shaped as it expects.
+        bits = packed(out)
+        return self.to_tensor(bits if bits.shape else bits.item(), like.dtype)
+
+    reduce_ops, scan_ops = interp.ReduceOps, interp.ScanOps
+    reduce_ops.sum = reduction(reduce_ops.sum, lambda self, v, t: to_bf16(
+        self, np.sum(v, axis=self.axis, keepdims=self.keep_dims), t))
+    orig_min_max = reduce_ops.min_max
+
+    @functools.wraps(orig_min_max)
+    def min_max(self, input, val_reduce_op, idx_reduce_op=None):
+        import triton.language as tl
+        input = input[0] if isinstance(input, tuple) else input
+        if input.dtype.scalar.name != "bf16":
+            return orig_min_max(self, input, val_reduce_op, idx_reduce_op)
+        v = values(input.handle)
+        val = None if val_reduce_op is None else to_bf16(
+            self, val_reduce_op(v, axis=self.axis, keepdims=self.keep_dims), input)
+        if idx_reduce_op is None:
+            return val
+        idx = self.to_tensor(idx_reduce_op(v, axis=self.axis, keepdims=self.keep_dims), tl.int32)
+        return idx if val is None else (val, idx)
+    reduce_ops.min_max = min_max
+    scan_ops.cumsum = reduction(scan_ops.cumsum, lambda self, v, t: [to_bf16(self, np.cumsum(v, axis=self.axis), t)])
+    scan_ops.cumprod = reduction(scan_ops.cumprod,
+                                 lambda self, v, t: [to_bf16(self, np.cumprod(v, axis=self.axis), t)])
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    import math
+    return np.vectorize(math.erf, otypes=[np.float64])(x)
 
 
 def _memoized_np_dtype(orig: Callable) -> Callable:

@@ -237,4 +237,3 @@ def row_id_map_problem(rows: int, rid: np.ndarray, pad_offsets: np.ndarray | Non
                     "token_dispatch that returned these pad_offsets (it addresses the padded rows), or no "
                     "pad_offsets with an unpadded map")
     return None
-
