@@ -207,3 +207,25 @@ broken_store = declare(KernelDecl(
     scalars=lambda d, p: {"N": d["N"]},
     default_config=lambda d, p: Config.make(BLOCK=4),
 ))
+
+
+# -- 7. two outputs' pointers interleaved: the right count, in the wrong order ------------------
+@triton.jit
+def interleaved_outputs_kernel(src_ptr, N, a_prealloc_ptr, a_ptr, b_prealloc_ptr, b_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    vals = tl.load(src_ptr + offs, mask=m)
+    tl.store(a_ptr + offs, vals, mask=m)     # run as declared, these land in b's preallocated buffer
+    tl.store(b_ptr + offs, vals, mask=m)
+
+
+interleaved_outputs = declare(KernelDecl(
+    name="planted_interleaved_outputs", kernel=interleaved_outputs_kernel,
+    operands=(Operand("src", ("N",)),),
+    outputs=(Output("a", lambda d, p: (d["N"],), lambda t, p: t["src"]),
+             Output("b", lambda d, p: (d["N"],), lambda t, p: t["src"])),
+    reference=lambda src: (src, src),
+    grid=lambda d, p, c: (1,),
+    scalars=lambda d, p: {"N": d["N"]},
+    default_config=lambda d, p: Config.make(BLOCK=8),
+))

@@ -251,6 +251,17 @@ def test_kernel_signature_is_checked_by_name_not_count(kernel_backend):
         jax.jit(lambda s, i: shifted(s, i, backend=kernel_backend))(src, idx)
 
 
+def test_pointers_named_after_another_buffer_are_refused(kernel_backend):
+    """Two outputs' pointers listed as (a_prealloc, a, b_prealloc, b): the count matches, but
+    the convention passes every preallocated pointer first, so ``a_ptr`` would receive
+    ``b``'s preallocated buffer. The names give it away before anything runs."""
+    from tests.planted_kernels import interleaved_outputs
+    with pytest.raises(TypeError, match=r"parameter 3 'a_ptr', the name of output 'a', where the calling convention "
+                                        r"passes output 'b''s preallocated buffer; expected the parameters in the "
+                                        r"order \(src_ptr, N, a_prealloc_ptr, b_prealloc_ptr, a_ptr, b_ptr\)"):
+        jax.jit(lambda s: interleaved_outputs(s, backend=kernel_backend))(jnp.zeros((8,), jnp.float32))
+
+
 def test_an_eager_interpret_error_points_at_the_kernels_line(on_cpu):
     """A kernel failing inside the interpreter raises its own error, and its traceback
     reaches the kernel's failing line (the launch runs in XLA's host callback, whose error

@@ -64,7 +64,28 @@ def check_signature(decl: KernelDecl, scalars: Mapping[str, Any], constexprs: Ma
             f"{decl.name}: kernel {decl.kernel.fn.__name__}{tuple(names)} does not match its declaration: "
             f"{n_ops} operand pointers, scalars {list(scalars)}, {n_outs} prealloc + {n_outs} output "
             f"pointers, constexprs {sorted(constexprs)}")
+    _check_pointer_names(decl, names, list(scalars))
     return {name: constexprs[name] for name in names[positional:]}
+
+
+def _check_pointer_names(decl: KernelDecl, names: list[str], scalars: list[str]) -> None:
+    """A pointer parameter named after a declared buffer by the convention (``<operand>_ptr``,
+    ``<output>_prealloc_ptr``, ``<output>_ptr``) must sit in that buffer's slot: a kernel
+    listing ``a_prealloc_ptr, a_ptr, b_prealloc_ptr, b_ptr`` has the right count, but would
+    receive ``a``'s output where it writes ``b``'s preallocated buffer (the convention puts
+    every preallocated pointer first). Parameters named otherwise are not checked."""
+    slots = ([(f"{op.name}_ptr", f"operand {op.name!r}") for op in decl.operands]
+             + [(s, f"scalar {s!r}") for s in scalars]
+             + [(f"{o.name}_prealloc_ptr", f"output {o.name!r}'s preallocated buffer") for o in decl.outputs]
+             + [(f"{o.name}_ptr", f"output {o.name!r}") for o in decl.outputs])
+    what = {name: role for name, role in slots}
+    for i, (have, (want, role)) in enumerate(zip(names, slots)):
+        if have != want and have in what:
+            order = ", ".join(n for n, _ in slots)
+            raise TypeError(
+                f"{decl.name}: kernel {decl.kernel.fn.__name__} has parameter {i} {have!r}, the name of "
+                f"{what[have]}, where the calling convention passes {role}; expected the parameters in the "
+                f"order ({order}): operands, scalars, every preallocated output, every output")
 
 
 # -- Triton types of the arguments ------------------------------------------------------------
