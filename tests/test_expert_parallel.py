@@ -104,8 +104,45 @@ def test_every_activation_matches_the_reference(activation):
     _check(8, 2, "skewed", T * 2, 3, seed=4, activation=activation)
 
 
-def _replica_groups(hlo: str, op: str) -> set[str]:
-    return set(re.findall(rf"= [^=]*? {op}\(.*?replica_groups=(\{{[{{}}0-9,]*\}})", hlo))
+def _replica_groups(hlo: str, op: str) -> set[tuple[tuple[int, ...], ...]]:
+    """The device groups of every ``op`` in a compiled module's text, as listed
+    (``{{0,1},{2,3}}``), in XLA's iota form (``[2,2]<=[4]``, ``[2,2]<=[2,2]T(1,0)``) or by
+    mesh axes (``mesh['a'=2,'b'=2] {'b'}``, devices numbered in mesh order), whichever this
+    XLA prints."""
+    found = set()
+    for line in hlo.splitlines():
+        m = re.search(r"replica_groups=(\{[{}0-9,]*\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?"
+                      r"|mesh\[[^\]]*\] \{[^}]*\})", line)
+        if m is None or not re.search(rf"[ =]{op}(-start)?\(", line):
+            continue
+        g = m.group(1)
+        if g.startswith("{"):
+            found.add(tuple(tuple(int(v) for v in grp.split(",")) for grp in re.findall(r"\{([0-9,]+)\}", g)))
+            continue
+        if g.startswith("mesh"):
+            axes = [(n, int(v)) for n, v in re.findall(r"'(\w+)'=(\d+)", g)]
+            over = re.findall(r"'(\w+)'", g[g.index("{"):])
+            order = [i for i, (n, _) in enumerate(axes) if n not in over] + [
+                i for i, (n, _) in enumerate(axes) if n in over]
+            ids = np.arange(int(np.prod([v for _, v in axes]))).reshape([v for _, v in axes]).transpose(order)
+            found.add(tuple(map(tuple, ids.reshape(-1, int(np.prod([v for n, v in axes if n in over]))).tolist())))
+            continue
+        shape, dims, perm = (None if t is None else [int(v) for v in t.split(",")] for t in
+                             re.fullmatch(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", g).groups())
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        found.add(tuple(map(tuple, (ids if perm is None else ids.transpose(perm)).reshape(shape).tolist())))
+    return found
+
+
+def test_replica_groups_read_in_both_forms():
+    listed = "%a = f32[2]{0} all-to-all(f32[2]{0} %x), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dim=0"
+    iota = "%b = f32[2]{0} all-reduce(f32[2]{0} %y), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%s"
+    assert _replica_groups(listed, "all-to-all") == {((0, 1, 2, 3), (4, 5, 6, 7))}
+    assert _replica_groups(iota, "all-reduce") == {((0, 4), (1, 5), (2, 6), (3, 7))}
+    assert _replica_groups(listed + "\n" + iota, "all-reduce") == {((0, 4), (1, 5), (2, 6), (3, 7))}
+    by_axis = "%c = f32[2]{0} all-reduce(f32[2]{0} %z), channel_id=3, replica_groups=mesh['data'=2,'ep'=4] {'AXIS'}, x"
+    assert _replica_groups(by_axis.replace("AXIS", "ep"), "all-reduce") == {((0, 1, 2, 3), (4, 5, 6, 7))}
+    assert _replica_groups(by_axis.replace("AXIS", "data"), "all-reduce") == {((0, 4), (1, 5), (2, 6), (3, 7))}
 
 
 @multidevice
@@ -114,8 +151,9 @@ def test_data_parallel_copies_of_the_group(routing, num_out_tokens, capacity):
     """2 data copies of a 4-device group: each copy's tokens follow their own drop rules,
     rows cross only inside a copy, and the weights' gradients are summed over the copies."""
     hlo = _check(8, 2, routing, num_out_tokens, capacity, seed=9, data=2, activation="silu_glu")
-    assert _replica_groups(hlo, "all-to-all") == {"{{0,1,2,3},{4,5,6,7}}"}
-    assert _replica_groups(hlo, "all-reduce") == {"{{0,4},{1,5},{2,6},{3,7}}"}
+    collective = "\n".join(line for line in hlo.splitlines() if "replica_groups" in line)
+    assert _replica_groups(hlo, "all-to-all") == {((0, 1, 2, 3), (4, 5, 6, 7))}, collective
+    assert _replica_groups(hlo, "all-reduce") == {((0, 4), (1, 5), (2, 6), (3, 7))}, collective
     assert "all-gather" not in hlo
 
 
