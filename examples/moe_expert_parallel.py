@@ -10,6 +10,7 @@ its own tokens, rows exchanged inside a copy, weight gradients summed over the c
     python3 examples/moe_expert_parallel.py                      # all GPUs, else 8 CPU devices
     python3 examples/moe_expert_parallel.py --hidden=7168 --experts=256
     python3 examples/moe_expert_parallel.py --data=2             # 2 copies of a 4-device group on 8
+    python3 examples/moe_expert_parallel.py --data=2 --fsdp      # and the weights split over the copies
     python3 examples/moe_expert_parallel.py --cpu_devices=4 --backend=interpret --tokens=16 --hidden=32
 
 Before compiling, it estimates the per-device working set and compares it with the
@@ -39,6 +40,8 @@ flags.DEFINE_integer("hidden", None, "hidden size H (default: 4096 on GPUs, 64 o
 flags.DEFINE_integer("ffn", None, "expert FFN inner size F (default: 2048 on GPUs, 64 on CPU)")
 flags.DEFINE_integer("data", 1, "data-parallel copies of the expert-parallel group; the devices form a "
                      "[data, devices / data] mesh (1: one group over every device)")
+flags.DEFINE_bool("fsdp", False, "split the expert weights along their hidden dimension over the --data axis "
+                  "(FSDP): gathered for each step's GEMMs, their gradients reduce-scattered")
 flags.DEFINE_integer("experts", None, "routed experts E, a multiple of the expert-parallel group's size "
                      "devices / data (default: 32 on GPUs, 2 per group member on CPU)")
 flags.DEFINE_enum("activation", "silu_glu", ["silu_glu", "gelu_glu", "silu", "gelu", "relu"],
@@ -80,6 +83,7 @@ class Sizes:
     capacity: int | None
     data: int = 1
     activation: str = "silu_glu"
+    fsdp: bool = False
 
     @property
     def ep(self) -> int:
@@ -107,7 +111,7 @@ def sizes_from_flags(n_dev: int, on_gpu: bool) -> Sizes:
     e = pick(FLAGS.experts, 32, 2 * max(1, n_dev // FLAGS.data))
     return Sizes(n_dev, pick(FLAGS.tokens, 4096, 64), pick(FLAGS.hidden, 4096, 64), pick(FLAGS.ffn, 2048, 64), e,
                  pick(FLAGS.topk, 8, 2), pick(FLAGS.dtype, "bfloat16", "float32"), FLAGS.capacity, FLAGS.data,
-                 FLAGS.activation)
+                 FLAGS.activation, FLAGS.fsdp)
 
 
 def on_devices(sz: Sizes, n: int) -> Sizes:
@@ -128,7 +132,8 @@ def make_mesh(sz: Sizes, devices):
 def memory_check(sz: Sizes, modes: list[str], devices) -> tuple[bool, str]:
     from te_jax_perm.parallel.memory import ep_working_set, fits
     ws = max((ep_working_set(tokens=sz.tokens, hidden=sz.hidden, ffn=sz.ffn, experts=sz.experts, ep=sz.ep,
-                             capacity=sz.cap, num_out_tokens=sz.num_out, dtype=sz.dtype, a2a=m, gated=sz.gated)
+                             capacity=sz.cap, num_out_tokens=sz.num_out, dtype=sz.dtype, a2a=m, gated=sz.gated,
+                             fsdp=sz.data if sz.fsdp else 1)
               for m in modes), key=lambda w: w.total)
     return fits(ws, memory_limit(devices[0]))
 
@@ -150,7 +155,9 @@ def make_problem(sz: Sizes, mesh, routing: str, seed: int = 0):
     rm = np.zeros((tt, sz.experts), bool)
     np.put_along_axis(rm, top, True, 1)
     shard = NamedSharding(mesh, P(mesh.axis_names))          # tokens over every mesh axis, data major
-    experts = NamedSharding(mesh, P("ep"))                    # experts over the group, copied over data
+    # Experts over the group; copied over data, or with --fsdp their H split over it.
+    split = "data" if sz.fsdp else None
+    w_in_sharding, w_out_sharding = NamedSharding(mesh, P("ep", split)), NamedSharding(mesh, P("ep", None, split))
     probs = jax.device_put(jax.nn.softmax(jnp.asarray(logits), -1), shard)
     dt = jnp.dtype(sz.dtype)
     f_in = 2 * sz.ffn if sz.gated else sz.ffn
@@ -163,7 +170,7 @@ def make_problem(sz: Sizes, mesh, routing: str, seed: int = 0):
         return x, w_in, w_out
 
     # Made directly in their shards: the full weights never sit on one device.
-    x, w_in, w_out = jax.jit(weights, out_shardings=(shard, experts, experts))(jax.random.PRNGKey(seed))
+    x, w_in, w_out = jax.jit(weights, out_shardings=(shard, w_in_sharding, w_out_sharding))(jax.random.PRNGKey(seed))
     return x, jax.device_put(rm, shard), probs, w_in, w_out, rm
 
 
@@ -248,7 +255,8 @@ def compiled_step(sz: Sizes, mesh, mode: str, backend: str, args: tuple, limit: 
 
     gemm = None if FLAGS.gemm == "auto" else FLAGS.gemm
     cfg = EPConfig(num_out_tokens=sz.num_out, capacity=sz.capacity, backend=backend, a2a=mode, gemm=gemm,
-                   data_axes=("data",) if sz.data > 1 else (), activation=sz.activation)
+                   data_axes=("data",) if sz.data > 1 else (), activation=sz.activation,
+                   fsdp_axes=("data",) if sz.fsdp else ())
     layer = lambda x, rm, p, a, b: ep_moe_layer(x, rm, p, a, b, mesh=mesh, cfg=cfg)
     step = jax.jit(jax.value_and_grad(loss_fn(layer), argnums=(0, 1, 2, 3), has_aux=True))
     t0 = time.perf_counter()
@@ -334,6 +342,9 @@ def setup(counts_of=lambda n: []) -> Run | int:
     if FLAGS.data < 1 or len(devs) % FLAGS.data:
         print(f"--data={FLAGS.data} does not divide the {len(devs)} devices into equal expert-parallel groups")
         return 1
+    if FLAGS.fsdp and FLAGS.data < 2:
+        print("--fsdp splits the weights over the --data axis: give --data=2 or more")
+        return 1
     sz = sizes_from_flags(len(devs), on_gpu)
     if sz.experts % sz.ep:
         print(f"--experts={sz.experts} is not a multiple of the expert-parallel group's {sz.ep} devices")
@@ -341,6 +352,7 @@ def setup(counts_of=lambda n: []) -> Run | int:
     modes = modes_of(devs)
     print(f"{jax.default_backend()} ({devs[0].device_kind}) x{sz.n_dev}"
           + (f" as {sz.data} data copies of {sz.ep}" if sz.data > 1 else "")
+          + (" (weights split over them)" if sz.fsdp else "")
           + f": E={sz.experts} ({sz.experts // sz.ep} per device), top-{sz.topk}, T={sz.tokens} per device, "
           f"H={sz.hidden}, F={sz.ffn}, {sz.activation}, {sz.dtype}, capacity {sz.cap}, backend {backend}, "
           f"routing {FLAGS.routing}; a2a modes: {modes}")

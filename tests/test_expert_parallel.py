@@ -54,7 +54,7 @@ def _fwd_and_grads(fn, args, ct):
 
 
 def _check(e, k, routing, num_out_tokens, capacity, backend="xla", a2a="dense", seed=0, devices=None,
-           t=T, rtol=1e-5, atol=1e-5, data=1, activation="gelu"):
+           t=T, rtol=1e-5, atol=1e-5, data=1, activation="gelu", fsdp=False):
     """Compares output and all four gradients with the reference; returns the compiled HLO.
     ``data`` > 1: the devices as a ``[data, ep]`` mesh, ``data`` copies of the group."""
     devices = jax.devices()[:EP] if devices is None else devices
@@ -64,7 +64,8 @@ def _check(e, k, routing, num_out_tokens, capacity, backend="xla", a2a="dense", 
             else Mesh(np.array(devices).reshape(data, ep), ("data", "ep")))
     x, rm, probs, w_in, w_out = _problem(n_dev, t, e, k, routing, seed, gated=ACTIVATIONS[activation][1])
     cfg = EPConfig(num_out_tokens=num_out_tokens, capacity=capacity, backend=backend, a2a=a2a,
-                   data_axes=("data",) if data > 1 else (), activation=activation)
+                   data_axes=("data",) if data > 1 else (), activation=activation,
+                   fsdp_axes=("data",) if fsdp else ())
     layer = lambda x, p, a, b: ep_moe_layer(x, rm, p, a, b, mesh=mesh, cfg=cfg)
     ref = lambda x, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=ep, data=data, num_out_tokens=num_out_tokens,
                                                  capacity=capacity, activation=activation)
@@ -158,6 +159,21 @@ def test_data_parallel_copies_of_the_group(routing, num_out_tokens, capacity):
 
 
 @multidevice
+@pytest.mark.parametrize("routing,num_out_tokens,capacity", [("uniform", None, None), ("skewed", T * 2, 3)])
+def test_fsdp_weights_are_gathered_and_their_gradients_reduce_scattered(routing, num_out_tokens, capacity):
+    """The weights split along H over the data axis as well: gathered for the GEMMs, their
+    gradients reduce-scattered back inside each data group's column of devices, never
+    all-reduced."""
+    hlo = _check(8, 2, routing, num_out_tokens, capacity, seed=10, data=2, activation="silu_glu", fsdp=True)
+    collective = "\n".join(line for line in hlo.splitlines() if "replica_groups" in line)
+    data_groups = {((0, 4), (1, 5), (2, 6), (3, 7))}
+    assert _replica_groups(hlo, "all-to-all") == {((0, 1, 2, 3), (4, 5, 6, 7))}, collective
+    assert _replica_groups(hlo, "all-gather") == data_groups, collective
+    assert _replica_groups(hlo, "reduce-scatter") == data_groups, collective
+    assert _replica_groups(hlo, "all-reduce") == set(), collective
+
+
+@multidevice
 def test_interpret_backend_small():
     # Real Triton kernels (interpreted), with poisoned 'empty' outputs: rows past the kept
     # ones must never be read.
@@ -219,6 +235,10 @@ def test_layouts_the_layer_cannot_split_are_named_before_shard_map():
            ((x, rm, probs, w1, w2, mesh2, EPConfig(data_axes=("batch",))),
             r"EPConfig.data_axes = \('batch',\); expected distinct axes of the mesh \('data', 'ep'\) other than"),
            ((x, rm, probs, w1, w2, mesh2, EPConfig(data_axes=("ep",))), r"EPConfig.data_axes = \('ep',\)"),
+           ((x, rm, probs, w1, w2, mesh2, EPConfig(fsdp_axes=("data", "data"))),
+            r"EPConfig.fsdp_axes = \('data', 'data'\); expected distinct axes"),
+           ((x[:, :15], rm, probs, w1[:, :15], w2[:, :, :15], mesh2, EPConfig(fsdp_axes="data")),
+            r"x has H = 15 columns, which the 2 pieces of EPConfig.fsdp_axes = \('data',\) cannot split evenly"),
            ((x, rm, probs, w1, w2, mesh, EPConfig(a2a="ragged")), "ragged_all_to_all does not run on these cpu devices")]
     for args, message in bad:
         with pytest.raises(ValueError, match=message):
@@ -285,6 +305,9 @@ def test_working_set_counts_weights_activations_and_capacity():
     gated = ep_working_set(**kw, dtype="bfloat16", gated=True)     # w_in [E, H, 2F]
     assert gated.parts["expert weights"] == weights * 3 // 2 and gated.parts["transposed weight copy"] == weights
     assert gated.parts["grouped rows and FFN"] > ws.parts["grouped rows and FFN"]
+    split = ep_working_set(**kw, dtype="bfloat16", fsdp=4)        # a quarter kept, whole ones gathered per step
+    assert split.parts["expert weights"] == weights // 4 and split.parts["gathered weights"] == weights
+    assert split.parts["weight gradients"] == weights + weights // 4 and "gathered weights" not in ws.parts
     assert ws.total > 3 * weights
     # Dense exchange buffers grow with the capacity; ragged ones send no padding buffer.
     small = ep_working_set(**kw, capacity=4096, dtype="bfloat16")
@@ -321,12 +344,13 @@ def test_example_exits_with_a_message_when_the_layer_cannot_fit():
 
 @single_process
 def test_example_runs_when_the_layer_fits():
-    # Two data copies of a 2-device group, SwiGLU experts (the example's default activation).
-    proc = _run_example("--cpu_devices=4", "--data=2", "--tokens=48", "--hidden=32", "--ffn=32", "--experts=8",
+    # Two data copies of a 2-device group, the weights split over them, SwiGLU experts (the
+    # example's default activation).
+    proc = _run_example("--cpu_devices=4", "--data=2", "--fsdp", "--tokens=48", "--hidden=32", "--ffn=32", "--experts=8",
                         "--check_tokens=32", "--device_memory_gib=1")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
-    assert "x4 as 2 data copies of 2: E=8 (4 per device)" in out and "silu_glu" in out
+    assert "x4 as 2 data copies of 2 (weights split over them): E=8 (4 per device)" in out and "silu_glu" in out
     assert "fits in 90% of the device's 1.0 GiB" in out
     assert "vs single-device reference on 32 tokens" in out and "-> ok" in out
     assert "train step" not in out      # timing is the benchmark's
@@ -355,7 +379,7 @@ def test_benchmark_times_the_example_layer_and_weak_scales(tmp_path):
 def test_example_helpshort_explains_every_flag():
     import re
     example = {"cpu_devices", "devices", "tokens", "hidden", "ffn", "experts", "topk", "dtype", "routing",
-               "capacity", "backend", "gemm", "a2a", "check_tokens", "device_memory_gib", "data", "activation"}
+               "capacity", "backend", "gemm", "a2a", "check_tokens", "device_memory_gib", "data", "fsdp", "activation"}
     # The benchmark's own flags are its --helpshort; the example's, which it takes too, are in --helpfull.
     for bench, how, want in ((False, "--helpshort", example), (True, "--helpshort", {"steps", "weak_scaling", "json_out"}),
                              (True, "--helpfull", example)):

@@ -24,7 +24,9 @@ experts (global experts ``r*E_l .. (r+1)*E_l - 1`` live on rank ``r``). Per devi
 With ``EPConfig.data_axes``, every index along those mesh axes is an independent copy of
 the expert-parallel group: its own tokens, the same experts (the weights are replicated
 along the data axes, so their gradients are summed over them), rows exchanged only inside
-the group.
+the group. With ``EPConfig.fsdp_axes`` the weights are not replicated along those axes but
+split along their hidden dimension (FSDP): each call gathers them before its GEMMs, and
+their gradients are reduce-scattered back (half an all-reduce's bytes).
 
 Dropped rows contribute zero. Everything is differentiable: the ops have custom VJPs,
 ``all_to_all`` transposes to itself and ``ragged_all_to_all`` to the reverse ragged
@@ -60,6 +62,9 @@ class EPConfig:
       data_axes: mesh axis names along which the expert-parallel group is replicated
         (data parallelism): each index along them has its own tokens and the same experts;
         the weights' gradients are summed over them. ``()``: none.
+      fsdp_axes: mesh axes along which the expert weights' hidden dimension ``H`` is split
+        (FSDP: ``w_in`` along its dim 1, ``w_out`` along its dim 2), usually the data axes;
+        each call all-gathers them and reduce-scatters their gradients. ``()``: none.
       activation: the activation between the expert GEMMs, one of ``moe_ffn``'s names:
         ``"silu_glu"`` (SwiGLU), ``"gelu_glu"`` (both gated: ``w_in`` is ``[E, H, 2F]``,
         gate columns first), ``"silu"``, ``"gelu"`` (tanh form) or ``"relu"``; computed
@@ -77,6 +82,7 @@ class EPConfig:
     capacity: int | None = None
     axis: str = "ep"
     data_axes: tuple[str, ...] = ()
+    fsdp_axes: tuple[str, ...] = ()
     activation: str = "gelu"
     backend: str | None = None
     a2a: str = "auto"
@@ -92,7 +98,8 @@ def _chunk_order(ep: int, el: int) -> np.ndarray:
 
 def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array,
                  cfg: EPConfig = EPConfig()) -> jax.Array:
-    """The per-device body; call it inside ``shard_map`` over ``cfg.axis``.
+    """The per-device body; call it inside ``shard_map`` over ``cfg.axis`` with this device's
+    experts' weights whole (``ep_moe_layer`` gathers FSDP-split ones first).
 
     Args:
       x: ``[T, H]`` this device's tokens.
@@ -163,35 +170,50 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
       routing_map: ``[D * ep * T, E]`` bool.
       probs: ``[D * ep * T, E]`` float32.
       w_in: ``[E, H, F]``, ``[E, H, 2F]`` for a gated ``cfg.activation``; rank ``r`` holds
-        experts ``r*E/ep .. (r+1)*E/ep - 1`` (whatever its data index).
-      w_out: ``[E, F, H]``.
+        experts ``r*E/ep .. (r+1)*E/ep - 1`` (whatever its data index), split along ``H``
+        over ``cfg.fsdp_axes``.
+      w_out: ``[E, F, H]``, split alike.
       mesh: a mesh with axis ``cfg.axis`` and the axes of ``cfg.data_axes``; along any
         other axis the layer is computed redundantly.
       cfg: :class:`EPConfig`; ``num_out_tokens`` and ``capacity`` are per device.
 
     Returns:
       ``[D * ep * T, H]``, sharded like ``x``. Differentiable in ``x``, ``probs``, ``w_in``
-      and ``w_out`` (the weights' gradients summed over the data axes).
+      and ``w_out`` (the weights' gradients summed over the data axes, reduce-scattered
+      over the FSDP axes).
     """
-    data_axes = _check_layout(x, routing_map, probs, w_in, w_out, mesh, cfg)
-    tokens, experts = P((*data_axes, cfg.axis)), P(cfg.axis)
-    cfg = dataclasses.replace(cfg, data_axes=data_axes, a2a=resolve_a2a(cfg.a2a, tuple(mesh.devices.flat)))
-    body = lambda *a: ep_moe_local(*a, cfg=cfg)
-    return jax.shard_map(body, mesh=mesh, in_specs=(tokens,) * 3 + (experts,) * 2,
+    data_axes, fsdp = _check_layout(x, routing_map, probs, w_in, w_out, mesh, cfg)
+    tokens = P((*data_axes, cfg.axis))
+    split = fsdp or None
+    cfg = dataclasses.replace(cfg, data_axes=data_axes, fsdp_axes=fsdp,
+                              a2a=resolve_a2a(cfg.a2a, tuple(mesh.devices.flat)))
+
+    def body(x, routing_map, probs, w_in, w_out):
+        if fsdp:   # whole weights for the GEMMs; the gather's transpose reduce-scatters the gradients
+            w_in = jax.lax.all_gather(w_in, fsdp, axis=1, tiled=True)
+            w_out = jax.lax.all_gather(w_out, fsdp, axis=2, tiled=True)
+        return ep_moe_local(x, routing_map, probs, w_in, w_out, cfg=cfg)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(tokens,) * 3 + (P(cfg.axis, split), P(cfg.axis, None, split)),
                          out_specs=tokens)(x, routing_map, probs, w_in, w_out)
 
 
-def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig) -> tuple[str, ...]:
+def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
+                  ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """What ``shard_map`` and the collectives would otherwise report in their own terms (or,
-    for an exchange the devices cannot run, only when XLA compiles it); returns the data
-    axes as a tuple."""
+    for an exchange the devices cannot run, only when XLA compiles it); returns the data and
+    FSDP axes as tuples."""
     if cfg.axis not in mesh.axis_names:
         raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}; EPConfig.axis = {cfg.axis!r} is not one of them")
-    data_axes = (cfg.data_axes,) if isinstance(cfg.data_axes, str) else tuple(cfg.data_axes)
-    for a in data_axes:
-        if a not in mesh.axis_names or a == cfg.axis or data_axes.count(a) > 1:
-            raise ValueError(f"EPConfig.data_axes = {cfg.data_axes!r}; expected distinct axes of the mesh "
-                             f"{tuple(mesh.axis_names)} other than EPConfig.axis = {cfg.axis!r}")
+    axes = {}
+    for field in ("data_axes", "fsdp_axes"):
+        given = getattr(cfg, field)
+        axes[field] = (given,) if isinstance(given, str) else tuple(given)
+        for a in axes[field]:
+            if a not in mesh.axis_names or a == cfg.axis or axes[field].count(a) > 1:
+                raise ValueError(f"EPConfig.{field} = {given!r}; expected distinct axes of the mesh "
+                                 f"{tuple(mesh.axis_names)} other than EPConfig.axis = {cfg.axis!r}")
+    data_axes, fsdp = axes["data_axes"], axes["fsdp_axes"]
     check_activation("EPConfig.activation", cfg.activation)
     ep = mesh.shape[cfg.axis]
     shards = ep * int(np.prod([mesh.shape[a] for a in data_axes], dtype=np.int64))
@@ -206,10 +228,14 @@ def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig)
     if probs.shape != routing_map.shape:
         raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} (routing_map's)")
     check_expert_weights(w_in, w_out, e, h, cfg.activation)
+    pieces = int(np.prod([mesh.shape[a] for a in fsdp], dtype=np.int64))
+    if h % pieces:
+        raise ValueError(f"x has H = {h} columns, which the {pieces} pieces of EPConfig.fsdp_axes = {fsdp} "
+                         "cannot split evenly; expected H divisible by the product of their sizes")
     if e % ep:
         raise ValueError(f"routing_map has E = {e} experts, which the ep = {ep} ranks of mesh axis {cfg.axis!r} "
                          "cannot split evenly; expected E divisible by ep")
     if cfg.a2a == "ragged" and not ragged_all_to_all_supported(tuple(mesh.devices.flat)):
         raise ValueError(f"EPConfig.a2a = 'ragged', but ragged_all_to_all does not run on these "
                          f"{mesh.devices.flat[0].platform} devices; use a2a='auto' (ragged where it runs) or 'dense'")
-    return data_axes
+    return data_axes, fsdp

@@ -39,12 +39,14 @@ class WorkingSet:
 
 def ep_working_set(*, tokens: int, hidden: int, ffn: int, experts: int, ep: int,
                    capacity: int | None = None, num_out_tokens: int | None = None, dtype: Any = "bfloat16",
-                   a2a: str = "dense", gated: bool = False) -> WorkingSet:
+                   a2a: str = "dense", gated: bool = False, fsdp: int = 1) -> WorkingSet:
     """Per-device bytes of one fwd+bwd step of ``ep_moe_layer`` (``tokens`` per device).
 
     ``capacity`` and ``num_out_tokens`` as in :class:`te_jax_perm.parallel.EPConfig`
     (``None``: their defaults, ``T * E`` kept rows and the worst-case capacity); ``gated``:
-    a gated activation, whose first weight and GEMM output are twice as wide (``2F``).
+    a gated activation, whose first weight and GEMM output are twice as wide (``2F``);
+    ``fsdp``: the pieces ``EPConfig.fsdp_axes`` split each weight into (the step holds a
+    piece, the gathered weights and their whole gradients before the reduce-scatter).
     """
     b = np.dtype(dtype).itemsize
     el = experts // ep
@@ -61,8 +63,10 @@ def ep_working_set(*, tokens: int, hidden: int, ffn: int, experts: int, ep: int,
     }
     w_in, w_out = el * hidden * ffn * w * b, el * ffn * hidden * b
     parts = {k: 2 * v for k, v in act.items()}                     # saved for the backward + their gradients
-    parts["expert weights"] = w_in + w_out
-    parts["weight gradients"] = w_in + w_out
+    parts["expert weights"] = (w_in + w_out) // fsdp
+    if fsdp > 1:
+        parts["gathered weights"] = w_in + w_out
+    parts["weight gradients"] = w_in + w_out + ((w_in + w_out) // fsdp if fsdp > 1 else 0)
     parts["transposed weight copy"] = max(w_in, w_out)
     return WorkingSet(parts)
 
