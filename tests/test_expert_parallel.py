@@ -174,6 +174,27 @@ def test_fsdp_weights_are_gathered_and_their_gradients_reduce_scattered(routing,
 
 
 @multidevice
+def test_weights_split_over_one_data_axis_and_copied_over_another():
+    """A (data, fsdp, ep) mesh: tokens over all three axes, the weights split over "fsdp" and
+    copied over "data"; rows dropping on both budgets."""
+    mesh = Mesh(np.array(jax.devices()[:EP]).reshape(2, 2, 2), ("data", "fsdp", "ep"))
+    x, rm, probs, w_in, w_out = _problem(EP, 8, 8, 2, "skewed", 12, gated=True)
+    cfg = EPConfig(data_axes=("data", "fsdp"), fsdp_axes=("fsdp",), activation="silu_glu", a2a="dense",
+                   num_out_tokens=10, capacity=3)
+    layer = lambda *a: ep_moe_layer(a[0], rm, *a[1:], mesh=mesh, cfg=cfg)
+    ref = lambda *a: reference_moe_layer(a[0], rm, *a[1:], ep=2, data=4, activation="silu_glu",
+                                         num_out_tokens=10, capacity=3)
+    ct = jnp.asarray(np.random.default_rng(13).standard_normal(x.shape), jnp.float32)
+    compiled = jax.jit(lambda *a: _fwd_and_grads(layer, a, ct)).lower(x, probs, w_in, w_out).compile()
+    (got, g), (want, gr) = compiled(x, probs, w_in, w_out), jax.jit(lambda *a: _fwd_and_grads(ref, a, ct))(
+        x, probs, w_in, w_out)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for name, a, b in zip(("x", "probs", "w_in", "w_out"), g, gr):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=name)
+    assert _replica_groups(compiled.as_text(), "reduce-scatter") == {((0, 2), (1, 3), (4, 6), (5, 7))}
+
+
+@multidevice
 def test_interpret_backend_small():
     # Real Triton kernels (interpreted), with poisoned 'empty' outputs: rows past the kept
     # ones must never be read.
@@ -237,7 +258,9 @@ def test_layouts_the_layer_cannot_split_are_named_before_shard_map():
            ((x, rm, probs, w1, w2, mesh2, EPConfig(data_axes=("ep",))), r"EPConfig.data_axes = \('ep',\)"),
            ((x, rm, probs, w1, w2, mesh2, EPConfig(fsdp_axes=("data", "data"))),
             r"EPConfig.fsdp_axes = \('data', 'data'\); expected distinct axes"),
-           ((x[:, :15], rm, probs, w1[:, :15], w2[:, :, :15], mesh2, EPConfig(fsdp_axes="data")),
+           ((x, rm, probs, w1, w2, mesh2, EPConfig(fsdp_axes=("data",))),
+            r"EPConfig.fsdp_axes = \('data',\); expected axes of EPConfig.data_axes = \(\)"),
+           ((x[:, :15], rm, probs, w1[:, :15], w2[:, :, :15], mesh2, EPConfig(data_axes="data", fsdp_axes="data")),
             r"x has H = 15 columns, which the 2 pieces of EPConfig.fsdp_axes = \('data',\) cannot split evenly"),
            ((x, rm, probs, w1, w2, mesh, EPConfig(a2a="ragged")), "ragged_all_to_all does not run on these cpu devices")]
     for args, message in bad:

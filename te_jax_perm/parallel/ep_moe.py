@@ -62,9 +62,9 @@ class EPConfig:
       data_axes: mesh axis names along which the expert-parallel group is replicated
         (data parallelism): each index along them has its own tokens and the same experts;
         the weights' gradients are summed over them. ``()``: none.
-      fsdp_axes: mesh axes along which the expert weights' hidden dimension ``H`` is split
-        (FSDP: ``w_in`` along its dim 1, ``w_out`` along its dim 2), usually the data axes;
-        each call all-gathers them and reduce-scatters their gradients. ``()``: none.
+      fsdp_axes: axes of ``data_axes`` along which the expert weights' hidden dimension
+        ``H`` is split (FSDP: ``w_in`` along its dim 1, ``w_out`` along its dim 2); each call
+        all-gathers them and reduce-scatters their gradients. ``()``: none.
       activation: the activation between the expert GEMMs, one of ``moe_ffn``'s names:
         ``"silu_glu"`` (SwiGLU), ``"gelu_glu"`` (both gated: ``w_in`` is ``[E, H, 2F]``,
         gate columns first), ``"silu"``, ``"gelu"`` (tanh form) or ``"relu"``; computed
@@ -214,6 +214,11 @@ def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
                 raise ValueError(f"EPConfig.{field} = {given!r}; expected distinct axes of the mesh "
                                  f"{tuple(mesh.axis_names)} other than EPConfig.axis = {cfg.axis!r}")
     data_axes, fsdp = axes["data_axes"], axes["fsdp_axes"]
+    if not set(fsdp) <= set(data_axes):
+        # Along an axis that does not split the tokens every device computes the same
+        # gradient: FSDP splits weights over data-parallel axes only.
+        raise ValueError(f"EPConfig.fsdp_axes = {cfg.fsdp_axes!r}; expected axes of EPConfig.data_axes = "
+                         f"{cfg.data_axes!r} (FSDP splits the weights over axes that split the tokens)")
     check_activation("EPConfig.activation", cfg.activation)
     ep = mesh.shape[cfg.axis]
     shards = ep * int(np.prod([mesh.shape[a] for a in data_axes], dtype=np.int64))
