@@ -22,7 +22,7 @@ import pytest
 
 import te_jax_perm
 from tests import numpy_reference as ref
-from tests.conftest import BACKENDS_HERE, routing
+from tests.conftest import BACKENDS_HERE, routing, top_k_routing
 from tests.multidevice import (MULTI, collectives, multidevice, run_module_on_8_devices,  # noqa: F401
                                shardy_all_gspmd_some)
 
@@ -317,6 +317,62 @@ def test_token_sharded_dispatch_and_combine_are_local(partitioner, mesh_shape, m
         e_gx, e_gp = ref.dispatch_vjp(g_out + np.pad(gb, ((0, g_out.shape[0] - gb.shape[0]), (0, 0))), g_pp, dest)
         np.testing.assert_allclose(np.asarray(gx)[tok], e_gx, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(gp)[tok], e_gp, rtol=1e-5, atol=1e-5)
+
+
+def _fitting_prefix(rm: np.ndarray, budget: int, align: int, rows: int) -> int:
+    """The most rows (a prefix of the expert-major order, at most ``budget``) whose padded
+    layout fits ``rows`` rows, found by trying every length."""
+    for m in range(min(budget, int(rm.sum())), -1, -1):
+        if sum(ref.dispatch_layout(rm, m, align)[1]) <= rows:
+            return m
+    return 0
+
+
+@multidevice
+@pytest.mark.parametrize("routing,n", [("one_expert", 32), ("topk", 64), ("topk", 40), ("skewed", 64)])
+def test_padded_shards_drop_only_rows_their_layout_cannot_fit(routing, n):
+    """Four token shards, each with a quarter of the padded buffer: fewer rows than its
+    worst-case padding needs, so what it keeps depends on its routing. Every shard keeps the
+    longest expert-major prefix (within its share of ``num_out_tokens``) whose padded layout
+    fits its rows: all of them where the routing leaves room (one expert: 8 aligned rows in
+    14), fewer where it does not."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    t, e, h, align, shards = 32, 4, 8, 8, 4
+    rng = np.random.default_rng(5)
+    if routing == "one_expert":
+        rm = np.zeros((t, e), np.int32)
+        rm[:, 0] = 1
+    else:
+        logits = rng.standard_normal((t, e))
+        if routing == "skewed":
+            logits[:, 1] += 3.0
+        rm = top_k_routing(logits, 2).astype(np.int32)
+    x, probs = _inputs(t, e, h, jnp.float32)
+    mesh = Mesh(np.asarray(jax.devices()[:shards]), ("dp",))
+    sh = NamedSharding(mesh, P("dp", None))
+    f = jax.jit(lambda x, rm, p: te_jax_perm.token_dispatch(x, rm, n, probs=p, align_size=align, backend="xla"))
+    out, pp, rid, _, tpe = f(*(jax.device_put(a, sh) for a in (x, jnp.asarray(rm), probs)))
+    rows, tl = out.shape[0] // shards, t // shards
+    kept_total = 0
+    for i in range(shards):
+        tok = slice(i * tl, (i + 1) * tl)
+        m = _fitting_prefix(rm[tok].astype(bool), min(n // shards, rows), align, rows)
+        kept_total += m
+        xi, pi = np.asarray(x)[tok], np.asarray(probs)[tok]
+        e_out, e_pp, dest, e_pad, e_tpe = ref.dispatch(xi, rm[tok].astype(bool), m, pi, align)
+        used = int(e_tpe.sum())        # the padded layout; the reference's buffer has worst-case room
+        assert used <= rows
+        block = slice(i * rows, (i + 1) * rows)
+        np.testing.assert_array_equal(np.asarray(out)[block][:used], e_out[:used])
+        assert not np.asarray(out)[block][used:].any()
+        np.testing.assert_array_equal(np.asarray(pp)[block][:used], e_pp[:used])
+        np.testing.assert_array_equal(np.asarray(rid)[tok], ref.row_id_map(rm[tok].astype(bool), m, e_pad))
+    assert int((np.asarray(rid)[:, :e] >= 0).sum()) == kept_total
+    if routing == "one_expert":
+        assert kept_total == t     # every shard's 8 rows fit its 14
+    if routing == "topk":
+        assert 0 < kept_total < 2 * t
 
 
 # (tokens sharded over, T, num_out_tokens, extra tokens appended inside the jitted function,

@@ -288,7 +288,8 @@ def dispatch_rows(num_out_tokens: int, num_experts: int, align_size: int | None)
 
 
 def local_budget(num_out_tokens: int, shards: int, rows: int, num_experts: int, align_size: int | None) -> int:
-    """Row budget of one of ``shards`` token shards whose buffer holds ``rows`` rows.
+    """Row budget of one of ``shards`` token shards whose buffer holds ``rows`` rows, whatever
+    the routing.
 
     ``num_out_tokens`` is divided across the shards; padded, the budget is also capped so
     that the shard's padded layout (at most ``budget + E*(align_size-1)`` rows, a multiple
@@ -298,6 +299,46 @@ def local_budget(num_out_tokens: int, shards: int, rows: int, num_experts: int, 
         return min(budget, rows)
     fits = (rows // align_size + 1) * align_size - 1 - num_experts * (align_size - 1)
     return max(0, min(budget, fits))
+
+
+def rows_that_fit(routing_map: jax.Array, budget: int, align_size: int, rows: int) -> jax.Array:
+    """``routing_map`` with the routed entries dropped that this routing's padded layout
+    cannot fit into ``rows`` rows: the longest prefix of the expert-major order (experts
+    ascending, tokens in order), at most ``budget`` rows, whose experts padded to multiples
+    of ``align_size`` fit. Where :func:`local_budget`'s worst case binds, this keeps every
+    row the actual routing leaves room for."""
+    routed = routing_map != 0
+    counts = routed.sum(0, dtype=jnp.int32)
+    start = jnp.cumsum(counts) - counts                                  # unpadded, expert-major
+    kept = jnp.clip(budget - start, 0, counts)
+    padded = (kept + align_size - 1) // align_size * align_size
+    padded_start = jnp.cumsum(padded) - padded
+    # Cut inside expert e (every earlier one whole): as many aligned rows as still fit.
+    room = jnp.clip((rows - padded_start) // align_size * align_size, 0, None)
+    prefix = jnp.max(jnp.where(padded_start <= rows, start + jnp.minimum(kept, room), 0))
+    position = start[None, :] + jnp.cumsum(routed, axis=0, dtype=jnp.int32) - 1
+    return jnp.where(routed & (position < prefix), routing_map, jnp.zeros((), routing_map.dtype))
+
+
+def with_dropped_entries(row_id_map: jax.Array, routing_map: jax.Array) -> jax.Array:
+    """``row_id_map`` built from a routing map with some routed entries removed, listing
+    every entry of ``routing_map`` again as the map of a budget-dropped row lists it: its
+    expert in the token's ascending expert columns, destination ``-1``."""
+    t, e = routing_map.shape
+    routed = routing_map != 0
+    count = row_id_map[:, 2 * e]
+    j = jnp.arange(e, dtype=jnp.int32)[None, :]
+    listed = j < count[:, None]
+    # Destination by expert, from the entries the map lists.
+    experts = jnp.where(listed, row_id_map[:, e:2 * e], e)
+    by_expert = jnp.full((t, e + 1), -1, jnp.int32).at[jnp.arange(t)[:, None], experts].set(
+        jnp.where(listed, row_id_map[:, :e], -1))[:, :e]
+    # Each token's routed experts, ascending, then -1.
+    order = jnp.argsort(~routed, axis=1, stable=True).astype(jnp.int32)
+    n = routed.sum(1, dtype=jnp.int32)
+    used = j < n[:, None]
+    dest = jnp.where(used, jnp.take_along_axis(by_expert, order, axis=1), -1)
+    return jnp.concatenate([dest, jnp.where(used, order, -1), n[:, None]], axis=1).astype(row_id_map.dtype)
 
 
 def _dispatch_local(tokens, num_out_tokens, align_size, rows, backend):
@@ -311,7 +352,13 @@ def _dispatch_local(tokens, num_out_tokens, align_size, rows, backend):
         shards = shard_count(tokens, x.shape[0])
         e, local_rows = rm.shape[1], rows // shards
         budget = local_budget(num_out_tokens, shards, local_rows, e, align_size)
-        rid, kept, owner = dispatch_map(rm, budget, align_size or 1, local_rows, backend)
+        fitted = align_size is not None and budget < min(num_out_tokens // shards, local_rows)
+        if fitted:   # the worst case binds: keep what this routing's padded layout has room for
+            budget = min(num_out_tokens // shards, local_rows)
+        rid, kept, owner = dispatch_map(rows_that_fit(rm, budget, align_size, local_rows) if fitted else rm,
+                                        budget, align_size or 1, local_rows, backend)
+        if fitted:
+            rid = with_dropped_entries(rid, rm)
         (out, pp), _ = permute_fwd(x, probs[0] if probs else None, rid, pad, local_rows, False, backend, owner)
         return (out, pp, rid, kept) if probs else (out, rid, kept)
     return run
@@ -453,7 +500,9 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
 
     Sharding: with ``inp`` sharded over tokens under ``jit``, each shard dispatches its own
     tokens (as TransformerEngine's does): ``output`` holds one expert-grouped block per
-    shard, and ``tokens_per_expert`` counts the rows of every shard (a sum across them). The
+    shard, and ``tokens_per_expert`` counts the rows of every shard (a sum across them).
+    Padded, a shard whose padded layout would not fit its ``rows / shards`` keeps the
+    longest run of its rows in expert-major order that fits; the rest drop. The
     rows as a whole are then not grouped by expert, so a grouped GEMM must not take them
     with these counts: run dispatch, the expert GEMMs and the combine per shard inside
     ``jax.shard_map`` (each shard then gets its own counts), or use the expert-parallel
