@@ -101,6 +101,20 @@ def test_check_grads_numerically(backend):
     check_grads(jax.jit(f), (x, probs, w), order=1, modes=("rev",), atol=2e-2, rtol=2e-2, eps=1e-2)
 
 
+def test_second_order_gradients_are_refused_by_name(backend):
+    """The gradients are first-order custom VJPs: differentiating one again raises an error
+    naming the op, not JAX's about a primitive or custom_partitioning having no rule."""
+    rm, n, x, probs = _case(3, 6, 16, 4, 2, "topk", 1.0, True)
+    out, _, rid, _, _ = te_jax_perm.token_dispatch(x, rm, n, backend=backend)
+    combine_grad = jax.grad(lambda y: jnp.sum(te_jax_perm.token_combine(y, rid, backend=backend) ** 2))
+    assert combine_grad(out).shape == out.shape
+    with pytest.raises(NotImplementedError, match=r"token_combine: the te_jax_perm ops have first-order gradients"):
+        jax.grad(lambda y: jnp.sum(combine_grad(y) ** 2))(out)
+    dispatch_grad = jax.grad(lambda v: jnp.sum(te_jax_perm.token_dispatch(v, rm, n, backend=backend)[0] ** 2))
+    with pytest.raises(NotImplementedError, match=r"token_dispatch: the te_jax_perm ops have first-order gradients"):
+        jax.hessian(lambda v: jnp.sum(dispatch_grad(v)))(jnp.asarray(x))
+
+
 @pytest.mark.parametrize("t,e,k,mode", [(1, 1, 1, "topk"), (1, 4, 4, "topk"), (9, 1, 1, "topk"),
                                         (12, 5, 5, "topk"), (10, 6, 1, "all_one"), (10, 8, 2, "empty")])
 @pytest.mark.parametrize("align", [None, 8])
@@ -208,6 +222,10 @@ def test_errors_name_argument_and_shapes():
     rm = np.zeros((4, 3), bool)
     with pytest.raises(ValueError, match=r"routing_map has shape \(5, 3\); expected 4 tokens like inp \(4, 64\)"):
         te_jax_perm.token_dispatch(x, np.zeros((5, 3), bool), 4)
+    # [B, S] of the map and the tokens must agree, not just B*S.
+    with pytest.raises(ValueError, match=r"routing_map has shape \(1, 4, 3\); expected 4 tokens like inp "
+                                        r"\(2, 2, 64\) \(i.e. \(2, 2, 'E'\)\)"):
+        te_jax_perm.token_dispatch(x.reshape(2, 2, 64), rm.reshape(1, 4, 3), 4)
     with pytest.raises(TypeError, match="inp has dtype int32"):
         te_jax_perm.token_dispatch(x.astype(np.int32), rm, 4)
     with pytest.raises(TypeError, match=r"routing_map has dtype float32; expected bool or an integer dtype "

@@ -262,6 +262,11 @@ def test_layouts_the_layer_cannot_split_are_named_before_shard_map():
             r"EPConfig.fsdp_axes = \('data',\); expected axes of EPConfig.data_axes = \(\)"),
            ((x[:, :15], rm, probs, w1[:, :15], w2[:, :, :15], mesh2, EPConfig(data_axes="data", fsdp_axes="data")),
             r"x has H = 15 columns, which the 2 pieces of EPConfig.fsdp_axes = \('data',\) cannot split evenly"),
+           ((x, rm, probs, w1, w2, mesh, EPConfig(capacity=-1)), r"EPConfig.capacity = -1; expected None or an int >= 0"),
+           ((x, rm, probs, w1, w2, mesh, EPConfig(num_out_tokens=2.5)),
+            r"EPConfig.num_out_tokens = 2.5; expected None or an int >= 0"),
+           ((x, jnp.asarray(rm, jnp.int32) * 3, probs, w1, w2, mesh, EPConfig()),
+            r"routing_map holds values other than 0 and 1 \(e.g. \[3\]\)"),
            ((x, rm, probs, w1, w2, mesh, EPConfig(a2a="ragged")), "ragged_all_to_all does not run on these cpu devices")]
     for args, message in bad:
         with pytest.raises(ValueError, match=message):

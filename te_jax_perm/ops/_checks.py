@@ -136,7 +136,8 @@ def routing_rows(routing_map: Any, tokens_name: str, tokens: Any) -> Any:
     """``routing_map`` flattened to ``[T, E]``, checked to route the tokens of ``tokens``
     (the op's argument ``tokens_name``, ``[T, H]`` or ``[B, S, H]``)."""
     rm = flatten_rows("routing_map", routing_map, "T", "E")
-    if rm.shape[0] != (rows := math.prod(tokens.shape[:-1])):
+    if rm.shape[0] != (rows := math.prod(tokens.shape[:-1])) or (
+            routing_map.ndim == tokens.ndim == 3 and routing_map.shape[:2] != tokens.shape[:2]):
         raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected {rows} tokens like "
                          f"{tokens_name} {tuple(tokens.shape)} (i.e. {tuple(tokens.shape[:-1]) + ('E',)})")
     return rm

@@ -45,7 +45,7 @@ from te_jax_perm.ops.chunk_sort.api import sort_chunks_by_index, sort_chunks_by_
 from te_jax_perm.ops.grouped_gemm.api import grouped_matmul
 from te_jax_perm.ops.moe_ffn.reference import activate, check_activation, check_expert_weights
 from te_jax_perm.ops.permute.api import permute_with_mask_map, unpermute_with_mask_map
-from te_jax_perm.ops.row_id_map.api import make_row_id_map
+from te_jax_perm.ops.row_id_map.api import checked_routing_map, make_row_id_map
 from te_jax_perm.parallel.a2a_support import ragged_all_to_all_supported, resolve_a2a
 from te_jax_perm.parallel.exchange import return_rows, send_rows
 
@@ -182,6 +182,7 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
       and ``w_out`` (the weights' gradients summed over the data axes, reduce-scattered
       over the FSDP axes).
     """
+    routing_map = checked_routing_map(routing_map)   # inside shard_map its values are traced
     data_axes, fsdp = _check_layout(x, routing_map, probs, w_in, w_out, mesh, cfg)
     tokens = P((*data_axes, cfg.axis))
     split = fsdp or None
@@ -220,6 +221,10 @@ def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
         raise ValueError(f"EPConfig.fsdp_axes = {cfg.fsdp_axes!r}; expected axes of EPConfig.data_axes = "
                          f"{cfg.data_axes!r} (FSDP splits the weights over axes that split the tokens)")
     check_activation("EPConfig.activation", cfg.activation)
+    for field in ("num_out_tokens", "capacity"):
+        v = getattr(cfg, field)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+            raise ValueError(f"EPConfig.{field} = {v!r}; expected None or an int >= 0")
     ep = mesh.shape[cfg.axis]
     shards = ep * int(np.prod([mesh.shape[a] for a in data_axes], dtype=np.int64))
     over = f"{shards} token shards: ep = {ep} (mesh axis {cfg.axis!r})" + (

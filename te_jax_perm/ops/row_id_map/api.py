@@ -6,6 +6,8 @@ sync, no data-dependent shapes, no XLA ops around the kernels.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 
 from te_jax_perm.ops import _checks
@@ -64,6 +66,12 @@ def _build(routing_map, single_pass: bool, block_t: int, fused, fill, backend, *
         return tuple(fused(routing_map, backend=backend, block_t=block_t, **params))
     (counts,) = row_id_map_block_counts(routing_map, backend=backend, block_t=block_t)
     return tuple(fill(routing_map, counts, backend=backend, block_t=block_t, **params))
+
+
+def checked_routing_map(routing_map: Any) -> jax.Array:
+    """``routing_map`` as an array, checked as every op checks it: bool, or an integer dtype
+    whose values (where concrete, or under ``TE_JAX_PERM_CHECKS=1``) are all 0 or 1."""
+    return _checks.routing_map_array("routing_map", routing_map)
 
 
 def dispatch_map(routing_map: jax.Array, num_out_tokens: int, align_size: int, num_out_rows: int,
