@@ -55,7 +55,11 @@ def shape_list(small: bool = False, shapes: str | None = None) -> list[tuple[str
     rows.sort(key=lambda r: rank.get((r[0], r[4]), len(rank)))
     if shapes:
         terms = [t.strip() for t in shapes.split(",") if t.strip()]
+        every = rows
         rows = [r for r in rows if any(t in f"{r[0]}:{r[4]}" for t in terms)]
+        if not rows:   # a typo must not pass for a run that tuned everything asked for
+            raise ValueError(f"shapes={shapes!r} matches none of the {'small ' if small else ''}shapes; expected "
+                             f"terms found in model:T, e.g. of {sorted({f'{m}:{T}' for m, _, _, _, T in every})}")
     return rows
 
 

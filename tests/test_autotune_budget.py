@@ -63,4 +63,6 @@ def test_shapes_in_priority_order_and_filtered():
     assert [(m, T) for m, _, _, _, T in full] == list(PRIORITY)
     assert [(m, T) for m, *_, T in shape_list(shapes="qwen3,mixtral-8x7b:16384")] == [
         ("qwen3-235b", 8192), ("mixtral-8x7b", 16384)]
-    assert shape_list(shapes="no-such-model") == []
+    with pytest.raises(ValueError, match=r"shapes='no-such-model' matches none of the shapes; expected terms found "
+                                         r"in model:T, e.g. of \['deepseek-v3:4096'"):
+        shape_list(shapes="no-such-model")     # a typo must not pass for a run that tuned nothing

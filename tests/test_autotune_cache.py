@@ -110,7 +110,7 @@ def test_bad_file_is_ignored_and_retuned(bad, caplog):
     assert autotune.stats["tunes"] == 1 and cache.load(key) is not None
 
 
-@pytest.mark.parametrize("kind", ["fifo", "endless", "oversized"])
+@pytest.mark.parametrize("kind", ["fifo", "endless", "oversized", "directory"])
 def test_entry_that_is_no_regular_file_of_bounded_size_is_skipped_not_read(kind, caplog):
     """A FIFO would block the read until a writer came, /dev/zero never ends: either used to
     hang every lowering (the cache is read even with tuning off)."""
@@ -119,6 +119,8 @@ def test_entry_that_is_no_regular_file_of_bounded_size_is_skipped_not_read(kind,
     path.parent.mkdir(parents=True, exist_ok=True)
     if kind == "fifo":
         os.mkfifo(path)
+    elif kind == "directory":   # once gave a warning per lowering, naming a file descriptor's number
+        path.mkdir()
     elif kind == "endless":
         os.symlink("/dev/zero", path)
     else:
@@ -134,7 +136,8 @@ def test_entry_that_is_no_regular_file_of_bounded_size_is_skipped_not_read(kind,
     worker.join(timeout=60)
     assert results == [None, None], "the cache read hung" if worker.is_alive() else results
     assert len(_absl_warnings(caplog, "ignoring the cached result")) == 1, caplog.text
-    assert "BAD" in autotune.format_cache() or kind != "oversized"
+    assert "Errno" not in caplog.text and ("not a regular file" in caplog.text or kind == "oversized"), caplog.text
+    assert "BAD" in autotune.format_cache() or kind not in ("oversized",)
 
 
 def test_valid_entry_with_default_outside_declared_configs_is_used():
@@ -181,6 +184,8 @@ def test_print_cache_survives_any_file_and_names_the_bad_ones(tmp_cache):
         "c-list.json": b"[]",
         "d-schema.json": json.dumps({"key": {"kernel": "x"}, "ranking": 5}).encode(),
         "e-noconfig.json": json.dumps({"key": {"kernel": "x"}, "ranking": [[{"constants": 1}, 0.1]]}).encode(),
+        "f-kernel_list.json": json.dumps({"key": {"kernel": ["x"]}}).encode(),   # once crashed the listing
+        "g-kernel_dict.json": json.dumps({"key": {"kernel": {"x": 1}}}).encode(),
     }
     for name, data in files.items():
         (tmp_cache / name).write_bytes(data)
@@ -189,6 +194,14 @@ def test_print_cache_survives_any_file_and_names_the_bad_ones(tmp_cache):
     cache.store(key, {"best": good, "ranking": [[good, 1e-6]], "tuned_dims": dims})
     bad_key = dict(key, dims={**key["dims"], "N": 8192})
     cache.store(bad_key, {"best": None, "ranking": [[_cfg(BLOCK=3, BOGUS=1), 1e-6]], "tuned_dims": {**dims, "N": 8192}})
+    # A valid entry under another key's file name: lookups ignore it, so the listing says so.
+    moved_key = dict(key, dims={**key["dims"], "N": 128})
+    moved = tmp_cache / cache.entry_path(moved_key).name
+    moved.write_text(json.dumps({"key": key, "best": good, "ranking": [[good, 1e-6]], "tuned_dims": dims}))
+    # The ranking edited, its best not: lookups read the ranking, the listing showed the best.
+    edited_key = dict(key, dims={**key["dims"], "N": 256})
+    other = decl.configs[1].to_json()
+    cache.store(edited_key, {"best": good, "ranking": [[other, 1e-6], [good, 2e-6]], "tuned_dims": dims})
     out = subprocess.run([sys.executable, "-m", "te_jax_perm.autotune", "--print_cache", f"--cache_dir={tmp_cache}"],
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
@@ -199,7 +212,11 @@ def test_print_cache_survives_any_file_and_names_the_bad_ones(tmp_cache):
     assert any(cache.entry_path(bad_key).name in ln and "BOGUS" in ln for ln in bad_lines), out.stdout
     assert sum(cache.entry_path(key).name in ln for ln in bad_lines) == 0, out.stdout
     assert f"{SHIPPED}  backend=interpret dims={dict(sorted(key['dims'].items()))}" in out.stdout, out.stdout
-    assert "6 bad entries" in out.stdout, out.stdout
+    assert any(moved.name in ln and "not the key this file name stands for" in ln for ln in bad_lines), out.stdout
+    assert any(cache.entry_path(edited_key).name in ln and "not the first config of its ranking" in ln
+               for ln in bad_lines), out.stdout
+    assert cache.load(edited_key) is None
+    assert "10 bad entries" in out.stdout, out.stdout
 
 
 def test_format_cache_checks_configs_against_the_declaration(tmp_cache):
@@ -222,3 +239,25 @@ def test_cli_help_exits_0_and_an_empty_cache_says_so(tmp_path):
     assert empty.returncode == 0, empty.stderr[-2000:]
     assert "empty: nothing is tuned here yet" in empty.stdout, empty.stdout
     assert run("--no_such_flag").returncode == 1
+    # A bad value fails by its flag's name, and a bad flag beside --help still fails.
+    for args, said in ((("--dtype=int8",), "flag --dtype=int8: value should be one of"),
+                       (("--max_candidates=-1",), "flag --max_candidates=-1: -1 is not a non-negative integer"),
+                       (("--tune_shapes", "--small", "--shapes=nonexistent"),
+                        "--shapes: shapes='nonexistent' matches none of the small shapes"),
+                       (("extra",), "unexpected arguments ['extra']"),
+                       (("--backend=xla", "--helpshort"), "flag --backend=xla: value should be one of")):
+        failed = run(*args, f"--cache_dir={tmp_path / 'none'}")
+        assert failed.returncode == 1 and said in failed.stdout + failed.stderr, (args, failed.stderr[-2000:])
+
+
+def test_tune_ahead_names_what_it_takes():
+    from tests.example_kernels import gather_rows
+    pair = ([((16, 96), np.float32), ((5,), np.int32)], {})
+    with pytest.raises(TypeError, match=r"tune_ahead: shapes_and_params\[0\] is \[\(\(16, 96\), <class "
+                                        r"'numpy.float32'>\), \(\(5,\), <class 'numpy.int32'>\)\]; expected an "
+                                        r"\(operand shapes, static params\) pair"):
+        autotune.tune_ahead(gather_rows, [pair[0]], backend="interpret")
+    with pytest.raises(ValueError, match=r"autotune: backend='xla' has no kernel configs to tune; expected one of"):
+        autotune.tune_ahead(gather_rows, [pair], backend="xla")
+    (result,) = autotune.tune_ahead(gather_rows, [pair], backend="INTERPRET")   # any case, as everywhere
+    assert result.best is not None and result.key["backend"] == "interpret"

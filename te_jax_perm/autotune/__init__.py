@@ -19,7 +19,13 @@ def tune_ahead(kernel: Any, shapes_and_params: Iterable[tuple[Sequence[Any], Map
     """Tunes ``kernel`` (a ``KernelDecl`` or declared primitive) for each
     ``(operand shapes, static params)``; operand shapes as in :func:`tune`."""
     decl = getattr(kernel, "decl", kernel)
-    return [tune(decl, shapes, params, backend, options) for shapes, params in shapes_and_params]
+    items = list(shapes_and_params)
+    for i, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], (tuple, list))
+                and (item[1] is None or isinstance(item[1], Mapping))):
+            raise TypeError(f"tune_ahead: shapes_and_params[{i}] is {item!r}; expected an (operand shapes, static "
+                            "params) pair, e.g. ([((16, 96), np.float32), ((5,), np.int32)], {})")
+    return [tune(decl, shapes, params, backend, options) for shapes, params in items]
 
 
 def print_cache() -> None:

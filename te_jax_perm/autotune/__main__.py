@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import jax
 import ml_dtypes  # noqa: F401  (bfloat16 as a NumPy dtype)
 import numpy as np
-from absl import flags, logging
+from absl import app, flags, logging
 
 from te_jax_perm import autotune, workloads
 from te_jax_perm.autotune.cache import LIST_FIELDS, call_key, format_cache, key_digest
@@ -33,22 +33,28 @@ def _define_flags() -> None:
     flags.DEFINE_enum("backend", None, ["triton", "interpret"], "where to tune: triton (the GPU default) or "
                       "interpret (the Triton interpreter, the CPU default)")
     flags.DEFINE_bool("small", False, "tune at the one small CPU shape only")
-    flags.DEFINE_string("dtype", "bfloat16", "token dtype to tune for: bfloat16, float16 or float32")
+    flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float16", "float32"], "token dtype to tune for")
     flags.DEFINE_string("cache_dir", None, "tuning cache directory (default: $TE_JAX_PERM_AUTOTUNE_CACHE, else "
                         "~/.cache/te_jax_perm/autotune)")
     flags.DEFINE_float("budget_s", None, "wall-clock budget in seconds for --tune_shapes; no tuning starts after it")
     flags.DEFINE_string("shapes", None, "comma-separated model:T filters for --tune_shapes, e.g. "
                         "deepseek-v3:8192,qwen3")
-    flags.DEFINE_integer("max_candidates", 24, "configs tried per kernel (the default config is always kept)")
+    flags.DEFINE_integer("max_candidates", 24, "configs tried per kernel (the default config is always kept; "
+                         "0: every config)", lower_bound=0)
 
 
 def main(argv: list[str]) -> int:
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; every setting is a --flag (--helpshort lists them)")
     logging.set_verbosity(logging.INFO)
     f = flags.FLAGS
     if f.cache_dir:
         autotune.set_cache_dir(f.cache_dir)
     if f.tune_shapes:
+        try:
+            shape_list(f.small, f.shapes)
+        except ValueError as e:
+            raise app.UsageError(f"--shapes: {e}") from None
         opts = autotune.TuneOptions(max_candidates=f.max_candidates or None)
         tune_shapes(f.backend, f.small, f.dtype, f.budget_s, f.shapes, opts,
                     on_row=lambda row: print(json.dumps(row), flush=True))

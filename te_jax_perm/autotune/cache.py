@@ -151,6 +151,9 @@ def entry_problem(entry: Any, decl: KernelDecl | None = None, dims: Mapping[str,
         configs.append(cfg)
     if entry.get("best") is not None:
         configs.append(entry["best"])
+        if configs[:-1] and entry["best"] != configs[0]:
+            # The tuner stores its ranking's first as the best; lookups read the ranking.
+            return "its best is not the first config of its ranking"
     tuned = entry.get("tuned_dims")
     if tuned is not None and (not isinstance(tuned, dict) or not all(_is_int(v) for v in tuned.values())):
         return f"tuned_dims {tuned!r} is not a mapping of integer dims"
@@ -199,9 +202,13 @@ def _read(path: Path) -> tuple[Any, str | None]:
     of at most :data:`MAX_ENTRY_BYTES` is read: opening a FIFO blocks until a writer comes
     and a device such as ``/dev/zero`` never ends, and either would hang every lowering."""
     try:
-        with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return None, "not a regular file"
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        # Checked on the descriptor, before Python's file object, which refuses a directory
+        # with an error naming the descriptor's number instead of the path.
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None, "not a regular file"
+        with open(fd, "rb") as f:
             data = f.read(MAX_ENTRY_BYTES + 1)   # one byte more tells an oversized file
         if len(data) > MAX_ENTRY_BYTES:
             return None, f"more than the {MAX_ENTRY_BYTES} bytes an entry may have"
@@ -232,7 +239,7 @@ def load(key: Mapping[str, Any], decl: KernelDecl | None = None, dims: Mapping[s
         return None
     # A digest collision or a hand-edited file must not hand back another key's result.
     if why is None and entry["key"] != json.loads(json.dumps(key)):
-        why = "its key is not the key this file name stands for"
+        why = _KEY_MISMATCH
     if why is None:
         return entry
     if decl is not None and (str(path), why) not in _reported:
@@ -240,6 +247,17 @@ def load(key: Mapping[str, Any], decl: KernelDecl | None = None, dims: Mapping[s
         logging.warning("autotune %s: ignoring the cached result in %s: %s; it is re-tuned when tuning is on",
                         decl.name, path, why)
     return None
+
+
+_KEY_MISMATCH = "its key is not the key this file name stands for"
+
+
+def _stands_for(path: Path, key: Any) -> bool:
+    """Whether ``path`` is the file name ``key`` is stored under."""
+    try:
+        return entry_path(key).name == path.name
+    except (TypeError, ValueError, KeyError):   # a hand-made key the digest cannot take
+        return False
 
 
 def store(key: Mapping[str, Any], entry: Mapping[str, Any]) -> Path:
@@ -285,7 +303,10 @@ def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
         except FileNotFoundError:
             continue   # removed since the listing
         where = "in memory: " if str(p) in _memory else ""
-        if why is None and (decl := decls.get(e["key"].get("kernel"))) is not None:
+        if why is None and not _stands_for(p, e["key"]):
+            why = _KEY_MISMATCH
+        kernel = e["key"].get("kernel") if why is None else None
+        if isinstance(kernel, str) and (decl := decls.get(kernel)) is not None:
             why = entry_problem(e, decl, params=_literal_params(e["key"]))
         if why:
             bad += 1

@@ -26,7 +26,7 @@ from absl import logging
 from te_jax_perm.autotune import cache
 from te_jax_perm.autotune.pool import get_pool, make_job
 from te_jax_perm.autotune.trials import RUNNERS, initial_prealloc, make_inputs, run_trials, timed
-from te_jax_perm.core import env
+from te_jax_perm.core import env, resolve_backend
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import Call, bind_call, configure
 
@@ -101,14 +101,16 @@ def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | No
     """Tunes ``decl`` for operands of ``shapes`` (arrays, ShapeDtypeStructs or
     ``(shape, dtype)`` pairs) and static ``params``; returns the cached result if present."""
     avals = [s if hasattr(s, "shape") and hasattr(s, "dtype") else jax.ShapeDtypeStruct(*s) for s in shapes]
-    return tune_call(bind_call(decl, avals, dict(params or {}), backend), options, pool)
+    # Backend names are case-insensitive here as everywhere; an unavailable one is named.
+    return tune_call(bind_call(decl, avals, dict(params or {}), resolve_backend(backend)), options, pool)
 
 
 def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
     """Tunes one bound call (see :func:`tune`)."""
     decl, dims, params, backend = call.decl, call.dims, call.params, call.backend
     if backend not in RUNNERS:
-        raise ValueError(f"autotune: backend {backend!r} has nothing to tune")
+        raise ValueError(f"autotune: backend={backend!r} has no kernel configs to tune; expected one of "
+                         f"{tuple(sorted(RUNNERS))}")
     key = cache.call_key(call)
     entry = None if options.force else cached(call, key)
     if entry is not None:

@@ -68,8 +68,8 @@ class Config:
         return Config.make(d["num_warps"], d["num_stages"], **d["constants"])
 
     def __str__(self) -> str:
-        c = ",".join(f"{k}={v}" for k, v in self.constants)
-        return f"Config({c},warps={self.num_warps},stages={self.num_stages})"
+        parts = [f"{k}={v}" for k, v in self.constants] + [f"warps={self.num_warps}", f"stages={self.num_stages}"]
+        return f"Config({','.join(parts)})"
 
 
 Constraint = Callable[[Dims, Params, Config], "str | None"]
