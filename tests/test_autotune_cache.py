@@ -140,6 +140,12 @@ def test_entry_that_is_no_regular_file_of_bounded_size_is_skipped_not_read(kind,
     assert "BAD" in autotune.format_cache() or kind not in ("oversized",)
 
 
+def test_entries_are_readable_by_every_user_of_a_shared_cache():
+    _, _, key = _setup("cache_mode")
+    _write_entry(key, [[_cfg(BS=8, BT=2), 1e-6]])
+    assert cache.entry_path(key).stat().st_mode & 0o777 == 0o644
+
+
 def test_valid_entry_with_default_outside_declared_configs_is_used():
     # The tuner adds the default config to the space: a winner equal to it is legitimate
     # even when the declared list does not hold it.

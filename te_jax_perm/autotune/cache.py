@@ -279,6 +279,9 @@ def _write(path: Path, entry: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
+        # mkstemp makes the file private (0600); an entry is no secret, and a cache directory
+        # shared by the users of a machine must stay readable to all of them.
+        os.chmod(tmp, 0o644)
         with os.fdopen(fd, "w") as f:
             json.dump(entry, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
