@@ -32,6 +32,9 @@ from typing import Any
 
 from absl import flags
 
+# jax is imported here, but its devices start only in setup(), after --cpu_devices is read.
+from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("cpu_devices", 8, "virtual CPU devices to run on when there is no GPU")
 flags.DEFINE_integer("devices", None, "use the first N devices (default: all)")
@@ -44,7 +47,7 @@ flags.DEFINE_bool("fsdp", False, "split the expert weights along their hidden di
                   "(FSDP): gathered for each step's GEMMs, their gradients reduce-scattered")
 flags.DEFINE_integer("experts", None, "routed experts E, a multiple of the expert-parallel group's size "
                      "devices / data (default: 32 on GPUs, 2 per group member on CPU)")
-flags.DEFINE_enum("activation", "silu_glu", ["silu_glu", "gelu_glu", "silu", "gelu", "relu"],
+flags.DEFINE_enum("activation", "silu_glu", list(ACTIVATIONS),
                   "the experts' activation, as moe_ffn names it: silu_glu (SwiGLU) and gelu_glu are gated "
                   "(w_in holds gate and up columns, [E, H, 2F])")
 flags.DEFINE_integer("topk", None, "experts per token k (default: 8 on GPUs, 2 on CPU)")
@@ -93,7 +96,6 @@ class Sizes:
     @property
     def gated(self) -> bool:
         """Whether w_in holds gate and up columns (``[E, H, 2F]``)."""
-        from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS
         return ACTIVATIONS[self.activation][1]
 
     @property
