@@ -55,7 +55,8 @@ class EPConfig:
 
     Attributes:
       num_out_tokens: rows each device keeps after its local dispatch (``T * topk`` keeps
-        every routed row); ``None`` keeps all.
+        every routed row); ``None`` is ``T * E``, room for every token routed to every
+        expert: the dispatch and exchange buffers grow with it, so pass ``T * topk``.
       capacity: rows each device may send to each rank; ``None`` is the worst case
         (``min(num_out_tokens, T * E_local)``), so nothing drops at the exchange.
       axis: the mesh axis name of the expert-parallel group.
