@@ -215,6 +215,8 @@ def _read(path: Path) -> tuple[Any, str | None]:
         return json.loads(data.decode("utf-8")), None
     except FileNotFoundError:
         raise
+    except NotADirectoryError:
+        return None, _NOT_A_DIRECTORY
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         return None, f"unreadable ({type(e).__name__}: {e})"
 
@@ -242,14 +244,17 @@ def load(key: Mapping[str, Any], decl: KernelDecl | None = None, dims: Mapping[s
         why = _KEY_MISMATCH
     if why is None:
         return entry
-    if decl is not None and (str(path), why) not in _reported:
-        _reported.add((str(path), why))
+    # One report per file; one for the whole cache when its directory is no directory.
+    where = str(path.parent) if why == _NOT_A_DIRECTORY else str(path)
+    if decl is not None and (where, why) not in _reported:
+        _reported.add((where, why))
         logging.warning("autotune %s: ignoring the cached result in %s: %s; it is re-tuned when tuning is on",
                         decl.name, path, why)
     return None
 
 
 _KEY_MISMATCH = "its key is not the key this file name stands for"
+_NOT_A_DIRECTORY = "the cache directory is not a directory"
 
 
 def _stands_for(path: Path, key: Any) -> bool:
