@@ -36,28 +36,29 @@ from absl import flags
 from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("cpu_devices", 8, "virtual CPU devices to run on when there is no GPU")
-flags.DEFINE_integer("devices", None, "use the first N devices (default: all)")
-flags.DEFINE_integer("tokens", None, "tokens per device T (default: 4096 on GPUs, 64 on CPU)")
-flags.DEFINE_integer("hidden", None, "hidden size H (default: 4096 on GPUs, 64 on CPU)")
-flags.DEFINE_integer("ffn", None, "expert FFN inner size F (default: 2048 on GPUs, 64 on CPU)")
+flags.DEFINE_integer("cpu_devices", 8, "virtual CPU devices to run on when there is no GPU", lower_bound=1)
+flags.DEFINE_integer("devices", None, "use the first N devices (default: all)", lower_bound=1)
+flags.DEFINE_integer("tokens", None, "tokens per device T (default: 4096 on GPUs, 64 on CPU)", lower_bound=1)
+flags.DEFINE_integer("hidden", None, "hidden size H (default: 4096 on GPUs, 64 on CPU)", lower_bound=1)
+flags.DEFINE_integer("ffn", None, "expert FFN inner size F (default: 2048 on GPUs, 64 on CPU)", lower_bound=1)
 flags.DEFINE_integer("data", 1, "data-parallel copies of the expert-parallel group; the devices form a "
-                     "[data, devices / data] mesh (1: one group over every device)")
+                     "[data, devices / data] mesh (1: one group over every device)", lower_bound=1)
 flags.DEFINE_bool("fsdp", False, "split the expert weights along their hidden dimension over the --data axis "
                   "(FSDP): gathered for each step's GEMMs, their gradients reduce-scattered")
 flags.DEFINE_integer("experts", None, "routed experts E, a multiple of the expert-parallel group's size "
-                     "devices / data (default: 32 on GPUs, 2 per group member on CPU)")
+                     "devices / data (default: 32 on GPUs, 2 per group member on CPU)", lower_bound=1)
 flags.DEFINE_enum("activation", "silu_glu", list(ACTIVATIONS),
                   "the experts' activation, as moe_ffn names it: silu_glu (SwiGLU) and gelu_glu are gated "
                   "(w_in holds gate and up columns, [E, H, 2F])")
-flags.DEFINE_integer("topk", None, "experts per token k (default: 8 on GPUs, 2 on CPU)")
-flags.DEFINE_string("dtype", None, "token and weight dtype (default: bfloat16 on GPUs, float32 on CPU)")
+flags.DEFINE_integer("topk", None, "experts per token k (default: 8 on GPUs, 2 on CPU)", lower_bound=1)
+flags.DEFINE_enum("dtype", None, ["bfloat16", "float16", "float32"], "token and weight dtype (default: bfloat16 on "
+                  "GPUs, float32 on CPU)")
 flags.DEFINE_enum("routing", "uniform", ["uniform", "skewed"],
                   "uniform: top-k of random logits; skewed: expert 0 takes every token, the last expert none")
 flags.DEFINE_integer("capacity", None, "rows each device may send to each device; rows past it drop "
-                     "(default: the worst case, nothing drops)")
-flags.DEFINE_string("backend", None, "te_jax_perm kernel backend: triton, interpret or xla "
-                    "(default: triton on GPUs, xla on CPU)")
+                     "(default: the worst case, nothing drops)", lower_bound=0)
+flags.DEFINE_enum("backend", None, ["triton", "interpret", "xla"], "te_jax_perm kernel backend "
+                  "(default: triton on GPUs, xla on CPU)")
 flags.DEFINE_enum("gemm", "auto", ["auto", "triton", "interpret", "tokamax", "xla"],
                   "expert grouped GEMM, grouped_matmul's backend: triton (our Triton grouped GEMM, GPU), "
                   "interpret (the same in Triton's CPU interpreter), tokamax (GPUs, needs te_jax_perm[gemm]), "
@@ -66,9 +67,12 @@ flags.DEFINE_enum("a2a", "both", ["dense", "ragged", "both"],
                   "all-to-all: dense (capacity-padded), ragged (exact rows; where the platform supports it) or "
                   "both (ragged only where supported)")
 flags.DEFINE_integer("check_tokens", 256, "tokens (over all devices) checked against the single-device "
-                     "reference when the whole batch is larger; all tokens when --capacity makes rows drop")
+                     "reference when the whole batch is larger; all tokens when --capacity makes rows drop",
+                     lower_bound=1)
 flags.DEFINE_float("device_memory_gib", None, "device memory to plan for, in GiB (default: what the device "
                    "reports; CPUs report none, then the check is skipped)")
+flags.register_validator("device_memory_gib", lambda v: v is None or v > 0,
+                         "--device_memory_gib must be a positive number of GiB")
 
 TOL = {"float32": 2e-3, "bfloat16": 5e-2, "float16": 1e-2}
 EXIT_WONT_FIT = 2
@@ -338,6 +342,10 @@ def setup(counts_of=lambda n: []) -> Run | int:
     if jax.default_backend() == "cpu":
         # The check compares two matmul decompositions in float32; keep it exact.
         jax.config.update("jax_default_matmul_precision", "highest")
+    if FLAGS.devices and FLAGS.devices > len(jax.devices()):
+        print(f"--devices={FLAGS.devices}, but there are {len(jax.devices())} {jax.default_backend()} devices; "
+              f"expected at most {len(jax.devices())}")
+        return 1
     devs = jax.devices()[:FLAGS.devices] if FLAGS.devices else jax.devices()
     on_gpu = devs[0].platform == "gpu"
     backend = FLAGS.backend or ("triton" if on_gpu else "xla")
@@ -350,6 +358,13 @@ def setup(counts_of=lambda n: []) -> Run | int:
     sz = sizes_from_flags(len(devs), on_gpu)
     if sz.experts % sz.ep:
         print(f"--experts={sz.experts} is not a multiple of the expert-parallel group's {sz.ep} devices")
+        return 1
+    if sz.topk > sz.experts:
+        print(f"--topk={sz.topk} is more than the {sz.experts} experts; expected at most {sz.experts}")
+        return 1
+    if sz.fsdp and sz.hidden % sz.data:
+        print(f"--hidden={sz.hidden} does not split into the --data={sz.data} pieces --fsdp cuts each weight into; "
+              f"expected a multiple of {sz.data}")
         return 1
     modes = modes_of(devs)
     print(f"{jax.default_backend()} ({devs[0].device_kind}) x{sz.n_dev}"

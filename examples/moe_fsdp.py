@@ -26,16 +26,17 @@ import time
 from absl import flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("cpu_devices", 8, "virtual CPU devices to run on when there is no GPU")
-flags.DEFINE_integer("data", 1, "size of the data axis; the FSDP axis takes the rest of the devices")
-flags.DEFINE_integer("tokens", 32, "tokens per device")
-flags.DEFINE_integer("hidden", 64, "hidden size H (divisible by the FSDP axis)")
-flags.DEFINE_integer("ffn", 32, "expert FFN inner size F")
-flags.DEFINE_integer("experts", 8, "routed experts E")
-flags.DEFINE_integer("topk", 2, "experts per token k")
+flags.DEFINE_integer("cpu_devices", 8, "virtual CPU devices to run on when there is no GPU", lower_bound=1)
+flags.DEFINE_integer("data", 1, "size of the data axis; the FSDP axis takes the rest of the devices",
+                     lower_bound=1)
+flags.DEFINE_integer("tokens", 32, "tokens per device", lower_bound=1)
+flags.DEFINE_integer("hidden", 64, "hidden size H (divisible by the FSDP axis)", lower_bound=1)
+flags.DEFINE_integer("ffn", 32, "expert FFN inner size F", lower_bound=1)
+flags.DEFINE_integer("experts", 8, "routed experts E", lower_bound=1)
+flags.DEFINE_integer("topk", 2, "experts per token k (at most --experts)", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "token and weight dtype")
 flags.DEFINE_enum("backend", None, ["triton", "xla"], "te_jax_perm backend (default: triton on GPUs, xla on CPU)")
-flags.DEFINE_integer("steps", 3, "timed steps after the checked one")
+flags.DEFINE_integer("steps", 3, "timed steps after the checked one", lower_bound=1)
 flags.DEFINE_float("lr", 0.5, "SGD learning rate")
 
 TOL = {"float32": 1e-4, "bfloat16": 3e-2}
@@ -59,8 +60,15 @@ def main(argv: list[str]) -> int:
     devs = jax.devices()
     n, data = len(devs), FLAGS.data
     fsdp = n // data if n % data == 0 else 0
-    if not fsdp or FLAGS.hidden % fsdp:
-        print(f"--data={data} must divide the {n} devices and the FSDP axis (devices / data) --hidden={FLAGS.hidden}")
+    if not fsdp:
+        print(f"--data={data} does not divide the {n} devices; expected a divisor of {n}")
+        return 1
+    if FLAGS.hidden % fsdp:
+        print(f"--hidden={FLAGS.hidden} does not divide into the FSDP axis's {fsdp} pieces (devices / --data = "
+              f"{n} / {data}); expected a multiple of {fsdp}")
+        return 1
+    if FLAGS.topk > FLAGS.experts:
+        print(f"--topk={FLAGS.topk} is more than the {FLAGS.experts} --experts; expected at most {FLAGS.experts}")
         return 1
     mesh = Mesh(np.array(devs).reshape(data, fsdp), ("data", "fsdp"))
     backend = FLAGS.backend or ("triton" if devs[0].platform == "gpu" else "xla")

@@ -37,14 +37,14 @@ import numpy as np
 import te_jax_perm
 from te_jax_perm import cli
 
-flags.DEFINE_integer("tokens", 256, "tokens T in the batch")
-flags.DEFINE_integer("hidden", 128, "hidden size H of each token")
-flags.DEFINE_integer("ffn", 256, "inner size F of each expert's SwiGLU FFN")
-flags.DEFINE_integer("experts", 8, "routed experts E")
-flags.DEFINE_integer("topk", 2, "experts per token k")
+flags.DEFINE_integer("tokens", 256, "tokens T in the batch", lower_bound=1)
+flags.DEFINE_integer("hidden", 128, "hidden size H of each token", lower_bound=1)
+flags.DEFINE_integer("ffn", 256, "inner size F of each expert's SwiGLU FFN", lower_bound=1)
+flags.DEFINE_integer("experts", 8, "routed experts E", lower_bound=1)
+flags.DEFINE_integer("topk", 2, "experts per token k (at most --experts)", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "token and weight dtype")
 flags.DEFINE_integer("align_size", 0, "pad each expert's rows to a multiple of this, as FP8 grouped GEMMs "
-                     "want (0: no padding)")
+                     "want (0: no padding)", lower_bound=0)
 flags.DEFINE_enum("backend", None, ["triton", "interpret", "xla"], "te_jax_perm backend: triton (GPU), "
                   "interpret (the Triton kernels in Triton's CPU interpreter, slow) or xla (plain JAX); "
                   "default: triton on a GPU, xla elsewhere")
@@ -55,8 +55,14 @@ flags.DEFINE_enum("gemm", None, ["triton", "interpret", "tokamax", "xla", "fused
                   "default: triton on a GPU, xla elsewhere")
 flags.DEFINE_enum("probs_in", "combine", ["combine", "dispatch"], "where the routing probabilities apply: "
                   "token_combine's merging_probs, or the expert outputs via token_dispatch's permuted_probs")
-flags.DEFINE_integer("ep_ranks", 1, "source ranks of the simulated expert parallelism (1: none)")
+flags.DEFINE_integer("ep_ranks", 1, "source ranks of the simulated expert parallelism (1: none); they split "
+                     "--tokens evenly", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "random seed for inputs, weights and routing")
+flags.register_multi_flags_validator(
+    ["topk", "experts"], lambda f: f["topk"] <= f["experts"], "--topk must be at most --experts")
+flags.register_multi_flags_validator(
+    ["tokens", "ep_ranks"], lambda f: f["tokens"] % f["ep_ranks"] == 0,
+    "--ep_ranks must divide --tokens: each simulated rank holds an equal share of the tokens")
 flags.register_multi_flags_validator(
     ["gemm", "probs_in", "ep_ranks"],
     lambda f: f["gemm"] != "fused" or (f["probs_in"] == "combine" and f["ep_ranks"] == 1),
