@@ -420,8 +420,9 @@ def sweep_rowmap(budget_s: float, calls: int, log) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="directory for the sweep JSON (required unless --table)")
-    ap.add_argument("--part", default="movers,rowmap")
-    ap.add_argument("--shapes", default="")
+    ap.add_argument("--part", default="movers,rowmap", help="comma-separated sweeps to run: movers, rowmap")
+    ap.add_argument("--shapes", default="", help="comma-separated substrings of the movers' shape names "
+                    "(default: all)")
     ap.add_argument("--table", nargs="*", default=None, metavar="SWEEP_JSON",
                     help="rebuild the movers' default table of each device these sweep files (default: "
                          "those listed in benchmarks/results/mover_table_sweeps.txt) were measured on, in "
@@ -432,9 +433,12 @@ def main(argv: list[str] | None = None) -> int:
                     "(small-T sweeps, e.g. 16,64,256)")
     ap.add_argument("--quick", action="store_true",
                     help="movers: whole- and half-row tiles of one token at each warp count, one stage count")
-    ap.add_argument("--budget-s", type=float, default=400.0)
-    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=400.0, help="wall-clock budget in seconds for each sweep")
+    ap.add_argument("--calls", type=int, default=5, help="timed calls per config (median taken)")
     args = ap.parse_args(argv)
+    unknown = [p for p in args.part.split(",") if p not in ("movers", "rowmap")]
+    if unknown:
+        ap.error(f"--part: {unknown} not among movers, rowmap")
     if args.table is not None:
         from te_jax_perm.ops import tuned_defaults
         tables = default_tables(args.table or table_sweeps(), tuned_defaults.shipped_tables())

@@ -200,13 +200,21 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m benchmarks.small_t", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--backends", default="triton,xla")
-    ap.add_argument("--chain", type=int, default=50)
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--out", required=True, help="directory for small_t.json and small_t.png")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts T")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated models, of {', '.join(MODELS)}")
+    ap.add_argument("--backends", default="triton,xla", help="comma-separated op backends: triton, xla")
+    ap.add_argument("--chain", type=int, default=50, help="dependent steps per timed chain")
+    ap.add_argument("--reps", type=int, default=15, help="timed chains per point (median taken)")
     a = ap.parse_args(argv)
+    bad = ([f"--models: {m!r} is not one of {sorted(MODELS)}" for m in a.models.split(",") if m not in MODELS]
+           + [f"--backends: {b!r} is not one of ['triton', 'xla']" for b in a.backends.split(",")
+              if b not in ("triton", "xla")]
+           + [f"--tokens: {t!r} is not a positive integer" for t in a.tokens.split(",")
+              if not t.isdigit() or int(t) < 1]
+           + [f"--{n}={v} must be at least 1" for n, v in (("chain", a.chain), ("reps", a.reps)) if v < 1])
+    if bad:
+        ap.error("; ".join(bad))
     import jax
     os.makedirs(a.out, exist_ok=True)
     device = jax.devices()[0].device_kind
