@@ -225,7 +225,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--autotune", action="store_true", help="tune kernels on a cache miss (slow first call)")
     p.add_argument("--no-copy-tune", action="store_true", help="skip the copy-kernel config shortlist")
     p.add_argument("--log", action="store_true", help="also append everything to OUT/bench.log")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    known = ("triton", "interpret", "xla")
+    bad = ([f"--backends: {b!r} is not one of {list(known)}" for b in a.backends.split(",") if b not in known]
+           + ([f"--budget-s={a.budget_s} must not be negative"] if a.budget_s < 0 else [])
+           + ([f"--reps={a.reps} must be at least 1"] if a.reps is not None and a.reps < 1 else []))
+    if bad:
+        p.error("; ".join(bad))
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
