@@ -42,7 +42,7 @@ from te_jax_perm.ops import _checks
 from te_jax_perm.ops._bits import from_bits, to_bits
 from te_jax_perm.ops.permute import decl as D
 from te_jax_perm.ops.row_id_map.api import dispatch_map
-from te_jax_perm.ops.row_id_map.reference import pad_offsets_of, padded_counts_of
+from te_jax_perm.ops.row_id_map.reference import kept_of, pad_offsets_of, padded_counts_of, routed
 from te_jax_perm.ops.token_split import shard_count, split_over_tokens
 
 
@@ -301,44 +301,21 @@ def local_budget(num_out_tokens: int, shards: int, rows: int, num_experts: int, 
     return max(0, min(budget, fits))
 
 
-def rows_that_fit(routing_map: jax.Array, budget: int, align_size: int, rows: int) -> jax.Array:
-    """``routing_map`` with the routed entries dropped that this routing's padded layout
-    cannot fit into ``rows`` rows: the longest prefix of the expert-major order (experts
-    ascending, tokens in order), at most ``budget`` rows, whose experts padded to multiples
-    of ``align_size`` fit. Where :func:`local_budget`'s worst case binds, this keeps every
-    row the actual routing leaves room for."""
-    routed = routing_map != 0
-    counts = routed.sum(0, dtype=jnp.int32)
-    start = jnp.cumsum(counts) - counts                                  # unpadded, expert-major
-    kept = jnp.clip(budget - start, 0, counts)
-    padded = (kept + align_size - 1) // align_size * align_size
+def fitting_budget(routing_map: jax.Array, budget: int, align_size: int, rows: int) -> jax.Array:
+    """The row budget (int32, traced) this routing's padded layout fits into ``rows`` rows:
+    the longest prefix of the expert-major order (experts ascending, tokens in order), at
+    most ``budget`` rows, whose experts padded to multiples of ``align_size`` fit. Where
+    :func:`local_budget`'s worst case binds, this keeps every row the routing leaves room for."""
+    totals = routed(routing_map).sum(0, dtype=jnp.int32)
+    start = jnp.cumsum(totals) - totals                                  # unpadded, expert-major
+    kept = kept_of(totals, budget)
+    padded = padded_counts_of(kept, align_size)
     padded_start = jnp.cumsum(padded) - padded
-    # Cut inside expert e (every earlier one whole): as many aligned rows as still fit.
+    # Cut inside expert e (every earlier one whole): as many aligned rows as still fit. An
+    # expert starting past the budget (nothing kept) stands for the whole budget.
     room = jnp.clip((rows - padded_start) // align_size * align_size, 0, None)
-    prefix = jnp.max(jnp.where(padded_start <= rows, start + jnp.minimum(kept, room), 0))
-    position = start[None, :] + jnp.cumsum(routed, axis=0, dtype=jnp.int32) - 1
-    return jnp.where(routed & (position < prefix), routing_map, jnp.zeros((), routing_map.dtype))
-
-
-def with_dropped_entries(row_id_map: jax.Array, routing_map: jax.Array) -> jax.Array:
-    """``row_id_map`` built from a routing map with some routed entries removed, listing
-    every entry of ``routing_map`` again as the map of a budget-dropped row lists it: its
-    expert in the token's ascending expert columns, destination ``-1``."""
-    t, e = routing_map.shape
-    routed = routing_map != 0
-    count = row_id_map[:, 2 * e]
-    j = jnp.arange(e, dtype=jnp.int32)[None, :]
-    listed = j < count[:, None]
-    # Destination by expert, from the entries the map lists.
-    experts = jnp.where(listed, row_id_map[:, e:2 * e], e)
-    by_expert = jnp.full((t, e + 1), -1, jnp.int32).at[jnp.arange(t)[:, None], experts].set(
-        jnp.where(listed, row_id_map[:, :e], -1))[:, :e]
-    # Each token's routed experts, ascending, then -1.
-    order = jnp.argsort(~routed, axis=1, stable=True).astype(jnp.int32)
-    n = routed.sum(1, dtype=jnp.int32)
-    used = j < n[:, None]
-    dest = jnp.where(used, jnp.take_along_axis(by_expert, order, axis=1), -1)
-    return jnp.concatenate([dest, jnp.where(used, order, -1), n[:, None]], axis=1).astype(row_id_map.dtype)
+    fits = jnp.max(jnp.where(padded_start <= rows, start + jnp.minimum(kept, room), 0))
+    return jnp.minimum(fits, budget).astype(jnp.int32)
 
 
 def _dispatch_local(tokens, num_out_tokens, align_size, rows, backend):
@@ -352,13 +329,10 @@ def _dispatch_local(tokens, num_out_tokens, align_size, rows, backend):
         shards = shard_count(tokens, x.shape[0])
         e, local_rows = rm.shape[1], rows // shards
         budget = local_budget(num_out_tokens, shards, local_rows, e, align_size)
-        fitted = align_size is not None and budget < min(num_out_tokens // shards, local_rows)
-        if fitted:   # the worst case binds: keep what this routing's padded layout has room for
-            budget = min(num_out_tokens // shards, local_rows)
-        rid, kept, owner = dispatch_map(rows_that_fit(rm, budget, align_size, local_rows) if fitted else rm,
-                                        budget, align_size or 1, local_rows, backend)
-        if fitted:
-            rid = with_dropped_entries(rid, rm)
+        if align_size is not None and budget < min(num_out_tokens // shards, local_rows):
+            # The worst case binds: keep what this routing's padded layout has room for.
+            budget = fitting_budget(rm, min(num_out_tokens // shards, local_rows), align_size, local_rows)
+        rid, kept, owner = dispatch_map(rm, budget, align_size or 1, local_rows, backend)
         (out, pp), _ = permute_fwd(x, probs[0] if probs else None, rid, pad, local_rows, False, backend, owner)
         return (out, pp, rid, kept) if probs else (out, rid, kept)
     return run

@@ -13,7 +13,7 @@ import jax
 from te_jax_perm.ops import _checks
 from te_jax_perm.ops.row_id_map.decl import (dispatch_map_fill, dispatch_map_fused, map_plan, row_id_map_block_counts,
                                              row_id_map_fill, row_id_map_fused)
-from te_jax_perm.ops.row_id_map.reference import drop_threshold, num_blocks
+from te_jax_perm.ops.row_id_map.reference import dispatch_map_fused_reference, drop_threshold, num_blocks
 from te_jax_perm.ops.tiling import next_pow2, not_pow2
 
 
@@ -74,13 +74,19 @@ def checked_routing_map(routing_map: Any) -> jax.Array:
     return _checks.routing_map_array("routing_map", routing_map)
 
 
-def dispatch_map(routing_map: jax.Array, num_out_tokens: int, align_size: int, num_out_rows: int,
+def dispatch_map(routing_map: jax.Array, num_out_tokens: int | jax.Array, align_size: int, num_out_rows: int,
                  backend: str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The map :func:`make_row_id_map` builds, for a dispatch into ``num_out_rows`` rows:
     ``(row_id_map, kept, owner)`` with destinations padded to multiples of ``align_size``
     per expert (1: no padding) and ``owner`` int32 ``[num_out_rows]``, each row's one
     writing entry ``t*E + j + 1`` (0: a padding or unused row), as ``row_owner`` computes
-    it. Built with the map, so the scatter after it needs no owner pass."""
+    it. Built with the map, so the scatter after it needs no owner pass.
+
+    A traced ``num_out_tokens`` (a budget that depends on the routing) builds the same map
+    with XLA ops: the kernels take the budget as a launch scalar, fixed when compiled."""
+    if isinstance(num_out_tokens, jax.Array):
+        return dispatch_map_fused_reference(routing_map, block_t=max(routing_map.shape[0], 1), drop_at=num_out_tokens,
+                                            align=align_size, num_out_rows=num_out_rows)
     plan = map_plan(*routing_map.shape)
     return _build(routing_map, plan.single_pass, plan.block_tokens, dispatch_map_fused, dispatch_map_fill, backend,
                   drop_at=num_out_tokens, align=align_size, num_out_rows=num_out_rows)
