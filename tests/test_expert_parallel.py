@@ -54,20 +54,20 @@ def _fwd_and_grads(fn, args, ct):
 
 
 def _check(e, k, routing, num_out_tokens, capacity, backend="xla", a2a="dense", seed=0, devices=None,
-           t=T, rtol=1e-5, atol=1e-5, data=1, activation="gelu", fsdp=False):
+           t=T, rtol=1e-5, atol=1e-5, data=(), activation="gelu", fsdp=()):
     """Compares output and all four gradients with the reference; returns the compiled HLO.
-    ``data`` > 1: the devices as a ``[data, ep]`` mesh, ``data`` copies of the group."""
+    ``data``: ``(axis, size)`` pairs of data axes, the mesh ``[*sizes, ep]`` copying the
+    group along them; ``fsdp``: the data axes splitting the weights."""
     devices = jax.devices()[:EP] if devices is None else devices
     n_dev = len(devices)
-    ep = n_dev // data
-    mesh = (Mesh(np.array(devices), ("ep",)) if data == 1
-            else Mesh(np.array(devices).reshape(data, ep), ("data", "ep")))
+    copies = int(np.prod([size for _, size in data]))
+    ep = n_dev // copies
+    mesh = Mesh(np.array(devices).reshape(*(size for _, size in data), ep), (*(name for name, _ in data), "ep"))
     x, rm, probs, w_in, w_out = _problem(n_dev, t, e, k, routing, seed, gated=ACTIVATIONS[activation][1])
     cfg = EPConfig(num_out_tokens=num_out_tokens, capacity=capacity, backend=backend, a2a=a2a,
-                   data_axes=("data",) if data > 1 else (), activation=activation,
-                   fsdp_axes=("data",) if fsdp else ())
+                   data_axes=tuple(name for name, _ in data), activation=activation, fsdp_axes=fsdp)
     layer = lambda x, p, a, b: ep_moe_layer(x, rm, p, a, b, mesh=mesh, cfg=cfg)
-    ref = lambda x, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=ep, data=data, num_out_tokens=num_out_tokens,
+    ref = lambda x, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=ep, data=copies, num_out_tokens=num_out_tokens,
                                                  capacity=capacity, activation=activation)
     args = (x, probs, w_in, w_out)
     ct = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(x.shape), jnp.float32)
@@ -151,7 +151,7 @@ def test_replica_groups_read_in_both_forms():
 def test_data_parallel_copies_of_the_group(routing, num_out_tokens, capacity):
     """2 data copies of a 4-device group: each copy's tokens follow their own drop rules,
     rows cross only inside a copy, and the weights' gradients are summed over the copies."""
-    hlo = _check(8, 2, routing, num_out_tokens, capacity, seed=9, data=2, activation="silu_glu")
+    hlo = _check(8, 2, routing, num_out_tokens, capacity, seed=9, data=(("data", 2),), activation="silu_glu")
     collective = "\n".join(line for line in hlo.splitlines() if "replica_groups" in line)
     assert _replica_groups(hlo, "all-to-all") == {((0, 1, 2, 3), (4, 5, 6, 7))}, collective
     assert _replica_groups(hlo, "all-reduce") == {((0, 4), (1, 5), (2, 6), (3, 7))}, collective
@@ -164,7 +164,8 @@ def test_fsdp_weights_are_gathered_and_their_gradients_reduce_scattered(routing,
     """The weights split along H over the data axis as well: gathered for the GEMMs, their
     gradients reduce-scattered back inside each data group's column of devices, never
     all-reduced."""
-    hlo = _check(8, 2, routing, num_out_tokens, capacity, seed=10, data=2, activation="silu_glu", fsdp=True)
+    hlo = _check(8, 2, routing, num_out_tokens, capacity, seed=10, data=(("data", 2),), activation="silu_glu",
+                 fsdp=("data",))
     collective = "\n".join(line for line in hlo.splitlines() if "replica_groups" in line)
     data_groups = {((0, 4), (1, 5), (2, 6), (3, 7))}
     assert _replica_groups(hlo, "all-to-all") == {((0, 1, 2, 3), (4, 5, 6, 7))}, collective
@@ -177,21 +178,9 @@ def test_fsdp_weights_are_gathered_and_their_gradients_reduce_scattered(routing,
 def test_weights_split_over_one_data_axis_and_copied_over_another():
     """A (data, fsdp, ep) mesh: tokens over all three axes, the weights split over "fsdp" and
     copied over "data"; rows dropping on both budgets."""
-    mesh = Mesh(np.array(jax.devices()[:EP]).reshape(2, 2, 2), ("data", "fsdp", "ep"))
-    x, rm, probs, w_in, w_out = _problem(EP, 8, 8, 2, "skewed", 12, gated=True)
-    cfg = EPConfig(data_axes=("data", "fsdp"), fsdp_axes=("fsdp",), activation="silu_glu", a2a="dense",
-                   num_out_tokens=10, capacity=3)
-    layer = lambda *a: ep_moe_layer(a[0], rm, *a[1:], mesh=mesh, cfg=cfg)
-    ref = lambda *a: reference_moe_layer(a[0], rm, *a[1:], ep=2, data=4, activation="silu_glu",
-                                         num_out_tokens=10, capacity=3)
-    ct = jnp.asarray(np.random.default_rng(13).standard_normal(x.shape), jnp.float32)
-    compiled = jax.jit(lambda *a: _fwd_and_grads(layer, a, ct)).lower(x, probs, w_in, w_out).compile()
-    (got, g), (want, gr) = compiled(x, probs, w_in, w_out), jax.jit(lambda *a: _fwd_and_grads(ref, a, ct))(
-        x, probs, w_in, w_out)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    for name, a, b in zip(("x", "probs", "w_in", "w_out"), g, gr):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=name)
-    assert _replica_groups(compiled.as_text(), "reduce-scatter") == {((0, 2), (1, 3), (4, 6), (5, 7))}
+    hlo = _check(8, 2, "skewed", 10, 3, seed=12, t=8, data=(("data", 2), ("fsdp", 2)), activation="silu_glu",
+                 fsdp=("fsdp",))
+    assert _replica_groups(hlo, "reduce-scatter") == {((0, 2), (1, 3), (4, 6), (5, 7))}
 
 
 @multidevice

@@ -387,7 +387,7 @@ def _install_bf16_arithmetic(interp: Any) -> None:
     bf16 = FORMATS["bf16"]
     handle = interp.TensorHandle
 
-    def is_bf16(h) -> bool:
+    def is_bf16(h) -> bool:   # a TensorHandle or a tl.tensor
         return h.dtype.scalar.name == "bf16"
 
     def values(h) -> np.ndarray:
@@ -402,7 +402,7 @@ def _install_bf16_arithmetic(interp: Any) -> None:
         gives a float operator operands of one type)."""
         @functools.wraps(orig)
         def wrapper(self, *args):
-            if args[0].dtype.scalar.name != "bf16":    # the interpreter's hot path: one lookup
+            if not is_bf16(args[0]):
                 return orig(self, *args)
             return handle(packed(compute(*args)), result_of(*args).dtype.scalar)
         return wrapper
@@ -417,7 +417,7 @@ def _install_bf16_arithmetic(interp: Any) -> None:
 
     @functools.wraps(orig_ternary)
     def ternary_op(self, cond, x, y, op):
-        if op is np.where or x.dtype.scalar.name != "bf16":   # a select moves bits
+        if op is np.where or not is_bf16(x):   # a select moves bits
             return orig_ternary(self, cond, x, y, op)
         return handle(packed(op(values(cond), values(x), values(y))), y.dtype.scalar)
     b.ternary_op = ternary_op
@@ -425,7 +425,7 @@ def _install_bf16_arithmetic(interp: Any) -> None:
     def reduction(orig: Callable, compute: Callable) -> Callable:
         @functools.wraps(orig)
         def wrapper(self, input, *args, **kwargs):
-            if input.dtype.scalar.name != "bf16":
+            if not is_bf16(input):
                 return orig(self, input, *args, **kwargs)
             return compute(self, values(input.handle), input)
         return wrapper
@@ -444,7 +444,7 @@ def _install_bf16_arithmetic(interp: Any) -> None:
     def min_max(self, input, val_reduce_op, idx_reduce_op=None):
         import triton.language as tl
         input = input[0] if isinstance(input, tuple) else input
-        if input.dtype.scalar.name != "bf16":
+        if not is_bf16(input):
             return orig_min_max(self, input, val_reduce_op, idx_reduce_op)
         v = values(input.handle)
         val = None if val_reduce_op is None else to_bf16(
