@@ -114,16 +114,19 @@ def tma_configs(every: bool = False, programs: list[int] | tuple[int, ...] = ())
 # would not fit beside the two results.
 _max_abs_diff = jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
+# The static params of bf16 GEMMs with bf16 results (the declarations read those they declare).
+BF16 = {"elem_bytes": 2, "out_dtype": "bfloat16"}
+
 # The three GEMMs of a training step over ``lhs`` [M, K], ``rhs`` [G, K, N] and ``dout``
 # [M, N]: (name, the declaration the library runs on a backend at these dims, its two
 # operands, its dims, the batched dot of the same problem on operands whose rows are split
 # into [G, M/G, .]).
 _STEP_GEMMS = (
-    ("fwd", lambda backend, dims: D.mm_for(backend, False, dims, {"elem_bytes": 2}), lambda lhs, rhs, dout: (lhs, rhs),
+    ("fwd", lambda backend, dims: D.mm_for(backend, False), lambda lhs, rhs, dout: (lhs, rhs),
      lambda m, k, n, g: {"M": m, "C": k, "D": n, "G": g}, "gmk,gkn->gmn"),
-    ("dgrad", lambda backend, dims: D.mm_for(backend, True, dims, {"elem_bytes": 2}), lambda lhs, rhs, dout: (dout, rhs),
+    ("dgrad", lambda backend, dims: D.mm_for(backend, True), lambda lhs, rhs, dout: (dout, rhs),
      lambda m, k, n, g: {"M": m, "C": n, "D": k, "G": g}, "gmn,gkn->gmk"),
-    ("wgrad", lambda backend, dims: D.wgrad_for(backend, dims, {"elem_bytes": 2}), lambda lhs, rhs, dout: (lhs, dout),
+    ("wgrad", lambda backend, dims: D.wgrad_for(backend, dims, BF16), lambda lhs, rhs, dout: (lhs, dout),
      lambda m, k, n, g: {"M": m, "K": k, "N": n, "G": g}, "gmk,gmn->gkn"),
 )
 
@@ -139,7 +142,8 @@ def _step_gemms(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, backend: str,
 
 def _jitted(prim: Any, cfg: Config, backend: str):
     """``prim`` on bf16 operands at ``cfg``, jitted, returning its one output."""
-    return jax.jit(lambda *a: prim(*a, backend=backend, config=cfg, elem_bytes=2)[0])
+    params = {k: BF16[k] for k in prim.decl.params}  # the weight gradient has no out_dtype
+    return jax.jit(lambda *a: prim(*a, backend=backend, config=cfg, **params)[0])
 
 
 def against_default(prim: Any, args: tuple, dims: dict[str, int], configs: Sequence[Config], backend: str,
@@ -149,13 +153,13 @@ def against_default(prim: Any, args: tuple, dims: dict[str, int], configs: Seque
     default ``prim``): ``(default, default_ms, times, diffs)``, ``times`` {config: ms, or
     the error it raised}, ``diffs`` {config: largest difference from the default's output}."""
     baseline = prim if baseline is None else baseline
-    default = baseline.decl.default_config(dims, {"elem_bytes": 2})
+    default = baseline.decl.default_config(dims, BF16)
     ours = _jitted(baseline, default, backend)
     default_ms = median_wall_ms(ours, args, reps)
     want = ours(*args)
     times, diffs = {}, {}
     for cfg in configs:
-        if prim.decl.violated(dims, {"elem_bytes": 2}, cfg):
+        if prim.decl.violated(dims, BF16, cfg):
             continue
         try:
             f = _jitted(prim, cfg, backend)
@@ -182,7 +186,7 @@ def tma_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, sizes: jax.A
         default, r[f"{what}_default_ms"], r[f"tma_{what}_ms"], diffs = against_default(
             portable[what], (*operands, sizes), dims, configs, backend, reps, baseline=prim)
         r["default_config"][what] = f"{prim.decl.name} {default}"
-        pointer = D.mm_default(dims, {"elem_bytes": 2})
+        pointer = D.mm_default(dims, BF16)
         if (prim, default) != (portable[what], pointer):
             # This GPU's default (on Hopper: TMA tiles) against the portable one.
             ms = median_wall_ms(_jitted(portable[what], pointer, backend), (*operands, sizes), reps)
@@ -207,7 +211,7 @@ def wgrad_comparison(lhs: jax.Array, dout: jax.Array, sizes: jax.Array, configs:
                          "wgrad_max_abs_diff": diffs}
     if (best := _best_over(times, default_ms)) is not None:
         r["best_wgrad_over_default"] = best
-    picked = D.wgrad_for(backend, dims, {"elem_bytes": 2})
+    picked = D.wgrad_for(backend, dims, BF16)
     if picked is not D.grouped_gemm_wgrad:  # the kernel this GPU runs by default, on its own configs
         ws_default, r["wgrad_ws_default_ms"], r["wgrad_ws_ms"], r["wgrad_ws_max_abs_diff"] = against_default(
             picked, (lhs, dout, sizes), dims, picked.decl.configs, backend, reps)
@@ -230,7 +234,7 @@ def batched_comparison(lhs: jax.Array, rhs: jax.Array, dout: jax.Array, backend:
     split = lambda x: x.reshape(g, m // g, x.shape[1]) if x.ndim == 2 else x   # noqa: E731 - rhs is [G, ., .]
     r: dict[str, Any] = {"batched_max_abs_diff": {}}
     for what, prim, (a, b), dims, spec in _step_gemms(lhs, rhs, dout, backend):
-        ours = _jitted(prim, prim.decl.default_config(dims, {"elem_bytes": 2}), backend)
+        ours = _jitted(prim, prim.decl.default_config(dims, BF16), backend)
         got = ours(a, b, sizes)
         # The batched result in our layout (rows joined back, or [G, K, N] as it is).
         batched = jax.jit(lambda x, y, spec=spec, shape=got.shape: jnp.einsum(spec, split(x), split(y)).reshape(shape))
@@ -278,8 +282,8 @@ def layout_comparison(lhs: jax.Array, rhs: jax.Array, dense_rhs: jax.Array, back
     from benchmarks import trace_stats
     (m, k), (g, _, n) = lhs.shape, rhs.shape
     dims = {"M": m, "C": k, "D": n, "G": g}
-    prim = D.mm_for(backend, False, dims, {"elem_bytes": 2})
-    cfg = prim.decl.default_config(dims, {"elem_bytes": 2})
+    prim = D.mm_for(backend, False)
+    cfg = prim.decl.default_config(dims, BF16)
     bm, bn, programs = cfg.kw["BM"], cfg.kw["BN"], cfg.kw.get("PROGRAMS")
     fwd = _jitted(prim, cfg, backend)
     dense = jax.jit(gemm_problems.dense_dot)
@@ -331,10 +335,9 @@ def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, swee
     if sweep:
         r["sweep_fwd_ms"] = {}
         for cfg in sweep:
-            if D.grouped_gemm.decl.violated({"M": m, "C": k, "D": n, "G": g}, {"elem_bytes": 2}, cfg):
+            if D.grouped_gemm.decl.violated({"M": m, "C": k, "D": n, "G": g}, BF16, cfg):
                 continue
-            f = jax.jit(lambda a, b, s, cfg=cfg: D.grouped_gemm(a, b, s, backend=backend, config=cfg,
-                                                                elem_bytes=2)[0])
+            f = _jitted(D.grouped_gemm, cfg, backend)
             try:
                 r["sweep_fwd_ms"][str(cfg)] = median_wall_ms(f, (lhs, rhs, sizes), few)
             except Exception as e:  # a config that fails to compile is a finding, not a crash

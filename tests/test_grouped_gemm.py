@@ -24,6 +24,8 @@ from te_jax_perm.ops.grouped_gemm.reference import clamped_group_sizes, grouped_
 from tests.conftest import ON_GPU, compiled_for_sm90, top_k_routing
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+# The static params of the row-tile GEMM declarations: operand width and output dtype.
+BF16, F32 = {"elem_bytes": 2, "out_dtype": "bfloat16"}, {"elem_bytes": 4, "out_dtype": "float32"}
 
 
 def _problem(m, k, n, sizes, dtype, seed=0, tail=np.nan):
@@ -313,8 +315,8 @@ def test_interpret_and_xla_give_the_same_values_and_gradients(on_cpu, lhs_dtype,
     """Our kernels in Triton's interpreter and XLA's ragged dot, one call apart: the same
     output (dtype included) and the same gradients in each operand's dtype, with an empty
     group and NaN rows past the groups. Equal to float32 rounding for float32 operands; with
-    a bfloat16 operand the two round at different points (the kernels' bf16 result before
-    the cast to float32; XLA's weight gradient of mixed operands takes dout in bf16)."""
+    a bfloat16 operand the gradients round at different points (XLA's weight gradient of
+    mixed operands takes dout in bf16, our kernels compute mixed operands in float32)."""
     rng = np.random.default_rng(11)
     lhs = rng.standard_normal((40, 24)).astype(np.float32)
     lhs[33:] = np.nan
@@ -334,6 +336,34 @@ def test_interpret_and_xla_give_the_same_values_and_gradients(on_cpu, lhs_dtype,
         assert np.all(np.isfinite(np.asarray(got, np.float32))), name
         _close(got, want, precision, name)
     assert not np.asarray(ours[0], np.float32)[33:].any() and not np.asarray(ours[1], np.float32)[33:].any()
+
+
+@pytest.mark.parametrize("out_dtype", ["float32", "float16", "float8_e4m3fn"])
+def test_result_dtype_is_rounded_once_from_the_accumulator(kernel_backend, out_dtype):
+    """bf16 operands with ``preferred_element_type`` float32: our kernels store the float32
+    accumulator itself (as XLA's ragged dot returns it), not its bf16 rounding widened; a
+    narrower or other float dtype is rounded once from the accumulator, as XLA rounds it.
+    Sizes with 128x256 tiles and more than 2048 rows: Hopper's default tiles where they fit."""
+    rng = np.random.default_rng(4)
+    m, k, n, sizes = 2200, 64, 256, [1000, 0, 900]
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((3, k, n)) / 8, jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = grouped_matmul(lhs, rhs, gs, preferred_element_type=out_dtype, backend=kernel_backend)
+    want = grouped_matmul(lhs, rhs, gs, preferred_element_type=out_dtype, backend="xla")
+    assert got.dtype == want.dtype == jnp.dtype(out_dtype)
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    exact = np.asarray(jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs), np.float32)
+    if out_dtype == "float32":
+        # Sums of exact bf16 products differ by the order of float32 additions only; the
+        # bf16 rounding the check guards against is hundreds of times that.
+        np.testing.assert_allclose(g, exact, rtol=0, atol=2e-5 * np.abs(exact).max())
+        assert np.abs(np.asarray(exact.astype(jnp.bfloat16), np.float32) - exact).max() > 1e-3 * np.abs(exact).max()
+    else:
+        # Rounded once: equal to XLA's result but where the float32 sums straddle a
+        # rounding boundary of the narrow dtype (a handful of elements).
+        assert np.mean(g != w) < 0.01, np.mean(g != w)
+    assert not g[1900:].any()
 
 
 def test_missing_tokamax():
@@ -485,10 +515,10 @@ def test_every_config_of_the_space_is_correct_on_the_kernel_backend(kernel_backe
     seen = set()
     for cfg in D.grouped_gemm.decl.configs:
         key = cfg.constants
-        if key in seen or D.grouped_gemm.decl.violated({"M": 150, "C": 64, "D": 128, "G": 3}, {"elem_bytes": 4}, cfg):
+        if key in seen or D.grouped_gemm.decl.violated({"M": 150, "C": 64, "D": 128, "G": 3}, F32, cfg):
             continue  # warps/stages don't change the tiling or the path; pruned configs never run
         seen.add(key)
-        (out,) = D.grouped_gemm(lhs, rhs, sizes, backend=kernel_backend, config=cfg, elem_bytes=4)
+        (out,) = D.grouped_gemm(lhs, rhs, sizes, backend=kernel_backend, config=cfg, **F32)
         np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-2, atol=5e-2, err_msg=str(cfg))
 
 
@@ -529,10 +559,11 @@ def test_clamped_group_sizes():
 @pytest.mark.parametrize("m,c,d", [(60, 64, 512), (4096, 4096, 3072), (65536, 2048, 7168), (16, 7168, 128)])
 def test_default_configs_meet_their_own_constraints(elem_bytes, m, c, d):
     # fp32 operands double a tile's shared-memory bytes: the default must still fit.
-    params = {"elem_bytes": elem_bytes}
-    for decl, dims in ((D.grouped_gemm.decl, {"M": m, "C": c, "D": d, "G": 8}),
-                       (D.grouped_gemm_rhs_t.decl, {"M": m, "C": d, "D": c, "G": 8}),
-                       (D.grouped_gemm_wgrad.decl, {"M": m, "K": c, "N": d, "G": 8})):
+    mm = {"elem_bytes": elem_bytes, "out_dtype": "float32" if elem_bytes == 4 else "bfloat16"}
+    for decl, dims, params in ((D.grouped_gemm.decl, {"M": m, "C": c, "D": d, "G": 8}, mm),
+                               (D.grouped_gemm_rhs_t.decl, {"M": m, "C": d, "D": c, "G": 8}, mm),
+                               (D.grouped_gemm_wgrad.decl, {"M": m, "K": c, "N": d, "G": 8},
+                                {"elem_bytes": elem_bytes})):
         cfg = decl.default_config(dims, params)
         assert [why for check in decl.constraints if (why := check(dims, params, cfg))] == [], (decl.name, cfg)
 
@@ -670,9 +701,9 @@ def test_split_store_writes_whole_tiles_in_two_halves(on_cpu, monkeypatch):
     rhs = jnp.asarray(rng.standard_normal((3, d, c)) / 8, jnp.bfloat16)
     cfg = Config.make(8, 4, **{**D.HOPPER_TMA_SPLIT.kw, "PROGRAMS": 4})
     assert cfg.kw["SPLIT_STORE"] and D.grouped_gemm_rhs_t.decl.violated({"M": m, "C": c, "D": d, "G": 3},
-                                                                        {"elem_bytes": 2}, cfg) is None
+                                                                        BF16, cfg) is None
     (got,) = D.grouped_gemm_rhs_t(dout, rhs, jnp.asarray(sizes, jnp.int32), backend="interpret", config=cfg,
-                                  elem_bytes=2)
+                                  **BF16)
     got = np.asarray(got, np.float32)
     want = grouped_matmul_reference(np.asarray(dout, np.float32),
                                     np.swapaxes(np.asarray(rhs, np.float32), 1, 2), sizes)
@@ -689,14 +720,14 @@ def test_tma_configs_of_the_space_in_bf16_under_jit(on_cpu, descriptor_count):
     rhs = jnp.asarray(rng.standard_normal((3, 64, 256)) / 8, jnp.bfloat16)
     sizes = [90, 0, 70]
     ref = grouped_matmul_reference(np.asarray(lhs, np.float32), np.asarray(rhs, np.float32), sizes)
-    dims, params = {"M": 200, "C": 64, "D": 256, "G": 3}, {"elem_bytes": 2}
+    dims, params = {"M": 200, "C": 64, "D": 256, "G": 3}, BF16
     ran = set()
     for cfg in D.TMA_CONFIGS:
         if cfg.constants in ran or D.grouped_gemm.decl.violated(dims, params, cfg):
             continue
         ran.add(cfg.constants)
         f = jax.jit(lambda a, b, s, cfg=cfg: D.grouped_gemm(a, b, s, backend="interpret", config=cfg,
-                                                            elem_bytes=2)[0])
+                                                            **BF16)[0])
         out = np.asarray(f(lhs, rhs, jnp.asarray(sizes, jnp.int32)), np.float32)
         np.testing.assert_allclose(out, ref, rtol=2e-2, atol=5e-2, err_msg=str(cfg))
         assert not out[160:].any(), cfg
@@ -707,28 +738,29 @@ def test_tma_configs_are_pruned_where_descriptors_cannot_run():
     """Rows that are not 16-byte multiples (an odd bf16 width), or a TMA config without
     programs, are pruned before they compile; the pointer configs run there."""
     decl, cfg = D.grouped_gemm.decl, D.TMA_CONFIGS[0]
-    assert decl.violated({"M": 64, "C": 64, "D": 128, "G": 2}, {"elem_bytes": 2}, cfg) is None
-    assert "C=36" in decl.violated({"M": 64, "C": 36, "D": 128, "G": 2}, {"elem_bytes": 2}, cfg)
-    assert "D=20" in D.grouped_gemm_rhs_t.decl.violated({"M": 64, "C": 64, "D": 20, "G": 2}, {"elem_bytes": 2}, cfg)
+    assert decl.violated({"M": 64, "C": 64, "D": 128, "G": 2}, BF16, cfg) is None
+    assert "C=36" in decl.violated({"M": 64, "C": 36, "D": 128, "G": 2}, BF16, cfg)
+    assert "D=20" in D.grouped_gemm_rhs_t.decl.violated({"M": 64, "C": 64, "D": 20, "G": 2}, BF16, cfg)
     no_programs = Config.make(num_warps=4, num_stages=2, BM=64, BN=128, BK=64, GROUP_M=8, TMA=True, PROGRAMS=0)
-    assert "PROGRAMS" in decl.violated({"M": 64, "C": 64, "D": 128, "G": 2}, {"elem_bytes": 2}, no_programs)
+    assert "PROGRAMS" in decl.violated({"M": 64, "C": 64, "D": 128, "G": 2}, BF16, no_programs)
     # fp32 128x256 tiles: 4 stages plus the output tile overflow shared memory.
     big = Config.make(num_warps=8, num_stages=4, BM=128, BN=256, BK=64, GROUP_M=8, TMA=True, PROGRAMS=132)
-    assert "shared memory" in (decl.violated({"M": 64, "C": 64, "D": 256, "G": 2}, {"elem_bytes": 4}, big) or "")
-    for default in (decl.default_config({"M": 4096, "C": 4096, "D": 4096, "G": 8}, {"elem_bytes": 2}),
-                    D.grouped_gemm_rhs_t.decl.default_config({"M": 4096, "C": 4096, "D": 4096, "G": 8},
-                                                             {"elem_bytes": 2})):
+    assert "shared memory" in (decl.violated({"M": 64, "C": 64, "D": 256, "G": 2}, F32, big) or "")
+    for default in (decl.default_config({"M": 4096, "C": 4096, "D": 4096, "G": 8}, BF16),
+                    D.grouped_gemm_rhs_t.decl.default_config({"M": 4096, "C": 4096, "D": 4096, "G": 8}, BF16)):
         assert "TMA" not in default.kw  # the default stays the pointer path until measured
 
 
-def _sm90_compiled(decl, dims, dtype, cfg):
-    """``decl``'s kernel at ``cfg``, compiled here for sm_90 as the ``triton`` backend would."""
+def _sm90_compiled(decl, dims, dtype, cfg, out_dtype=None):
+    """``decl``'s kernel at ``cfg``, compiled here for sm_90 as the ``triton`` backend would,
+    its result stored in ``out_dtype`` (default: ``dtype``)."""
     from te_jax_perm.core import bind_call
     shapes = {"lhs": ("M", "C"), "rhs": tuple(op.dims for op in decl.operands if op.name == "rhs")[0],
               "group_sizes": ("G",)}
     avals = [jax.ShapeDtypeStruct(tuple(dims[d] for d in shapes[op.name]), "int32" if op.name == "group_sizes"
                                   else dtype) for op in decl.operands]
-    return compiled_for_sm90(bind_call(decl, avals, {"elem_bytes": np.dtype(dtype).itemsize}, "triton"), cfg)
+    params = {"elem_bytes": np.dtype(dtype).itemsize, "out_dtype": np.dtype(out_dtype or dtype).name}
+    return compiled_for_sm90(bind_call(decl, avals, params, "triton"), cfg)
 
 
 # -- the warp-specialised weight gradient (Hopper; kernels/grouped_gemm_ws.py) ---------------
@@ -777,7 +809,7 @@ def test_hopper_row_tile_default_and_selection(monkeypatch):
     the input gradient's, and the forward's at a few hundred rows a group, stored in halves;
     their Hopper declarations are picked only on the triton backend of a 9.0 GPU."""
     from te_jax_perm.core import triton_backend
-    big, bf16 = {"M": 8192, "C": 4096, "D": 2048, "G": 8}, {"elem_bytes": 2}   # 1024 rows a group
+    big, bf16 = {"M": 8192, "C": 4096, "D": 2048, "G": 8}, BF16   # 1024 rows a group
     assert D.hopper_mm_default(big, bf16) == D.HOPPER_TMA_MM and D.HOPPER_TMA_MM in D.TMA_CONFIGS
     assert D.grouped_gemm_hopper.decl.default_config(big, bf16) == D.HOPPER_TMA_MM
     # The input gradient: the same tiles stored in halves, with a fourth stage.
@@ -794,7 +826,7 @@ def test_hopper_row_tile_default_and_selection(monkeypatch):
     assert D.HOPPER_TMA_SPLIT in D.TMA_CONFIGS and D.HOPPER_TMA_SPLIT.kw["SPLIT_STORE"]
     assert D.grouped_gemm_rhs_t.decl.violated(big, bf16, D.HOPPER_TMA_SPLIT) is None
     assert D.grouped_gemm_rhs_t.decl.violated(big, bf16, Config.make(8, 4, **D.HOPPER_TMA_MM.kw))  # no room unsplit
-    for dims, params in [(big, {"elem_bytes": 4}),               # fp32 stages exceed shared memory
+    for dims, params in [(big, F32),                            # fp32 stages exceed shared memory
                          ({**big, "M": 2048}, bf16),              # 64-row tiles
                          ({**big, "D": 192}, bf16),               # 128-column tiles
                          ({**big, "C": 4100}, bf16)]:             # rows of no 16-byte multiple
@@ -809,11 +841,8 @@ def test_hopper_row_tile_default_and_selection(monkeypatch):
                              (90, "interpret", False), (90, "xla", False)]:
         monkeypatch.setattr(triton_backend, "compute_capability", lambda: cc)
         want = (D.grouped_gemm_hopper, D.grouped_gemm_rhs_t_hopper) if hop else (D.grouped_gemm, D.grouped_gemm_rhs_t)
-        got = tuple(D.mm_for(backend, t, big, bf16) for t in (False, True))
+        got = tuple(D.mm_for(backend, t) for t in (False, True))
         assert got == want, (cc, backend)
-        # A few hundred rows a group (Qwen3-235B's expert GEMMs) take the same kernels.
-        qwen3 = {"M": 65536, "C": 4096, "D": 3072, "G": 128}
-        assert tuple(D.mm_for(backend, t, qwen3, bf16) for t in (False, True)) == want, (cc, backend)
 
 
 def test_ws_wgrad_is_refused_by_the_interpreter_by_name():
@@ -850,9 +879,9 @@ def _assert_hopper_defaults(m: int, k: int, n: int, g: int) -> None:
     few hundred rows a group) and the input gradient on the same tiles stored in halves;
     elsewhere the portable kernels on their defaults."""
     from te_jax_perm.core import triton_backend
-    hopper, bf16 = triton_backend.compute_capability() == 90, {"elem_bytes": 2}
+    hopper, bf16 = triton_backend.compute_capability() == 90, BF16
     fwd_dims, dgrad_dims = {"M": m, "C": k, "D": n, "G": g}, {"M": m, "C": n, "D": k, "G": g}
-    fwd, dgrad = D.mm_for("triton", False, fwd_dims, bf16), D.mm_for("triton", True, dgrad_dims, bf16)
+    fwd, dgrad = D.mm_for("triton", False), D.mm_for("triton", True)
     assert fwd is (D.grouped_gemm_hopper if hopper else D.grouped_gemm), fwd.decl.name
     want_fwd = D.HOPPER_TMA_SPLIT if D.short_groups(fwd_dims) else D.HOPPER_TMA_MM
     assert (fwd.decl.default_config(fwd_dims, bf16) == want_fwd) == hopper, fwd.decl.name
@@ -903,25 +932,27 @@ def test_gpu_ws_wgrad_matches_reference(programs):
             _close(got, want, "bfloat16", f"{sizes} {cfg}")
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype,out_dtype", [("bfloat16", "bfloat16"), ("float32", "float32"),
+                                             ("bfloat16", "float32")])
 @pytest.mark.parametrize("decl", [D.grouped_gemm.decl, D.grouped_gemm_rhs_t.decl], ids=lambda d: d.name)
-def test_tma_configs_compile_to_tma_for_sm90(decl, dtype):
+def test_tma_configs_compile_to_tma_for_sm90(decl, dtype, out_dtype):
     """At DeepSeek-V3's up-projection, the TMA configs that ``tma_fits`` admits compile for
     sm_90 to tensor-map loads and stores from descriptors built on the device (which need
-    global scratch), within Hopper's 227 KiB of shared memory; the default config has none
-    of it."""
-    dims, params = {"M": 65536, "C": 7168, "D": 4096, "G": 256}, {"elem_bytes": np.dtype(dtype).itemsize}
+    global scratch), within Hopper's 227 KiB of shared memory, also where a float32 result
+    of bf16 operands doubles the output tile; the default config has none of it."""
+    dims = {"M": 65536, "C": 7168, "D": 4096, "G": 256}
+    params = {"elem_bytes": np.dtype(dtype).itemsize, "out_dtype": out_dtype}
     admitted = [c for c in D.TMA_CONFIGS if not decl.violated(dims, params, c)]
     assert admitted
     for cfg in [c for c in admitted if c.num_warps == 8]:  # warps do not change shared memory
-        k = _sm90_compiled(decl, dims, dtype, cfg)
+        k = _sm90_compiled(decl, dims, dtype, cfg, out_dtype)
         assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", k.ptx), cfg  # lhs
         assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::\w+\.global", k.ptx), cfg  # weights
         assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", k.ptx), cfg  # whole tiles' store
         assert "tensormap.replace" in k.ptx and k.global_scratch_size > 0, cfg
         assert "wgmma.mma_async" in k.ptx, cfg
         assert k.shared_mem_bytes <= 227 * 1024, (cfg, k.shared_mem_bytes)
-    default = _sm90_compiled(decl, dims, dtype, decl.default_config(dims, params))
+    default = _sm90_compiled(decl, dims, dtype, decl.default_config(dims, params), out_dtype)
     assert "cp.async.bulk.tensor" not in default.ptx and default.global_scratch_size == 0
 
 
@@ -934,7 +965,7 @@ def test_benchmark_tma_comparison_runs_and_checks_each_config(on_cpu):
     for s in SHAPES:
         for decl, dims in ((D.grouped_gemm.decl, {"M": s.M, "C": s.K, "D": s.N, "G": s.G}),
                            (D.grouped_gemm_rhs_t.decl, {"M": s.M, "C": s.N, "D": s.K, "G": s.G})):
-            assert not [c for c in tma_configs() if decl.violated(dims, {"elem_bytes": 2}, c)], (decl.name, dims)
+            assert not [c for c in tma_configs() if decl.violated(dims, BF16, c)], (decl.name, dims)
     assert len(tma_configs(True, [100, 132])) == 2 * len(D.TMA_CONFIGS)
     rng = np.random.default_rng(5)
     lhs = jnp.asarray(rng.standard_normal((40, 32)), jnp.bfloat16)
@@ -1099,9 +1130,8 @@ def test_layout_comparison_times_each_layout_and_the_dense_dot_in_turns(on_cpu, 
     from te_jax_perm.ops.grouped_gemm.reference import grouped_gemm_reference
     shape = CPU_SHAPES[0]
     ops = operands(shape, "bfloat16")
-    bm = D.mm_for("interpret", False, {"M": shape.M, "C": shape.K, "D": shape.N, "G": shape.G},
-                  {"elem_bytes": 2}).decl.default_config(
-        {"M": shape.M, "C": shape.K, "D": shape.N, "G": shape.G}, {"elem_bytes": 2}).kw["BM"]
+    bm = D.mm_for("interpret", False).decl.default_config(
+        {"M": shape.M, "C": shape.K, "D": shape.N, "G": shape.G}, BF16).kw["BM"]
     # The dense dot on group 1's weights: its result differs from the one-group layout's.
     dense_rhs = ops.rhs[1]
     want = {"dense": np.asarray(dense_dot(ops.lhs, dense_rhs), np.float32)}

@@ -162,12 +162,12 @@ def run_hopper_row_tile_gemms(M, C, sizes, seed=0, tma_default=True):
     lhs = jnp.asarray(rng.standard_normal((M, C)), jnp.bfloat16)
     rhs = jnp.asarray(rng.standard_normal((len(sizes), C, C)), jnp.bfloat16)
     gs = jnp.asarray(sizes, jnp.int32)
-    dims = {"M": M, "C": C, "D": C, "G": len(sizes)}
+    dims, params = {"M": M, "C": C, "D": C, "G": len(sizes)}, {"elem_bytes": 2, "out_dtype": "bfloat16"}
     if tma_default:
-        assert GD.hopper_mm_default(dims, {"elem_bytes": 2}) == GD.HOPPER_TMA_MM
-        assert GD.hopper_dgrad_default(dims, {"elem_bytes": 2}) == GD.HOPPER_TMA_SPLIT
-    return (GD.grouped_gemm_hopper(lhs, rhs, gs, backend=BE, elem_bytes=2),
-            GD.grouped_gemm_rhs_t_hopper(lhs, rhs, gs, backend=BE, elem_bytes=2))  # C == D: rhs read transposed
+        assert GD.hopper_mm_default(dims, params) == GD.HOPPER_TMA_MM
+        assert GD.hopper_dgrad_default(dims, params) == GD.HOPPER_TMA_SPLIT
+    return (GD.grouped_gemm_hopper(lhs, rhs, gs, backend=BE, **params),
+            GD.grouped_gemm_rhs_t_hopper(lhs, rhs, gs, backend=BE, **params))  # C == D: rhs read transposed
 
 
 def run_moe_ffn(T, H, E, k, F, mode, *, drop=0, align=None, seed=0, dtype=jnp.float32):

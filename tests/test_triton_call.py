@@ -187,13 +187,13 @@ def test_a_kernel_with_global_scratch_gets_a_workspace_xla_allocates():
     from te_jax_perm.ops.grouped_gemm import decl as D
 
     m, c, d, g = 512, 128, 256, 4
-    dims, params = {"M": m, "C": c, "D": d, "G": g}, {"elem_bytes": 2}
+    dims, params = {"M": m, "C": c, "D": d, "G": g}, {"elem_bytes": 2, "out_dtype": "bfloat16"}
     cfg = next(c for c in D.TMA_CONFIGS if not D.grouped_gemm.decl.violated(dims, params, c))
     lhs, rhs = jnp.ones((m, c), jnp.bfloat16), jnp.ones((g, c, d), jnp.bfloat16)
     sizes = jnp.asarray([100, 0, 300, 50], jnp.int32)
     with hooks.using_config_resolver(lambda call: cfg if call.decl.name == D.grouped_gemm.decl.name else None):
         lowered, lib = _lower_for_cuda(
-            lambda a, b, s: D.grouped_gemm.prim.bind(a, b, s, backend="triton", config=None, elem_bytes=2)[0], lhs, rhs,
+            lambda a, b, s: D.grouped_gemm.prim.bind(a, b, s, backend="triton", config=None, **params)[0], lhs, rhs,
             sizes)
     (call,) = [c for c in _custom_calls(lowered) if triton_backend.FFI_TARGET in str(c.attributes["call_target_name"])]
     payload = _payload(call)

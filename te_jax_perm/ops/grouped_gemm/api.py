@@ -74,10 +74,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         it is data; sizes are clamped to fit; concrete sizes must fit int32). Typically ``tokens_per_expert`` from
         ``token_dispatch``.
       preferred_element_type: output dtype (default: the promoted input dtype);
-        accumulation is float32 either way. ``"xla"`` and ``"tokamax"`` convert the float32
-        accumulator to it; our kernels store their result in the dtype they compute in and
-        convert that, so a float32 result of bfloat16 operands holds bfloat16-rounded values
-        there (promote the operands to float32 for an unrounded one).
+        accumulation is float32 either way, and every backend converts the float32
+        accumulator to it once (a float32 result of bfloat16 operands is not rounded to
+        bfloat16 on the way).
       backend: ``"triton"``, ``"interpret"``, ``"xla"``, ``"tokamax"`` (any case) or
         ``None``: the op backend in effect (:func:`te_jax_perm.resolve_backend`), or
         ``"xla"`` where that runs our kernels and ``lhs`` and ``rhs`` promote to a dtype
@@ -210,27 +209,33 @@ def gemms(backend: str) -> tuple[Gemm, Gemm, Gemm]:
     """The selector: the forward, input-gradient and weight-gradient GEMMs of ``backend``, each
     ``(a, b, group_sizes, out_dtype) -> out``. ``"xla"`` and ``"tokamax"`` are the pure-JAX
     references over that ragged dot; a kernel backend (``"triton"``, ``"interpret"``) runs
-    the declared kernels, whose result has ``a``'s dtype."""
+    the declared kernels: the row-tile ones store their float32 accumulator in
+    ``out_dtype`` (where it is one of theirs), the weight gradient in ``a``'s dtype."""
     if backend in ("xla", "tokamax"):
         dot: RaggedDot = R.xla_ragged_dot if backend == "xla" else _tokamax_dot
         return tuple(functools.partial(f, dot=dot) for f in (
             R.grouped_gemm_reference, R.grouped_gemm_rhs_t_reference, R.grouped_gemm_wgrad_reference))
 
-    def kernel(pick: Callable[[jax.Array, jax.Array, jax.Array, dict], Any]) -> Gemm:
+    def kernel(pick: Callable[[jax.Array, jax.Array, jax.Array, dict], Any], stores_out_dtype: bool) -> Gemm:
         def gemm(a, b, group_sizes, out_dtype):
             params = {"elem_bytes": a.dtype.itemsize}
+            if stores_out_dtype:
+                # Another dtype (float8, say) is converted from the stored float32
+                # accumulator: rounded once, as the xla backend rounds it.
+                wanted = jnp.dtype(out_dtype)
+                params["out_dtype"] = (wanted if wanted in KERNEL_DTYPES else jnp.dtype(jnp.float32)).name
             prim = pick(a, b, group_sizes, params)
             return prim(a, b, group_sizes, backend=backend, **params)[0].astype(out_dtype)
         return gemm
 
     def row_tile(trans_rhs: bool):
-        base = D.grouped_gemm_rhs_t if trans_rhs else D.grouped_gemm
-        return lambda a, b, group_sizes, params: D.mm_for(backend, trans_rhs,
-                                                          bind_dims(base.decl, [a, b, group_sizes]), params)
+        return lambda a, b, group_sizes, params: D.mm_for(backend, trans_rhs)
 
     def wgrad(a, b, group_sizes, params):
         return D.wgrad_for(backend, bind_dims(D.grouped_gemm_wgrad.decl, [a, b, group_sizes]), params)
-    return kernel(row_tile(False)), kernel(row_tile(True)), kernel(wgrad)
+    # The row-tile kernels store the float32 accumulator in the dtype asked for; the weight
+    # gradient's result always has its operands' dtype.
+    return kernel(row_tile(False), True), kernel(row_tile(True), True), kernel(wgrad, False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import triton
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
@@ -46,24 +47,28 @@ def mm_fits(dims, params, config: Config) -> str | None:
     return None
 
 
-def _tma_problem(config: Config, eb: int, rows: dict, stage_elems: int, out_elems: int) -> str | None:
+def _tma_problem(config: Config, eb: int, rows: dict, stage_elems: int, out_elems: int,
+                 out_eb: int | None = None) -> str | None:
     """What keeps a config off the TMA path, or ``None``: ``PROGRAMS`` or ``SPLIT_STORE``
     set without ``TMA``; or, for a ``TMA=True`` config, no program count, a row or block whose byte
     length is no 16-byte multiple (a tensor descriptor's rule; ``rows`` names each), or
-    its pipeline stages (``stage_elems`` each) plus the output tile it stores from
-    (``out_elems``) past shared memory."""
+    its pipeline stages (``stage_elems`` operand elements of ``eb`` bytes each) plus the
+    output tile it stores from (``out_elems`` of ``out_eb`` bytes, the operands' width by
+    default) past shared memory."""
     kw = config.kw
     if not kw.get("TMA", False):
         given = [k for k in ("PROGRAMS", "SPLIT_STORE") if kw.get(k)]
         return f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set only by TMA configs" if given else None
     if kw.get("PROGRAMS", 0) < 1:
         return "a TMA config needs PROGRAMS >= 1 (its persistent program count)"
+    out_eb = eb if out_eb is None else out_eb
     for name, n in rows.items():
-        if n * eb % 16:
-            return f"tensor descriptors need rows and blocks of 16-byte multiples; {name}={n} elements of {eb} bytes"
-    # sm_90 builds with 4-byte operands were measured taking up to one more output tile
+        if n * min(eb, out_eb) % 16:
+            return (f"tensor descriptors need rows and blocks of 16-byte multiples; {name}={n} elements of "
+                    f"{min(eb, out_eb)} bytes")
+    # sm_90 builds storing 4-byte tiles were measured taking up to one more output tile
     # beside the one stored from.
-    need = (config.num_stages * stage_elems + (2 if eb == 4 else 1) * out_elems) * eb
+    need = config.num_stages * stage_elems * eb + (2 if out_eb == 4 else 1) * out_elems * out_eb
     if need > _HOPPER_SMEM_BYTES:
         return f"{need} bytes of pipeline stages and output tile exceed shared memory"
     return None
@@ -71,11 +76,13 @@ def _tma_problem(config: Config, eb: int, rows: dict, stage_elems: int, out_elem
 
 def tma_fits(dims, params, config: Config) -> str | None:
     """:func:`_tma_problem` of a forward or input-gradient config: ``lhs``, ``rhs`` and
-    ``out``'s rows, stages of ``[BM, BK]`` and ``[BK, BN]`` tiles, a ``[BM, BN]`` output tile."""
+    ``out``'s rows, stages of ``[BM, BK]`` and ``[BK, BN]`` tiles, a ``[BM, BN]`` output tile
+    of ``out_dtype``."""
     kw = config.kw
     return _tma_problem(config, params["elem_bytes"], {"C": dims["C"], "D": dims["D"], "BK": kw["BK"], "BN": kw["BN"]},
                         kw["BM"] * kw["BK"] + kw["BK"] * kw["BN"],
-                        kw["BM"] * kw["BN"] // (2 if kw.get("SPLIT_STORE", False) else 1))
+                        kw["BM"] * kw["BN"] // (2 if kw.get("SPLIT_STORE", False) else 1),
+                        np.dtype(params["out_dtype"]).itemsize)
 
 
 def wgrad_fits(dims, params, config: Config) -> str | None:
@@ -198,10 +205,11 @@ WGRAD_TMA_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BK=bk, BN=bn, B
                           for w in (4, 8) for s in (3, 4))
 
 
-# What both GEMM declarations share: one static param (the operand width sets the tile
-# budget and the precision), rows bucketed to powers of two in tuning keys, and a tolerance
-# instead of bit-exactness (float32 accumulation order differs between tilings).
-_SHARED = dict(
+# What every GEMM declaration shares (the fused MoE GEMM's too): one static param (the
+# operand width sets the tile budget and the precision), rows bucketed to powers of two in
+# tuning keys, and a tolerance instead of bit-exactness (float32 accumulation order differs
+# between tilings).
+GEMM_SHARED = dict(
     params=("elem_bytes",),
     scalars=lambda dims, params: {"M": dims["M"]},
     key_params=("elem_bytes",),
@@ -210,8 +218,15 @@ _SHARED = dict(
 )
 
 
+def _out_dtype_check(dims, params) -> None:
+    if params["out_dtype"] not in FLOATS:
+        raise ValueError(f"out_dtype={params['out_dtype']!r}; expected one of {FLOATS}")
+
+
 def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
     # Without trans_rhs: lhs [M,C] x rhs [G,C,D]; with it: lhs [M,C] x rhs [G,D,C] (used transposed).
+    # The float32 accumulator is stored in ``out_dtype`` (a name of FLOATS): a float32 result
+    # of 16-bit operands is never rounded through the operands' dtype.
     rhs_dims = ("G", "D", "C") if trans_rhs else ("G", "C", "D")
     reference = grouped_gemm_rhs_t_reference if trans_rhs else grouped_gemm_reference
     return KernelDecl(
@@ -220,8 +235,9 @@ def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
         operands=(Operand("lhs", ("M", "C"), FLOATS), Operand("rhs", rhs_dims, FLOATS),
                   Operand("group_sizes", ("G",), ("int32",))),
         outputs=(Output("out", lambda dims, params: (dims["M"], dims["D"]),
-                        lambda dtypes, params: dtypes["lhs"]),),
-        reference=lambda lhs, rhs, group_sizes, elem_bytes: (reference(lhs, rhs, group_sizes),),
+                        lambda dtypes, params: np.dtype(params["out_dtype"])),),
+        reference=lambda lhs, rhs, group_sizes, elem_bytes, out_dtype: (
+            reference(lhs, rhs, group_sizes, out_dtype=out_dtype),),
         grid=gemm_grid,
         # Configs without TMA (the default's, MM_CONFIGS shared with moe_ffn) leave both unset.
         constexprs=lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"],
@@ -234,7 +250,8 @@ def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
         constraints=(mm_fits, tma_fits),
         key_dims=("M", "C", "D", "G"),
         default_config=mm_default,
-        **_SHARED,
+        **{**GEMM_SHARED, "params": ("elem_bytes", "out_dtype"), "key_params": ("elem_bytes", "out_dtype"),
+           "params_check": _out_dtype_check},
     )
 
 
@@ -277,10 +294,10 @@ def on_hopper(backend: str) -> bool:
     return compute_capability() == 90
 
 
-def mm_for(backend: str, trans_rhs: bool, dims, params):
-    """The forward (or, with ``trans_rhs``, the input-gradient) kernel for ``backend`` at
-    these dims: on a compute capability 9.0 GPU the Hopper declaration, elsewhere
-    :data:`grouped_gemm` (or :data:`grouped_gemm_rhs_t`)."""
+def mm_for(backend: str, trans_rhs: bool):
+    """The forward (or, with ``trans_rhs``, the input-gradient) kernel for ``backend``: on a
+    compute capability 9.0 GPU the Hopper declaration (whose default config decides by the
+    dims), elsewhere :data:`grouped_gemm` (or :data:`grouped_gemm_rhs_t`)."""
     if on_hopper(backend):
         return grouped_gemm_rhs_t_hopper if trans_rhs else grouped_gemm_hopper
     return grouped_gemm_rhs_t if trans_rhs else grouped_gemm
@@ -303,7 +320,7 @@ grouped_gemm_wgrad = declare(KernelDecl(
     constraints=(wgrad_fits,),
     key_dims=("M", "K", "N", "G"),
     default_config=wgrad_default,
-    **_SHARED,
+    **GEMM_SHARED,
 ))
 
 

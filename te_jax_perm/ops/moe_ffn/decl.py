@@ -10,11 +10,11 @@ and its VJP :mod:`te_jax_perm.ops.moe_ffn.api`.
 from __future__ import annotations
 
 import numpy as np
-import triton
 
 from te_jax_perm.core import KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels import moe_ffn as K
-from te_jax_perm.ops.grouped_gemm.decl import FLOATS, MM_CONFIGS, groups_p2, mm_default, mm_fits, mm_grid, precision
+from te_jax_perm.ops.grouped_gemm.decl import (FLOATS, GEMM_SHARED, MM_CONFIGS, groups_p2, mm_default, mm_fits,
+                                               mm_grid, precision)
 from te_jax_perm.ops.moe_ffn import reference as R
 from te_jax_perm.ops.permute.reference import row_owner_reference
 from te_jax_perm.ops.row_id_map.reference import row_id_map_reference
@@ -51,11 +51,6 @@ moe_gather_gemm = declare(KernelDecl(
     constexprs=lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"],
                                               "G_P2": groups_p2(dims), "PRECISION": precision(params)},
     configs=MM_CONFIGS, constraints=(mm_fits,), default_config=mm_default, example_inputs=_example,
-    params=("elem_bytes",), scalars=lambda dims, params: {"M": dims["M"], "T": dims["T"]},
-    # As the grouped GEMM's: the operand width sets the tile budget and the precision; rows
-    # bucketed to powers of two in tuning keys (the token count T only sizes the gather's
-    # source, so it stays out of the key); a tolerance, since fp32 accumulation order
-    # differs by tiling.
-    key_dims=("M", "C", "D", "G"), key_params=("elem_bytes",),
-    key_bucket=lambda name, v: triton.next_power_of_2(v) if name == "M" else v,
-    exact=False, rtol=2e-2, atol=2e-2))
+    # The token count T only sizes the gather's source, so it stays out of the tuning key.
+    key_dims=("M", "C", "D", "G"),
+    **{**GEMM_SHARED, "scalars": lambda dims, params: {"M": dims["M"], "T": dims["T"]}}))
