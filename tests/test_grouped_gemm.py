@@ -1088,8 +1088,8 @@ def test_gpu_tma_configs_match_reference(sizes, programs):
     m = 2304
     lhs, rhs, gs, dout = _problem(m, 256, 384, sizes, "bfloat16", seed=6)
     dims = {"M": m, "C": 256, "D": 384, "G": len(sizes)}
-    cfg = next(c for c in D.TMA_CONFIGS if not D.grouped_gemm.decl.violated(dims, {"elem_bytes": 2}, c)
-               and not D.grouped_gemm_rhs_t.decl.violated({**dims, "C": 384, "D": 256}, {"elem_bytes": 2}, c))
+    cfg = next(c for c in D.TMA_CONFIGS if not D.grouped_gemm.decl.violated(dims, BF16, c)
+               and not D.grouped_gemm_rhs_t.decl.violated({**dims, "C": 384, "D": 256}, BF16, c))
     cfg = Config.make(cfg.num_warps, cfg.num_stages, **{**cfg.kw, "PROGRAMS": programs})
     clean = jnp.nan_to_num(lhs)
     with _tma_for_row_tile_gemms(cfg):
