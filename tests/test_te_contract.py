@@ -369,6 +369,11 @@ def test_padded_shards_drop_only_rows_their_layout_cannot_fit(routing, n):
         np.testing.assert_array_equal(np.asarray(pp)[block][:used], e_pp[:used])
         np.testing.assert_array_equal(np.asarray(rid)[tok], ref.row_id_map(rm[tok].astype(bool), m, e_pad))
     assert int((np.asarray(rid)[:, :e] >= 0).sum()) == kept_total
+    # tokens_per_expert: every shard's kept rows summed, then padded up once (the
+    # unsharded layout, as TransformerEngine pads the summed counts).
+    r = np.asarray(rid)
+    kept = np.bincount([r[i, e + j] for i in range(t) for j in range(r[i, 2 * e]) if r[i, j] >= 0], minlength=e)
+    np.testing.assert_array_equal(np.asarray(tpe), -(-kept // align) * align)
     if routing == "one_expert":
         assert kept_total == t     # every shard's 8 rows fit its 14
     if routing == "topk":

@@ -474,8 +474,10 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
 
     Sharding: with ``inp`` sharded over tokens under ``jit``, each shard dispatches its own
     tokens (as TransformerEngine's does): ``output`` holds one expert-grouped block per
-    shard, and ``tokens_per_expert`` counts the rows of every shard (a sum across them).
-    Padded, a shard whose padded layout would not fit its ``rows / shards`` keeps the
+    shard, and ``tokens_per_expert`` counts the kept rows of every shard (a sum across
+    them); with ``align_size``, that sum padded up once, as TransformerEngine pads it (so
+    it and ``pad_offsets`` describe the unsharded layout, not the rows of ``output``,
+    where each shard pads its own rows). Padded, a shard whose padded layout would not fit its ``rows / shards`` keeps the
     longest run of its rows in expert-major order that fits; the rest drop. The
     rows as a whole are then not grouped by expert, so a grouped GEMM must not take them
     with these counts: run dispatch, the expert GEMMs and the combine per shard inside
