@@ -115,6 +115,47 @@ def test_second_order_gradients_are_refused_by_name(backend):
         jax.hessian(lambda v: jnp.sum(dispatch_grad(v)))(jnp.asarray(x))
 
 
+def _second_order_cases(backend):
+    """``(op name, f, x)``: each op as a scalar function of one float input."""
+    rng = np.random.default_rng(2)
+    z = jnp.asarray(rng.standard_normal((10, 4)), jnp.float32)
+    p10 = jnp.asarray(rng.random(10), jnp.float32)
+    rm = top_k_routing(rng.standard_normal((6, 4)), 2)
+    rid, tpe = te_jax_perm.make_row_id_map(rm, 12)[:2]
+    x6 = jnp.asarray(rng.standard_normal((6, 4)), jnp.float32)
+    y12 = jnp.asarray(rng.standard_normal((12, 4)), jnp.float32)
+    _, chunk_map = te_jax_perm.sort_chunks_by_index(z, [5, 5], [1, 0], backend=backend)
+    sq = lambda v: jnp.sum(v ** 2)  # noqa: E731
+    cases = [
+        ("sort_chunks_by_index", lambda v: sq(te_jax_perm.sort_chunks_by_index(v, [5, 5], [1, 0], backend=backend)[0]), z),
+        ("sort_chunks_by_index_with_probs", lambda v: sq(te_jax_perm.sort_chunks_by_index_with_probs(
+            z, [5, 5], [1, 0], v, backend=backend)[1]), p10),
+        ("sort_chunks_by_map", lambda v: sq(te_jax_perm.sort_chunks_by_map(v, chunk_map, backend=backend)[0]), z),
+        ("permute_with_mask_map", lambda v: sq(te_jax_perm.permute_with_mask_map(v, rid, tpe, 12, backend=backend)[0]),
+         x6),
+        ("unpermute_with_mask_map", lambda v: sq(te_jax_perm.unpermute_with_mask_map(v, rid, backend=backend)), y12),
+    ]
+    if backend != "xla":  # the xla backend's grouped GEMM is XLA's ragged dot, differentiable to any order
+        w = jnp.asarray(rng.standard_normal((2, 4, 3)), jnp.float32)
+        cases.append(("grouped_matmul", lambda v: sq(te_jax_perm.grouped_matmul(v, w, jnp.asarray([4, 5]),
+                                                                                backend=backend)), z))
+    return cases
+
+
+def test_every_op_refuses_a_second_differentiation_by_name(backend):
+    """Differentiating any op's gradient again raises naming the op: through its forward
+    rule (grad of grad), and through its backward rule alone (the VJP of a VJP, taken in
+    the cotangent). The ops move rows as bit views, so a second derivative that went through
+    would come out zero, silently."""
+    for name, f, v in _second_order_cases(backend):
+        assert jnp.all(jnp.isfinite(jax.grad(f)(v))), name  # first order works
+        with pytest.raises(NotImplementedError, match=f"^{name}: the te_jax_perm ops have first-order gradients"):
+            jax.grad(lambda u: jnp.sum(jax.grad(f)(u)))(v)
+        _, vjp = jax.vjp(f, v)
+        with pytest.raises(NotImplementedError, match=f"^{name}: "):
+            jax.grad(lambda c: jnp.sum(vjp(c)[0]))(jnp.float32(1.0))
+
+
 @pytest.mark.parametrize("t,e,k,mode", [(1, 1, 1, "topk"), (1, 4, 4, "topk"), (9, 1, 1, "topk"),
                                         (12, 5, 5, "topk"), (10, 6, 1, "all_one"), (10, 8, 2, "empty")])
 @pytest.mark.parametrize("align", [None, 8])

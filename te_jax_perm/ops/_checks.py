@@ -238,3 +238,20 @@ def row_id_map_problem(rows: int, rid: np.ndarray, pad_offsets: np.ndarray | Non
                     "token_dispatch that returned these pad_offsets (it addresses the padded rows), or no "
                     "pad_offsets with an unpadded map")
     return None
+
+
+def first_order(name: str, fn: Callable) -> Callable:
+    """``fn`` with a derivative rule that refuses by name. The ops' gradients are custom VJPs
+    whose forward and backward passes run kernels on bit views of the rows, or kernels with
+    no derivative rule of their own: differentiated again, the bit views would pass on zero
+    derivatives without a word (JAX does not differentiate integers), and a kernel's missing
+    rule would raise an error naming neither the op nor why. Wrap every call whose inputs a
+    second differentiation can reach (an op's forward rule and backward rule)."""
+    wrapped = jax.custom_jvp(fn)
+
+    @wrapped.defjvp
+    def _refuse(primals, tangents):
+        raise NotImplementedError(
+            f"{name}: the te_jax_perm ops have first-order gradients (custom VJPs); differentiating one of their "
+            "gradients again (jax.grad of jax.grad, jax.hessian, a JVP through a VJP) is not supported")
+    return wrapped

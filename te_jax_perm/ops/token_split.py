@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from te_jax_perm.core import errors
 from te_jax_perm.core.manual_axes import vary_like
 from te_jax_perm.core.sharding import spec_axes
+from te_jax_perm.ops._checks import first_order
 
 SPLIT = ("T", "R")
 LOCAL = "H"
@@ -202,7 +203,7 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg
     sizes = {n: d for axes, a in zip(arg_axes, args) for n, d in zip(axes, a.shape)}
     sizes.update({n: d for axes, o in zip(out_axes, outs) for n, d in zip(axes, o.shape)})
     if backend == "interpret" or any(sizes.get(n, 1) == 0 for n in SPLIT):
-        return _first_order(name, lambda *xs: tuple(local(*xs)))(*args)
+        return first_order(name, lambda *xs: tuple(local(*xs)))(*args)
 
     def plans(mesh, arg_shapes, tokens) -> dict[int, tuple[tuple[int, Any], ...]]:
         if tokens is None:
@@ -261,19 +262,4 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg
         return tuple(out), tuple(True for _ in out)
 
     # custom_partitioning and custom_vmap drop the operands' varying axes inside jax.shard_map.
-    return _first_order(name, lambda *xs: vary_like(batched(*xs), xs))(*args)
-
-
-def _first_order(name: str, fn: Callable) -> Callable:
-    """``fn`` with a derivative rule that refuses by name. The ops' gradients are custom VJPs
-    whose backward passes call these same per-shard kernels; differentiating a backward
-    pass again would reach a kernel (or JAX's ``custom_partitioning``) that has no rule of
-    its own, and JAX's error would name neither the op nor why."""
-    wrapped = jax.custom_jvp(fn)
-
-    @wrapped.defjvp
-    def _refuse(primals, tangents):
-        raise NotImplementedError(
-            f"{name}: the te_jax_perm ops have first-order gradients (custom VJPs); differentiating one of their "
-            "gradients again (jax.grad of jax.grad, jax.hessian, a JVP through a VJP) is not supported")
-    return wrapped
+    return first_order(name, lambda *xs: vary_like(batched(*xs), xs))(*args)

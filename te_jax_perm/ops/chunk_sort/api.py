@@ -42,31 +42,35 @@ from te_jax_perm.ops.chunk_sort import decl as D
 from te_jax_perm.ops.chunk_sort.reference import checked_chunks, checked_rows
 
 
-def _gather(inp, src_map, probs, backend: str):
-    x = to_bits(inp)
-    if probs is None:
-        (out,) = D.sort_chunks(x, src_map, backend=backend)
-        return from_bits(out, inp.dtype, inp.shape), None
-    out, pout = D.sort_chunks_probs(x, src_map, probs, backend=backend)
-    return from_bits(out, inp.dtype, inp.shape), pout
+def _gather(inp, src_map, probs, backend: str, name: str):
+    """Row ``j`` of the result = ``inp[src_map[j]]``, with ``probs`` where given; ``name``:
+    the public op, named where a second differentiation is refused (:func:`first_order`)."""
+    def gather(inp, src_map, probs):
+        x = to_bits(inp)
+        if probs is None:
+            (out,) = D.sort_chunks(x, src_map, backend=backend)
+            return from_bits(out, inp.dtype, inp.shape), None
+        out, pout = D.sort_chunks_probs(x, src_map, probs, backend=backend)
+        return from_bits(out, inp.dtype, inp.shape), pout
+    return _checks.first_order(name, gather)(inp, src_map, probs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _move(inp, src_map, dst_map, probs, backend: str):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _move(inp, src_map, dst_map, probs, backend: str, name: str):
     """Output row ``j`` = ``inp[src_map[j]]``; ``dst_map`` is ``src_map``'s inverse."""
-    return _gather(inp, src_map, probs, backend)
+    return _gather(inp, src_map, probs, backend, name)
 
 
-def _move_fwd(inp, src_map, dst_map, probs, backend):
-    return _gather(inp, src_map, probs, backend), (dst_map, witness(inp), witness(probs))
+def _move_fwd(inp, src_map, dst_map, probs, backend, name):
+    return _gather(inp, src_map, probs, backend, name), (dst_map, witness(inp), witness(probs))
 
 
-def _move_bwd(backend, res, cotangents):
+def _move_bwd(backend, name, res, cotangents):
     dst_map, inp, probs = res
     # Gradient rows go back through the inverse map: the same aliased gather, a fresh
     # preallocated output, never the incoming gradient buffer.
     g_out, g_probs = cotangents
-    g_inp, g_p = _gather(g_out, dst_map, g_probs, backend)
+    g_inp, g_p = _gather(g_out, dst_map, g_probs, backend, name)
     return like_primal(g_inp, inp), None, None, like_primal(g_p, probs)
 
 
@@ -160,7 +164,8 @@ def sort_chunks_by_map(inp: jax.Array, row_id_map: jax.Array, probs: jax.Array |
     is_forward = _checks.check_static_bool("is_forward", is_forward)
     dst, src = _one_to_one(jnp.asarray(row_id_map))
     backend = resolve_backend(backend)
-    return _move(inp, src, dst, probs, backend) if is_forward else _move(inp, dst, src, probs, backend)
+    name = "sort_chunks_by_map"
+    return _move(inp, src, dst, probs, backend, name) if is_forward else _move(inp, dst, src, probs, backend, name)
 
 
 @_checks.keyword_only
@@ -185,7 +190,7 @@ def sort_chunks_by_index(inp: jax.Array, split_sizes: jax.Array, sorted_indices:
       none to the sizes or indices. :func:`sort_chunks_by_index_with_probs` also moves
       per-row probabilities.
     """
-    out, _, row_map = _sort_chunks(inp, split_sizes, sorted_indices, None, backend)
+    out, _, row_map = _sort_chunks(inp, split_sizes, sorted_indices, None, backend, "sort_chunks_by_index")
     return out, row_map
 
 
@@ -203,12 +208,12 @@ def sort_chunks_by_index_with_probs(inp: jax.Array, split_sizes: jax.Array, sort
         # None would take sort_chunks_by_index's path and hand back None as permuted_probs.
         raise TypeError("probs is None; expected float [N] probabilities, one per row of inp (sort_chunks_by_index "
                         "sorts without them)")
-    return _sort_chunks(inp, split_sizes, sorted_indices, probs, backend)
+    return _sort_chunks(inp, split_sizes, sorted_indices, probs, backend, "sort_chunks_by_index_with_probs")
 
 
-def _sort_chunks(inp, split_sizes, sorted_indices, probs, backend):
+def _sort_chunks(inp, split_sizes, sorted_indices, probs, backend, name):
     inp, probs = checked_rows(_checks.flatten_rows("inp", _checks.array("inp", inp), "N", "H"), probs)
     chosen = resolve_backend(backend)
     row_map, src_map = _maps(split_sizes, sorted_indices, inp.shape[0], chosen)
-    out, permuted_probs = _move(inp, src_map, row_map, probs, chosen)
+    out, permuted_probs = _move(inp, src_map, row_map, probs, chosen, name)
     return out, permuted_probs, row_map

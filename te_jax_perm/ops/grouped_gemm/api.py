@@ -225,7 +225,10 @@ def gemms(backend: str) -> tuple[Gemm, Gemm, Gemm]:
                 wanted = jnp.dtype(out_dtype)
                 params["out_dtype"] = (wanted if wanted in KERNEL_DTYPES else jnp.dtype(jnp.float32)).name
             prim = pick(a, b, group_sizes, params)
-            return prim(a, b, group_sizes, backend=backend, **params)[0].astype(out_dtype)
+            # The kernels have no derivative rules: a gradient differentiated again is
+            # refused by name (the xla and tokamax GEMMs above differentiate to any order).
+            return _checks.first_order("grouped_matmul", lambda a, b, s: prim(a, b, s, backend=backend, **params)[0])(
+                a, b, group_sizes).astype(out_dtype)
         return gemm
 
     def row_tile(trans_rhs: bool):

@@ -61,9 +61,21 @@ def _owners(rid, pad, rows, padded, backend):
 
 
 # -- differentiable cores ------------------------------------------------------------------
+# permute_with_mask_map's and unpermute_with_mask_map's VJPs; each rule runs under
+# first_order, so that differentiating a gradient again raises naming the op.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _permute(inp, probs, rid, pad, num_out_rows, padded, backend):
-    return permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend)[0]
+    return _permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend)[0]
+
+
+def _permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend):
+    return _checks.first_order("permute_with_mask_map", lambda *a: permute_fwd(*a, num_out_rows, padded, backend))(
+        inp, probs, rid, pad)
+
+
+def _permute_bwd(num_out_rows, padded, backend, res, cts):
+    return _checks.first_order("permute_with_mask_map", lambda res, cts: permute_bwd(padded, backend, res, cts))(
+        res, cts)
 
 
 def permute_fwd(inp, probs, rid, pad, num_out_rows, padded, backend, owner=None):
@@ -87,18 +99,29 @@ def permute_grads(g_out, g_pout, rid, pad, padded, backend):
     return D.unpermute(g_out, rid, pad, backend=backend, padded=padded)[0], None
 
 
-def permute_bwd(num_out_rows, padded, backend, res, cts):
+def permute_bwd(padded, backend, res, cts):
     rid, pad, inp, probs = res
     g_inp, g_probs = permute_grads(*cts, rid, pad, padded, backend)
     return like_primal(g_inp, inp), like_primal(g_probs, probs), None, None
 
 
-_permute.defvjp(permute_fwd, permute_bwd)
+_permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _unpermute(inp, merging_probs, rid, pad, padded, backend):
-    return unpermute_rows(inp, merging_probs, rid, pad, padded, backend)
+    return _checks.first_order("unpermute_with_mask_map", lambda *a: unpermute_rows(*a, padded, backend))(
+        inp, merging_probs, rid, pad)
+
+
+def _unpermute_fwd(inp, merging_probs, rid, pad, padded, backend):
+    return _checks.first_order("unpermute_with_mask_map", lambda *a: unpermute_fwd(*a, padded, backend))(
+        inp, merging_probs, rid, pad)
+
+
+def _unpermute_bwd(padded, backend, res, g):
+    return _checks.first_order("unpermute_with_mask_map", lambda res, g: unpermute_bwd(padded, backend, res, g))(
+        res, g)
 
 
 def unpermute_rows(inp, merging_probs, rid, pad, padded, backend):
@@ -134,7 +157,7 @@ def unpermute_bwd(padded, backend, res, g):
     return like_primal(g_inp, inp), like_primal(g_w, merging_probs), None, None
 
 
-_unpermute.defvjp(unpermute_fwd, unpermute_bwd)
+_unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
 
 
 # -- public API ------------------------------------------------------------------------------
