@@ -328,3 +328,17 @@ def test_batched_inputs_with_an_empty_last_axis_flatten(backend):
     np.testing.assert_array_equal(np.asarray(combined), np.zeros((8, 3)))
     sorted_rows, _ = te_jax_perm.sort_chunks_by_index(np.zeros((2, 4, 0), np.float32), [8], [0], backend=backend)
     assert sorted_rows.shape == (8, 0)
+
+
+def test_symbolic_shapes_are_refused_by_argument():
+    """jax.export's symbolic shapes reach the kernel declarations, whose sizes set grids,
+    tiles and buffer lengths: refused naming the kernel argument, not JAX's error about an
+    inconclusive dimension."""
+    from jax import export
+    f = jax.jit(lambda x, rm: te_jax_perm.token_dispatch(x, rm, 16, backend="xla")[0])
+    x = jax.ShapeDtypeStruct(export.symbolic_shape("8, h"), jnp.float32)
+    with pytest.raises(TypeError, match=r"argument 'inp' has shape \(8, h\) with symbolic sizes"):
+        export.export(f)(x, jax.ShapeDtypeStruct((8, 4), jnp.bool_))
+    # Concrete shapes export.
+    exported = export.export(f)(jax.ShapeDtypeStruct((8, 3), jnp.float32), jax.ShapeDtypeStruct((8, 4), jnp.bool_))
+    assert exported.out_avals[0].shape == (16, 3)

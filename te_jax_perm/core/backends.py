@@ -35,7 +35,9 @@ def _check_name(name: str) -> str:
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[str]:
-    """Context manager selecting the default backend for ops traced inside it."""
+    """Context manager selecting the default backend for ops traced inside it. A function
+    ``jax.jit`` traced before keeps the backend it was traced with (jit's cache does not
+    key on this setting)."""
     name = _check_name(name)
     token = _current.set(name)
     try:

@@ -112,6 +112,11 @@ def bind_call(decl: KernelDecl, avals: Sequence[Any], params: Params, backend: s
     ``.shape`` and ``.dtype``). Raises, naming the argument, when they or ``params`` do not
     fit the declaration."""
     check_static_params(decl, params)
+    for op, a in zip(decl.operands, avals):
+        if not all(isinstance(s, (int, np.integer)) for s in a.shape):
+            # Sizes set grids, tiles and buffer lengths at compile time.
+            raise TypeError(f"{decl.name}: argument {op.name!r} has shape {tuple(a.shape)} with symbolic sizes "
+                            "(as jax.export's symbolic shapes make); expected concrete sizes")
     return _bind(decl, tuple(_shaped(a.shape, a.dtype) for a in avals), tuple(sorted(params.items())), backend)
 
 

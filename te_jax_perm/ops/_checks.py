@@ -102,7 +102,7 @@ def check_token_dtype(name: str, x: Any) -> None:
     dt = _dt(x)
     if not (jnp.issubdtype(dt, jnp.floating) or dt.name.startswith("float8")):  # np misses bfloat16
         raise TypeError(f"{name} has dtype {dt.name}; expected a floating dtype "
-                        "(bfloat16, float16, float32 or float8_e4m3fn)")
+                        "(bfloat16, float16, float32 or a float8 dtype)")
 
 
 def check_routing_dtype(name: str, x: Any) -> None:
