@@ -82,13 +82,16 @@ def _write(path: str, obj) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--small", action="store_true")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", required=True, help="directory for compile_time.json, tuning.json and e2e.json")
+    ap.add_argument("--small", action="store_true", help="the small shapes (CPU: interpreter tuning)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                    help="dtype of the tuned rows")
     ap.add_argument("--max-configs", type=int, default=48, help="configs in the compile-time comparison")
-    ap.add_argument("--workers", type=int, default=0)
-    ap.add_argument("--skip-tuning", action="store_true")
-    ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="compile-pool processes in the compile-time comparison (0: the pool's own choice)")
+    ap.add_argument("--skip-tuning", action="store_true", help="only the compile-time comparison")
+    ap.add_argument("--skip-e2e", action="store_true",
+                    help="no end-to-end (tuned vs default step) part on a GPU")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget for the whole run; results are written as they come")
     ap.add_argument("--e2e-s", type=float, default=60.0, help="part of --budget-s kept for the end-to-end part")

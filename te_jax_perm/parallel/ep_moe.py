@@ -69,7 +69,7 @@ class EPConfig:
       activation: the activation between the expert GEMMs, one of ``moe_ffn``'s names:
         ``"silu_glu"`` (SwiGLU), ``"gelu_glu"`` (both gated: ``w_in`` is ``[E, H, 2F]``,
         gate columns first), ``"silu"``, ``"gelu"`` (tanh form) or ``"relu"``; computed
-        in float32.
+        in float32. The default, ``"gelu"``, is ungated (``moe_ffn``'s is ``"silu_glu"``).
       backend: the ops backend (``None``: the default).
       a2a: how rows cross devices: ``"dense"`` (``all_to_all`` of capacity-padded chunks),
         ``"ragged"`` (``ragged_all_to_all``, exactly the kept rows; needs backend support)
