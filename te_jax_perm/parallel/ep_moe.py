@@ -152,8 +152,7 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
                        preferred_element_type=jnp.float32, backend=cfg.gemm).astype(x.dtype)
 
     # 5. back home and combine
-    back = sort_chunks_by_map(y, smap, is_forward=False, backend=be)
-    back = back[0] if isinstance(back, (tuple, list)) else back
+    back, _ = sort_chunks_by_map(y, smap, is_forward=False, backend=be)
     home = return_rows(back, rank_start, sent_tot, recv_tot, n, cfg.axis, mode)
     weights = jnp.where(routing_map, probs, 0.0).astype(jnp.float32)
     return unpermute_with_mask_map(home, rid, merging_probs=weights, tokens_per_expert=kept, backend=be)
