@@ -89,6 +89,12 @@ class EPConfig:
     a2a: str = "auto"
     gemm: str | None = None
 
+    def sizes(self, tokens: int, experts: int, experts_local: int) -> tuple[int, int]:
+        """``(num_out_tokens, capacity)`` of a device holding ``tokens`` tokens, ``experts``
+        experts in all and ``experts_local`` of them itself, ``None`` read as the defaults."""
+        n = tokens * experts if self.num_out_tokens is None else int(self.num_out_tokens)
+        return n, min(n, tokens * experts_local) if self.capacity is None else int(self.capacity)
+
 
 def _chunk_order(ep: int, el: int) -> np.ndarray:
     """Chunk ids, as (source rank, local expert | pad) -> (local expert, source rank), pads last."""
@@ -121,8 +127,7 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
     if e != ep * el:
         raise ValueError(f"ep_moe_local: routing_map has E={e} experts but w_in {tuple(w_in.shape)} holds "
                          f"E_local={el} on each of {ep} ranks (expected E = ep * E_local = {ep * el})")
-    n = t * e if cfg.num_out_tokens is None else int(cfg.num_out_tokens)
-    cap = min(n, t * el) if cfg.capacity is None else int(cfg.capacity)
+    n, cap = cfg.sizes(t, e, el)
     be = cfg.backend
     mode = cfg.a2a if cfg.a2a != "auto" else resolve_a2a("auto", tuple(jax.devices()[:ep]))
 

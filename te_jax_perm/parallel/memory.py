@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from te_jax_perm.parallel.ep_moe import EPConfig
+
 GIB = 1 << 30
 
 
@@ -50,8 +52,7 @@ def ep_working_set(*, tokens: int, hidden: int, ffn: int, experts: int, ep: int,
     """
     b = np.dtype(dtype).itemsize
     el = experts // ep
-    n = tokens * experts if num_out_tokens is None else num_out_tokens
-    cap = min(n, tokens * el) if capacity is None else capacity
+    n, cap = EPConfig(num_out_tokens=num_out_tokens, capacity=capacity).sizes(tokens, experts, el)
     recv = ep * cap                                               # rows after the exchange
     w = 2 if gated else 1                                         # w_in's columns per F
     act = {

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax_perm.ops.moe_ffn.reference import activate
+from te_jax_perm.parallel.ep_moe import EPConfig
 
 
 def _kept(routing_map: jax.Array, num_out_tokens: int, capacity: int, ep: int) -> jax.Array:
@@ -34,8 +35,7 @@ def reference_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, 
     e = routing_map.shape[1]
     shards = data * ep
     t = tt // shards
-    n = t * e if num_out_tokens is None else num_out_tokens
-    cap = min(n, t * (e // ep)) if capacity is None else capacity
+    n, cap = EPConfig(num_out_tokens=num_out_tokens, capacity=capacity).sizes(t, e, e // ep)
     keep = jax.vmap(lambda m: _kept(m, n, cap, ep))(routing_map.reshape(shards, t, e)).reshape(tt, e)
     hid = jnp.einsum("th,ehf->etf", x, w_in, preferred_element_type=jnp.float32)
     y = jnp.einsum("etf,efh->eth", activate(activation, hid).astype(w_out.dtype), w_out,
