@@ -273,6 +273,18 @@ def test_auto_falls_back_to_dense_where_ragged_is_unsupported():
         resolve_a2a("sparse", devs)
 
 
+def test_forget_probes_lets_auto_see_a_new_probe_answer(monkeypatch):
+    from te_jax_perm.parallel import a2a_support
+    devs = tuple(jax.devices()[:1])
+    try:
+        for works, mode in [(False, "dense"), (True, "ragged")]:
+            monkeypatch.setattr(a2a_support, "probe", lambda devices, works=works: works)
+            a2a_support.forget_probes()
+            assert resolve_a2a("auto", devs) == mode
+    finally:
+        a2a_support.forget_probes()
+
+
 @multidevice
 def test_probe_accepts_a_correct_ragged_collective_even_inside_jit(emulated_ragged):
     from te_jax_perm.parallel.a2a_support import probe

@@ -7,7 +7,6 @@ its result, and the answer is cached per (platform, device kind, device count).
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 from absl import logging
@@ -75,7 +74,6 @@ def probe(devices: tuple) -> bool:
     return ok
 
 
-@functools.lru_cache(maxsize=None)
 def resolve_a2a(mode: str, devices: tuple) -> str:
     """``"dense"`` or ``"ragged"`` for ``mode`` in ``("dense", "ragged", "auto")``."""
     if mode not in ("dense", "ragged", "auto"):

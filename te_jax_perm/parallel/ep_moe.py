@@ -129,7 +129,7 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
                          f"E_local={el} on each of {ep} ranks (expected E = ep * E_local = {ep * el})")
     n, cap = cfg.sizes(t, e, el)
     be = cfg.backend
-    mode = cfg.a2a if cfg.a2a != "auto" else resolve_a2a("auto", tuple(jax.devices()[:ep]))
+    mode = resolve_a2a(cfg.a2a, tuple(jax.devices()[:ep]))
 
     # 1. local dispatch, rows sorted by global expert (rank-major)
     rid, kept = make_row_id_map(routing_map, num_out_tokens=n, backend=be)
