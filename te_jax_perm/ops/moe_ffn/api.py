@@ -203,7 +203,7 @@ def _fwd_local(layer, x, w_in, w_out, probs, rm, pad):
         h = fwd(_rows(x, rid, owner, pad, backend), w_in, group_sizes, x.dtype)
     else:
         (h,) = D.moe_gather_gemm(x, w_in, group_sizes, owner, backend=backend, elem_bytes=x.dtype.itemsize)
-    p, _ = row_probs(probs, group_sizes, owner)
+    p = row_probs(probs, group_sizes, owner)
     # The probability rides on the activations, rounded once with them. A row without an
     # owner has h = 0, so act = 0, and p = 0: it stays zero.
     a = activate(layer.activation, h) * p[:, None]
@@ -241,7 +241,7 @@ def _bwd_local(layer, x, w_in, w_out, probs, rm, pad, rid, owner, h, dy):
     group_sizes = _group_sizes(kept_of(routed(rm).sum(axis=0, dtype=jnp.int32), budget), align)
     _, dgrad, wgrad = gemms(backend)
     a, act_vjp = jax.vjp(lambda v: activate(layer.activation, v), h)
-    p, _ = row_probs(probs, group_sizes, owner)
+    p = row_probs(probs, group_sizes, owner)
     # Second GEMM and combine: y[t] = sum_r (p_r a_r) @ w_out[g]. Row r's gradient before its
     # probability, dy[token] @ w_out[g].T, gives both the probability's gradient (its dot
     # with a_r) and, scaled, a_r's; w_out[g]'s is the scaled rows the forward multiplied,

@@ -90,15 +90,15 @@ def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
     return jnp.sum(ends[None, :] <= jnp.arange(rows, dtype=ends.dtype)[:, None], axis=1, dtype=jnp.int32)
 
 
-def row_probs(probs: jax.Array, group_sizes: jax.Array, owner: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(p float32 [M], owned bool [M])``: each owned row's probability ``probs[token, group]``,
-    0 for rows without an owner or past the groups."""
+def row_probs(probs: jax.Array, group_sizes: jax.Array, owner: jax.Array) -> jax.Array:
+    """``float32 [M]``: each owned row's probability ``probs[token, group]``, 0 for rows
+    without an owner or past the groups."""
     t, g = probs.shape
     tok, owned = row_tokens(owner, g, t)
     grp = row_groups(group_sizes, owner.shape[0])
     owned = owned & (grp < g)
     p = probs.astype(jnp.float32)[tok, jnp.minimum(grp, g - 1)]
-    return jnp.where(owned, p, 0.0), owned
+    return jnp.where(owned, p, 0.0)
 
 
 def gather_rows(x: jax.Array, owner: jax.Array, num_groups: int) -> jax.Array:
