@@ -64,11 +64,11 @@ def problems() -> list[str]:
     return out
 
 
-# -- Triton version shims ----------------------------------------------------------------------
-# Triton >= 3.3 takes per-argument attributes keyed by argument-index tuples
-# ({(i,): [["tt.divisibility", 16]]}); every release this library supports (3.6 and later)
-# does, as does the metadata below (``name``, ``shared``, ``num_warps``, ``num_ctas``,
-# ``global_scratch_size``/``_align``; ``profile_scratch_size`` from 3.5 on).
+# -- compiling with Triton ---------------------------------------------------------------------
+# Per-argument attributes are keyed by argument-index tuples ({(i,): [["tt.divisibility", 16]]}),
+# and every supported release (3.6 and later) fills the metadata read below (``name``, ``shared``,
+# ``num_warps``, ``num_ctas``, ``global_scratch_size``/``_align``, ``profile_scratch_size``);
+# 3.6 leaves the global scratch fields ``None`` for a kernel without scratch.
 DIVISIBILITY = [["tt.divisibility", 16]]
 
 
@@ -160,16 +160,16 @@ def compiled_for(launch: Launch, compute_capability: int) -> CompiledKernel:
 def compile_cached(spec: CompileSpec, cc: int) -> CompiledKernel:
     """:func:`compiled_for`'s cache (``cache_info()`` counts the compiles)."""
     compiled = spec.compile(("cuda", cc, 32))
-    if getattr(compiled.metadata, "profile_scratch_size", 0):
+    if compiled.metadata.profile_scratch_size:
         raise NotImplementedError(f"{spec.kernel.fn.__name__}: compiled with Triton's profiling instrumentation "
                                   "(profile scratch memory), which XLA's Triton call cannot provide; unset "
                                   "the Triton instrumentation options")
     return CompiledKernel(
         # The compiled warp count: a warp-specialised kernel's adds its worker warps'.
-        name=compiled.metadata.name, num_warps=compiled.metadata.num_warps, num_ctas=getattr(compiled.metadata, "num_ctas", 1),
+        name=compiled.metadata.name, num_warps=compiled.metadata.num_warps, num_ctas=compiled.metadata.num_ctas,
         shared_mem_bytes=compiled.metadata.shared, ptx=compiled.asm["ptx"], compute_capability=cc,
-        global_scratch_size=getattr(compiled.metadata, "global_scratch_size", 0) or 0,
-        global_scratch_align=getattr(compiled.metadata, "global_scratch_align", 1) or 1)
+        global_scratch_size=compiled.metadata.global_scratch_size or 0,
+        global_scratch_align=compiled.metadata.global_scratch_align or 1)
 
 
 # -- jaxlib version shims ----------------------------------------------------------------------
@@ -201,12 +201,7 @@ def kernel_call_lib() -> Any:
 def _check_ffi(lib: Any) -> None:
     """Raises unless jaxlib registered the typed-FFI Triton call (0.10.1 and later do)."""
     registrations = getattr(getattr(lib, "_cuda_triton", None), "registrations", None)
-    if callable(registrations):
-        registered = FFI_TARGET in registrations()
-    else:
-        jaxlib = installed("jaxlib")
-        registered = jaxlib is not None and jaxlib >= FFI_MIN_JAXLIB
-    if not registered:
+    if not (callable(registrations) and FFI_TARGET in registrations()):
         raise BackendUnavailableError("backend 'triton': " + "; ".join(problems() or [
             f"this jaxlib does not register {FFI_TARGET}: pip install 'jax[cuda13]>={FFI_MIN_JAXLIB}'"]))
 
