@@ -31,6 +31,7 @@ Batch shape: inputs may be ``[B, S, ...]``; they are flattened to ``T = B*S`` to
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +162,15 @@ _unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
 
 
 # -- public API ------------------------------------------------------------------------------
+def _per_expert(name: str, counts: Any, e: int, note: str = "") -> Any:
+    """``counts`` (``tokens_per_expert``, ``pad_offsets``) checked as an int ``[E]`` of
+    values >= 0; arrays taken as token_dispatch takes them (lists too), not cast yet."""
+    counts = _checks.array_like(name, counts)
+    _checks.check_shape(name, counts, (e,), f"[E={e}]{note}")
+    _checks.check_index_values(name, counts)
+    return counts
+
+
 def _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_offsets):
     """Checked arguments of :func:`permute_with_mask_map`: ``(inp, probs, pad, padded, num_out_rows)``,
     arrays taken as token_dispatch takes them (lists too)."""
@@ -170,9 +180,7 @@ def _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_o
     e = _checks.num_experts_of_map(row_id_map)
     _checks.check_shape("row_id_map", row_id_map, (inp.shape[0], 2 * e + 1),
                         f"[T={inp.shape[0]}, 2E+1] (T from inp {tuple(inp.shape)})")
-    tokens_per_expert = _checks.array_like("tokens_per_expert", tokens_per_expert)
-    _checks.check_shape("tokens_per_expert", tokens_per_expert, (e,), f"[E={e}]")
-    _checks.check_index_values("tokens_per_expert", tokens_per_expert)
+    _per_expert("tokens_per_expert", tokens_per_expert, e)
     num_out_rows = _checks.check_static_int("num_out_rows", num_out_rows, 0)
     if probs is not None:
         probs = _checks.array("probs", probs)
@@ -234,9 +242,7 @@ def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expe
     arrays taken as token_combine takes them (lists too)."""
     inp, merging_probs, e = _combine_inputs(inp, row_id_map, merging_probs, "N", batched=False)
     if tokens_per_expert is not None:
-        tokens_per_expert = _checks.array_like("tokens_per_expert", tokens_per_expert)
-        _checks.check_shape("tokens_per_expert", tokens_per_expert, (e,), f"[E={e}]")
-        _checks.check_index_values("tokens_per_expert", tokens_per_expert)
+        _per_expert("tokens_per_expert", tokens_per_expert, e)
     return inp, merging_probs, pad_operand(pad_offsets, e), pad_offsets is not None
 
 
@@ -271,22 +277,10 @@ def pad_operand(pad_offsets, e):
     there are none."""
     if pad_offsets is None:
         return unread_pad(e)
-    pad_offsets = _checks.array_like("pad_offsets", pad_offsets)
-    _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}]")
-    _checks.check_index_values("pad_offsets", pad_offsets)
-    return jnp.asarray(pad_offsets).astype(jnp.int32)
+    return jnp.asarray(_per_expert("pad_offsets", pad_offsets, e)).astype(jnp.int32)
 
 
 # -- TransformerEngine-compatible dispatch and combine ------------------------------------
-
-def padding_layout(tokens_per_expert: jax.Array, align_size: int) -> tuple[jax.Array, jax.Array]:
-    """``(padded_counts, pad_offsets)`` for kept counts padded to multiples of ``align_size``.
-
-    ``pad_offsets[e]`` is the number of padding rows inserted before expert ``e``'s rows.
-    """
-    kept = tokens_per_expert.astype(jnp.int32)
-    return padded_counts_of(kept, align_size), pad_offsets_of(kept, align_size)
-
 
 def padded_rows(num_out_tokens: int, num_experts: int, align_size: int) -> int:
     """Rows of a padded dispatch buffer: the worst case (every expert ``align_size - 1``
@@ -522,8 +516,7 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
                                                       resolve_backend(backend))
     if align_size is None:
         return out, permuted_probs, row_id_map, None, kept
-    tokens_per_expert, pad_offsets = padding_layout(kept, align_size)
-    return out, permuted_probs, row_id_map, pad_offsets, tokens_per_expert
+    return out, permuted_probs, row_id_map, pad_offsets_of(kept, align_size), padded_counts_of(kept, align_size)
 
 
 @_checks.keyword_only
@@ -555,9 +548,7 @@ def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Arra
     """
     inp, merging_probs, e = _combine_inputs(inp, row_id_map, merging_probs, "R", batched=True)
     if pad_offsets is not None:
-        pad_offsets = _checks.array_like("pad_offsets", pad_offsets)
-        _checks.check_shape("pad_offsets", pad_offsets, (e,), f"[E={e}] (from row_id_map)")
-        _checks.check_index_values("pad_offsets", pad_offsets)
+        pad_offsets = _per_expert("pad_offsets", pad_offsets, e, " (from row_id_map)")
     _checks.check_values(functools.partial(_checks.row_id_map_problem, inp.shape[0]), row_id_map,
                          *(() if pad_offsets is None else (pad_offsets,)))
     return _combine(inp, merging_probs, row_id_map, resolve_backend(backend))
