@@ -35,24 +35,18 @@ LLAMA_4_SCOUT = MoEModel("Llama-4-Scout", H=5120, E=16, k=1)
 MODELS: tuple[MoEModel, ...] = (MIXTRAL_8X7B, QWEN3_235B, DEEPSEEK_V3, GPT_OSS_120B, QWEN3_30B, DBRX, QWEN2_57B,
                                 LLAMA_4_SCOUT)
 
-# The autotuner's shapes: model key, hidden, experts, top-k, tokens.
+# The autotuner's shapes (model key, hidden, experts, top-k, tokens), most important first:
+# a run cut short by its budget has tuned these.
 MOE_SHAPES = tuple((m.key, m.H, m.E, m.k, tokens) for m, tokens in (
-    (MIXTRAL_8X7B, (8192, 16384)), (QWEN3_235B, (8192,)), (DEEPSEEK_V3, (4096, 8192)), (GPT_OSS_120B, (8192,))))
-SMALL_SHAPES = (("small", 96, 8, 2, (64,)),)
-
-
-# Real MoE sizes, most important first: a run cut short by its budget has tuned these.
-PRIORITY = ((DEEPSEEK_V3.key, 8192), (QWEN3_235B.key, 8192), (GPT_OSS_120B.key, 8192), (MIXTRAL_8X7B.key, 8192),
-            (DEEPSEEK_V3.key, 4096), (MIXTRAL_8X7B.key, 16384))
+    (DEEPSEEK_V3, 8192), (QWEN3_235B, 8192), (GPT_OSS_120B, 8192), (MIXTRAL_8X7B, 8192), (DEEPSEEK_V3, 4096),
+    (MIXTRAL_8X7B, 16384)))
+SMALL_SHAPES = (("small", 96, 8, 2, 64),)
 
 
 def shape_list(small: bool = False, shapes: str | None = None) -> list[tuple[str, int, int, int, int]]:
     """``(model, H, E, k, T)`` in priority order; ``shapes`` keeps those whose ``model:T``
     contains any of its comma-separated terms (``"deepseek-v3:8192,qwen3"``)."""
-    table = SMALL_SHAPES if small else MOE_SHAPES
-    rows = [(m, H, E, k, T) for m, H, E, k, Ts in table for T in Ts]
-    rank = {p: i for i, p in enumerate(PRIORITY)}
-    rows.sort(key=lambda r: rank.get((r[0], r[4]), len(rank)))
+    rows = list(SMALL_SHAPES if small else MOE_SHAPES)
     if shapes:
         terms = [t.strip() for t in shapes.split(",") if t.strip()]
         every = rows

@@ -58,9 +58,9 @@ def test_bench_budget_writes_partial_report(tmp_path):
 
 
 def test_shapes_in_priority_order_and_filtered():
-    from te_jax_perm.autotune.__main__ import PRIORITY, shape_list
-    full = shape_list()
-    assert [(m, T) for m, _, _, _, T in full] == list(PRIORITY)
+    from te_jax_perm.autotune.__main__ import shape_list
+    from te_jax_perm.workloads import MOE_SHAPES
+    assert shape_list() == list(MOE_SHAPES)
     assert [(m, T) for m, *_, T in shape_list(shapes="qwen3,mixtral-8x7b:16384")] == [
         ("qwen3-235b", 8192), ("mixtral-8x7b", 16384)]
     with pytest.raises(ValueError, match=r"shapes='no-such-model' matches none of the shapes; expected terms found "

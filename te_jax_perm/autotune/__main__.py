@@ -24,7 +24,7 @@ from te_jax_perm.core import hooks
 from te_jax_perm.core.launch import Call
 from te_jax_perm.ops import shipped_decls
 from te_jax_perm.progress import Progress
-from te_jax_perm.workloads import PRIORITY, shape_list  # noqa: F401  (the shapes --tune_shapes tunes)
+from te_jax_perm.workloads import shape_list
 
 
 def _define_flags() -> None:
