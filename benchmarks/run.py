@@ -30,13 +30,9 @@ from benchmarks import report
 from benchmarks.shapes import CPU_SHAPES, GPU_SHAPES, MoEShape, by_name
 from benchmarks.timing import Timing, chain_length, time_fn
 from te_jax_perm.progress import Progress
-from te_jax_perm.workloads import DEEPSEEK_V3, GPT_OSS_120B, MIXTRAL_8X7B, QWEN3_235B
 
 # Guessed bandwidths (bytes/s) only size the timing chains; they never enter a result.
 _GUESS_BW = {"triton": 2.5e12, "xla": 0.5e12, "interpret": 1e8}
-# Most informative shapes first (model, tokens), so a tight budget still covers the targets.
-GPU_PRIORITY = ((DEEPSEEK_V3, 8192), (QWEN3_235B, 8192), (DEEPSEEK_V3, 16384), (GPT_OSS_120B, 8192),
-                 (DEEPSEEK_V3, 4096), (MIXTRAL_8X7B, 8192), (MIXTRAL_8X7B, 16384))
 # A shortlist of copy configs (block, iters, warps) tried on the first shape; the winner is
 # the "tuned Triton copy" for the whole run.
 _COPY_SHORTLIST = ((4096, 1, 4), (4096, 1, 8), (8192, 1, 8), (2048, 2, 4), (4096, 2, 8), (8192, 2, 8),
@@ -59,11 +55,6 @@ def _settings(mode: str, reps: int | None) -> Settings:
     if on_gpu:
         return Settings(True, "triton", 0.02, reps or 7, 200)
     return Settings(False, "interpret", 0.0, reps or 3, 2)
-
-
-def _ordered(shapes: tuple[MoEShape, ...]) -> list[MoEShape]:
-    rank = {(m.name, T): i for i, (m, T) in enumerate(GPU_PRIORITY)}
-    return sorted(shapes, key=lambda s: rank.get((s.model, s.T), len(rank)))
 
 
 def _row(shape: MoEShape, op: str, direction: str, backend: str, nbytes: int,
@@ -141,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.autotune:
         import te_jax_perm.autotune as at
         at.enable(True)
-    shapes = _ordered(by_name(args.shapes, GPU_SHAPES if st.on_gpu else CPU_SHAPES))
+    shapes = by_name(args.shapes, GPU_SHAPES if st.on_gpu else CPU_SHAPES)
     selected = cases_mod.select(args.ops)
     backends = [b for b in (st.kernel_backend, "xla") if b in args.backends.split(",")]
     n_copy_tune = len(_COPY_SHORTLIST) if st.on_gpu and not args.no_copy_tune and shapes else 0
