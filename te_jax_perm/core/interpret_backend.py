@@ -361,8 +361,8 @@ def install_numerics() -> None:
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         # The interpreter keeps bf16 as uint16 storage and would multiply the raw bit
         # patterns; tensor cores multiply the bf16 values exactly and accumulate in fp32.
-        if "bf16" in (a.dtype.scalar.name, b.dtype.scalar.name):
-            out = np.matmul(_as_f32(a), _as_f32(b), dtype=np.float32).astype(d.data.dtype) + d.data
+        if _is_bf16(a) or _is_bf16(b):
+            out = np.matmul(_values(a), _values(b), dtype=np.float32).astype(d.data.dtype) + d.data
             return interp.TensorHandle(out, d.dtype.scalar)
         return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
@@ -372,6 +372,15 @@ def install_numerics() -> None:
     _install_bf16_arithmetic(interp)
     if hasattr(interp, "_get_np_dtype"):
         interp._get_np_dtype = _memoized_np_dtype(interp._get_np_dtype)
+
+
+def _is_bf16(h) -> bool:   # a TensorHandle or a tl.tensor
+    return h.dtype.scalar.name == "bf16"
+
+
+def _values(h) -> np.ndarray:
+    """A handle's values: bf16 bit patterns decoded (exactly, to float64), others as stored."""
+    return decode(h.data, FORMATS["bf16"]) if _is_bf16(h) else h.data
 
 
 def _install_bf16_arithmetic(interp: Any) -> None:
@@ -387,12 +396,6 @@ def _install_bf16_arithmetic(interp: Any) -> None:
     bf16 = FORMATS["bf16"]
     handle = interp.TensorHandle
 
-    def is_bf16(h) -> bool:   # a TensorHandle or a tl.tensor
-        return h.dtype.scalar.name == "bf16"
-
-    def values(h) -> np.ndarray:
-        return decode(h.data, bf16) if is_bf16(h) else h.data
-
     def packed(out: np.ndarray) -> np.ndarray:
         out = np.asarray(out)
         return out if out.dtype == np.bool_ else round_float(out.astype(np.float64), bf16).view(np.uint16)
@@ -402,32 +405,32 @@ def _install_bf16_arithmetic(interp: Any) -> None:
         gives a float operator operands of one type)."""
         @functools.wraps(orig)
         def wrapper(self, *args):
-            if not is_bf16(args[0]):
+            if not _is_bf16(args[0]):
                 return orig(self, *args)
             return handle(packed(compute(*args)), result_of(*args).dtype.scalar)
         return wrapper
 
     b = interp.InterpreterBuilder
-    b.binary_op = on_values(b.binary_op, lambda x, y, op: op(values(x), values(y)), lambda x, y, op: x)
-    b.unary_op = on_values(b.unary_op, lambda x, op: op(values(x)), lambda x, op: x)
-    b.create_fma = on_values(b.create_fma, lambda x, y, z: values(x) * values(y) + values(z), lambda x, y, z: z)
-    b.create_rsqrt = on_values(b.create_rsqrt, lambda x: 1 / np.sqrt(values(x)), lambda x: x)
-    b.create_erf = on_values(b.create_erf, lambda x: _erf(values(x)), lambda x: x)
+    b.binary_op = on_values(b.binary_op, lambda x, y, op: op(_values(x), _values(y)), lambda x, y, op: x)
+    b.unary_op = on_values(b.unary_op, lambda x, op: op(_values(x)), lambda x, op: x)
+    b.create_fma = on_values(b.create_fma, lambda x, y, z: _values(x) * _values(y) + _values(z), lambda x, y, z: z)
+    b.create_rsqrt = on_values(b.create_rsqrt, lambda x: 1 / np.sqrt(_values(x)), lambda x: x)
+    b.create_erf = on_values(b.create_erf, lambda x: _erf(_values(x)), lambda x: x)
     orig_ternary = b.ternary_op
 
     @functools.wraps(orig_ternary)
     def ternary_op(self, cond, x, y, op):
-        if op is np.where or not is_bf16(x):   # a select moves bits
+        if op is np.where or not _is_bf16(x):   # a select moves bits
             return orig_ternary(self, cond, x, y, op)
-        return handle(packed(op(values(cond), values(x), values(y))), y.dtype.scalar)
+        return handle(packed(op(_values(cond), _values(x), _values(y))), y.dtype.scalar)
     b.ternary_op = ternary_op
 
     def reduction(orig: Callable, compute: Callable) -> Callable:
         @functools.wraps(orig)
         def wrapper(self, input, *args, **kwargs):
-            if not is_bf16(input):
+            if not _is_bf16(input):
                 return orig(self, input, *args, **kwargs)
-            return compute(self, values(input.handle), input)
+            return compute(self, _values(input.handle), input)
         return wrapper
 
     def to_bf16(self, out, like):
@@ -444,9 +447,9 @@ def _install_bf16_arithmetic(interp: Any) -> None:
     def min_max(self, input, val_reduce_op, idx_reduce_op=None):
         import triton.language as tl
         input = input[0] if isinstance(input, tuple) else input
-        if not is_bf16(input):
+        if not _is_bf16(input):
             return orig_min_max(self, input, val_reduce_op, idx_reduce_op)
-        v = values(input.handle)
+        v = _values(input.handle)
         val = None if val_reduce_op is None else to_bf16(
             self, val_reduce_op(v, axis=self.axis, keepdims=self.keep_dims), input)
         if idx_reduce_op is None:
@@ -481,11 +484,3 @@ def _memoized_np_dtype(orig: Callable) -> Callable:
         except TypeError:   # an unhashable type: ask the interpreter
             return orig(tt)
     return np_dtype
-
-
-def _as_f32(t) -> np.ndarray:
-    # bf16 widens to fp32 exactly by putting its 16 bits in the high half.
-    if t.dtype.scalar.name == "bf16":
-        return (t.data.astype(np.uint32) << 16).view(np.float32)
-    return t.data.astype(np.float32)
-
