@@ -222,6 +222,19 @@ def test_resolver_tunes_on_miss_when_enabled_and_uses_cache_when_disabled(on_cpu
     assert autotune.stats["tunes"] == 1
 
 
+def test_enable_inside_autotuning_blocks_outlasts_them():
+    before = autotune.enabled()
+    try:
+        with autotune.autotuning(False):
+            with autotune.autotuning(True):
+                autotune.enable(not before)   # for the process: after the blocks
+                assert autotune.enabled()      # the innermost block still decides here
+            assert not autotune.enabled()      # the outer block again
+        assert autotune.enabled() is (not before)
+    finally:
+        autotune.enable(before)
+
+
 def test_cached_winner_invalid_for_exact_dims_is_skipped(tmp_cache):
     decl = K.accumulate_decl(name="bucket", constraints=(K.tiles_own_rows, K.not_wider_than_rows))
     autotune.tune(decl, [((64, 16), np.float32)])

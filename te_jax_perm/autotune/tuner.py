@@ -233,30 +233,38 @@ def _reference(decl: KernelDecl, inputs: Sequence[np.ndarray], params: Mapping[s
 
 
 # -- the config resolver -----------------------------------------------------------------------
-_enabled: list[bool] = []
+# Apart, so that an enable() inside an autotuning() block outlasts the block, and the
+# block's exit restores the block outside it.
+_process: bool | None = None   # enable()'s setting; None: TE_JAX_PERM_AUTOTUNE's
+_scoped: bool | None = None    # the innermost autotuning() block's; None: outside any
 _options = TuneOptions()
 
 
 def enabled() -> bool:
-    return _enabled[-1] if _enabled else env.autotune()
+    if _scoped is not None:
+        return _scoped
+    return env.autotune() if _process is None else _process
 
 
 def enable(on: bool = True, options: TuneOptions | None = None) -> None:
-    """Turns tuning-on-miss on or off for this process (overrides the env var)."""
-    global _options
-    _enabled[:] = [on]
+    """Turns tuning-on-miss on or off for this process (overrides the env var); inside an
+    :func:`autotuning` block, the block's setting holds until it exits."""
+    global _options, _process
+    _process = on
     if options is not None:
         _options = options
 
 
 @contextlib.contextmanager
 def autotuning(on: bool = True) -> Iterator[None]:
-    """Within the context, kernels traced with no explicit config are tuned on a cache miss."""
-    _enabled.append(on)
+    """Within the context, kernels traced with no explicit config are tuned on a cache miss
+    (``on=False``: not tuned)."""
+    global _scoped
+    saved, _scoped = _scoped, on
     try:
         yield
     finally:
-        _enabled.pop()
+        _scoped = saved
 
 
 def pick(decl: KernelDecl, entry: Mapping[str, Any], dims: Mapping[str, int], params: Mapping[str, Any]
