@@ -17,7 +17,8 @@ import numpy as np
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, Partitioning, declare
 from te_jax_perm.kernels import permute as K
 from te_jax_perm.ops.permute import reference as R
-from te_jax_perm.ops.row_id_map.reference import pad_offsets_of, row_id_map_reference
+from te_jax_perm.ops.row_id_map.reference import (check_entry_ids, pad_offsets_of, row_id_map_reference,
+                                                   row_owner_reference)
 from te_jax_perm.ops.tiling import MAX_TILE, expert_lanes, next_pow2, not_pow2, pow2_at_most, tile_too_large
 from te_jax_perm.ops.tuned_defaults import tabled
 
@@ -154,7 +155,7 @@ def _np_layout(t: int, e: int, rows: int, padded: bool, rng: np.random.Generator
     align = 4 if padded and rows > e * 3 else 1
     rid, kept = row_id_map_reference(rm, rows - e * (align - 1), xp=np)
     pad = pad_offsets_of(kept, align, xp=np)
-    owner = np.asarray(R.row_owner_reference(rid, pad, num_out_rows=rows, padded=padded)[0])
+    owner = np.asarray(row_owner_reference(rid, pad, num_out_rows=rows, padded=padded)[0])
     return rid, pad, owner
 
 
@@ -245,7 +246,7 @@ def _scatter_constexprs(prob_grads: bool):
 
 def _owner_check(dims, params) -> None:
     _map_check(dims, params)
-    R.check_entry_ids("row_id_map", dims["T"], dims["E"])
+    check_entry_ids("row_id_map", dims["T"], dims["E"])
 
 
 def _scatter_check(dims, params) -> None:
@@ -275,7 +276,7 @@ row_owner = declare(KernelDecl(
     operands=(_RID, _PAD),
     outputs=(Output("owner", lambda dims, params: (params["num_out_rows"],), lambda dtypes, params: jnp.int32,
                     init="zeros"),),
-    params=("num_out_rows", "padded"), reference=R.row_owner_reference,
+    params=("num_out_rows", "padded"), reference=row_owner_reference,
     grid=lambda dims, params, config: (-(-dims["T"] // config.kw["BLOCK_T"]),),
     scalars=lambda dims, params: {"T": dims["T"], "E": dims["E"], "N": params["num_out_rows"]},
     constexprs=lambda dims, params, config: {"PADDED": params["padded"], "BLOCK_K": OWNER_BLOCK_K},
@@ -346,7 +347,7 @@ def _with_owner(reference):
     """The reference of a gather's ``_owner`` variant: its outputs and the map's row owners."""
     def owner_reference(y, rid, pad, *rest, padded):
         return (*reference(y, rid, pad, *rest, padded=padded),
-                *R.row_owner_reference(rid, pad, num_out_rows=y.shape[0], padded=padded))
+                *row_owner_reference(rid, pad, num_out_rows=y.shape[0], padded=padded))
     return owner_reference
 
 

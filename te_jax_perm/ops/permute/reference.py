@@ -16,44 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def dests(rid, pad, padded):
-    """(dest [T,E] with -1 where absent, expert ids [T,E] clipped to [0,E), valid [T,E]).
-
-    An entry counts only as the kernels count it: a column below the token's routed count
-    (clamped to [0, E]), a non-negative destination and an expert id in [0, E)."""
-    e = (rid.shape[1] - 1) // 2
-    dest, ex = rid[:, :e], rid[:, e:2 * e]
-    routed = jnp.clip(rid[:, 2 * e], 0, e)
-    valid = (dest >= 0) & (jnp.arange(e)[None, :] < routed[:, None]) & (ex >= 0) & (ex < e)
-    if padded:
-        dest = dest + pad[jnp.clip(ex, 0, e - 1)]
-        valid = valid & (dest >= 0)
-    return jnp.where(valid, dest, -1), jnp.clip(ex, 0, e - 1), valid
-
-
-# Entry ids t*E + j + 1 are int32 (one per map entry, plus one).
-MAX_ENTRIES = 2**31 - 2
-
-
-def check_entry_ids(what: str, tokens: int, experts: int) -> None:
-    """Raises unless every map entry of ``tokens`` x ``experts`` has an int32 entry id."""
-    if tokens * experts > MAX_ENTRIES:
-        raise ValueError(f"{what} of {tokens} tokens and {experts} experts has T*E = {tokens * experts} entries; "
-                         f"at most {MAX_ENTRIES} are supported")
-
-
-def row_owner_reference(rid, pad, *, num_out_rows, padded):
-    """Kernel ``row_owner``: per output row, ``t*E + j + 1`` of the highest map entry
-    (token ``t``, column ``j``) addressing it, 0 where none does."""
-    t, e = rid.shape[0], (rid.shape[1] - 1) // 2
-    dest, _, valid = dests(rid, pad, padded)
-    valid = valid & (dest < num_out_rows)
-    ids = (jnp.arange(t, dtype=jnp.int32)[:, None] * e + jnp.arange(e, dtype=jnp.int32)[None, :] + 1)
-    # Entries without a row go to the extra slot n, sliced off.
-    safe = jnp.where(valid, dest, num_out_rows).ravel()
-    owner = jnp.zeros((num_out_rows + 1,), jnp.int32).at[safe].max(jnp.where(valid, ids, 0).ravel())
-    return (owner[:num_out_rows],)
+from te_jax_perm.ops.row_id_map.reference import dests, row_owner_reference
 
 
 def _inverse_map(rid, pad, padded, n):

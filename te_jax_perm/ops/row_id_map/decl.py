@@ -13,9 +13,8 @@ import numpy as np
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels import row_id_map as K
 from te_jax_perm.ops._checks import INT32_MAX
-from te_jax_perm.ops.permute.reference import check_entry_ids
 from te_jax_perm.ops.row_id_map import reference as R
-from te_jax_perm.ops.row_id_map.reference import block_sums, num_blocks, routed
+from te_jax_perm.ops.row_id_map.reference import block_sums, check_entry_ids, num_blocks, routed
 from te_jax_perm.ops.tiling import expert_lanes, pow2_at_most
 
 # How the map is built, by token and expert count: one launch or two, tokens per block,

@@ -1,6 +1,8 @@
 """Pure-JAX references of the row-id map's kernels (their ``xla`` backend) and the public
 :func:`row_id_map_reference`, written once for NumPy and JAX alike (``xp``) so that the
-autotuner's trial operands come from the same code as the results they are checked against.
+autotuner's trial operands come from the same code as the results they are checked against;
+and the rules for reading a map (which entries count, which entry owns each row) that every
+op reading one follows.
 """
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ from types import ModuleType
 import jax.numpy as jnp
 
 from te_jax_perm.ops import _checks
-from te_jax_perm.ops.permute.reference import row_owner_reference
 
 NO_DROP = 2**31 - 1  # drop threshold meaning "keep every routed row"
 
@@ -86,6 +87,46 @@ def pad_offsets_of(kept, align: int, xp: ModuleType = jnp):
     of ``align`` (zeros for ``align == 1``)."""
     padded = padded_counts_of(kept, align)
     return ((xp.cumsum(padded) - padded) - (xp.cumsum(kept) - kept)).astype(xp.int32)
+
+
+# -- reading a map: the entries every kernel that reads one counts, and their owners ----------
+def dests(rid, pad, padded):
+    """(dest [T,E] with -1 where absent, expert ids [T,E] clipped to [0,E), valid [T,E]).
+
+    An entry counts only as the kernels count it: a column below the token's routed count
+    (clamped to [0, E]), a non-negative destination and an expert id in [0, E)."""
+    e = (rid.shape[1] - 1) // 2
+    dest, ex = rid[:, :e], rid[:, e:2 * e]
+    n_routed = jnp.clip(rid[:, 2 * e], 0, e)
+    valid = (dest >= 0) & (jnp.arange(e)[None, :] < n_routed[:, None]) & (ex >= 0) & (ex < e)
+    if padded:
+        dest = dest + pad[jnp.clip(ex, 0, e - 1)]
+        valid = valid & (dest >= 0)
+    return jnp.where(valid, dest, -1), jnp.clip(ex, 0, e - 1), valid
+
+
+# Entry ids t*E + j + 1 are int32 (one per map entry, plus one).
+MAX_ENTRIES = 2**31 - 2
+
+
+def check_entry_ids(what: str, tokens: int, experts: int) -> None:
+    """Raises unless every map entry of ``tokens`` x ``experts`` has an int32 entry id."""
+    if tokens * experts > MAX_ENTRIES:
+        raise ValueError(f"{what} of {tokens} tokens and {experts} experts has T*E = {tokens * experts} entries; "
+                         f"at most {MAX_ENTRIES} are supported")
+
+
+def row_owner_reference(rid, pad, *, num_out_rows, padded):
+    """Kernel ``row_owner``: per output row, ``t*E + j + 1`` of the highest map entry
+    (token ``t``, column ``j``) addressing it, 0 where none does."""
+    t, e = rid.shape[0], (rid.shape[1] - 1) // 2
+    dest, _, valid = dests(rid, pad, padded)
+    valid = valid & (dest < num_out_rows)
+    ids = (jnp.arange(t, dtype=jnp.int32)[:, None] * e + jnp.arange(e, dtype=jnp.int32)[None, :] + 1)
+    # Entries without a row go to the extra slot n, sliced off.
+    safe = jnp.where(valid, dest, num_out_rows).ravel()
+    owner = jnp.zeros((num_out_rows + 1,), jnp.int32).at[safe].max(jnp.where(valid, ids, 0).ravel())
+    return (owner[:num_out_rows],)
 
 
 def dispatch_extras(rid, kept, *, align, num_out_rows):
