@@ -16,8 +16,7 @@ from te_jax_perm.kernels import moe_ffn as K
 from te_jax_perm.ops.grouped_gemm.decl import (FLOATS, GEMM_SHARED, MM_CONFIGS, groups_p2, mm_default, mm_fits,
                                                mm_grid, precision)
 from te_jax_perm.ops.moe_ffn import reference as R
-from te_jax_perm.ops.permute.reference import row_owner_reference
-from te_jax_perm.ops.row_id_map.reference import row_id_map_reference
+from te_jax_perm.ops.row_id_map.reference import row_id_map_reference, row_owner_reference
 
 _GS = Operand("group_sizes", ("G",), ("int32",))
 _OWNER = Operand("owner", ("M",), ("int32",))
