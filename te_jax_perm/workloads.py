@@ -79,3 +79,12 @@ def moe_step(backend: str, k: int) -> Callable:
                                                                     backend=backend)
         return te_jax_perm.token_combine(out, row_id_map, probs, backend=backend)
     return step
+
+
+def moe_train_step(backend: str, k: int) -> Callable:
+    """:func:`moe_step`'s gradients in the tokens and the probabilities: the kernels a
+    training step runs (the combine forward that records row owners, both backwards)."""
+    import jax
+
+    step = moe_step(backend, k)
+    return jax.grad(lambda x, rmap, probs: step(x, rmap, probs).astype("float32").sum(), argnums=(0, 2))

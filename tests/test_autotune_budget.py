@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from te_jax_perm.autotune.tuner import cap
@@ -66,3 +67,18 @@ def test_shapes_in_priority_order_and_filtered():
     with pytest.raises(ValueError, match=r"shapes='no-such-model' matches none of the shapes; expected terms found "
                                          r"in model:T, e.g. of \['deepseek-v3:4096'"):
         shape_list(shapes="no-such-model")     # a typo must not pass for a run that tuned nothing
+
+
+def test_tune_shapes_records_the_training_steps_kernels():
+    """--tune_shapes tunes what a training step runs, not only the forward: the small
+    shape's inference and training steps together launch the map build, the permute, both
+    combine forwards (plain, and recording row owners) and both backwards."""
+    from te_jax_perm import workloads
+    from te_jax_perm.autotune.__main__ import record_launches, shape_list
+    (_, h, e, k, t), = shape_list(small=True)
+    args = workloads.moe_problem(t, h, e, k, np.float32)
+    names = {ln.decl.name for step in (workloads.moe_step, workloads.moe_train_step)
+             for ln in record_launches(step("interpret", k), args)}
+    assert {"permute_probs", "unpermute_weighted", "unpermute_weighted_owner", "unpermute_bwd_weighted",
+            "permute_bwd_probs"} <= names, names
+    assert any(n.startswith("dispatch_map") or n.startswith("row_id_map") for n in names), names

@@ -29,7 +29,8 @@ from te_jax_perm.workloads import shape_list
 
 def _define_flags() -> None:
     flags.DEFINE_bool("print_cache", False, "print every cached tuning result (the default when not tuning)")
-    flags.DEFINE_bool("tune_shapes", False, "tune every kernel that dispatch+combine launch at real MoE sizes")
+    flags.DEFINE_bool("tune_shapes", False, "tune every kernel that dispatch+combine launch at real MoE sizes, "
+                      "forward and backward")
     flags.DEFINE_enum("backend", None, ["triton", "interpret"], "where to tune: triton (the GPU default) or "
                       "interpret (the Triton interpreter, the CPU default)")
     flags.DEFINE_bool("small", False, "tune at the one small CPU shape only")
@@ -76,7 +77,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
                 budget_s: float | None = None, shapes: str | None = None, options: Any = None,
                 on_row: Callable[[dict], None] | None = None) -> list[dict]:
     """Tunes each kernel that dispatch+combine launch at real MoE sizes (priority
-    order); one row per distinct tuning key, passed to ``on_row`` as soon as it is done.
+    order), forward and backward; one row per distinct tuning key, passed to ``on_row`` as soon as it is done.
 
     With ``budget_s``, no tuning starts after the budget (but the first always does), and
     the one running when it runs out stops timing configs after the first (the default): its
@@ -96,7 +97,9 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
         args = workloads.moe_problem(T, H, E, k, np.dtype(dtype))
         # Record only: tuning happens below, under the budget, not inside the lowering.
         with autotune.autotuning(False):
-            launches = record_launches(workloads.moe_step(backend, k), args)
+            # Inference's kernels, then those a training step adds (repeated keys are skipped).
+            launches = [ln for step in (workloads.moe_step, workloads.moe_train_step)
+                        for ln in record_launches(step(backend, k), args)]
         for li, ln in enumerate(launches):
             digest = key_digest(call_key(ln))
             where = f"{model} T={T}"

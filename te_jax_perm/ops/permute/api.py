@@ -530,9 +530,10 @@ def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Arra
       merging_probs: optional ``[T, E]`` (or ``[B, S, E]``) weights, bfloat16, float16 or
         float32; their gradient comes back in their dtype.
       pad_offsets: the ``pad_offsets`` from :func:`token_dispatch` when it padded. Only
-        its shape and dtype (int ``[E]``) and, with a concrete map, its presence (given for
-        a padded map, absent for an unpadded one) are checked; its values are not read: the
-        map already addresses the padded rows.
+        its shape and dtype (int ``[E]``) are checked, and, with a concrete map, that the
+        map is padded where it pads an expert with rows (``pad_offsets`` beside an unpadded
+        map raises); its values are not read: the map already addresses the padded rows, so
+        leaving it out after a padded dispatch is fine.
       backend: as for :func:`token_dispatch`.
 
     Returns:
