@@ -182,9 +182,9 @@ def shard_count(tokens: int, local_tokens: int) -> int:
     return tokens // local_tokens if local_tokens else 1
 
 
-def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg_axes: Sequence[Axes],
+def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array | None], arg_axes: Sequence[Axes],
                       out_axes: Sequence[Axes], backend: str,
-                      summed: Mapping[int, int | None] | None = None) -> tuple[jax.Array, ...]:
+                      summed: Mapping[int, int | None] | None = None) -> tuple[jax.Array | None, ...]:
     """``local(*args)``, run per token shard under SPMD as the module docstring says.
 
     ``local`` is what every shard runs on its own operands (and, unsharded, on the whole
@@ -193,6 +193,12 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg
     partial sums (without a token axis): the result holds their sum over the shards. Each
     maps to the position of the operand of its shape whose split the sum takes (a weight
     gradient to its weight; see the module docstring), or to ``None``.
+
+    An operand may be ``None`` (an optional one not given): ``local`` gets ``None`` in its
+    place, and an output it returns as ``None`` is ``None`` in the result. Both are left out
+    of the partitioned call, whose operands and results must be arrays, so an op names its
+    operands and axes once, whichever of them it is given. A summed output, and the operand
+    it maps to, must be arrays.
     """
     summed = dict(summed or {})
     outs = jax.eval_shape(local, *args)
@@ -200,6 +206,32 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array], arg
         if j is not None and outs[i].shape != args[j].shape:
             raise ValueError(f"{name}: summed output {i} has shape {outs[i].shape}; expected operand {j}'s "
                              f"{args[j].shape}, whose split its sum takes")
+    given = [i for i, a in enumerate(args) if a is not None]
+    made = [i for i, o in enumerate(outs) if o is not None]
+
+    def present(*xs):
+        full = local(*_placed(len(args), given, xs))
+        return tuple(full[i] for i in made)
+
+    results = _split_arrays(name, present, [args[i] for i in given], [arg_axes[i] for i in given],
+                            [out_axes[i] for i in made], [outs[i] for i in made], backend,
+                            {made.index(i): None if j is None else given.index(j) for i, j in summed.items()})
+    return tuple(_placed(len(outs), made, results))
+
+
+def _placed(n: int, positions: Sequence[int], values: Sequence[Any]) -> list[Any]:
+    """``n`` slots holding ``values`` at ``positions`` and ``None`` elsewhere."""
+    slots: list[Any] = [None] * n
+    for i, v in zip(positions, values):
+        slots[i] = v
+    return slots
+
+
+def _split_arrays(name: str, local: Callable, args: Sequence[jax.Array], arg_axes: Sequence[Axes],
+                  out_axes: Sequence[Axes], outs: Sequence[jax.ShapeDtypeStruct], backend: str,
+                  summed: dict[int, int | None]) -> tuple[jax.Array, ...]:
+    """:func:`split_over_tokens` once every operand and output is an array; ``outs`` are
+    ``local``'s output shapes."""
     sizes = {n: d for axes, a in zip(arg_axes, args) for n, d in zip(axes, a.shape)}
     sizes.update({n: d for axes, o in zip(out_axes, outs) for n, d in zip(axes, o.shape)})
     if backend == "interpret" or any(sizes.get(n, 1) == 0 for n in SPLIT):

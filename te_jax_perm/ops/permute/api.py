@@ -336,13 +336,13 @@ def fitting_budget(routing_map: jax.Array, budget: int, align_size: int, rows: i
 
 
 def _dispatch_local(tokens, num_out_tokens, align_size, rows, backend):
-    """The dispatch forward of one token shard: ``(x, rm[, probs], pad) -> (out[, pp], rid, kept)``,
-    ``kept`` the shard's kept rows per expert (summed over the shards by the caller).
+    """The dispatch forward of one token shard: ``(x, rm, probs, pad) -> (out, pp, rid, kept)``
+    (``pp`` None without ``probs``), ``kept`` the shard's kept rows per expert (summed over
+    the shards by the caller).
 
     ``tokens`` and ``rows`` are the global sizes; the shard's local ``x`` says how many
     shards there are."""
-    def run(x, rm, *rest):
-        *probs, pad = rest
+    def run(x, rm, probs, pad):
         shards = shard_count(tokens, x.shape[0])
         e, local_rows = rm.shape[1], rows // shards
         budget = local_budget(num_out_tokens, shards, local_rows, e, align_size)
@@ -350,18 +350,14 @@ def _dispatch_local(tokens, num_out_tokens, align_size, rows, backend):
             # The worst case binds: keep what this routing's padded layout has room for.
             budget = fitting_budget(rm, min(num_out_tokens // shards, local_rows), align_size, local_rows)
         rid, kept, owner = dispatch_map(rm, budget, align_size or 1, local_rows, backend)
-        (out, pp), _ = permute_fwd(x, probs[0] if probs else None, rid, pad, local_rows, False, backend, owner)
-        return (out, pp, rid, kept) if probs else (out, rid, kept)
+        (out, pp), _ = permute_fwd(x, probs, rid, pad, local_rows, False, backend, owner)
+        return out, pp, rid, kept
     return run
 
 
 def _dispatch_bwd_local(backend):
-    """``(g_out[, g_pp], rid, pad) -> (g_x[, g_probs])``: the gather of the dispatch backward."""
-    def run(g_out, *rest):
-        *g_pp, rid, pad = rest
-        g_x, g_probs = permute_grads(g_out, g_pp[0] if g_pp else None, rid, pad, False, backend)
-        return (g_x, g_probs) if g_pp else (g_x,)
-    return run
+    """``(g_out, g_pp, rid, pad) -> (g_x, g_probs)``: the gather of the dispatch backward."""
+    return lambda g_out, g_pp, rid, pad: permute_grads(g_out, g_pp, rid, pad, False, backend)
 
 
 def _unread_pad_of(rid):
@@ -370,71 +366,51 @@ def _unread_pad_of(rid):
     return unread_pad((rid.shape[1] - 1) // 2)
 
 
-def _dispatch_axes(with_probs):
-    probs = (("T", "E"),) if with_probs else ()
-    return ((("T", "H"), ("T", "E")) + probs + (("E",),),
-            (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"), ("E",)))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _dispatch(x, rm, probs, num_out_tokens, align_size, rows, backend):
     return _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend)[0]
 
 
 def _dispatch_fwd(x, rm, probs, num_out_tokens, align_size, rows, backend):
-    with_probs = probs is not None
-    args = (x, rm) + ((probs,) if with_probs else ()) + (unread_pad(rm.shape[1]),)
-    arg_axes, out_axes = _dispatch_axes(with_probs)
-    outs = split_over_tokens("token_dispatch", _dispatch_local(x.shape[0], num_out_tokens, align_size, rows, backend),
-                             args, arg_axes, out_axes, backend, summed={len(out_axes) - 1: None})
-    out, pp, rid, kept = outs if with_probs else (outs[0], None, outs[1], outs[2])
+    out, pp, rid, kept = split_over_tokens(
+        "token_dispatch", _dispatch_local(x.shape[0], num_out_tokens, align_size, rows, backend),
+        (x, rm, probs, unread_pad(rm.shape[1])), (("T", "H"), ("T", "E"), ("T", "E"), ("E",)),
+        (("R", "H"), ("R",), ("T", "W"), ("E",)), backend, summed={3: None})
     return (out, pp, rid, kept), (rid, witness(x), witness(probs))
 
 
 def _dispatch_bwd(num_out_tokens, align_size, rows, backend, res, cts):
     rid, x, probs = res
     g_out, g_pp, _, _ = cts
-    with_probs = g_pp is not None
-    args = (g_out,) + ((g_pp,) if with_probs else ()) + (rid, _unread_pad_of(rid))
-    arg_axes = (("R", "H"),) + ((("R",),) if with_probs else ()) + (("T", "W"), ("E",))
-    out_axes = (("T", "H"),) + ((("T", "E"),) if with_probs else ())
-    grads = split_over_tokens("token_dispatch (backward)", _dispatch_bwd_local(backend),
-                              args, arg_axes, out_axes, backend)
-    return like_primal(grads[0], x), None, like_primal(grads[1], probs) if with_probs else None
+    g_x, g_probs = split_over_tokens("token_dispatch (backward)", _dispatch_bwd_local(backend),
+                                     (g_out, g_pp, rid, _unread_pad_of(rid)),
+                                     (("R", "H"), ("R",), ("T", "W"), ("E",)), (("T", "H"), ("T", "E")), backend)
+    return like_primal(g_x, x), None, like_primal(g_probs, probs)
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
 def _combine_local(backend, with_owner):
-    """``(inp, rid[, w], pad) -> (out[, owner])``: each token's rows summed (weighted), and
-    ``with_owner`` the rows' owners for the backward."""
-    def run(inp, rid, *rest):
-        *w, pad = rest
-        w = w[0] if w else None
+    """``(inp, rid, w, pad) -> (out, owner)``: each token's rows summed (weighted by ``w``
+    when given), and ``with_owner`` the rows' owners for the backward (else None)."""
+    def run(inp, rid, w, pad):
         if with_owner:
             out, res = unpermute_fwd(inp, w, rid, pad, False, backend)
             return out, res[-1]
-        return (unpermute_rows(inp, w, rid, pad, False, backend),)
+        return unpermute_rows(inp, w, rid, pad, False, backend), None
     return run
 
 
 def _combine_bwd_local(backend):
-    """``(g, rid, inp, owner[, w], pad) -> (g_inp[, g_w])``: the scatter of the combine backward."""
-    def run(g, rid, inp, owner, *rest):
-        *w, pad = rest
-        g_inp, g_w = unpermute_grads(g, inp, w[0] if w else None, rid, pad, owner, False, backend)
-        return (g_inp, g_w) if w else (g_inp,)
-    return run
+    """``(g, rid, inp, owner, w, pad) -> (g_inp, g_w)``: the scatter of the combine backward."""
+    return lambda g, rid, inp, owner, w, pad: unpermute_grads(g, inp, w, rid, pad, owner, False, backend)
 
 
 def _combine_call(inp, w, rid, backend, with_owner):
-    weighted = w is not None
-    args = (inp, rid) + ((w,) if weighted else ()) + (_unread_pad_of(rid),)
-    arg_axes = (("R", "H"), ("T", "W")) + ((("T", "E"),) if weighted else ()) + (("E",),)
-    out_axes = (("T", "H"),) + ((("R",),) if with_owner else ())
-    return split_over_tokens("token_combine", _combine_local(backend, with_owner), args, arg_axes, out_axes,
-                             backend)
+    return split_over_tokens("token_combine", _combine_local(backend, with_owner),
+                             (inp, rid, w, _unread_pad_of(rid)), (("R", "H"), ("T", "W"), ("T", "E"), ("E",)),
+                             (("T", "H"), ("R",)), backend)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -449,13 +425,11 @@ def _combine_fwd(inp, w, rid, backend):
 
 def _combine_bwd(backend, res, g):
     inp, w, rid, owner = res
-    weighted = w is not None
-    args = (g, rid, inp, owner) + ((w,) if weighted else ()) + (_unread_pad_of(rid),)
-    arg_axes = (("T", "H"), ("T", "W"), ("R", "H"), ("R",)) + ((("T", "E"),) if weighted else ()) + (("E",),)
-    out_axes = (("R", "H"),) + ((("T", "E"),) if weighted else ())
-    grads = split_over_tokens("token_combine (backward)", _combine_bwd_local(backend), args, arg_axes,
-                              out_axes, backend)
-    return like_primal(grads[0], inp), like_primal(grads[1], w) if weighted else None, None
+    g_inp, g_w = split_over_tokens("token_combine (backward)", _combine_bwd_local(backend),
+                                   (g, rid, inp, owner, w, _unread_pad_of(rid)),
+                                   (("T", "H"), ("T", "W"), ("R", "H"), ("R",), ("T", "E"), ("E",)),
+                                   (("R", "H"), ("T", "E")), backend)
+    return like_primal(g_inp, inp), like_primal(g_w, w), None
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
