@@ -69,7 +69,7 @@ def test_shapes_in_priority_order_and_filtered():
         shape_list(shapes="no-such-model")     # a typo must not pass for a run that tuned nothing
 
 
-def test_tune_shapes_records_the_training_steps_kernels():
+def test_tune_shapes_records_the_training_steps_kernels(on_cpu):
     """--tune_shapes tunes what a training step runs, not only the forward: the small
     shape's inference and training steps together launch the map build, the permute, both
     combine forwards (plain, and recording row owners) and both backwards."""
