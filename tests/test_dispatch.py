@@ -135,7 +135,7 @@ def _second_order_cases(backend):
          x6),
         ("unpermute_with_mask_map", lambda v: sq(te_jax_perm.unpermute_with_mask_map(v, rid, backend=backend)), y12),
     ]
-    if backend != "xla":  # the xla backend's grouped GEMM is XLA's ragged dot, differentiable to any order
+    if backend != "xla":  # the xla backend's grouped GEMM is XLA's ragged dot, which takes grad of grad
         w = jnp.asarray(rng.standard_normal((2, 4, 3)), jnp.float32)
         cases.append(("grouped_matmul", lambda v: sq(te_jax_perm.grouped_matmul(v, w, jnp.asarray([4, 5]),
                                                                                 backend=backend)), z))

@@ -226,7 +226,7 @@ def gemms(backend: str) -> tuple[Gemm, Gemm, Gemm]:
                 params["out_dtype"] = (wanted if wanted in KERNEL_DTYPES else jnp.dtype(jnp.float32)).name
             prim = pick(a, b, group_sizes, params)
             # The kernels have no derivative rules: a gradient differentiated again is
-            # refused by name (the xla and tokamax GEMMs above differentiate to any order).
+            # refused by name (the xla and tokamax GEMMs above take grad of grad).
             return _checks.first_order("grouped_matmul", lambda a, b, s: prim(a, b, s, backend=backend, **params)[0])(
                 a, b, group_sizes).astype(out_dtype)
         return gemm
