@@ -154,6 +154,10 @@ def test_every_op_refuses_a_second_differentiation_by_name(backend):
         _, vjp = jax.vjp(f, v)
         with pytest.raises(NotImplementedError, match=f"^{name}: "):
             jax.grad(lambda c: jnp.sum(vjp(c)[0]))(jnp.float32(1.0))
+    if backend == "xla":  # XLA's ragged dot takes grad of grad: sum(2 * a @ W_g^T W_g) in a
+        a, w = jnp.ones((6, 3)), jnp.full((2, 3, 2), 0.5)
+        f = lambda v: jnp.sum(te_jax_perm.grouped_matmul(v, w, jnp.asarray([3, 3]), backend="xla") ** 2)  # noqa: E731
+        np.testing.assert_allclose(jax.grad(lambda v: jnp.sum(jax.grad(f)(v)))(a), np.full((6, 3), 3.0))
 
 
 @pytest.mark.parametrize("t,e,k,mode", [(1, 1, 1, "topk"), (1, 4, 4, "topk"), (9, 1, 1, "topk"),
