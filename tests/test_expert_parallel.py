@@ -257,9 +257,22 @@ def test_layouts_the_layer_cannot_split_are_named_before_shard_map():
            ((x, jnp.asarray(rm, jnp.int32) * 3, probs, w1, w2, mesh, EPConfig()),
             r"routing_map holds values other than 0 and 1 \(e.g. \[3\]\)"),
            ((x, rm, probs, w1, w2, mesh, EPConfig(a2a="ragged")), "ragged_all_to_all does not run on these cpu devices")]
+    bad += [((x, rm, probs, w1, w2, mesh, EPConfig(backend="cuda")),
+             r"EPConfig.backend = 'cuda'; expected one of \('triton', 'interpret', 'xla'\)"),
+            ((x, rm, probs, w1, w2, mesh, EPConfig(gemm="cublas")), r"EPConfig.gemm = 'cublas'; expected one of")]
     for args, message in bad:
         with pytest.raises(ValueError, match=message):
             ep_moe_layer(*args[:6], cfg=args[6])
+    # Types: dtypes as moe_ffn takes them (integer probs gave an all-zero layer), a mesh.
+    for args, message in [((x, rm, jnp.asarray(probs, jnp.int32), w1, w2, mesh),
+                           "probs has dtype int32; expected bfloat16, float16 or float32"),
+                          ((jnp.asarray(x, jnp.int32), rm, probs, w1, w2, mesh),
+                           "x has dtype int32; expected float16, bfloat16 or float32"),
+                          ((x, rm, probs, jnp.asarray(w1, jnp.float8_e4m3fn), w2, mesh),
+                           "w_in has dtype float8_e4m3fn; expected float16, bfloat16 or float32"),
+                          ((x, rm, probs, w1, w2, None), "mesh is NoneType None; expected a jax.sharding.Mesh")]:
+        with pytest.raises(TypeError, match=message):
+            ep_moe_layer(*args, cfg=EPConfig())
 
 
 @multidevice

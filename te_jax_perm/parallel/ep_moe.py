@@ -42,7 +42,9 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from te_jax_perm.ops.chunk_sort.api import sort_chunks_by_index, sort_chunks_by_map
-from te_jax_perm.ops.grouped_gemm.api import grouped_matmul
+from te_jax_perm.core import BACKENDS as OP_BACKENDS
+from te_jax_perm.ops.grouped_gemm.api import BACKENDS as GEMM_BACKENDS, grouped_matmul
+from te_jax_perm.ops.moe_ffn.api import check_layer_dtypes
 from te_jax_perm.ops.moe_ffn.reference import activate, check_activation, check_expert_weights
 from te_jax_perm.ops.permute.api import permute_with_mask_map, unpermute_with_mask_map
 from te_jax_perm.ops.row_id_map.api import checked_routing_map, make_row_id_map
@@ -209,6 +211,13 @@ def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
     """What ``shard_map`` and the collectives would otherwise report in their own terms (or,
     for an exchange the devices cannot run, only when XLA compiles it); returns the data and
     FSDP axes as tuples."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh is {type(mesh).__name__} {mesh!r}; expected a jax.sharding.Mesh with the axis "
+                        f"EPConfig.axis = {cfg.axis!r}")
+    for field, names in (("backend", OP_BACKENDS), ("gemm", GEMM_BACKENDS)):
+        v = getattr(cfg, field)
+        if v is not None and (not isinstance(v, str) or v.lower() not in names):
+            raise ValueError(f"EPConfig.{field} = {v!r}; expected one of {names} (any case) or None")
     if cfg.axis not in mesh.axis_names:
         raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}; EPConfig.axis = {cfg.axis!r} is not one of them")
     axes = {}
@@ -243,6 +252,7 @@ def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
     if probs.shape != routing_map.shape:
         raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} (routing_map's)")
     check_expert_weights(w_in, w_out, e, h, cfg.activation)
+    check_layer_dtypes(x, probs, w_in, w_out)
     pieces = int(np.prod([mesh.shape[a] for a in fsdp], dtype=np.int64))
     if h % pieces:
         raise ValueError(f"x has H = {h} columns, which the {pieces} pieces of EPConfig.fsdp_axes = {fsdp} "

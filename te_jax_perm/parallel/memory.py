@@ -49,6 +49,11 @@ def ep_working_set(*, tokens: int, hidden: int, ffn: int, experts: int, ep: int,
     a gated activation, whose first weight and GEMM output are twice as wide (``2F``);
     ``fsdp``: the pieces ``EPConfig.fsdp_axes`` split each weight into (the step holds a
     piece, the gathered weights and their whole gradients before the reduce-scatter).
+
+    It counts the arrays the step keeps with our grouped GEMM kernels (``EPConfig.gemm``
+    ``"triton"`` or ``"interpret"``, or left to a GPU's default); XLA's ragged dot
+    (``gemm="xla"``) densifies each GEMM over all local experts and can take several times
+    more (5.6x this estimate on 8 CPU devices at 64 experts, top-8).
     """
     b = np.dtype(dtype).itemsize
     el = experts // ep

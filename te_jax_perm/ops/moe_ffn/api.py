@@ -121,9 +121,7 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     check_activation("activation", activation)
     w_in, w_out = _checks.array("w_in", w_in), _checks.array("w_out", w_out)
     f = check_expert_weights(w_in, w_out, e, h, activation)
-    for name, arr in (("x", x), ("w_in", w_in), ("w_out", w_out)):
-        if arr.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"{name} has dtype {arr.dtype}; expected float16, bfloat16 or float32")
+    check_layer_dtypes(x, probs, w_in, w_out)
     dt = jnp.result_type(x.dtype, w_in.dtype, w_out.dtype)
     num_out_tokens = _checks.check_static_int("num_out_tokens", num_out_tokens, 0)
     align_size, rows = dispatch_rows(num_out_tokens, e, align_size)
@@ -133,6 +131,16 @@ def moe_ffn(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Ar
     y = _moe_ffn(xt.astype(dt), w_in.astype(dt), w_out.astype(dt), probs, rm, unread_pad(e),
                  Layer(t, num_out_tokens, align_size, layer_rows(t, rows), activation, backend))
     return y.reshape(x.shape)
+
+
+def check_layer_dtypes(x: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array) -> None:
+    """An expert layer's dtypes (``moe_ffn``'s and the expert-parallel layer's): tokens and
+    weights in a dtype the GEMM kernels compute in, probabilities in a float dtype; a
+    ``TypeError`` naming the argument otherwise."""
+    for name, arr in (("x", x), ("w_in", w_in), ("w_out", w_out)):
+        if jnp.dtype(arr.dtype) not in KERNEL_DTYPES:
+            raise TypeError(f"{name} has dtype {jnp.dtype(arr.dtype).name}; expected float16, bfloat16 or float32")
+    _checks.check_probs_dtype("probs", probs)
 
 
 # -- the fused layer and its VJP ---------------------------------------------------------------
