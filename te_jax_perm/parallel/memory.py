@@ -53,7 +53,7 @@ def ep_working_set(*, tokens: int, hidden: int, ffn: int, experts: int, ep: int,
     It counts the arrays the step keeps with our grouped GEMM kernels (``EPConfig.gemm``
     ``"triton"`` or ``"interpret"``, or left to a GPU's default); XLA's ragged dot
     (``gemm="xla"``) densifies each GEMM over all local experts and can take several times
-    more (5.6x this estimate on 8 CPU devices at 64 experts, top-8).
+    more (5.6x this estimate at 64 experts, top-8, ep = 4, on CPU devices).
     """
     b = np.dtype(dtype).itemsize
     el = experts // ep
