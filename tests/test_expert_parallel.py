@@ -258,8 +258,9 @@ def test_layouts_the_layer_cannot_split_are_named_before_shard_map():
             r"routing_map holds values other than 0 and 1 \(e.g. \[3\]\)"),
            ((x, rm, probs, w1, w2, mesh, EPConfig(a2a="ragged")), "ragged_all_to_all does not run on these cpu devices")]
     bad += [((x, rm, probs, w1, w2, mesh, EPConfig(backend="cuda")),
-             r"EPConfig.backend = 'cuda'; expected one of \('triton', 'interpret', 'xla'\)"),
-            ((x, rm, probs, w1, w2, mesh, EPConfig(gemm="cublas")), r"EPConfig.gemm = 'cublas'; expected one of")]
+             r"unknown EPConfig.backend='cuda'; expected one of \('triton', 'interpret', 'xla'\) or None"),
+            ((x, rm, probs, w1, w2, mesh, EPConfig(gemm="cublas")),
+             r"unknown EPConfig.gemm='cublas'; expected one of \('triton', 'interpret', 'xla', 'tokamax'\) or None")]
     for args, message in bad:
         with pytest.raises(ValueError, match=message):
             ep_moe_layer(*args[:6], cfg=args[6])

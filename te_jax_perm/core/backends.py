@@ -24,12 +24,16 @@ class BackendUnavailableError(RuntimeError):
     """Raised when a requested backend cannot run here; says what is missing."""
 
 
-def _check_name(name: str) -> str:
-    """``name`` as a backend name; case does not matter, as in ``TE_JAX_PERM_BACKEND``."""
+def check_backend_name(name: str, names: tuple[str, ...] = BACKENDS, what: str = "backend",
+                       optional: bool = False) -> str:
+    """``name`` as one of ``names`` (lower case); case does not matter, as in
+    ``TE_JAX_PERM_BACKEND``. Errors name ``what`` (the argument or field) and, where
+    ``optional``, say ``None`` is taken too (the caller handles it)."""
+    expected = f"expected one of {names}" + (" or None" if optional else "")
     if not isinstance(name, str):
-        raise TypeError(f"backend must be a string, got {type(name).__name__} {name!r}; expected one of {BACKENDS}")
-    if name.lower() not in BACKENDS:
-        raise ValueError(f"unknown backend={name!r}; expected one of {BACKENDS}")
+        raise TypeError(f"{what} must be a string, got {type(name).__name__} {name!r}; {expected}")
+    if name.lower() not in names:
+        raise ValueError(f"unknown {what}={name!r}; {expected}")
     return name.lower()
 
 
@@ -38,7 +42,7 @@ def use_backend(name: str) -> Iterator[str]:
     """Context manager selecting the default backend for ops traced inside it. A function
     ``jax.jit`` traced before keeps the backend it was traced with (jit's cache does not
     key on this setting)."""
-    name = _check_name(name)
+    name = check_backend_name(name)
     token = _current.set(name)
     try:
         yield name
@@ -52,7 +56,7 @@ def default_backend() -> str:
 
 def resolve_backend(name: str | None = None) -> str:
     """The backend an op call will use; raises if it is not available here."""
-    chosen = _check_name(name) if name is not None else (_current.get() or default_backend())
+    chosen = check_backend_name(name) if name is not None else (_current.get() or default_backend())
     ensure_available(chosen)
     return chosen
 

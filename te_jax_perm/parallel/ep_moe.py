@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from te_jax_perm.ops.chunk_sort.api import sort_chunks_by_index, sort_chunks_by_map
-from te_jax_perm.core import BACKENDS as OP_BACKENDS
+from te_jax_perm.core import BACKENDS as OP_BACKENDS, check_backend_name
 from te_jax_perm.ops.grouped_gemm.api import BACKENDS as GEMM_BACKENDS, grouped_matmul
 from te_jax_perm.ops.moe_ffn.api import check_layer_dtypes
 from te_jax_perm.ops.moe_ffn.reference import activate, check_activation, check_expert_weights
@@ -215,9 +215,8 @@ def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
         raise TypeError(f"mesh is {type(mesh).__name__} {mesh!r}; expected a jax.sharding.Mesh with the axis "
                         f"EPConfig.axis = {cfg.axis!r}")
     for field, names in (("backend", OP_BACKENDS), ("gemm", GEMM_BACKENDS)):
-        v = getattr(cfg, field)
-        if v is not None and (not isinstance(v, str) or v.lower() not in names):
-            raise ValueError(f"EPConfig.{field} = {v!r}; expected one of {names} (any case) or None")
+        if getattr(cfg, field) is not None:
+            check_backend_name(getattr(cfg, field), names, f"EPConfig.{field}", optional=True)
     if cfg.axis not in mesh.axis_names:
         raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}; EPConfig.axis = {cfg.axis!r} is not one of them")
     axes = {}

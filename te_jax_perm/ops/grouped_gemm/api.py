@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax_perm.core import BACKENDS as OP_BACKENDS
-from te_jax_perm.core import env, resolve_backend
+from te_jax_perm.core import check_backend_name, env, resolve_backend
 from te_jax_perm.core.launch import bind_dims
 from te_jax_perm.core.manual_axes import like_primal
 from te_jax_perm.ops import _checks
@@ -119,12 +119,7 @@ def _chosen_backend(backend: str | None, lhs_dtype: Any, rhs_dtype: Any) -> str:
         chosen = resolve_backend(None)
         # Nobody asked for the kernels: dtypes they do not compute in take XLA's ragged dot.
         return "xla" if chosen in KERNEL_BACKENDS and dt not in KERNEL_DTYPES else chosen
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, got {type(backend).__name__} {backend!r}; "
-                        f"expected one of {BACKENDS} or None")
-    name = backend.lower()
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend={backend!r}; expected one of {BACKENDS} or None")
+    name = check_backend_name(backend, BACKENDS, optional=True)
     if name == "tokamax":
         _tokamax()  # fail here, with the install hint, rather than inside the VJP trace
         return name
