@@ -1,5 +1,6 @@
-"""Bandwidth benchmarks of the permutation ops against copy baselines and the xla backend.
+"""Benchmarks of the permutation ops, the grouped GEMM and the MoE layer (BUILD.md lists them).
 
-Entry points: ``python3 -m benchmarks.run`` (one sweep; GPU or CPU smoke) and
-``python3 -m tests.gpu.run --steps=all`` (GPU tests, stress, memcheck, then every benchmark).
+Entry points: ``python3 -m benchmarks.peer`` (every op against the ``xla`` backend, a device
+copy and TransformerEngine's kernels), ``python3 -m benchmarks.layer_bench`` (the MoE layer)
+and ``python3 -m tests.gpu.run --steps=all`` (GPU tests, stress, memcheck, then every benchmark).
 """

@@ -11,7 +11,6 @@ bytes that call must move:
 * backward passes: read the cotangents (and, for combine with probs, the forward rows
   that the prob gradient needs) and residual maps; write every gradient.
 * make_row_id_map: read the routing map; write the map.
-* copy: read and write the buffer once.
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.shapes import MoEShape, by_substrings
+from benchmarks.shapes import MoEShape
 from benchmarks.workloads import ep_chunks, tokens, topk_routing
 
 F32 = 4
@@ -199,21 +198,6 @@ def _row_id_map(p: Problem, backend: str) -> Built:
     return Built(fn, (p.routing_map,), nbytes(p.routing_map) + nbytes(jax.eval_shape(fn, p.routing_map)))
 
 
-# -- copy baselines ----------------------------------------------------------------------
-def copy_xla(p: Problem) -> Built:
-    """XLA's elementwise copy of a buffer the size of the dispatch output (x * one)."""
-    one = jnp.ones((), p.permuted.dtype)
-    return Built(lambda x, s: x * s, (p.permuted, one), 2 * nbytes(p.permuted))
-
-
-def copy_triton(p: Problem, config) -> Built:
-    """The declared Triton copy kernel through our own ``triton`` backend (or interpreter)."""
-    from benchmarks.copy_baseline import device_copy
-
-    backend = "triton" if jax.default_backend() == "gpu" else "interpret"
-    return Built(lambda x: device_copy(x, backend=backend, config=config), (p.permuted,), 2 * nbytes(p.permuted))
-
-
 CASES: tuple[Case, ...] = (
     Case("token_dispatch", "fwd", _dispatch_fwd),
     Case("token_dispatch", "bwd", _vjp_case(_dispatch, lambda p: (p.inp, p.probs),
@@ -229,7 +213,3 @@ CASES: tuple[Case, ...] = (
     Case("make_row_id_map", "fwd", _row_id_map),
 )
 
-
-def select(ops: str) -> tuple[Case, ...]:
-    """Cases whose name contains any of the comma-separated ``ops`` substrings (all if empty)."""
-    return by_substrings(ops, CASES, "--ops")

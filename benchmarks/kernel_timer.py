@@ -78,7 +78,8 @@ def _marker():
     return launch
 
 
-def _block(out: Any) -> None:
+def wait_for(out: Any) -> None:
+    """Waits until ``out`` (JAX arrays or torch tensors) and all queued PyTorch work are done."""
     import jax
     import torch
 
@@ -86,6 +87,25 @@ def _block(out: Any) -> None:
     if any(isinstance(x, jax.Array) for x in leaves):
         jax.block_until_ready(out)
     torch.cuda.synchronize()
+
+
+def wall_us(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int = 10, reps: int = 5) -> list[float]:
+    """Each label's wall time per call, in µs: ``calls`` calls enqueued back to back and
+    waited for once (as a loop calling the op sees it: host dispatch and launch gaps
+    included), median over ``reps`` rounds. The labels take turns within each round, so a
+    slow stretch of the host or a clock change falls on all of them alike."""
+    import time
+    per: list[list[float]] = [[] for _ in items]
+    for _ in range(reps):
+        for i, (_, fn) in enumerate(items):
+            wait_for(fn())
+            t0 = time.perf_counter()
+            out = None
+            for _ in range(calls):
+                out = fn()
+            wait_for(out)
+            per[i].append((time.perf_counter() - t0) / calls * 1e6)
+    return [statistics.median(w) for w in per]
 
 
 def measure(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int = 10, warmup: int = 2,
@@ -123,14 +143,14 @@ def profile_once(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int, war
     marker()  # compile outside the profile
     for _, fn in items:
         for _ in range(warmup):
-            _block(fn())
+            wait_for(fn())
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _, fn in items:
             marker()
             out = None
             for _ in range(calls):
                 out = fn()
-            _block(out)
+            wait_for(out)
         marker()
     events = []
     for e in prof.events():

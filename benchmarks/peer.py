@@ -8,7 +8,9 @@ which need only torch and Triton) run on the same routing problems as our ops (d
 configs, no tuning in the process) and as the ``xla`` backend. Kernel times come from three
 CUPTI profiles (``benchmarks/kernel_timer.py``), the order of the ops reversed in the
 second: each op's time is the sum of every kernel one call launches (XLA's glue included),
-median over the calls of all three. "%" is the op's honestly
+median over the calls of all three. Beside it, each op's wall time per call: calls enqueued
+back to back and waited for once, as a loop calling the op sees it (host dispatch and launch
+gaps included; where it is well above the kernel time, the host sets the pace). "%" is the op's honestly
 counted bytes (``benchmarks/cases.py``) per second over a device-to-device copy measured
 in the same run (torch ``copy_``, read + write). TE's kernels are autotuned on their first
 call (TransformerEngine's own ``triton.autotune``); that happens in the warm-up, outside
@@ -19,8 +21,8 @@ Writes ``DIR/peer.json``, ``DIR/peer.png`` and ``DIR/peer_summary.txt``, whose
 the ``xla`` backend's, and each backward with its forward (<= 1.1x). ``token_combine.train``
 is a training step's combine: the forward as differentiation runs it (it also fills the
 row owner table its backward reads) and the backward, against TE's forward and backward.
-Each comparison also gives both sides' call-to-call spread (the calls' interquartile range over their median):
-a gap smaller than it is within what reruns of the same kernel move. A comparison reads
+Each comparison also gives both sides' call-to-call spread (the calls' interquartile range over their median;
+a gap smaller than it is within what reruns of the same kernel move) and wall times. A comparison reads
 ``AT LIMIT`` rather than ``FAIL`` where ours moves its bytes at no less than 97% of the device
 copy's rate and trails by less than the larger spread: both sides then run at the memory's
 limit, and the gap is within what reruns move (such lines pass in one run and fail in the next).
@@ -144,26 +146,31 @@ def measure_shape(shape: MoEShape, te, calls: int, log) -> list[dict]:
     # Three profiles, the order reversed in the second: no op is always timed before another
     # (ours before TE's in two, after them in one), and each op's median takes all three.
     times = kernel_timer.measure(items, calls=calls, rounds=3)
+    walls = kernel_timer.wall_us(items, calls=calls)
     copy_us = times[0].per_call_us()
     copy_bw = copy_bytes / (copy_us * 1e-6)
     rows = []
-    for t in times[1:]:
+    for t, wall in zip(times[1:], walls[1:]):
         name, impl = t.label
         us = t.per_call_us()
         bw = nbytes[name] / (us * 1e-6)
         rows.append({"shape": shape.name, "model": shape.model, "T": shape.T, "H": shape.H, "E": shape.E,
-                     "k": shape.k, "op": name, "impl": impl, "kernel_us": us, "bytes": nbytes[name],
+                     "k": shape.k, "op": name, "impl": impl, "kernel_us": us, "wall_us": wall, "bytes": nbytes[name],
                      "pct_copy": 100 * bw / copy_bw, "copy_GBps": copy_bw / 1e9, "spread_pct": t.spread_pct(),
                      "kernels_per_call": t.count_per_call(), "kernels": t.by_name()})
-        log(f"{shape.name:40s} {name:26s} {impl:5s} {us:9.1f} µs  {100 * bw / copy_bw:6.1f}% of copy")
+        log(f"{shape.name:40s} {name:26s} {impl:5s} {us:9.1f} µs kernel {wall:9.1f} µs wall  "
+            f"{100 * bw / copy_bw:6.1f}% of copy")
     return rows
 
 
 def _spreads(mine: dict, other: dict) -> str:
     """Both sides' call-to-call spread (interquartile range over median), where measured: a
-    gap smaller than these is within what reruns of the same kernel move."""
+    gap smaller than these is within what reruns of the same kernel move; and both sides'
+    wall time per call, where measured."""
     a, b = mine.get("spread_pct"), other.get("spread_pct")
-    return "" if a is None or b is None else f"; call-to-call spread {a:.1f}% and {b:.1f}%"
+    text = "" if a is None or b is None else f"; call-to-call spread {a:.1f}% and {b:.1f}%"
+    a, b = mine.get("wall_us"), other.get("wall_us")
+    return text + ("" if a is None or b is None else f"; wall {a:.1f} and {b:.1f} µs a call")
 
 
 def _verdict(mine: dict, other: dict) -> str:

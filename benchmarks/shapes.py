@@ -32,10 +32,8 @@ def _layers(model: MoEModel, *tokens: int) -> tuple[MoEShape, ...]:
     return tuple(MoEShape(model.name, T, model.H, model.E, model.k) for T in tokens)
 
 
-# DeepSeek-V3, Qwen3, gpt-oss and Mixtral layers, most informative first (benchmarks.run runs
-# them in this order, so a tight budget still covers the targets). DeepSeek-V3 at T=16384 is
-# there for the row-id-map target ("make_row_id_map for T=16384, E=256: <= 10% of the dispatch
-# time at H=7168").
+# DeepSeek-V3, Qwen3, gpt-oss and Mixtral layers, most informative first (the benchmarks run
+# them in this order). DeepSeek-V3 at T=16384 is the largest row-id map (T*E).
 GPU_SHAPES: tuple[MoEShape, ...] = (*_layers(DEEPSEEK_V3, 8192), *_layers(QWEN3_235B, 8192),
                                     *_layers(DEEPSEEK_V3, 16384), *_layers(GPT_OSS_120B, 8192),
                                     *_layers(DEEPSEEK_V3, 4096), *_layers(MIXTRAL_8X7B, 8192, 16384))

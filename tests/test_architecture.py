@@ -180,7 +180,7 @@ def test_private_import_check_sees_one():
         "te_jax_perm/ops/permute/api.py:2 from te_jax_perm.ops.permute.api import _helper"]
     assert list(_private_imports("te_jax_perm/ops/routing.py", src)) == [
         "te_jax_perm/ops/routing.py:2 from te_jax_perm.ops.permute.api import _helper"]
-    assert list(_private_imports("benchmarks/run.py", src))[0].endswith("import _checks")
+    assert list(_private_imports("benchmarks/peer.py", src))[0].endswith("import _checks")
     assert list(_private_imports("te_jax_perm/core/launch.py", src))[0].endswith("import _checks")
 
 

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "te_jax_perm"
 TEXT_FILES = ("README.md", "BUILD.md", "docs/*.md", "benchmarks/results/README.md", "examples/*.py",
               "benchmarks/*.py", f"{PACKAGE}/**/*.py")
-HELP_COMMANDS = (("te_jax_perm.autotune", "--help"), ("benchmarks.run", "--help"))
+HELP_COMMANDS = (("te_jax_perm.autotune", "--help"), ("benchmarks.peer", "--help"))
 
 _EXT = r"(?:py|md|sh|json|png|txt|log|toml|cfg|ya?ml|whl)"
 # dir/.../file.ext, not inside a longer path, URL, $VAR/..., ~/... or /abs/... .
@@ -107,7 +107,7 @@ def test_the_scan_finds_what_it_should():
 def user_facing() -> list[tuple[str, str]]:
     texts = _texts() + _help_texts()
     names = {n for n, _ in texts}
-    assert {"README.md", "BUILD.md", "docs/sanitizer.md", "benchmarks/run.py", "te_jax_perm/core/primitive.py"} \
+    assert {"README.md", "BUILD.md", "docs/sanitizer.md", "benchmarks/peer.py", "te_jax_perm/core/primitive.py"} \
         <= names, names
     return texts
 

@@ -14,7 +14,8 @@ Steps, in the order they run (``--steps`` picks some, comma-separated; ``all`` i
 * ``memcheck``: every kernel forward and backward under ``compute-sanitizer --tool memcheck``;
 * ``memcheck_hostile``: the hostile-input tests on the kernel backend under memcheck, one
   process per test (``tests/gpu/hostile.py``);
-* ``bench``: ``benchmarks.run`` (bandwidth of every op against copy baselines and ``xla``);
+* ``bench``: ``benchmarks.peer`` (every op's kernel and wall time against the ``xla`` backend,
+  a device copy and, where importable, TransformerEngine's kernels);
 * ``autotune``: ``benchmarks/autotune_bench.py`` (compile time, tuned vs default configs);
 * ``gemm_tests``: the grouped GEMM's GPU tests;
 * ``layer``: ``benchmarks.layer_bench`` with kernel-time profiles (the whole MoE layer);
@@ -25,7 +26,7 @@ Each step logs to ``OUT/<step>.log`` and adds one ``STEP`` line to ``OUT/summary
 left of ``--budget_s``, whichever is less. Wheels in ``.whl/`` of the checkout (e.g. tokamax
 for a machine without internet access) are installed under ``/tmp/site`` first.
 ``--dry_run`` checks the plumbing on any machine, CPU included: a few fast tests, a tiny
-stress, the benchmarks' CPU smoke sweeps; steps that need a GPU are skipped.
+stress, the layer benchmark's CPU smoke sweep; steps that need a GPU are skipped.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ flags.DEFINE_float("budget_s", 540, "wall-clock budget of the whole run in secon
 flags.DEFINE_integer("workers", max(1, (os.cpu_count() or 2) - 2), "pytest processes for the pytest step")
 flags.DEFINE_string("pytest_args", "", "extra pytest arguments for the pytest step, split as a shell would, "
                     "e.g. \"-k 'triton or gpu'\"")
-flags.DEFINE_string("bench_args", "", "extra arguments for python3 -m benchmarks.run, e.g. '--shapes DeepSeek'")
+flags.DEFINE_string("bench_args", "", "extra arguments for python3 -m benchmarks.peer, e.g. '--shapes DeepSeek'")
 flags.DEFINE_bool("dry_run", False, "check the plumbing anywhere (CPU too): small versions of each step, GPU-only "
                   "steps skipped")
 
@@ -79,9 +80,6 @@ def compute_sanitizer() -> str | None:
     for root in (p for p in sys.path if "site-packages" in p):
         candidates += glob.glob(os.path.join(root, "nvidia", "**", "compute-sanitizer"), recursive=True)
     return found or next((c for c in candidates if os.access(c, os.X_OK)), None)
-
-
-_PREALLOCATED = {"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
 
 
 def steps(out: pathlib.Path, dry: bool) -> list[Step]:
@@ -112,10 +110,10 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
         Step("memcheck_hostile", 480, [py, "-m", "tests.gpu.hostile", f"--sanitizer={sanitizer}",
                                        f"--out={out / 'memcheck_hostile'}"], r"^(MEMCHECK-HOSTILE|  \w+: )",
              gpu_only=True),
-        # The benchmark runs alone on the GPU, so with JAX's default preallocated pool, as
-        # users run: a pool grown on demand takes memory from the driver between steps.
-        Step("bench", 300, [py, "-m", "benchmarks.run", "--out", str(out), "--mode", mode, "--log"]
-             + shlex.split(f.bench_args), r"^(BENCH SUMMARY|TARGET)", env=_PREALLOCATED),
+        # PyTorch (the device copy, TransformerEngine's kernels) shares the GPU with JAX here:
+        # JAX's pool grows on demand (the driver's default environment below).
+        Step("bench", 300, [py, "-m", "benchmarks.peer", "--out", str(out)] + shlex.split(f.bench_args),
+             r"^TARGET", gpu_only=True),
         Step("autotune", 170, [py, "benchmarks/autotune_bench.py", f"--out={out / 'autotune'}", "--budget-s=120",
                                "--e2e-s=30", "--max-configs=24", "--max-candidates=16"]
              + (["--small", "--dtype=float32"] if dry else []), r"(E2E|tuned|speedup)"),
