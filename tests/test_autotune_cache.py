@@ -269,3 +269,18 @@ def test_tune_ahead_names_what_it_takes():
         autotune.tune_ahead(gather_rows, [pair], backend="xla")
     (result,) = autotune.tune_ahead(gather_rows, [pair], backend="INTERPRET")   # any case, as everywhere
     assert result.best is not None and result.key["backend"] == "interpret"
+
+
+def test_every_tuning_entry_point_takes_the_declared_op_or_its_declaration():
+    from tests.example_kernels import gather_rows
+    dims = {"N": 16, "H": 96, "R": 5}
+    assert autotune.candidates(gather_rows, dims, {}) == autotune.candidates(gather_rows.decl, dims, {})
+    shapes = [((16, 96), np.float32), ((5,), np.int32)]
+    by_op = autotune.tune(gather_rows, shapes, {}, backend="interpret")
+    by_decl = autotune.tune(gather_rows.decl, shapes, {}, backend="interpret")
+    assert by_decl.cached and by_op.key == by_decl.key and by_op.best == by_decl.best
+    for call in (lambda k: autotune.candidates(k, dims, {}), lambda k: autotune.tune(k, shapes, {}),
+                 lambda k: autotune.tune_ahead(k, [(shapes, {})])):
+        with pytest.raises(TypeError, match=r"kernel is function <function .*gather.*>; expected a declared kernel "
+                                            r"\(what core.declare returns\) or its KernelDecl"):
+            call(gather_rows.decl.kernel.fn)

@@ -247,8 +247,10 @@ def test_kernel_signature_is_checked_by_name_not_count(kernel_backend):
         gather_rows.decl, name="example_gather_rows_shifted", scalars=lambda d, p: {},
         constexprs=lambda d, p, c: {"H": d["H"]}))
     src, idx = _inputs(5, 16, 3, jnp.float32)
-    with pytest.raises(TypeError, match=r"does not match its declaration: 2 operand pointers, scalars \[\]"):
+    with pytest.raises(TypeError, match=r"does not match its declaration: 2 operand pointers, scalars \[\]") as e:
         jax.jit(lambda s, i: shifted(s, i, backend=kernel_backend))(src, idx)
+    # The order the convention expects, spelled out (this declaration passes no scalar).
+    assert "expected the parameters (src_ptr, idx_ptr, out_prealloc_ptr, out_ptr, BLOCK_H, H)" in str(e.value)
 
 
 def test_pointers_named_after_another_buffer_are_refused(kernel_backend):

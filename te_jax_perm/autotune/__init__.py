@@ -10,15 +10,15 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 from te_jax_perm.autotune.cache import cache_dir, format_cache, make_key, set_cache_dir
-from te_jax_perm.autotune.tuner import (TuneOptions, TuneResult, autotuning, candidates, enable, enabled, resolve,
-                                        stats, tune, tune_call)
+from te_jax_perm.autotune.tuner import (TuneOptions, TuneResult, autotuning, candidates, declaration, enable,
+                                        enabled, resolve, stats, tune, tune_call)
 
 
 def tune_ahead(kernel: Any, shapes_and_params: Iterable[tuple[Sequence[Any], Mapping[str, Any]]],
                backend: str = "triton", options: TuneOptions = TuneOptions()) -> list[TuneResult]:
     """Tunes ``kernel`` (a ``KernelDecl`` or declared primitive) for each
     ``(operand shapes, static params)``; operand shapes as in :func:`tune`."""
-    decl = getattr(kernel, "decl", kernel)
+    decl = declaration(kernel)
     items = list(shapes_and_params)
     for i, item in enumerate(items):
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], (tuple, list))

@@ -63,10 +63,22 @@ class TuneResult:
         return Config.from_json(b) if b else None
 
 
-def candidates(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, Any]
+def declaration(kernel: Any, name: str = "kernel") -> KernelDecl:
+    """The ``KernelDecl`` of ``kernel``: a declared op (``op.decl``) or the declaration itself,
+    so every tuning entry point takes what ``declare`` returned as well as what it was given."""
+    decl = getattr(kernel, "decl", kernel)
+    if not isinstance(decl, KernelDecl):
+        raise TypeError(f"{name} is {type(kernel).__name__} {kernel!r}; expected a declared kernel (what "
+                        "core.declare returns) or its KernelDecl")
+    return decl
+
+
+def candidates(kernel: Any, dims: Mapping[str, int], params: Mapping[str, Any]
                ) -> tuple[list[Config], list[tuple[Config, str]]]:
-    """``(valid, pruned)``, ``pruned`` with each reason; the default config is always a
-    candidate (if valid), so tuning can only improve on it."""
+    """``(valid, pruned)`` configs of ``kernel`` (a declared op or its ``KernelDecl``) at
+    ``dims``, ``pruned`` with each reason; the default config is always a candidate (if
+    valid), so tuning can only improve on it."""
+    decl = declaration(kernel)
     valid, pruned = [], []
     for cfg in dict.fromkeys((*decl.configs, decl.default_config(dims, params))):
         why = decl.violated(dims, params, cfg)
@@ -96,10 +108,12 @@ def cap(valid: Sequence[Config], default: Config, limit: int | None, name: str =
     return kept, skipped
 
 
-def tune(decl: KernelDecl, shapes: Sequence[Any], params: Mapping[str, Any] | None = None,
+def tune(kernel: Any, shapes: Sequence[Any], params: Mapping[str, Any] | None = None,
          backend: str = "interpret", options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
-    """Tunes ``decl`` for operands of ``shapes`` (arrays, ShapeDtypeStructs or
-    ``(shape, dtype)`` pairs) and static ``params``; returns the cached result if present."""
+    """Tunes ``kernel`` (a declared op or its ``KernelDecl``) for operands of ``shapes``
+    (arrays, ShapeDtypeStructs or ``(shape, dtype)`` pairs) and static ``params``; returns the
+    cached result if present."""
+    decl = declaration(kernel)
     avals = [s if hasattr(s, "shape") and hasattr(s, "dtype") else jax.ShapeDtypeStruct(*s) for s in shapes]
     # Backend names are case-insensitive here as everywhere; an unavailable one is named.
     return tune_call(bind_call(decl, avals, dict(params or {}), resolve_backend(backend)), options, pool)

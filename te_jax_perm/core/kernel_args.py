@@ -60,12 +60,24 @@ def check_signature(decl: KernelDecl, scalars: Mapping[str, Any], constexprs: Ma
     positional = n_ops + len(scalars) + 2 * n_outs
     if (names[n_ops:n_ops + len(scalars)] != list(scalars) or len(names) != positional + len(constexprs)
             or set(names[positional:]) != set(constexprs)):
+        order = ", ".join(n for n, _ in _slots(decl, list(scalars)))
         raise TypeError(
             f"{decl.name}: kernel {decl.kernel.fn.__name__}{tuple(names)} does not match its declaration: "
             f"{n_ops} operand pointers, scalars {list(scalars)}, {n_outs} prealloc + {n_outs} output "
-            f"pointers, constexprs {sorted(constexprs)}")
+            f"pointers, constexprs {sorted(constexprs)}; expected the parameters ({order}"
+            + "".join(f", {c}" for c in sorted(constexprs)) + ") (constexprs in any order; pointers may "
+            "be named otherwise)")
     _check_pointer_names(decl, names, list(scalars))
     return {name: constexprs[name] for name in names[positional:]}
+
+
+def _slots(decl: KernelDecl, scalars: list[str]) -> list[tuple[str, str]]:
+    """The calling convention's positional parameters, ``(conventional name, role)`` each:
+    operand pointers, scalars, every preallocated output pointer, every output pointer."""
+    return ([(f"{op.name}_ptr", f"operand {op.name!r}") for op in decl.operands]
+            + [(s, f"scalar {s!r}") for s in scalars]
+            + [(f"{o.name}_prealloc_ptr", f"output {o.name!r}'s preallocated buffer") for o in decl.outputs]
+            + [(f"{o.name}_ptr", f"output {o.name!r}") for o in decl.outputs])
 
 
 def _check_pointer_names(decl: KernelDecl, names: list[str], scalars: list[str]) -> None:
@@ -74,10 +86,7 @@ def _check_pointer_names(decl: KernelDecl, names: list[str], scalars: list[str])
     listing ``a_prealloc_ptr, a_ptr, b_prealloc_ptr, b_ptr`` has the right count, but would
     receive ``a``'s output where it writes ``b``'s preallocated buffer (the convention puts
     every preallocated pointer first). Parameters named otherwise are not checked."""
-    slots = ([(f"{op.name}_ptr", f"operand {op.name!r}") for op in decl.operands]
-             + [(s, f"scalar {s!r}") for s in scalars]
-             + [(f"{o.name}_prealloc_ptr", f"output {o.name!r}'s preallocated buffer") for o in decl.outputs]
-             + [(f"{o.name}_ptr", f"output {o.name!r}") for o in decl.outputs])
+    slots = _slots(decl, scalars)
     what = {name: role for name, role in slots}
     for i, (have, (want, role)) in enumerate(zip(names, slots)):
         if have != want and have in what:
