@@ -110,7 +110,8 @@ def _dispatch_params_check(dims, params) -> None:
                          f"expected align_size >= 1 and padded rows below 2**31 - 1")
 
 
-def _plan_warps(dims) -> Config:
+def _plan_warps(dims, params) -> Config:
+    """Every map kernel's default: the warps of the build :func:`map_plan` picks."""
     return Config.make(num_warps=map_plan(dims["T"], dims["E"]).num_warps)
 
 
@@ -126,13 +127,13 @@ row_id_map_block_counts = declare(KernelDecl(
     scalars=lambda dims, params: {"T": dims["T"]},
     constexprs=_tile_constexprs,
     configs=_WARPS,
-    default_config=lambda dims, params: _plan_warps(dims),
+    default_config=_plan_warps,
     key_dims=("E",),
     key_params=("block_t",),
 ))
 
 # What the two map writers (two-pass fill, one-pass fused) share: outputs, grid, scalars,
-# compile-time constants and search space.
+# compile-time constants, search space and default.
 _MAP_WRITER = dict(
     outputs=(Output("row_id_map", lambda dims, params: (dims["T"], 2 * dims["E"] + 1),
                     lambda dtypes, params: jnp.int32),
@@ -141,13 +142,13 @@ _MAP_WRITER = dict(
     # At least one program: program 0 writes tokens_per_expert even when T == 0.
     grid=lambda dims, params, config: (max(1, num_blocks(dims["T"], params["block_t"])),),
     scalars=lambda dims, params: {"T": dims["T"], "N": params["drop_at"]},
-    constexprs=_fill_constexprs, configs=_WARPS, key_dims=("E",), key_params=("block_t",))
+    constexprs=_fill_constexprs, configs=_WARPS, default_config=_plan_warps, key_dims=("E",),
+    key_params=("block_t",))
 
 row_id_map_fill = declare(KernelDecl(
     name="row_id_map_fill", kernel=K.row_id_map_fill_kernel,
     operands=(_ROUTING, Operand("counts", ("NB", "E"), ("int32",))),
     reference=R.row_id_map_fill_reference,
-    default_config=lambda dims, params: _plan_warps(dims),
     params_check=_fill_params_check,
     example_inputs=_fill_examples,
     **_MAP_WRITER,
@@ -157,7 +158,6 @@ row_id_map_fused = declare(KernelDecl(
     name="row_id_map_fused", kernel=K.row_id_map_fused_kernel,
     operands=(_ROUTING,),
     reference=R.row_id_map_fused_reference,
-    default_config=lambda dims, params: _plan_warps(dims),
     example_inputs=lambda dims, params, dtypes, rng: (_example_routing(dims, dtypes, rng),),
     **_MAP_WRITER,
 ))
@@ -172,7 +172,6 @@ _DISPATCH_MAP = dict(
     params=("block_t", "drop_at", "align", "num_out_rows"),
     scalars=lambda dims, params: {"T": dims["T"], "N": params["drop_at"], "ALIGN": params["align"],
                                   "R": params["num_out_rows"]},
-    default_config=lambda dims, params: _plan_warps(dims),
     params_check=_dispatch_params_check)
 
 dispatch_map_fill = declare(KernelDecl(
