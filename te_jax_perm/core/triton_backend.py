@@ -273,7 +273,7 @@ def triton_call(launch: Launch, operands: Sequence[jax.Array],
         return preallocs  # CUDA rejects empty grids; the preallocated buffers are the result
     lib = kernel_call_lib()
     _check_ffi(lib)
-    kernel = compile_cached(launch_spec(launch), int(lib.get_compute_capability(0)))
+    kernel = compiled_for(launch, compute_capability())
     result_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in launch.out_avals]
     workspace = workspace_bytes(launch, kernel)
     if workspace:  # an output no one reads after the kernel: XLA allocates it, and frees it
