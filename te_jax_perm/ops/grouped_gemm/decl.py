@@ -28,6 +28,7 @@ from te_jax_perm.kernels.grouped_gemm import grouped_gemm_kernel, grouped_gemm_w
 from te_jax_perm.kernels.grouped_gemm_ws import grouped_gemm_wgrad_ws_kernel
 from te_jax_perm.ops.grouped_gemm.reference import (grouped_gemm_reference, grouped_gemm_rhs_t_reference,
                                                     grouped_gemm_wgrad_reference)
+from te_jax_perm.ops.tiling import next_pow2
 
 FLOATS = ("float16", "bfloat16", "float32")
 # Hopper has 227 KiB of shared memory per block; leave room for the epilogue.
@@ -35,16 +36,17 @@ _SMEM_BYTES = 200 * 1024
 _HOPPER_SMEM_BYTES = 227 * 1024
 
 
-def _smem_fits(tile_elems: int, stages: int, elem_bytes: int) -> bool:
-    return tile_elems * stages * elem_bytes <= _SMEM_BYTES
+def _smem_problem(tile_elems: int, stages: int, elem_bytes: int) -> str | None:
+    """Why ``stages`` pipeline stages of ``tile_elems`` operand elements do not fit in shared
+    memory, or ``None``."""
+    if tile_elems * stages * elem_bytes > _SMEM_BYTES:
+        return f"{tile_elems} elements x {stages} stages exceed shared memory"
+    return None
 
 
 def mm_fits(dims, params, config: Config) -> str | None:
     kw = config.kw
-    need = (kw["BM"] * kw["BK"] + kw["BK"] * kw["BN"])
-    if not _smem_fits(need, config.num_stages, params["elem_bytes"]):
-        return f"{need} elements x {config.num_stages} stages exceed shared memory"
-    return None
+    return _smem_problem(kw["BM"] * kw["BK"] + kw["BK"] * kw["BN"], config.num_stages, params["elem_bytes"])
 
 
 def _tma_problem(config: Config, eb: int, rows: dict, stage_elems: int, out_elems: int,
@@ -94,16 +96,14 @@ def wgrad_fits(dims, params, config: Config) -> str | None:
                            kw["BR"] * (kw["BK"] + kw["BN"]), kw["BK"] * kw["BN"])
     if problem or kw.get("TMA", False):
         return problem
-    need = kw["BR"] * (kw["BK"] + kw["BN"])
-    if not _smem_fits(need, config.num_stages, params["elem_bytes"]):
-        return f"{need} elements x {config.num_stages} stages exceed shared memory"
-    return None
+    return _smem_problem(kw["BR"] * (kw["BK"] + kw["BN"]), config.num_stages, params["elem_bytes"])
 
 
 def _stages(tile_elems: int, most: int, params) -> int:
     """Pipeline stages for a tile of ``tile_elems`` per stage: ``most``, or fewer where that
     many would not fit in shared memory (fp32 operands take twice the bytes of 16-bit ones)."""
-    return max([s for s in range(1, most + 1) if _smem_fits(tile_elems, s, params["elem_bytes"])] or [1])
+    return max([s for s in range(1, most + 1) if not _smem_problem(tile_elems, s, params["elem_bytes"])]
+               or [1])
 
 
 def short_groups(dims) -> bool:
@@ -144,7 +144,7 @@ def precision(params) -> str:
 
 
 def groups_p2(dims) -> int:
-    return triton.next_power_of_2(max(dims["G"], 1))
+    return next_pow2(dims["G"])
 
 
 def mm_grid(dims, params, config: Config) -> tuple[int]:
