@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax_perm.ops.moe_ffn.reference import activate
+from te_jax_perm.ops.row_id_map.reference import kept_of
 from te_jax_perm.parallel.ep_moe import EPConfig
 
 
@@ -17,8 +18,8 @@ def _kept(routing_map: jax.Array, num_out_tokens: int, capacity: int, ep: int) -
     # position of row (t, e) in the expert-major, token-ascending order of the dispatch
     pos = (jnp.cumsum(cnt) - cnt)[None, :] + jnp.cumsum(r, axis=0) - 1
     keep = routing_map & (pos < num_out_tokens)
-    kept = jnp.clip(num_out_tokens - (jnp.cumsum(cnt) - cnt), 0, cnt)
-    rank_start = jnp.repeat(jnp.cumsum(kept.reshape(ep, el).sum(1)) - kept.reshape(ep, el).sum(1), el)
+    per_rank = kept_of(cnt, num_out_tokens).reshape(ep, el).sum(1)
+    rank_start = jnp.repeat(jnp.cumsum(per_rank) - per_rank, el)
     return keep & (pos - rank_start[None, :] < capacity)
 
 
