@@ -19,14 +19,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 def ragged_all_to_all_supported(devices: Sequence[jax.Device]) -> bool:
     """True when a ragged all-to-all over ``devices`` compiles and gives the right result."""
     devices = tuple(devices)
-    return _probe_cached(devices[0].platform, getattr(devices[0], "device_kind", ""), len(devices), devices)
-
-
-def _probe_cached(platform: str, kind: str, n: int, devices: tuple) -> bool:
-    key = (platform, kind, n)
+    key = (devices[0].platform, getattr(devices[0], "device_kind", ""), len(devices))
     if key not in _cache:
         _cache[key] = probe(devices)
-        logging.info("ragged_all_to_all on %s (%s) x%d: %s", platform, kind, n,
+        logging.info("ragged_all_to_all on %s (%s) x%d: %s", *key,
                      "supported" if _cache[key] else "not supported, using the dense all_to_all")
     return _cache[key]
 
