@@ -24,11 +24,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _np_dtype(name: str) -> np.dtype:
-    import ml_dtypes
-    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
-
-
 def compile_time(launches, target, max_configs: int, workers: int) -> dict:
     """Compiles the same jobs in-process (sequentially) and in the pool; fresh caches for both."""
     from te_jax_perm.autotune import tuner
@@ -111,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from te_jax_perm.core import hooks
     gpu = jax.default_backend() == "gpu"
     backend = "triton" if gpu else "interpret"
-    dtype = _np_dtype(a.dtype)
+    dtype = np.dtype(a.dtype)   # "bfloat16" too: importing jax registers ml_dtypes' types
     autotune.set_cache_dir(os.path.join(a.out, "cache"))
     shapes = shape_list(a.small, a.shapes)
 
