@@ -20,6 +20,7 @@ from absl import logging
 from te_jax_perm.core import hooks
 from te_jax_perm.core.aliasing import AliasPlan, alias_plan
 from te_jax_perm.core.declaration import Config, Dims, KernelDecl, Operand, Params
+from te_jax_perm.core.kernel_args import check_signature
 
 
 # -- operand and parameter checks -------------------------------------------------------------
@@ -164,8 +165,6 @@ class Launch:
 def configure(call: Call, config: Config) -> Launch:
     """The launch of ``call`` with ``config``; raises if the config violates a declared
     constraint for these dims or the kernel's parameters do not follow the declaration."""
-    from te_jax_perm.core.kernel_args import check_signature
-
     decl, dims, params = call.decl, call.dims, call.params
     if why := decl.violated(dims, params, config):
         raise ValueError(f"{decl.name}: {config} is invalid for dims {dict(dims)}: {why}")
