@@ -140,28 +140,11 @@ def _precompile(launches: list) -> dict:
             "compile_s": time.monotonic() - t0}
 
 
-def agrees(decl, got, want) -> bool:
-    """Whether a config's outputs ``got`` match the default config's ``want``: bitwise for a
-    bit-exact kernel (and for integer outputs), within the declaration's tolerance otherwise
-    (another tiling sums floats in another order)."""
-    import jax.numpy as jnp
-    import numpy as np
-    for g, w in zip(got, want):
-        g, w = np.asarray(g), np.asarray(w)
-        if g.shape != w.shape or g.dtype != w.dtype:
-            return False
-        if decl.exact or not jnp.issubdtype(w.dtype, jnp.floating):  # bf16 and fp8 count as floats
-            if not np.array_equal(g.view(np.uint8), w.view(np.uint8)):
-                return False
-        elif not np.allclose(g.astype(np.float64), w.astype(np.float64), rtol=decl.rtol, atol=decl.atol,
-                             equal_nan=True):
-            return False
-    return True
-
-
 def _time_configs(call, configs, operands, want, calls: int) -> list[dict]:
-    """Each config's kernel time (CUPTI) and whether its outputs agree with ``want`` (:func:`agrees`)."""
+    """Each config's kernel time (CUPTI) and whether its outputs agree with ``want``, the
+    default config's, as the autotuner judges a candidate (``trials.mismatch``)."""
     import jax
+    from te_jax_perm.autotune.trials import mismatch
     from te_jax_perm.core.launch import configure
     from te_jax_perm.core.triton_backend import triton_call
     launches = [configure(call, c) for c in configs]
@@ -172,7 +155,8 @@ def _time_configs(call, configs, operands, want, calls: int) -> list[dict]:
             exe = jax.jit(lambda ops, launch=launch: triton_call(launch, ops)).lower(operands).compile()
             got = exe(operands)
             items.append((cfg, (lambda exe=exe: exe(operands))))
-            rows.append({"config": cfg.to_json(), "config_str": str(cfg), "agrees": agrees(call.decl, got, want)})
+            rows.append({"config": cfg.to_json(), "config_str": str(cfg),
+                         "agrees": mismatch(call.decl, got, want) is None})
         except Exception as e:  # noqa: BLE001 - a failing config is recorded, the rest go on
             rows.append({"config": cfg.to_json(), "config_str": str(cfg), "error": f"{type(e).__name__}: {e}"})
     kfn = call.decl.kernel.fn.__name__

@@ -155,6 +155,24 @@ def test_racy_config_rejected_by_output_validation():
     assert res.best != K.RACY_CONFIG and res.best in K.SAFE_CONFIGS
 
 
+def test_outputs_are_checked_bitwise_for_exact_kernels_and_integers_within_tolerance_otherwise():
+    import types
+
+    import ml_dtypes
+
+    from te_jax_perm.autotune.trials import mismatch
+    outs = tuple(types.SimpleNamespace(name=n) for n in ("rows", "ids"))
+    exact = types.SimpleNamespace(outputs=outs, exact=True, rtol=1e-2, atol=1e-2)
+    summed = types.SimpleNamespace(outputs=outs, exact=False, rtol=1e-2, atol=1e-2)
+    w = [np.array([1.0, 2.0], ml_dtypes.bfloat16), np.array([3, 4], np.int32)]
+    near = [np.array([1.0, 2.015625], ml_dtypes.bfloat16), np.array([3, 4], np.int32)]
+    assert mismatch(summed, near, w) is None and mismatch(exact, w, w) is None
+    assert "differ bitwise" in mismatch(exact, near, w)
+    assert "ids" in mismatch(summed, [near[0], np.array([3, 5], np.int32)], w)  # integers: always bitwise
+    assert "outside rtol" in mismatch(summed, [np.array([1.0, 2.5], ml_dtypes.bfloat16), w[1]], w)
+    assert mismatch(summed, [near[0], np.array([3, 4], np.int64)], w)   # another dtype never matches
+
+
 def test_empty_output_garbage_is_caught():
     """init='empty' buffers start as random bytes, so a config writing too few rows fails."""
     buf = initial_prealloc(False, (4, 4), np.float32, seed=3)

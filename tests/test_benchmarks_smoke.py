@@ -169,19 +169,8 @@ def test_small_t_targets_compare_kernels_and_judge_the_wall_against_the_launch_f
         "TARGET small-T wall <= 1.3x kernel: FAIL")
 
 
-def test_sweep_agreement_is_bitwise_for_exact_kernels_and_within_tolerance_otherwise(tmp_path):
-    import types
-
-    import ml_dtypes
-
-    from benchmarks.config_sweep import agrees, default_table
-    exact = types.SimpleNamespace(exact=True, rtol=1e-2, atol=1e-2)
-    summed = types.SimpleNamespace(exact=False, rtol=1e-2, atol=1e-2)
-    w = [np.array([1.0, 2.0], ml_dtypes.bfloat16), np.array([3, 4], np.int32)]
-    near = [np.array([1.0, 2.015625], ml_dtypes.bfloat16), np.array([3, 4], np.int32)]
-    assert agrees(summed, near, w) and not agrees(exact, near, w) and agrees(exact, w, w)
-    assert not agrees(summed, [near[0], np.array([3, 5], np.int32)], w)  # integers: always bitwise
-    assert not agrees(summed, [np.array([1.0, 2.5], ml_dtypes.bfloat16), w[1]], w)
+def test_sweep_table_leaves_out_configs_that_disagree(tmp_path):
+    from benchmarks.config_sweep import default_table
     path = tmp_path / "s.json"
     path.write_text(json.dumps({"rows": [{"kernel": "k", "H": 8, "T": 8, "config": "fast", "us": 1.0, "agrees": False},
                                          {"kernel": "k", "H": 8, "T": 8, "config": "ok", "us": 2.0, "agrees": True}]}))
