@@ -53,8 +53,8 @@ _CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BLOCK_H=bh, ROWS=r)
 
 def _block_h_ok(dims, params, config) -> str | None:
     bh = config.kw["BLOCK_H"]
-    if not_pow2("BLOCK_H", bh):
-        return not_pow2("BLOCK_H", bh)
+    if why := not_pow2("BLOCK_H", bh):
+        return why
     if bh > 2 * next_pow2(max(dims["H"], 16)):
         return f"BLOCK_H={bh} is over twice the row width H={dims['H']} (all-masked lanes)"
     return tile_too_large(config.kw["ROWS"], bh)
