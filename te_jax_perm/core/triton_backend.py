@@ -112,10 +112,10 @@ class CompileSpec:
         kernel (``.asm``, ``.metadata``)."""
         import triton
         from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-
         if self.is_gluon:
             from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+        else:
+            from triton.compiler import ASTSource
         source = ASTSource(fn=self.kernel, signature=dict(self.signature), constexprs=dict(self.constexprs),
                            attrs=self.attrs)
         with env.triton_line_info_off():
