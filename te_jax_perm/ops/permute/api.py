@@ -43,7 +43,7 @@ from te_jax_perm.ops import _checks
 from te_jax_perm.ops._bits import from_bits, to_bits
 from te_jax_perm.ops.permute import decl as D
 from te_jax_perm.ops.row_id_map.api import dispatch_map
-from te_jax_perm.ops.row_id_map.reference import kept_of, pad_offsets_of, padded_counts_of, routed
+from te_jax_perm.ops.row_id_map.reference import kept_of, pad_offsets_of, padded_counts_of, padded_extent, routed
 from te_jax_perm.ops.token_split import shard_count, split_over_tokens
 
 
@@ -294,14 +294,17 @@ def dispatch_rows(num_out_tokens: int, num_experts: int, align_size: int | None)
     """``(align_size, rows)``: the checked static ``align_size`` (``None`` unpadded) and the
     rows of the dispatch buffer (:func:`padded_rows` when padded); raises, naming both
     arguments, when the rows would not have int32 indices."""
-    if align_size is not None:
-        align_size = _checks.check_static_int("align_size", align_size, 1)
-    rows = num_out_tokens if align_size is None else padded_rows(num_out_tokens, num_experts, align_size)
-    if rows > _checks.INT32_MAX:
+    if align_size is None:
+        return None, num_out_tokens
+    align_size = _checks.check_static_int("align_size", align_size, 1)
+    # The padded layout before padded_rows rounds it down: the rows the map's int32
+    # arithmetic reaches, which the buffer's row count alone can understate.
+    extent = padded_extent(num_out_tokens, num_experts, align_size)
+    if extent > _checks.INT32_MAX:
         raise ValueError(f"align_size = {align_size} with num_out_tokens = {num_out_tokens} and E = {num_experts} "
-                         f"makes a padded output of {rows} rows; expected at most 2**31 - 1 rows (row indices are "
-                         "int32): choose a smaller align_size")
-    return align_size, rows
+                         f"pads up to {extent} rows; expected at most 2**31 - 1 rows (row indices are int32): choose "
+                         "a smaller align_size")
+    return align_size, padded_rows(num_out_tokens, num_experts, align_size)
 
 
 def local_budget(num_out_tokens: int, shards: int, rows: int, num_experts: int, align_size: int | None) -> int:
@@ -452,7 +455,8 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
         float16 or float32.
       align_size: optional static int; pads each expert's rows with zero rows up to a
         multiple of it. The output then has ``((num_out_tokens + E*(align_size-1)) //
-        align_size) * align_size`` rows, which must stay below ``2**31`` (int32 row indices).
+        align_size) * align_size`` rows; ``num_out_tokens + E*(align_size-1)``, the rows
+        before that rounding, must stay below ``2**31`` (int32 row indices).
       backend: ``"triton"``, ``"interpret"``, ``"xla"`` or ``None`` (default).
 
     Returns:

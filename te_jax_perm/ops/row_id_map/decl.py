@@ -14,7 +14,7 @@ from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels import row_id_map as K
 from te_jax_perm.ops._checks import INT32_MAX
 from te_jax_perm.ops.row_id_map import reference as R
-from te_jax_perm.ops.row_id_map.reference import block_sums, check_entry_ids, num_blocks, routed
+from te_jax_perm.ops.row_id_map.reference import block_sums, check_entry_ids, num_blocks, padded_extent, routed
 from te_jax_perm.ops.tiling import expert_lanes, pow2_at_most
 
 # How the map is built, by token and expert count: one launch or two, tokens per block,
@@ -104,10 +104,10 @@ def _dispatch_params_check(dims, params) -> None:
         _fill_params_check(dims, params)
     check_entry_ids("routing_map", dims["T"], dims["E"])
     # Padded rows are int32 too.
-    align, rows = params["align"], params["drop_at"] + dims["E"] * (params["align"] - 1) + params["align"]
-    if align < 1 or rows > INT32_MAX:
+    align = params["align"]
+    if align < 1 or padded_extent(params["drop_at"], dims["E"], align) > INT32_MAX:
         raise ValueError(f"align_size = {align} with a budget of {params['drop_at']} rows and E = {dims['E']}: "
-                         f"expected align_size >= 1 and padded rows below 2**31 - 1")
+                         f"expected align_size >= 1 and at most 2**31 - 1 padded rows")
 
 
 def _plan_warps(dims, params) -> Config:

@@ -116,6 +116,13 @@ def check_entry_ids(what: str, tokens: int, experts: int) -> None:
                          f"at most {MAX_ENTRIES} are supported")
 
 
+def padded_extent(drop_at: int, num_experts: int, align: int) -> int:
+    """The most rows a dispatch map with row budget ``drop_at`` can address once each of
+    ``num_experts`` experts' kept rows is padded up to a multiple of ``align`` (at most
+    ``align - 1`` rows each): the largest value its int32 row arithmetic reaches."""
+    return drop_at + num_experts * (align - 1)
+
+
 def row_owner_reference(rid, pad, *, num_out_rows, padded):
     """Kernel ``row_owner``: per output row, ``t*E + j + 1`` of the highest map entry
     (token ``t``, column ``j``) addressing it, 0 where none does."""
@@ -123,10 +130,11 @@ def row_owner_reference(rid, pad, *, num_out_rows, padded):
     dest, _, valid = dests(rid, pad, padded)
     valid = valid & (dest < num_out_rows)
     ids = (jnp.arange(t, dtype=jnp.int32)[:, None] * e + jnp.arange(e, dtype=jnp.int32)[None, :] + 1)
-    # Entries without a row go to the extra slot n, sliced off.
+    # Entries without a row are sent to row num_out_rows, past the table, and dropped there:
+    # an extra slot would need num_out_rows + 1 as an int32 index, past int32 at 2**31 - 1 rows.
     safe = jnp.where(valid, dest, num_out_rows).ravel()
-    owner = jnp.zeros((num_out_rows + 1,), jnp.int32).at[safe].max(jnp.where(valid, ids, 0).ravel())
-    return (owner[:num_out_rows],)
+    owner = jnp.zeros((num_out_rows,), jnp.int32).at[safe].max(jnp.where(valid, ids, 0).ravel(), mode="drop")
+    return (owner,)
 
 
 def dispatch_extras(rid, kept, *, align, num_out_rows):
