@@ -277,6 +277,31 @@ def test_layouts_the_layer_cannot_split_are_named_before_shard_map():
 
 
 @multidevice
+def test_arguments_the_layer_cannot_take_are_named():
+    """Arrays come as the ops take them (lists too); what is not one, a cfg that is not an
+    EPConfig, and sizes past int32 row indices raise naming the argument, not JAX's or
+    Python's error about an attribute or an overflow."""
+    x, rm, probs, w1, w2 = _problem(EP, T, 16, 2, "uniform", 0)
+    mesh = Mesh(np.array(jax.devices()[:EP]), ("ep",))
+    cfg = EPConfig(a2a="dense")
+    want = ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=cfg)
+    got = ep_moe_layer(np.asarray(x).tolist(), rm, np.asarray(probs).tolist(), w1, w2, mesh=mesh, cfg=cfg)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for args, message in [((x, rm, None, w1, w2, cfg), "probs is NoneType None; expected an array"),
+                          ((x, rm, probs, None, w2, cfg), "w_in is NoneType None; expected an array"),
+                          ((x, rm, probs, w1, w2, None), "cfg is NoneType None; expected a te_jax_perm.parallel.EPConfig"),
+                          ((x, rm, probs, w1, w2, {"a2a": "dense"}), "cfg is dict")]:
+        with pytest.raises(TypeError, match=message):
+            ep_moe_layer(*args[:5], mesh=mesh, cfg=args[5])
+    for field, message in [("capacity", r"EPConfig.capacity = 1099511627776 makes a receive buffer of ep \* capacity = "
+                                        r"8 \* 1099511627776 = 8796093022208 rows per device; expected at most 2\*\*31 - 1"),
+                           ("num_out_tokens", r"EPConfig.num_out_tokens = 1099511627776 makes 1099511627776 dispatch rows "
+                                              r"per device; expected at most 2\*\*31 - 1")]:
+        with pytest.raises(ValueError, match=message):
+            ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=EPConfig(a2a="dense", **{field: 2**40}))
+
+
+@multidevice
 def test_auto_falls_back_to_dense_where_ragged_is_unsupported():
     devs = tuple(jax.devices()[:EP])
     assert jax.default_backend() == "cpu"

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from te_jax_perm.ops import _checks
 from te_jax_perm.ops.chunk_sort.api import sort_chunks_by_index, sort_chunks_by_map
 from te_jax_perm.core import BACKENDS as OP_BACKENDS, check_backend_name
 from te_jax_perm.ops.grouped_gemm.api import BACKENDS as GEMM_BACKENDS, grouped_matmul
@@ -189,6 +190,10 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
       and ``w_out`` (the weights' gradients summed over the data axes, reduce-scattered
       over the FSDP axes).
     """
+    if not isinstance(cfg, EPConfig):
+        raise TypeError(f"cfg is {type(cfg).__name__} {cfg!r:.60}; expected a te_jax_perm.parallel.EPConfig")
+    x, probs, w_in, w_out = (_checks.array(name, a) for name, a in
+                             (("x", x), ("probs", probs), ("w_in", w_in), ("w_out", w_out)))
     routing_map = checked_routing_map(routing_map)   # inside shard_map its values are traced
     data_axes, fsdp = _check_layout(x, routing_map, probs, w_in, w_out, mesh, cfg)
     tokens = P((*data_axes, cfg.axis))
@@ -259,6 +264,15 @@ def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
     if e % ep:
         raise ValueError(f"routing_map has E = {e} experts, which the ep = {ep} ranks of mesh axis {cfg.axis!r} "
                          "cannot split evenly; expected E divisible by ep")
+    # Each device's dispatch rows and its receive buffer of ep * capacity rows have int32
+    # row indices, like every buffer the ops move rows in.
+    n, cap = cfg.sizes(x.shape[0] // shards, e, e // ep)
+    if n > _checks.INT32_MAX:
+        raise ValueError(f"EPConfig.num_out_tokens = {cfg.num_out_tokens!r} makes {n} dispatch rows per device; "
+                         "expected at most 2**31 - 1 (row indices are int32)")
+    if ep * cap > _checks.INT32_MAX:
+        raise ValueError(f"EPConfig.capacity = {cfg.capacity!r} makes a receive buffer of ep * capacity = {ep} * {cap} "
+                         f"= {ep * cap} rows per device; expected at most 2**31 - 1 (row indices are int32)")
     if cfg.a2a == "ragged" and not ragged_all_to_all_supported(tuple(mesh.devices.flat)):
         raise ValueError(f"EPConfig.a2a = 'ragged', but ragged_all_to_all does not run on these "
                          f"{mesh.devices.flat[0].platform} devices; use a2a='auto' (ragged where it runs) or 'dense'")
