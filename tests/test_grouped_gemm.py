@@ -338,6 +338,22 @@ def test_interpret_and_xla_give_the_same_values_and_gradients(on_cpu, lhs_dtype,
     assert not np.asarray(ours[0], np.float32)[33:].any() and not np.asarray(ours[1], np.float32)[33:].any()
 
 
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_a_64_bit_result_type_is_taken_as_jnp_dot_takes_it(backend):
+    """Without jax_enable_x64, preferred_element_type=float64 gives float32 on every backend,
+    called eagerly or under jit, as jnp.dot gives it (called eagerly, XLA's ragged dot failed
+    to lower, its 32-bit result typed 64-bit)."""
+    if jax.config.jax_enable_x64:
+        pytest.skip("64-bit types are on")
+    lhs, rhs, gs, _ = _problem(12, 16, 8, [5, 0, 4], "float32", tail=0.0)
+    f = lambda a, b: grouped_matmul(a, b, gs, preferred_element_type=jnp.float64, backend=backend)  # noqa: E731
+    with_grads = lambda a, b: (f(a, b), *jax.grad(lambda a, b: f(a, b).sum(), (0, 1))(a, b))  # noqa: E731
+    want = grouped_matmul(lhs, rhs, gs, backend=backend)
+    for results in (with_grads(lhs, rhs), jax.jit(with_grads)(lhs, rhs)):
+        assert [r.dtype for r in results] == [jnp.float32] * 3
+        np.testing.assert_array_equal(np.asarray(results[0]), np.asarray(want))
+
+
 @pytest.mark.parametrize("out_dtype", ["float32", "float16", "float8_e4m3fn"])
 def test_result_dtype_is_rounded_once_from_the_accumulator(kernel_backend, out_dtype):
     """bf16 operands with ``preferred_element_type`` float32: our kernels store the float32

@@ -173,9 +173,12 @@ def _operands(lhs: Any, rhs: Any, group_sizes: Any) -> tuple[jax.Array, jax.Arra
 
 
 def _out_dtype(preferred_element_type: Any) -> jnp.dtype:
-    """``preferred_element_type`` as a dtype, or an error naming it (NumPy's names nothing)."""
+    """``preferred_element_type`` as a dtype JAX computes in (64-bit ones are 32-bit unless
+    ``jax_enable_x64`` is on, as ``jnp.dot`` takes them: XLA's ragged dot would otherwise
+    fail to lower on a 64-bit result it computed in 32 bits), or an error naming it (NumPy's
+    names nothing)."""
     try:
-        return jnp.dtype(preferred_element_type)
+        return jax.dtypes.canonicalize_dtype(jnp.dtype(preferred_element_type))
     except TypeError as e:
         raise TypeError(f"preferred_element_type={preferred_element_type!r} is not a dtype ({e}); expected e.g. "
                         "jnp.float32 or None") from e
