@@ -175,13 +175,15 @@ def test_no_module_imports_another_modules_private_names():
 
 
 def test_private_import_check_sees_one():
-    src = "from te_jax_perm.ops import _checks\nfrom te_jax_perm.ops.permute.api import _helper, segments\n"
+    src = ("from te_jax_perm import _checks\nfrom te_jax_perm.ops.permute.api import _helper, segments\n"
+           "from te_jax_perm.ops import _bits\n")
     assert list(_private_imports("te_jax_perm/ops/permute/api.py", src)) == [
         "te_jax_perm/ops/permute/api.py:2 from te_jax_perm.ops.permute.api import _helper"]
-    assert list(_private_imports("te_jax_perm/ops/routing.py", src)) == [
-        "te_jax_perm/ops/routing.py:2 from te_jax_perm.ops.permute.api import _helper"]
+    # The package's private modules are its own modules' business, a subpackage's are not a sibling's.
+    assert list(_private_imports("te_jax_perm/parallel/ep_moe.py", src)) == [
+        "te_jax_perm/parallel/ep_moe.py:2 from te_jax_perm.ops.permute.api import _helper",
+        "te_jax_perm/parallel/ep_moe.py:3 from te_jax_perm.ops import _bits"]
     assert list(_private_imports("benchmarks/peer.py", src))[0].endswith("import _checks")
-    assert list(_private_imports("te_jax_perm/core/launch.py", src))[0].endswith("import _checks")
 
 
 def _environment_reads(tree):

@@ -338,7 +338,6 @@ def test_interpret_and_xla_give_the_same_values_and_gradients(on_cpu, lhs_dtype,
     assert not np.asarray(ours[0], np.float32)[33:].any() and not np.asarray(ours[1], np.float32)[33:].any()
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
 def test_a_64_bit_result_type_is_taken_as_jnp_dot_takes_it(backend):
     """Without jax_enable_x64, preferred_element_type=float64 gives float32 on every backend,
     called eagerly or under jit, as jnp.dot gives it (called eagerly, XLA's ragged dot failed

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from te_jax_perm.ops import _checks
+from te_jax_perm import _checks
 
 
 def topk_to_routing_map(indices: jax.Array, num_experts: int) -> jax.Array:

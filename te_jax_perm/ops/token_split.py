@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from te_jax_perm.core import errors
 from te_jax_perm.core.manual_axes import vary_like
 from te_jax_perm.core.sharding import spec_axes
-from te_jax_perm.ops._checks import first_order
+from te_jax_perm._checks import first_order
 
 SPLIT = ("T", "R")
 LOCAL = "H"

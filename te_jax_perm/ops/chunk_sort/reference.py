@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_jax_perm.kernels import chunk_sort as K
-from te_jax_perm.ops import _checks
+from te_jax_perm import _checks
 
 
 def sort_chunks_reference(inp: jax.Array, split_sizes: jax.Array, sorted_indices: jax.Array,

@@ -48,7 +48,7 @@ from te_jax_perm.core import BACKENDS as OP_BACKENDS
 from te_jax_perm.core import check_backend_name, env, resolve_backend
 from te_jax_perm.core.launch import bind_dims
 from te_jax_perm.core.manual_axes import like_primal
-from te_jax_perm.ops import _checks
+from te_jax_perm import _checks
 from te_jax_perm.ops.grouped_gemm import decl as D
 from te_jax_perm.ops.grouped_gemm import reference as R
 from te_jax_perm.ops.grouped_gemm.reference import RaggedDot

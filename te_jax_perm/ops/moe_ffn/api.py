@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.core.manual_axes import like_primal
-from te_jax_perm.ops import _checks
+from te_jax_perm import _checks
 from te_jax_perm.ops.grouped_gemm.api import KERNEL_DTYPES, gemms
 from te_jax_perm.ops.grouped_gemm.decl import on_hopper
 from te_jax_perm.ops.moe_ffn import decl as D

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax_perm.ops import _checks
+from te_jax_perm import _checks
 from te_jax_perm.ops.grouped_gemm.reference import clamped_group_sizes, grouped_gemm_reference
 
 # name -> (function of the first GEMM's float32 output, whether w_in holds gate and up side

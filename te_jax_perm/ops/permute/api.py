@@ -39,7 +39,7 @@ import numpy as np
 
 from te_jax_perm.core import resolve_backend
 from te_jax_perm.core.manual_axes import like_primal, witness
-from te_jax_perm.ops import _checks
+from te_jax_perm import _checks
 from te_jax_perm.ops._bits import from_bits, to_bits
 from te_jax_perm.ops.permute import decl as D
 from te_jax_perm.ops.row_id_map.api import dispatch_map

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from te_jax_perm.ops import _checks
+from te_jax_perm import _checks
 from te_jax_perm.ops.row_id_map.decl import (dispatch_map_fill, dispatch_map_fused, map_plan, row_id_map_block_counts,
                                              row_id_map_fill, row_id_map_fused)
 from te_jax_perm.ops.row_id_map.reference import dispatch_map_fused_reference, drop_threshold, num_blocks

@@ -12,7 +12,7 @@ import numpy as np
 
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare
 from te_jax_perm.kernels import row_id_map as K
-from te_jax_perm.ops._checks import INT32_MAX
+from te_jax_perm._checks import INT32_MAX
 from te_jax_perm.ops.row_id_map import reference as R
 from te_jax_perm.ops.row_id_map.reference import block_sums, check_entry_ids, num_blocks, padded_extent, routed
 from te_jax_perm.ops.tiling import expert_lanes, pow2_at_most

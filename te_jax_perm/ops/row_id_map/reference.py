@@ -10,7 +10,7 @@ from types import ModuleType
 
 import jax.numpy as jnp
 
-from te_jax_perm.ops import _checks
+from te_jax_perm import _checks
 
 NO_DROP = 2**31 - 1  # drop threshold meaning "keep every routed row"
 
