@@ -1,7 +1,7 @@
 """Every op against TransformerEngine's Triton permutation kernels, in one process, on one GPU.
 
     python3 -m benchmarks.peer --out DIR [--shapes Mixtral,Qwen3] [--calls 10]
-    python3 -m benchmarks.peer --summary DIR/peer.json   # rewrite the TARGET lines only
+    python3 -m benchmarks.peer --summary DIR/peer.json   # rewrite the TARGET lines and the chart
 
 TransformerEngine's PyTorch wrappers (``transformer_engine.pytorch.triton.permutation``,
 which need only torch and Triton) run on the same routing problems as our ops (default
@@ -227,20 +227,30 @@ def plot(rows: list[dict], path: str) -> None:
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     impls = [i for i in ("ours", "te", "xla") if any(r["impl"] == i for r in rows)]
     fig, axes = plt.subplots(len(OPS), 1, figsize=(max(8, 1.3 * len(shapes)), 2.6 * len(OPS)), sharex=True)
-    by = {(r["shape"], r["op"], r["impl"]): r["pct_copy"] for r in rows}
+    by = {(r["shape"], r["op"], r["impl"]): r for r in rows}
+
+    def pct(s, op, impl, time_key):
+        """% of the copy's rate at this row's kernel or wall time (the copy timed by kernels)."""
+        r = by.get((s, op, impl))
+        return np.nan if r is None or r.get(time_key) is None else r["pct_copy"] * r["kernel_us"] / r[time_key]
+
     width = 0.8 / len(impls)
     for ax, op in zip(axes, OPS):
         for j, impl in enumerate(impls):
-            vals = [by.get((s, op, impl), np.nan) for s in shapes]
-            ax.bar(np.arange(len(shapes)) + j * width, vals, width, label=impl)
+            x = np.arange(len(shapes)) + j * width
+            ax.bar(x, [pct(s, op, impl, "kernel_us") for s in shapes], width, label=impl)
+            # A lone call's rate, host dispatch included: a tick on the bar where measured.
+            ax.scatter(x, [pct(s, op, impl, "wall_us") for s in shapes], marker="_", s=60, color="black",
+                       label="wall time" if (op, j) == (OPS[0], 0) else None, zorder=3)
         ax.set_ylabel("% of copy")
         ax.set_title(op, fontsize=9)
         ax.axhline(100, color="gray", lw=0.5)
     axes[0].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     axes[-1].set_xticks(np.arange(len(shapes)) + 0.4 - width / 2)
     axes[-1].set_xticklabels([s.replace("/", "\n", 1) for s in shapes], fontsize=7)
-    fig.suptitle("bytes moved per second over a device copy (higher is better)")
-    fig.tight_layout()
+    fig.suptitle("bytes moved per second over a device copy (higher is better): bars by kernel time, "
+                 "ticks by a lone call's wall time")
+    fig.tight_layout(rect=(0, 0, 1, 0.985))   # room for the title above the first panel's
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -258,13 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="directory for peer.json, peer.png and peer_summary.txt")
     ap.add_argument("--shapes", default="", help="comma-separated substrings of shape names (default: all)")
     ap.add_argument("--calls", type=int, default=10, help="profiled calls per op in each of the three profiles")
-    ap.add_argument("--summary", metavar="PEER_JSON", help="only rewrite the summary (TARGET lines) of a "
+    ap.add_argument("--summary", metavar="PEER_JSON", help="only rewrite the summary (TARGET lines) and the chart of a "
                     "peer.json written earlier, beside it")
     args = ap.parse_args(argv)
     if args.summary:
         with open(args.summary) as f:
             result = json.load(f)
         write_results(args.summary, {**result, "targets": targets(result["rows"])})
+        if result["rows"]:
+            try:
+                plot(result["rows"], args.summary[:-len(".json")] + ".png")
+            except ImportError as e:  # the lines are written; only the chart needs matplotlib
+                print(f"no chart: {e}")
         return 0
     if not args.out:
         ap.error("--out is required to measure")

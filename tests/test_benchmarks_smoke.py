@@ -358,6 +358,8 @@ def test_peer_targets_compare_kernel_times_and_time_per_byte(tmp_path):
     assert peer.main(["--summary", str(path)]) == 0
     assert json.loads(path.read_text())["targets"] == lines
     assert (tmp_path / "peer_summary.txt").read_text() == "\n".join(lines) + "\n"
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "peer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"   # the chart, redrawn beside it
 
 def test_kernel_times_split_by_call_and_their_spread():
     from benchmarks.kernel_timer import KernelTimes
