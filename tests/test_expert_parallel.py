@@ -18,6 +18,7 @@ def test_in_8_device_subprocess():
     run_module_on_8_devices(__file__)
 
 
+import dataclasses  # noqa: E402
 import re  # noqa: E402
 
 import jax  # noqa: E402
@@ -25,7 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS  # noqa: E402
-from te_jax_perm.parallel import EPConfig, ep_moe_layer, reference_moe_layer  # noqa: E402
+from te_jax_perm.parallel import EPConfig, ep_moe_layer, ep_moe_local, reference_moe_layer  # noqa: E402
 from te_jax_perm.parallel import exchange  # noqa: E402
 from te_jax_perm.parallel.a2a_support import ragged_all_to_all_supported, resolve_a2a  # noqa: E402
 from tests.conftest import top_k_routing
@@ -299,6 +300,90 @@ def test_arguments_the_layer_cannot_take_are_named():
                                               r"per device; expected at most 2\*\*31 - 1")]:
         with pytest.raises(ValueError, match=message):
             ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=EPConfig(a2a="dense", **{field: 2**40}))
+
+
+def _local_on(mesh, cfg):
+    """``ep_moe_local`` as a user calls it: inside their own ``shard_map`` over ``"ep"``,
+    tokens and experts split over it."""
+    from jax.sharding import PartitionSpec as P
+    return jax.shard_map(lambda *a: ep_moe_local(*a, cfg=cfg), mesh=mesh, in_specs=(P("ep"),) * 5,
+                         out_specs=P("ep"))
+
+
+def test_ep_moe_local_names_what_it_cannot_take_on_one_device():
+    """ep_moe_local checks its per-device arguments as ep_moe_layer checks its own: here on a
+    one-device mesh, where this device's share is the whole."""
+    cfg = EPConfig(a2a="dense")
+    gated = ACTIVATIONS[cfg.activation][1]
+    x, rm, probs, w1, w2 = _problem(1, T, 4, 2, "uniform", 0, gated=gated)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    want = ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=cfg)
+    np.testing.assert_array_equal(np.asarray(_local_on(mesh, cfg)(x, rm, probs, w1, w2)), np.asarray(want))
+    plain = "gelu" if gated else "silu_glu"     # the other kind of activation than the default's
+    bad = [((x[:, 0], rm, probs, w1, w2), cfg, r"x has shape \(12,\); expected \[T, H\], this device's tokens"),
+           ((x, rm[:, :3], probs, w1, w2), cfg, r"probs has shape \(12, 4\); expected \(12, 3\) \(routing_map's\)"),
+           ((x, rm, probs, w1[:, :8], w2), cfg, r"w_in has shape \(4, 8, \d+\); expected \[E_local=4, H=16, "),
+           ((x, rm, probs, w1, w2[:, :3]), cfg, r"w_out has shape \(4, 3, 16\); expected \[E_local=4, F=8, H=16\]"),
+           ((x, rm, probs, w1, w2), dataclasses.replace(cfg, activation=plain),
+            r"w_out has shape \(4, 8, 16\), which fits w_in \(4, 16, \d+\) as a \w+ activation's weights"),
+           ((x, rm, probs, w1, w2), dataclasses.replace(cfg, activation="swish"),
+            r"EPConfig.activation='swish'; expected one of \('silu_glu'"),
+           ((x, rm, probs, w1, w2), dataclasses.replace(cfg, capacity=-1),
+            r"EPConfig.capacity = -1; expected None or an int >= 0"),
+           ((x, rm, probs, w1, w2), dataclasses.replace(cfg, num_out_tokens=2.5),
+            r"EPConfig.num_out_tokens = 2.5; expected None or an int >= 0"),
+           ((x, rm, probs, w1, w2), dataclasses.replace(cfg, num_out_tokens=2**40),
+            r"EPConfig.num_out_tokens = 1099511627776 makes 1099511627776 dispatch rows per device"),
+           ((x, rm, probs, w1, w2), dataclasses.replace(cfg, backend="cuda"),
+            r"unknown EPConfig.backend='cuda'; expected one of \('triton', 'interpret', 'xla'\) or None"),
+           ((x, rm, probs, w1, w2), dataclasses.replace(cfg, gemm="cublas"), r"unknown EPConfig.gemm='cublas'"),
+           ((x, rm, probs, w1, w2), dataclasses.replace(cfg, a2a="sparse"),
+            r"EPConfig.a2a = 'sparse'; expected 'dense', 'ragged' or 'auto'"),
+           ((x, rm, probs, w1, w2), dataclasses.replace(cfg, a2a="ragged"),
+            "ragged_all_to_all does not run on these cpu devices")]
+    for args, c, message in bad:
+        with pytest.raises(ValueError, match=message):
+            _local_on(mesh, c)(*args)
+    for args, c, message in [((x, rm, jnp.asarray(probs, jnp.int32), w1, w2), cfg,
+                              "probs has dtype int32; expected bfloat16, float16 or float32"),
+                             ((jnp.asarray(x, jnp.int32), rm, probs, w1, w2), cfg,
+                              "x has dtype int32; expected float16, bfloat16 or float32"),
+                             ((x, rm, probs, jnp.asarray(w1, jnp.float8_e4m3fn), w2), cfg,
+                              "w_in has dtype float8_e4m3fn; expected float16, bfloat16 or float32"),
+                             ((x, jnp.asarray(rm, jnp.float32), probs, w1, w2), cfg,
+                              "routing_map has dtype float32; expected bool or an integer dtype"),
+                             ((x, rm, probs, w1, w2), None, "cfg is NoneType None; expected a te_jax_perm.parallel.EPConfig")]:
+        with pytest.raises(TypeError, match=message):
+            _local_on(mesh, c)(*args)
+    with pytest.raises(TypeError, match="probs is NoneType None; expected an array"):
+        ep_moe_local(x, rm, None, w1, w2, cfg=cfg)
+    # Outside shard_map the axis is not bound: named, not JAX's "unbound axis name".
+    with pytest.raises(ValueError, match=r"EPConfig.axis = 'ep' is not a mesh axis bound here; expected a call "
+                                         r"inside jax.shard_map"):
+        ep_moe_local(x, rm, probs, w1, w2, cfg=cfg)
+
+
+@multidevice
+def test_ep_moe_local_checks_each_devices_share_of_the_experts():
+    """On 8 devices: weights given whole where each device takes its E / ep experts, and an
+    E the ranks cannot split, named in ep_moe_local's terms."""
+    from jax.sharding import PartitionSpec as P
+    cfg = EPConfig(a2a="dense")
+    x, rm, probs, w1, w2 = _problem(EP, T, 16, 2, "uniform", 0, gated=ACTIVATIONS[cfg.activation][1])
+    mesh = Mesh(np.array(jax.devices()[:EP]), ("ep",))
+    np.testing.assert_array_equal(np.asarray(_local_on(mesh, cfg)(x, rm, probs, w1, w2)),
+                                  np.asarray(ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=cfg)))
+    whole = jax.shard_map(lambda *a: ep_moe_local(*a, cfg=cfg), mesh=mesh, in_specs=(P("ep"),) * 3 + (P(), P()),
+                          out_specs=P("ep"))
+    with pytest.raises(ValueError, match=r"w_in has shape \(16, 16, \d+\); expected \[E_local=2, H=16, \w+\] "
+                                         r"\(E_local from routing_map's E = 16 over the ep = 8 ranks of mesh axis 'ep'"):
+        whole(x, rm, probs, w1, w2)
+    with pytest.raises(ValueError, match="routing_map has E = 12 experts, which the ep = 8 ranks of mesh axis 'ep' "
+                                         "cannot split evenly"):
+        whole(x, rm[:, :12], probs[:, :12], w1[:12], w2[:12])
+    with pytest.raises(ValueError, match=r"EPConfig.capacity = 1099511627776 makes a receive buffer of ep \* capacity"
+                                         r" = 8 \* 1099511627776"):
+        _local_on(mesh, dataclasses.replace(cfg, capacity=2**40))(x, rm, probs, w1, w2)
 
 
 @multidevice

@@ -109,7 +109,10 @@ def _chunk_order(ep: int, el: int) -> np.ndarray:
 def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array,
                  cfg: EPConfig = EPConfig()) -> jax.Array:
     """The per-device body; call it inside ``shard_map`` over ``cfg.axis`` with this device's
-    experts' weights whole (``ep_moe_layer`` gathers FSDP-split ones first).
+    experts' weights whole (``ep_moe_layer`` gathers FSDP-split ones first). The arguments
+    are checked as ``ep_moe_layer`` checks its own, here as one device's shares; the mesh
+    axes of ``cfg.data_axes`` and ``cfg.fsdp_axes`` are ``ep_moe_layer``'s business and are
+    not read.
 
     Args:
       x: ``[T, H]`` this device's tokens.
@@ -122,17 +125,35 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
 
     Returns:
       ``[T, H]`` in ``x.dtype``.
+
+    Raises:
+      TypeError, ValueError: naming the argument or ``EPConfig`` field that does not fit,
+        before any op of the layer is traced; a ``ValueError`` also where ``cfg.axis`` is not a bound
+        mesh axis (a call outside ``shard_map``).
     """
+    _check_config(cfg)
+    x, probs, w_in, w_out = _checked_arrays(x, probs, w_in, w_out)
+    routing_map = checked_routing_map(routing_map)
+    try:
+        ep = jax.lax.axis_size(cfg.axis)
+    except NameError:
+        raise ValueError(f"ep_moe_local: EPConfig.axis = {cfg.axis!r} is not a mesh axis bound here; expected a "
+                         f"call inside jax.shard_map over a mesh with that axis (or call ep_moe_layer, which "
+                         f"runs the shard_map)") from None
+    _check_shapes(x, routing_map, probs, w_in, w_out, cfg, ep)
+    devices = tuple(jax.devices()[:ep])   # those resolve_a2a probes: inside shard_map the mesh's are not known
+    _check_ragged(cfg, devices)
+    return _local(x, routing_map, probs, w_in, w_out, dataclasses.replace(cfg, a2a=resolve_a2a(cfg.a2a, devices)))
+
+
+def _local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array,
+           cfg: EPConfig) -> jax.Array:
+    """:func:`ep_moe_local` on checked arguments, with ``cfg.a2a`` resolved to ``"dense"``
+    or ``"ragged"``."""
     ep = jax.lax.axis_size(cfg.axis)
-    t, h = x.shape
-    e = routing_map.shape[1]
-    el = w_in.shape[0]
-    if e != ep * el:
-        raise ValueError(f"ep_moe_local: routing_map has E={e} experts but w_in {tuple(w_in.shape)} holds "
-                         f"E_local={el} on each of {ep} ranks (expected E = ep * E_local = {ep * el})")
+    t, e, el = x.shape[0], routing_map.shape[1], w_in.shape[0]
     n, cap = cfg.sizes(t, e, el)
-    be = cfg.backend
-    mode = resolve_a2a(cfg.a2a, tuple(jax.devices()[:ep]))
+    be, mode = cfg.backend, cfg.a2a
 
     # 1. local dispatch, rows sorted by global expert (rank-major)
     rid, kept = make_row_id_map(routing_map, num_out_tokens=n, backend=be)
@@ -190,10 +211,8 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
       and ``w_out`` (the weights' gradients summed over the data axes, reduce-scattered
       over the FSDP axes).
     """
-    if not isinstance(cfg, EPConfig):
-        raise TypeError(f"cfg is {type(cfg).__name__} {cfg!r:.60}; expected a te_jax_perm.parallel.EPConfig")
-    x, probs, w_in, w_out = (_checks.array(name, a) for name, a in
-                             (("x", x), ("probs", probs), ("w_in", w_in), ("w_out", w_out)))
+    _check_config(cfg)
+    x, probs, w_in, w_out = _checked_arrays(x, probs, w_in, w_out)
     routing_map = checked_routing_map(routing_map)   # inside shard_map its values are traced
     data_axes, fsdp = _check_layout(x, routing_map, probs, w_in, w_out, mesh, cfg)
     tokens = P((*data_axes, cfg.axis))
@@ -205,10 +224,75 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
         if fsdp:   # whole weights for the GEMMs; the gather's transpose reduce-scatters the gradients
             w_in = jax.lax.all_gather(w_in, fsdp, axis=1, tiled=True)
             w_out = jax.lax.all_gather(w_out, fsdp, axis=2, tiled=True)
-        return ep_moe_local(x, routing_map, probs, w_in, w_out, cfg=cfg)
+        return _local(x, routing_map, probs, w_in, w_out, cfg)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(tokens,) * 3 + (P(cfg.axis, split), P(cfg.axis, None, split)),
                          out_specs=tokens)(x, routing_map, probs, w_in, w_out)
+
+
+def _check_config(cfg: EPConfig) -> None:
+    """The :class:`EPConfig` fields that need no mesh, as both layer entries take them
+    (``a2a``'s name is :func:`resolve_a2a`'s to check)."""
+    if not isinstance(cfg, EPConfig):
+        raise TypeError(f"cfg is {type(cfg).__name__} {cfg!r:.60}; expected a te_jax_perm.parallel.EPConfig")
+    for field, names in (("backend", OP_BACKENDS), ("gemm", GEMM_BACKENDS)):
+        if getattr(cfg, field) is not None:
+            check_backend_name(getattr(cfg, field), names, f"EPConfig.{field}", optional=True)
+    check_activation("EPConfig.activation", cfg.activation)
+    for field in ("num_out_tokens", "capacity"):
+        v = getattr(cfg, field)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+            raise ValueError(f"EPConfig.{field} = {v!r}; expected None or an int >= 0")
+
+
+def _checked_arrays(x, probs, w_in, w_out) -> tuple[jax.Array, ...]:
+    """The float arguments as the ops take arrays (lists too); ``None`` raises naming one."""
+    return tuple(_checks.array(name, a) for name, a in (("x", x), ("probs", probs), ("w_in", w_in), ("w_out", w_out)))
+
+
+def _check_shapes(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array,
+                  cfg: EPConfig, ep: int, shards: int | None = None, over: str = "") -> None:
+    """The arrays' shapes and dtypes against each other and ``cfg``, on ``ep`` ranks: the
+    layer's whole arrays (``x``'s rows split into ``shards`` token shards, ``over`` saying
+    into what; the weights holding all ``E`` experts) or, with ``shards=None``, one device's
+    (``x`` its tokens, the weights its ``E / ep`` experts)."""
+    local = shards is None
+    if x.ndim != 2 or (not local and x.shape[0] % shards):
+        raise ValueError(f"x has shape {tuple(x.shape)}; expected " +
+                         ("[T, H], this device's tokens" if local else
+                          f"[tokens, H] with its rows split evenly into {over}"))
+    if routing_map.ndim != 2 or routing_map.shape[0] != x.shape[0]:
+        raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected [{x.shape[0]}, E] (one row "
+                         "per row of x)")
+    e, h = routing_map.shape[1], x.shape[1]
+    if probs.shape != routing_map.shape:
+        raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} (routing_map's)")
+    if e % ep:
+        raise ValueError(f"routing_map has E = {e} experts, which the ep = {ep} ranks of mesh axis {cfg.axis!r} "
+                         "cannot split evenly; expected E divisible by ep")
+    if local:
+        check_expert_weights(w_in, w_out, e // ep, h, cfg.activation, "E_local",
+                             f"routing_map's E = {e} over the ep = {ep} ranks of mesh axis {cfg.axis!r}")
+    else:
+        check_expert_weights(w_in, w_out, e, h, cfg.activation)
+    check_layer_dtypes(x, probs, w_in, w_out)
+    # Each device's dispatch rows and its receive buffer of ep * capacity rows have int32
+    # row indices, like every buffer the ops move rows in.
+    n, cap = cfg.sizes(x.shape[0] // (shards or 1), e, e // ep)
+    if n > _checks.INT32_MAX:
+        raise ValueError(f"EPConfig.num_out_tokens = {cfg.num_out_tokens!r} makes {n} dispatch rows per device; "
+                         "expected at most 2**31 - 1 (row indices are int32)")
+    if ep * cap > _checks.INT32_MAX:
+        raise ValueError(f"EPConfig.capacity = {cfg.capacity!r} makes a receive buffer of ep * capacity = {ep} * {cap} "
+                         f"= {ep * cap} rows per device; expected at most 2**31 - 1 (row indices are int32)")
+
+
+def _check_ragged(cfg: EPConfig, devices: tuple[jax.Device, ...]) -> None:
+    """A ragged exchange asked for on ``devices`` that cannot run one (XLA would say so
+    only when it compiles the program)."""
+    if cfg.a2a == "ragged" and not ragged_all_to_all_supported(devices):
+        raise ValueError(f"EPConfig.a2a = 'ragged', but ragged_all_to_all does not run on these "
+                         f"{devices[0].platform} devices; use a2a='auto' (ragged where it runs) or 'dense'")
 
 
 def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
@@ -219,9 +303,6 @@ def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh is {type(mesh).__name__} {mesh!r}; expected a jax.sharding.Mesh with the axis "
                         f"EPConfig.axis = {cfg.axis!r}")
-    for field, names in (("backend", OP_BACKENDS), ("gemm", GEMM_BACKENDS)):
-        if getattr(cfg, field) is not None:
-            check_backend_name(getattr(cfg, field), names, f"EPConfig.{field}", optional=True)
     if cfg.axis not in mesh.axis_names:
         raise ValueError(f"mesh has axes {tuple(mesh.axis_names)}; EPConfig.axis = {cfg.axis!r} is not one of them")
     axes = {}
@@ -238,42 +319,14 @@ def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
         # gradient: FSDP splits weights over data-parallel axes only.
         raise ValueError(f"EPConfig.fsdp_axes = {cfg.fsdp_axes!r}; expected axes of EPConfig.data_axes = "
                          f"{cfg.data_axes!r} (FSDP splits the weights over axes that split the tokens)")
-    check_activation("EPConfig.activation", cfg.activation)
-    for field in ("num_out_tokens", "capacity"):
-        v = getattr(cfg, field)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
-            raise ValueError(f"EPConfig.{field} = {v!r}; expected None or an int >= 0")
     ep = mesh.shape[cfg.axis]
     shards = ep * int(np.prod([mesh.shape[a] for a in data_axes], dtype=np.int64))
     over = f"{shards} token shards: ep = {ep} (mesh axis {cfg.axis!r})" + (
         f" times the data axes {data_axes}" if data_axes else "")
-    if x.ndim != 2 or x.shape[0] % shards:
-        raise ValueError(f"x has shape {tuple(x.shape)}; expected [tokens, H] with its rows split evenly into {over}")
-    if routing_map.ndim != 2 or routing_map.shape[0] != x.shape[0]:
-        raise ValueError(f"routing_map has shape {tuple(routing_map.shape)}; expected [{x.shape[0]}, E] (one row "
-                         "per row of x)")
-    e, h = routing_map.shape[1], x.shape[1]
-    if probs.shape != routing_map.shape:
-        raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} (routing_map's)")
-    check_expert_weights(w_in, w_out, e, h, cfg.activation)
-    check_layer_dtypes(x, probs, w_in, w_out)
+    _check_shapes(x, routing_map, probs, w_in, w_out, cfg, ep, shards, over)
     pieces = int(np.prod([mesh.shape[a] for a in fsdp], dtype=np.int64))
-    if h % pieces:
-        raise ValueError(f"x has H = {h} columns, which the {pieces} pieces of EPConfig.fsdp_axes = {fsdp} "
+    if x.shape[1] % pieces:
+        raise ValueError(f"x has H = {x.shape[1]} columns, which the {pieces} pieces of EPConfig.fsdp_axes = {fsdp} "
                          "cannot split evenly; expected H divisible by the product of their sizes")
-    if e % ep:
-        raise ValueError(f"routing_map has E = {e} experts, which the ep = {ep} ranks of mesh axis {cfg.axis!r} "
-                         "cannot split evenly; expected E divisible by ep")
-    # Each device's dispatch rows and its receive buffer of ep * capacity rows have int32
-    # row indices, like every buffer the ops move rows in.
-    n, cap = cfg.sizes(x.shape[0] // shards, e, e // ep)
-    if n > _checks.INT32_MAX:
-        raise ValueError(f"EPConfig.num_out_tokens = {cfg.num_out_tokens!r} makes {n} dispatch rows per device; "
-                         "expected at most 2**31 - 1 (row indices are int32)")
-    if ep * cap > _checks.INT32_MAX:
-        raise ValueError(f"EPConfig.capacity = {cfg.capacity!r} makes a receive buffer of ep * capacity = {ep} * {cap} "
-                         f"= {ep * cap} rows per device; expected at most 2**31 - 1 (row indices are int32)")
-    if cfg.a2a == "ragged" and not ragged_all_to_all_supported(tuple(mesh.devices.flat)):
-        raise ValueError(f"EPConfig.a2a = 'ragged', but ragged_all_to_all does not run on these "
-                         f"{mesh.devices.flat[0].platform} devices; use a2a='auto' (ragged where it runs) or 'dense'")
+    _check_ragged(cfg, tuple(mesh.devices.flat))
     return data_axes, fsdp

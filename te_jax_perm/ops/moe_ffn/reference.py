@@ -38,25 +38,29 @@ def check_activation(name: str, activation: Any) -> bool:
     return ACTIVATIONS[activation][1]
 
 
-def check_expert_weights(w_in: Any, w_out: Any, e: int, h: int, activation: str) -> int:
+def check_expert_weights(w_in: Any, w_out: Any, e: int, h: int, activation: str, experts: str = "E",
+                         experts_from: str = "routing_map") -> int:
     """Checks an expert FFN's ``w_in [E, H, F]`` (``[E, H, 2F]`` for a gated ``activation``)
-    and ``w_out [E, F, H]``; returns ``F``."""
+    and ``w_out [E, F, H]``; returns ``F``. ``experts`` names the expert count ``e`` in the
+    messages and ``experts_from`` says where it comes from (a device's share of the experts
+    is not routing_map's count)."""
     gated = ACTIVATIONS[activation][1]
-    want_in = f"[E={e}, H={h}, {'2F' if gated else 'F'}]"
+    want_in = f"[{experts}={e}, H={h}, {'2F' if gated else 'F'}]"
     _checks.check_rank("w_in", w_in, (3,), want_in)
     if tuple(w_in.shape[:2]) != (e, h) or (gated and w_in.shape[2] % 2):
-        raise ValueError(f"w_in has shape {tuple(w_in.shape)}; expected {want_in} (E from routing_map, H from x"
-                         f"{'; gate and up columns side by side, an even count' if gated else ''})")
+        raise ValueError(f"w_in has shape {tuple(w_in.shape)}; expected {want_in} ({experts} from {experts_from}, H "
+                         f"from x{'; gate and up columns side by side, an even count' if gated else ''})")
     f = w_in.shape[2] // 2 if gated else w_in.shape[2]
     other = w_in.shape[2] if gated else w_in.shape[2] // 2   # F under the other reading of w_in
+    want_out = f"[{experts}={e}, F={f}, H={h}]"
     if (getattr(w_out, "ndim", None) == 3 and tuple(w_out.shape) == (e, other, h) and other != f
             and (gated or w_in.shape[2] % 2 == 0)):
         raise ValueError(
             f"w_out has shape {tuple(w_out.shape)}, which fits w_in {tuple(w_in.shape)} as a "
             f"{'plain' if gated else 'gated'} activation's weights, but activation={activation!r} is "
-            f"{'gated' if gated else 'not gated'}: expected w_out [E={e}, F={f}, H={h}]; or choose a "
+            f"{'gated' if gated else 'not gated'}: expected w_out {want_out}; or choose a "
             f"{'plain activation (silu, gelu, relu)' if gated else 'gated activation (silu_glu, gelu_glu)'}")
-    _checks.check_shape("w_out", w_out, (e, f, h), f"[E={e}, F={f}, H={h}] (F from w_in {tuple(w_in.shape)})")
+    _checks.check_shape("w_out", w_out, (e, f, h), f"{want_out} (F from w_in {tuple(w_in.shape)})")
     return f
 
 
