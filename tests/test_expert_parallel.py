@@ -34,7 +34,8 @@ from tests.conftest import top_k_routing
 EP, T, H, F = 8, 12, 16, 8
 
 
-def _problem(n_dev, t, e, k, routing, seed, gated=False):
+def _problem(n_dev, t, e, k, routing, seed, gated=ACTIVATIONS[EPConfig().activation][1]):
+    """Tokens, routing and expert weights; by default weights for the layer's default activation."""
     rng = np.random.default_rng(seed)
     logits = rng.standard_normal((n_dev * t, e))
     if routing == "skewed":      # expert 0 takes every token (half of all routed rows at k=2)
@@ -55,21 +56,24 @@ def _fwd_and_grads(fn, args, ct):
 
 
 def _check(e, k, routing, num_out_tokens, capacity, backend="xla", a2a="dense", seed=0, devices=None,
-           t=T, rtol=1e-5, atol=1e-5, data=(), activation="gelu", fsdp=()):
+           t=T, rtol=1e-5, atol=1e-5, data=(), activation=None, fsdp=()):
     """Compares output and all four gradients with the reference; returns the compiled HLO.
     ``data``: ``(axis, size)`` pairs of data axes, the mesh ``[*sizes, ep]`` copying the
-    group along them; ``fsdp``: the data axes splitting the weights."""
+    group along them; ``fsdp``: the data axes splitting the weights; ``activation``: ``None``
+    tells neither the layer nor the reference, so that both run their defaults."""
     devices = jax.devices()[:EP] if devices is None else devices
     n_dev = len(devices)
     copies = int(np.prod([size for _, size in data]))
     ep = n_dev // copies
     mesh = Mesh(np.array(devices).reshape(*(size for _, size in data), ep), (*(name for name, _ in data), "ep"))
-    x, rm, probs, w_in, w_out = _problem(n_dev, t, e, k, routing, seed, gated=ACTIVATIONS[activation][1])
+    act = {} if activation is None else {"activation": activation}
+    x, rm, probs, w_in, w_out = _problem(n_dev, t, e, k, routing, seed,
+                                         gated=ACTIVATIONS[activation or EPConfig().activation][1])
     cfg = EPConfig(num_out_tokens=num_out_tokens, capacity=capacity, backend=backend, a2a=a2a,
-                   data_axes=tuple(name for name, _ in data), activation=activation, fsdp_axes=fsdp)
+                   data_axes=tuple(name for name, _ in data), fsdp_axes=fsdp, **act)
     layer = lambda x, p, a, b: ep_moe_layer(x, rm, p, a, b, mesh=mesh, cfg=cfg)
     ref = lambda x, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=ep, data=copies, num_out_tokens=num_out_tokens,
-                                                 capacity=capacity, activation=activation)
+                                                 capacity=capacity, **act)
     args = (x, probs, w_in, w_out)
     ct = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(x.shape), jnp.float32)
     # One compile per side: forward and gradients in the same program.
@@ -99,10 +103,11 @@ def test_dropped_rows_follow_the_reference_rule(num_out_tokens, capacity, routin
 
 
 @multidevice
-@pytest.mark.parametrize("activation", ["silu_glu", "gelu_glu", "relu"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_glu", "relu"])
 def test_every_activation_matches_the_reference(activation):
-    # Gated ones read w_in as [E, H, 2F], gate columns first; drops on, so padding rows pass
-    # through the activation too.
+    # Besides the default (silu_glu, every other test's): gated ones read w_in as [E, H, 2F],
+    # gate columns first, plain ones as [E, H, F]; drops on, so padding rows pass through
+    # the activation too.
     _check(8, 2, "skewed", T * 2, 3, seed=4, activation=activation)
 
 
@@ -236,9 +241,9 @@ def test_layouts_the_layer_cannot_split_are_named_before_shard_map():
            ((x, rm, probs[:, :8], w1, w2, mesh, EPConfig()), r"probs has shape \(96, 8\); expected \(96, 16\)"),
            ((x, rm[:, :12], probs[:, :12], w1[:12], w2[:12], mesh, EPConfig()),
             "E = 12 experts, which the ep = 8 ranks of mesh axis 'ep' cannot split evenly"),
-           ((x, rm, probs, w1[:, :, :4], w2, mesh, EPConfig()), r"w_out has shape \(16, 8, 16\); expected \[E=16, F=4"),
-           ((x, rm, probs, w1, w2, mesh, EPConfig(activation="silu_glu")),
-            r"w_out has shape \(16, 8, 16\), which fits w_in \(16, 16, 8\) as a plain activation's weights"),
+           ((x, rm, probs, w1[:, :, :4], w2, mesh, EPConfig()), r"w_out has shape \(16, 8, 16\); expected \[E=16, F=2"),
+           ((x, rm, probs, w1, w2, mesh, EPConfig(activation="gelu")),
+            r"w_out has shape \(16, 8, 16\), which fits w_in \(16, 16, 16\) as a gated activation's weights"),
            ((x, rm, probs, w1, w2, mesh, EPConfig(activation="swish")),
             r"EPConfig.activation='swish'; expected one of \('silu_glu'"),
            ((x, rm, probs, w1, w2, Mesh(np.array(jax.devices()[:EP]), ("data",)), EPConfig()),
@@ -300,6 +305,24 @@ def test_arguments_the_layer_cannot_take_are_named():
                                               r"per device; expected at most 2\*\*31 - 1")]:
         with pytest.raises(ValueError, match=message):
             ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=EPConfig(a2a="dense", **{field: 2**40}))
+
+
+def test_the_layer_defaults_to_moe_ffns_activation_and_takes_its_weights():
+    """One default activation for the one layer, single-device or expert-parallel: weights
+    made for moe_ffn's default go into ep_moe_layer (and its reference) without naming it."""
+    import inspect
+    import te_jax_perm
+    default = inspect.signature(te_jax_perm.moe_ffn).parameters["activation"].default
+    assert EPConfig().activation == default == "silu_glu"
+    assert inspect.signature(reference_moe_layer).parameters["activation"].default == default
+    x, rm, probs, w1, w2 = _problem(1, T, 4, 2, "uniform", 0, gated=True)
+    assert w1.shape == (4, H, 2 * F)
+    want = te_jax_perm.moe_ffn(x, rm, probs, w1, w2, T * 2, backend="xla")
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    got = ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=EPConfig(backend="xla", a2a="dense"))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(reference_moe_layer(x, rm, probs, w1, w2, ep=1)), np.asarray(want),
+                               rtol=1e-5, atol=1e-5)
 
 
 def _local_on(mesh, cfg):

@@ -70,9 +70,9 @@ class EPConfig:
         ``H`` is split (FSDP: ``w_in`` along its dim 1, ``w_out`` along its dim 2); each call
         all-gathers them and reduce-scatters their gradients. ``()``: none.
       activation: the activation between the expert GEMMs, one of ``moe_ffn``'s names:
-        ``"silu_glu"`` (SwiGLU), ``"gelu_glu"`` (both gated: ``w_in`` is ``[E, H, 2F]``,
-        gate columns first), ``"silu"``, ``"gelu"`` (tanh form) or ``"relu"``; computed
-        in float32. The default, ``"gelu"``, is ungated (``moe_ffn``'s is ``"silu_glu"``).
+        ``"silu_glu"`` (SwiGLU, the default, as ``moe_ffn``'s), ``"gelu_glu"`` (both gated:
+        ``w_in`` is ``[E, H, 2F]``, gate columns first), ``"silu"``, ``"gelu"`` (tanh form)
+        or ``"relu"`` (``w_in`` is ``[E, H, F]``); computed in float32.
       backend: the ops backend (``None``: the default).
       a2a: how rows cross devices: ``"dense"`` (``all_to_all`` of capacity-padded chunks),
         ``"ragged"`` (``ragged_all_to_all``, exactly the kept rows; needs backend support)
@@ -87,7 +87,7 @@ class EPConfig:
     axis: str = "ep"
     data_axes: tuple[str, ...] = ()
     fsdp_axes: tuple[str, ...] = ()
-    activation: str = "gelu"
+    activation: str = "silu_glu"
     backend: str | None = None
     a2a: str = "auto"
     gemm: str | None = None

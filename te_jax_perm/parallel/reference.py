@@ -25,12 +25,13 @@ def _kept(routing_map: jax.Array, num_out_tokens: int, capacity: int, ep: int) -
 
 def reference_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array,
                         w_out: jax.Array, *, ep: int, data: int = 1, num_out_tokens: int | None = None,
-                        capacity: int | None = None, activation: str = "gelu") -> jax.Array:
+                        capacity: int | None = None, activation: str = EPConfig.activation) -> jax.Array:
     """What :func:`ep_moe_layer` computes, densely: every expert on every token, masked.
 
     Shapes as for :func:`te_jax_perm.parallel.ep_moe_layer`; ``x`` is split into
     ``data * ep`` equal contiguous shards (``data``: the product of the data axes' sizes)
-    whose drop rules apply separately.
+    whose drop rules apply separately. ``activation`` as ``EPConfig.activation``, with the
+    same default (``"silu_glu"``: ``w_in`` is ``[E, H, 2F]``).
     """
     tt, h = x.shape
     e = routing_map.shape[1]
