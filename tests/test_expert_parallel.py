@@ -473,13 +473,15 @@ single_process = pytest.mark.skipif(MULTI, reason="runs once, in the parent proc
 
 @single_process
 def test_working_set_counts_weights_activations_and_capacity():
-    kw = dict(tokens=4096, hidden=4096, ffn=2048, experts=32, ep=4, num_out_tokens=4096 * 8)
+    kw = dict(tokens=4096, hidden=4096, ffn=2048, experts=32, ep=4, num_out_tokens=4096 * 8, gated=False)
     ws = ep_working_set(**kw, dtype="bfloat16")
     el = 32 // 4
     weights = el * 2 * 4096 * 2048 * 2
     assert ws.parts["expert weights"] == ws.parts["weight gradients"] == weights
-    gated = ep_working_set(**kw, dtype="bfloat16", gated=True)     # w_in [E, H, 2F]
+    gated = ep_working_set(**{**kw, "gated": True}, dtype="bfloat16")     # w_in [E, H, 2F]
     assert gated.parts["expert weights"] == weights * 3 // 2 and gated.parts["transposed weight copy"] == weights
+    # The layer's default activation (SwiGLU) is gated, and so is the estimate's default.
+    assert ep_working_set(**{k: v for k, v in kw.items() if k != "gated"}, dtype="bfloat16") == gated
     assert gated.parts["grouped rows and FFN"] > ws.parts["grouped rows and FFN"]
     split = ep_working_set(**kw, dtype="bfloat16", fsdp=4)        # a quarter kept, whole ones gathered per step
     assert split.parts["expert weights"] == weights // 4 and split.parts["gathered weights"] == weights

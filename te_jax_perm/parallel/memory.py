@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS
 from te_jax_perm.parallel.ep_moe import EPConfig
 
 GIB = 1 << 30
@@ -41,12 +42,14 @@ class WorkingSet:
 
 def ep_working_set(*, tokens: int, hidden: int, ffn: int, experts: int, ep: int,
                    capacity: int | None = None, num_out_tokens: int | None = None, dtype: Any = "bfloat16",
-                   a2a: str = "dense", gated: bool = False, fsdp: int = 1) -> WorkingSet:
+                   a2a: str = "dense", gated: bool = ACTIVATIONS[EPConfig.activation][1],
+                   fsdp: int = 1) -> WorkingSet:
     """Per-device bytes of one fwd+bwd step of ``ep_moe_layer`` (``tokens`` per device).
 
     ``capacity`` and ``num_out_tokens`` as in :class:`te_jax_perm.parallel.EPConfig`
     (``None``: their defaults, ``T * E`` kept rows and the worst-case capacity); ``gated``:
-    a gated activation, whose first weight and GEMM output are twice as wide (``2F``);
+    a gated activation, whose first weight and GEMM output are twice as wide (``2F``), by
+    default as ``EPConfig.activation``'s default is (SwiGLU);
     ``fsdp``: the pieces ``EPConfig.fsdp_axes`` split each weight into (the step holds a
     piece, the gathered weights and their whole gradients before the reduce-scatter).
 
