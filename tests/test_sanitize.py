@@ -76,7 +76,7 @@ def test_overrun_into_a_neighbouring_buffer_is_charged_to_its_source():
     args = {"src_ptr": HostPointer(src), "idx_ptr": HostPointer(idx), "H": H,
             "out_prealloc_ptr": HostPointer(out), "out_ptr": HostPointer(out)}
     with sanitize() as r:
-        launch_interpreted(pk.gather_rows_kernel, (len(idx),), args, {"BLOCK_H": 8, "OFF_BY_ONE": True},
+        launch_interpreted(pk.gather_rows_kernel, (len(idx), 1, 1), args, {"BLOCK_H": 8, "OFF_BY_ONE": True},
                            name="adjacent", buffers=bufs)
     assert ("src", (0, 0, 0), "load", (N * H, N * H + 1)) in {
         (h.buffer, h.programs[0], h.access, h.elements) for h in r.of_kind(OOB)}, r.text()
@@ -99,7 +99,7 @@ def test_tensor_offset_overrun_into_a_neighbour_is_charged_to_its_base_pointer(f
     constexprs = {"BLOCK": 8, "FORM": form, "LOAD_OVER": over if access == "load" else 0,
                   "STORE_OVER": over if access == "store" else 0}
     with sanitize() as r:
-        launch_interpreted(pk.overrun_copy_kernel, (2,), args, constexprs, name="adjacent_overrun", buffers=bufs)
+        launch_interpreted(pk.overrun_copy_kernel, (2, 1, 1), args, constexprs, name="adjacent_overrun", buffers=bufs)
     got = [(h.kind, h.buffer, h.programs, h.access, h.elements, h.count) for h in r.hazards]
     want = ("src" if access == "load" else "out")
     assert got == [(OOB, want, ((1, 0, 0),), access, (N, N + over), over)], r.text()
@@ -207,7 +207,7 @@ def test_row_permutation_run_with_input_aliased_to_output():
     args = {"x_ptr": HostPointer(buf), "dst_ptr": HostPointer(dst), "H": H,
             "out_prealloc_ptr": HostPointer(buf), "out_ptr": HostPointer(buf)}
     with sanitize() as r:
-        launch_interpreted(pk.scatter_rows_kernel, (T,), args, {"BLOCK_H": 4}, name="aliased_scatter",
+        launch_interpreted(pk.scatter_rows_kernel, (T, 1, 1), args, {"BLOCK_H": 4}, name="aliased_scatter",
                            buffers=bufs)
     rw = r.of_kind(READ_WRITE)
     assert {(h.buffer, h.programs) for h in rw} == {

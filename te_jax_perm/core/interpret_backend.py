@@ -56,18 +56,16 @@ class HostPointer:
 _launch_lock = threading.RLock()
 
 
-def launch_interpreted(kernel: Any, grid: Sequence[int], args: Mapping[str, Any],
+def launch_interpreted(kernel: Any, grid3: tuple[int, int, int], args: Mapping[str, Any],
                        constexprs: Mapping[str, Any], *, name: str,
                        buffers: Sequence[BufferInfo] = ()) -> None:
-    """Runs ``kernel`` (a ``@triton.jit`` function) over ``grid`` with the interpreter;
-    ``args`` maps its parameter names to :class:`HostPointer` or Python scalars."""
+    """Runs ``kernel`` (a ``@triton.jit`` function) over ``grid3`` (a :class:`Launch`'s, or
+    a test's for a kernel with no declaration) with the interpreter; ``args`` maps its
+    parameter names to :class:`HostPointer` or Python scalars."""
     from triton.runtime import interpreter as interp  # lazy: keep import cost off xla-only use
 
     install_numerics()   # the GPU's rounding, not the interpreter's
     _skip_dropped_overflow_checks(interp)
-    grid3 = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
-    if any(g == 0 for g in grid3):
-        return
     with _launch_lock:
         observers = hooks.launch_observers()
         for ob in observers:
@@ -154,11 +152,13 @@ def _call_nested(jit_fn: Any, *args: Any, **kwargs: Any) -> Any:
 def run_launch(launch: Launch, operands: Sequence[np.ndarray], preallocs: Sequence[np.ndarray],
                outputs: Sequence[np.ndarray]) -> None:
     """Runs ``launch`` on host buffers (outputs may be the preallocs themselves)."""
+    if launch.empty:
+        return   # as on the GPU: no program runs, the preallocated buffers are the result
     args = kernel_arguments(launch, operands, preallocs, outputs)
     infos = [BufferInfo(a.source, "input" if a.role == OPERAND else a.role, a.value.ctypes.data, a.value.nbytes,
                         a.value.dtype, tuple(a.value.shape)) for a in args if a.is_pointer]
     values = {a.name: HostPointer(a.value) if a.is_pointer else a.value for a in args}
-    launch_interpreted(launch.decl.kernel, launch.grid, values, launch.constexprs, name=launch.decl.name,
+    launch_interpreted(launch.decl.kernel, launch.grid3, values, launch.constexprs, name=launch.decl.name,
                        buffers=infos)
 
 
