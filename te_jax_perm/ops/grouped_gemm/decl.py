@@ -49,6 +49,16 @@ def mm_fits(dims, params, config: Config) -> str | None:
     return _smem_problem(kw["BM"] * kw["BK"] + kw["BK"] * kw["BN"], config.num_stages, params["elem_bytes"])
 
 
+# The TMA path's constants, at the values of a config that leaves them unset (the pointer
+# configs: MM_CONFIGS, shared with moe_ffn, and WGRAD_CONFIGS).
+_TMA_UNSET = {"TMA": False, "PROGRAMS": 0, "SPLIT_STORE": False}
+
+
+def _tma_kw(config: Config, keys: tuple[str, ...] = tuple(_TMA_UNSET)) -> dict:
+    """``config``'s TMA-path constants named in ``keys``, unset ones at :data:`_TMA_UNSET`'s values."""
+    return {k: config.kw.get(k, _TMA_UNSET[k]) for k in keys}
+
+
 def _tma_problem(config: Config, eb: int, rows: dict, stage_elems: int, out_elems: int,
                  out_eb: int | None = None) -> str | None:
     """What keeps a config off the TMA path, or ``None``: ``PROGRAMS`` or ``SPLIT_STORE``
@@ -57,11 +67,11 @@ def _tma_problem(config: Config, eb: int, rows: dict, stage_elems: int, out_elem
     its pipeline stages (``stage_elems`` operand elements of ``eb`` bytes each) plus the
     output tile it stores from (``out_elems`` of ``out_eb`` bytes, the operands' width by
     default) past shared memory."""
-    kw = config.kw
-    if not kw.get("TMA", False):
-        given = [k for k in ("PROGRAMS", "SPLIT_STORE") if kw.get(k)]
+    tma = _tma_kw(config)
+    if not tma["TMA"]:
+        given = [k for k in ("PROGRAMS", "SPLIT_STORE") if tma[k]]
         return f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set only by TMA configs" if given else None
-    if kw.get("PROGRAMS", 0) < 1:
+    if tma["PROGRAMS"] < 1:
         return "a TMA config needs PROGRAMS >= 1 (its persistent program count)"
     out_eb = eb if out_eb is None else out_eb
     for name, n in rows.items():
@@ -83,7 +93,7 @@ def tma_fits(dims, params, config: Config) -> str | None:
     kw = config.kw
     return _tma_problem(config, params["elem_bytes"], {"C": dims["C"], "D": dims["D"], "BK": kw["BK"], "BN": kw["BN"]},
                         kw["BM"] * kw["BK"] + kw["BK"] * kw["BN"],
-                        kw["BM"] * kw["BN"] // (2 if kw.get("SPLIT_STORE", False) else 1),
+                        kw["BM"] * kw["BN"] // (2 if _tma_kw(config)["SPLIT_STORE"] else 1),
                         np.dtype(params["out_dtype"]).itemsize)
 
 
@@ -94,7 +104,7 @@ def wgrad_fits(dims, params, config: Config) -> str | None:
     kw = config.kw
     problem = _tma_problem(config, params["elem_bytes"], {"K": dims["K"], "N": dims["N"], "BK": kw["BK"], "BN": kw["BN"]},
                            kw["BR"] * (kw["BK"] + kw["BN"]), kw["BK"] * kw["BN"])
-    if problem or kw.get("TMA", False):
+    if problem or _tma_kw(config)["TMA"]:
         return problem
     return _smem_problem(kw["BR"] * (kw["BK"] + kw["BN"]), config.num_stages, params["elem_bytes"])
 
@@ -157,14 +167,15 @@ def mm_grid(dims, params, config: Config) -> tuple[int]:
 def gemm_grid(dims, params, config: Config) -> tuple[int]:
     """Programs of the grouped GEMM: ``mm_grid``'s one per tile, or a TMA config's
     ``PROGRAMS`` (the kernel strides over the tiles by that count)."""
-    return (config.kw["PROGRAMS"],) if config.kw.get("TMA", False) else mm_grid(dims, params, config)
+    tma = _tma_kw(config)
+    return (tma["PROGRAMS"],) if tma["TMA"] else mm_grid(dims, params, config)
 
 
 def wgrad_grid(dims, params, config: Config) -> tuple[int]:
     """Programs of a weight gradient ``[G, K, N]``: one per [BK, BN] block of each group, or
     a TMA config's ``PROGRAMS`` (the kernel strides over the blocks by that count)."""
-    if config.kw.get("TMA", False):
-        return (config.kw["PROGRAMS"],)
+    if (tma := _tma_kw(config))["TMA"]:
+        return (tma["PROGRAMS"],)
     return (dims["G"] * triton.cdiv(dims["K"], config.kw["BK"]) * triton.cdiv(dims["N"], config.kw["BN"]),)
 
 
@@ -239,13 +250,9 @@ def _mm_decl(name: str, trans_rhs: bool) -> KernelDecl:
         reference=lambda lhs, rhs, group_sizes, elem_bytes, out_dtype: (
             reference(lhs, rhs, group_sizes, out_dtype=out_dtype),),
         grid=gemm_grid,
-        # Configs without TMA (the default's, MM_CONFIGS shared with moe_ffn) leave both unset.
         constexprs=lambda dims, params, config: {"C": dims["C"], "D": dims["D"], "G": dims["G"],
                                                   "G_P2": groups_p2(dims), "TRANS_RHS": trans_rhs,
-                                                  "PRECISION": precision(params),
-                                                  "TMA": config.kw.get("TMA", False),
-                                                  "PROGRAMS": config.kw.get("PROGRAMS", 0),
-                                                  "SPLIT_STORE": config.kw.get("SPLIT_STORE", False)},
+                                                  "PRECISION": precision(params), **_tma_kw(config)},
         configs=MM_CONFIGS + TMA_CONFIGS,
         constraints=(mm_fits, tma_fits),
         key_dims=("M", "C", "D", "G"),
@@ -314,8 +321,7 @@ grouped_gemm_wgrad = declare(KernelDecl(
     grid=wgrad_grid,
     constexprs=lambda dims, params, config: {"K": dims["K"], "N": dims["N"], "G": dims["G"],
                                               "G_P2": groups_p2(dims), "PRECISION": precision(params),
-                                              "TMA": config.kw.get("TMA", False),
-                                              "PROGRAMS": config.kw.get("PROGRAMS", 0)},
+                                              **_tma_kw(config, ("TMA", "PROGRAMS"))},
     configs=WGRAD_CONFIGS + WGRAD_TMA_CONFIGS,
     constraints=(wgrad_fits,),
     key_dims=("M", "K", "N", "G"),
