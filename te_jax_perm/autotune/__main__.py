@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from te_jax_perm import autotune, workloads
-from te_jax_perm.autotune.cache import LIST_FIELDS, call_key, format_cache, key_digest
+from te_jax_perm.autotune.cache import call_key, format_cache, key_digest, record_counts
 from te_jax_perm.core import hooks
 from te_jax_perm.core.launch import Call
 from te_jax_perm.ops import shipped_decls
@@ -116,7 +116,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
             e = res.entry
             row = {"model": model, "T": T, "H": H, "E": E, "k": k, "kernel": ln.decl.name,
                    **{f: e.get(f) for f in ("best", "best_time_s", "default", "default_time_s")},
-                   **{"timed" if f == "ranking" else f: len(e.get(f, [])) for f in LIST_FIELDS},
+                   **record_counts(e),
                    "complete": e.get("complete", True), "cached": res.cached,
                    "wall_s": time.perf_counter() - t0, "phases_s": e.get("phases_s")}
             if row["best_time_s"] and row["default_time_s"]:

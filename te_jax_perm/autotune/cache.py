@@ -88,8 +88,14 @@ def key_digest(key: Mapping[str, Any]) -> str:
 
 # -- checking an entry -------------------------------------------------------------------------
 _CONFIG_FIELDS = {"constants", "num_warps", "num_stages"}
-# Fields the tuner writes as lists of records (counted by --print_cache).
+# Fields the tuner writes as lists of records (counted by record_counts).
 LIST_FIELDS = ("ranking", "rejected", "failed", "pruned", "skipped", "not_run")
+
+
+def record_counts(entry: Mapping[str, Any]) -> dict[str, int]:
+    """How many records each of ``entry``'s :data:`LIST_FIELDS` holds, in that order; the
+    ranking's counted as ``timed`` (every config it lists was timed)."""
+    return {"timed" if f == "ranking" else f: len(entry.get(f, [])) for f in LIST_FIELDS}
 
 
 def _is_int(v: Any) -> bool:
@@ -323,8 +329,8 @@ def format_cache(decls: Mapping[str, KernelDecl] | None = None) -> str:
         k = e["key"]
         lines.append(f"{k.get('kernel')}  backend={k.get('backend')} dims={k.get('dims')} "
                      f"params={k.get('params')} dtypes={k.get('dtypes')} device={k.get('device')}")
-        counts = " ".join(f"{name}={len(e.get(field, []))}" for name, field in (
-            ("timed", "ranking"), ("rejected", "rejected"), ("failed", "failed"), ("pruned", "pruned")))
+        counts = " ".join(f"{name}={n}" for name, n in record_counts(e).items()
+                          if name in ("timed", "rejected", "failed", "pruned"))
         lines.append(f"    best={e.get('best')} time_s={e.get('best_time_s')} {counts}  [{where}{p.name}]")
     if len(lines) == 1:
         lines.append("  empty: nothing is tuned here yet (python -m te_jax_perm.autotune --tune_shapes tunes the ops)")
