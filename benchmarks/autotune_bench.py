@@ -23,6 +23,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.results_io import write_json  # noqa: E402
+
 
 def compile_time(launches, target, max_configs: int, workers: int) -> dict:
     """Compiles the same jobs in-process (sequentially) and in the pool; fresh caches for both."""
@@ -66,13 +68,6 @@ def time_jitted(fn, args, reps: int = 30) -> dict:
     from benchmarks.timing import wall_ms
     ts = [ms / 1e3 for ms in wall_ms(jax.jit(fn), args, reps)]
     return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "reps": reps}
-
-
-def _write(path: str, obj) -> None:
-    """Atomic, so a run killed mid-write still leaves the previous complete file."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ct = compile_time(launches, target, a.max_configs, a.workers or None)
     ct.update(model=model, T=T)
     print(json.dumps({"compile_time": ct}), flush=True)
-    _write(os.path.join(a.out, "compile_time.json"), ct)
+    write_json(os.path.join(a.out, "compile_time.json"), ct)
     if a.skip_tuning:
         return 0
 
@@ -136,16 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     def on_row(r: dict) -> None:
         rows.append(r)
         print(json.dumps(r), flush=True)
-        _write(tuning_path, {"backend": backend, "tuning_wall_s": time.perf_counter() - t0, "rows": rows,
-                             "done": False})
+        write_json(tuning_path, {"backend": backend, "tuning_wall_s": time.perf_counter() - t0, "rows": rows,
+                                "done": False})
 
     budget = None
     if end is not None:
         budget = max(0.0, end - time.monotonic() - (0.0 if a.skip_e2e or not gpu else a.e2e_s))
     opts = autotune.TuneOptions(max_candidates=a.max_candidates or None, reps=a.reps)
     tune_shapes(backend, a.small, a.dtype, budget, a.shapes, opts, on_row=on_row)
-    _write(tuning_path, {"backend": backend, "tuning_wall_s": time.perf_counter() - t0, "rows": rows,
-                         "done": True, "budget_s": budget})
+    write_json(tuning_path, {"backend": backend, "tuning_wall_s": time.perf_counter() - t0, "rows": rows,
+                            "done": True, "budget_s": budget})
 
     # 3. End to end on GPU: dispatch+combine jitted with tuned configs vs defaults, for the
     # shapes whose kernels were all tuned to completion.
@@ -168,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                    "speedup": default["median_s"] / tuned["median_s"]}
             print(json.dumps(row), flush=True)
             e2e.append(row)
-            _write(os.path.join(a.out, "e2e.json"), e2e)
+            write_json(os.path.join(a.out, "e2e.json"), e2e)
     print(json.dumps({"total_wall_s": time.monotonic() - t_start}), flush=True)
     return 0
 

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from benchmarks import kernel_timer
+from benchmarks.results_io import write_json
 from benchmarks.shapes import GPU_SHAPES, OFF_LIST_SHAPES, by_name
 
 # (case, kernel declaration name) pairs of the row movers.
@@ -426,9 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table is not None:
         from te_jax_perm.ops import tuned_defaults
         tables = default_tables(args.table or table_sweeps(), tuned_defaults.shipped_tables())
-        with open(tuned_defaults.DEFAULTS_TABLE, "w") as f:
-            json.dump(tables, f, indent=1)
-            f.write("\n")
+        write_json(tuned_defaults.DEFAULTS_TABLE, tables)
         return 0
     if not args.out:
         ap.error("--out is required to sweep")
@@ -440,8 +439,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def saver(name: str) -> Callable[[list[dict]], None]:
         def save(rows: list[dict]) -> None:
-            with open(os.path.join(args.out, name), "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f)
+            write_json(os.path.join(args.out, name), {"meta": meta, "rows": rows})
         return save
 
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

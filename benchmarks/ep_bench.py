@@ -13,7 +13,6 @@ over the 1-device group's step.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ from absl import flags
 # Run as a module from the repository root: the examples package is a sibling.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.results_io import write_json  # noqa: E402
 from benchmarks.timing import median_wall_ms, wall_ms  # noqa: E402
 from examples import moe_expert_parallel as example  # noqa: E402
 
@@ -114,8 +114,7 @@ def main(argv: list[str]) -> int:
                       f"{m['step_ms']:.2f} ms per step = {m['weak_scaling_ratio']:.2f}x the {first['devices']}-device "
                       f"step ({base:.2f} ms)")
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(FLAGS.json_out, results)
     return 0
 
 

@@ -71,6 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import gemm_problems
 from benchmarks.gemm_problems import GemmShape
+from benchmarks.results_io import write_json
 from benchmarks.shapes import by_substrings
 from benchmarks.timing import median_wall_ms
 from te_jax_perm import cli
@@ -391,8 +392,7 @@ def main(argv: list[str]) -> None:
                       batched=_BATCHED.value, layouts=_LAYOUTS.value)
         results["shapes"][shape.name] = r
         print(shape.name, json.dumps(r), flush=True)
-        with open(os.path.join(_OUT.value, "grouped_gemm.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(os.path.join(_OUT.value, "grouped_gemm.json"), results)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import os
 import pathlib
 import pkgutil
@@ -92,6 +91,7 @@ import numpy as np
 
 from benchmarks import gemm_problems, trace_stats
 from benchmarks.gemm_problems import GemmShape
+from benchmarks.results_io import write_json
 from benchmarks.shapes import by_substrings
 from benchmarks.timing import interleaved_ms, median_wall_ms
 from examples import moe_permute as example
@@ -790,8 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         result["targets"] = verdicts(result["layers"]) + gemm_verdicts(result["gemm_table"])
         for line in result["targets"]:
             log(line)
-    with open(out / "layer.json", "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(out / "layer.json", result)
     plot(result, out / "layer.png")
     failed = [r["shape"] for r in result["layers"] if "error" in r or any(f"{n}_error" in r for n in VARIANTS)]
     log(f"LAYER SUMMARY: {len(result['layers'])} shapes measured, {len(failed)} failed, "

@@ -41,6 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from benchmarks import kernel_timer
+from benchmarks.results_io import write_json
 from benchmarks.shapes import GPU_SHAPES, OFF_LIST_SHAPES, MoEShape, by_name
 
 OPS = ("make_row_id_map.fwd", "token_dispatch.fwd", "token_dispatch.bwd", "token_combine.fwd",
@@ -257,8 +258,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def write_results(json_path: str, result: dict) -> None:
     """``result`` to ``json_path`` (``X.json``) and its TARGET lines to ``X_summary.txt`` beside it."""
-    with open(json_path, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(json_path, result)
     with open(json_path[:-len(".json")] + "_summary.txt", "w") as f:
         f.write("\n".join(result["targets"]) + "\n")
 

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from benchmarks.results_io import write_json
 from te_jax_perm.workloads import DEEPSEEK_V3, QWEN3_235B, moe_problem
 
 MODELS = {"deepseek-v3": DEEPSEEK_V3, "qwen3": QWEN3_235B}  # by the names --models takes and the rows carry
@@ -226,12 +227,12 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"model": model, "device": device, **measure(backend, T, m.H, m.E, m.k, a.chain, a.reps)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                with open(os.path.join(a.out, "small_t.json"), "w") as f:
-                    json.dump({"device": device, "jax": jax.__version__, "rows": rows}, f, indent=1)
+                write_json(os.path.join(a.out, "small_t.json"),
+                           {"device": device, "jax": jax.__version__, "rows": rows})
     lines = target_lines(rows)
     print("\n".join(lines))
-    with open(os.path.join(a.out, "small_t.json"), "w") as f:
-        json.dump({"device": device, "jax": jax.__version__, "rows": rows, "targets": lines}, f, indent=1)
+    write_json(os.path.join(a.out, "small_t.json"),
+               {"device": device, "jax": jax.__version__, "rows": rows, "targets": lines})
     try:
         plot(rows, os.path.join(a.out, "small_t.png"))
     except ImportError as e:
