@@ -117,7 +117,7 @@ def test_value_outside_key_does_not_retune_and_key_values_do():
 def test_inplace_accumulate_applied_once_after_tuning_many_configs():
     """out += x over >= 8 configs must leave out == out0 + x: saved/restored per the alias plan."""
     decl = K.accumulate_decl()
-    assert alias_plan(decl).written_inputs == (1,)  # the prealloc operand, same as the lowering's alias table
+    assert alias_plan(decl).input_output_aliases == {1: 0}  # the prealloc operand, the one a launch writes
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 16)).astype(np.float32)
     out0 = rng.standard_normal((64, 16)).astype(np.float32)

@@ -1,7 +1,7 @@
 """Tuning trials: their inputs, identical runs of each candidate, and the reference check.
 
-The buffers a launch may write are exactly the alias plan's ``written_inputs`` (the plan
-that gives the lowering its aliases); they are saved before the first trial, restored
+The buffers a launch may write are exactly the operands the alias plan aliases to outputs
+(the plan that gives the lowering its aliases); they are saved before the first trial, restored
 before every launch and once after the last, so every candidate starts from the same
 contents and tuning leaves the caller's buffers as one real launch would. Outputs are
 compared with the declared reference, so a fast but wrong (e.g. racy) config is rejected.
@@ -119,7 +119,7 @@ def run_trials(decl: KernelDecl, runner: "HostRunner", configs: Sequence[Config]
     and ``mismatch(expected)``. Past ``deadline`` (``time.monotonic``) the remaining configs
     are not run (the first always is). ``phases`` accumulates launch and validation seconds."""
     phases = phases if phases is not None else {}
-    runner.save(alias_plan(decl).written_inputs)
+    runner.save(tuple(alias_plan(decl).input_output_aliases))
     results = []
     try:
         for cfg in configs:

@@ -32,11 +32,6 @@ class AliasPlan:
         """Custom-call operand index -> output index (preallocs follow the operands)."""
         return {self.num_operands + i: i for i in range(self.num_outputs)}
 
-    @property
-    def written_inputs(self) -> tuple[int, ...]:
-        """Operand indices a launch may modify: exactly the aliased ones."""
-        return tuple(self.input_output_aliases)
-
 
 @functools.lru_cache(maxsize=None)
 def alias_plan(decl: KernelDecl) -> AliasPlan:
