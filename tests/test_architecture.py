@@ -256,7 +256,7 @@ def test_resolver_and_call_observers_plug_in_through_hooks(on_cpu):
         jax.jit(lambda s, i: gather_rows(s, i, backend="interpret")).lower(src, idx)
     assert [c.decl.name for c in seen] == ["example_gather_rows"] and dict(seen[0].dims)["H"] == 40
     from te_jax_perm.autotune.tuner import resolve_call
-    assert hooks.config_resolver() is resolve_call  # restored: installed at package import
+    assert hooks.set_config_resolver(resolve_call) is resolve_call  # restored: installed at package import
 
 
 def _run(code, **env_vars):
@@ -306,8 +306,7 @@ def test_cached_tuning_is_used_without_opting_in(tmp_path):
            "from te_jax_perm.core import hooks\n"
            "from tests.example_kernels import gather_rows\n"
            "picked = []\n"
-           "resolver = hooks.config_resolver()\n"
-           "with hooks.using_config_resolver(lambda call: picked.append(resolver(call)) or picked[-1]):\n"
+           "with hooks.observe_calls(lambda call: picked.append(hooks.resolve_config(call))):\n"
            f"    jax.jit(lambda s, i: gather_rows(s, i, backend='{KERNEL_BACKEND}')).lower(jnp.ones((6, 40)),"
            " jnp.zeros((4,), jnp.int32))\n"
            "print('PICKED', picked[0])\n"

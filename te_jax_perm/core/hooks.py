@@ -58,10 +58,6 @@ def set_config_resolver(resolver: ConfigResolver | None) -> ConfigResolver | Non
     return previous
 
 
-def config_resolver() -> ConfigResolver | None:
-    return _resolver
-
-
 @contextlib.contextmanager
 def using_config_resolver(resolver: ConfigResolver | None) -> Iterator[None]:
     """Within the context, ``resolver`` (``None``: none, defaults only) picks configs."""
