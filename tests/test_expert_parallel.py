@@ -349,7 +349,8 @@ def test_ep_moe_local_names_what_it_cannot_take_on_one_device():
            ((x, rm, probs, w1[:, :8], w2), cfg, r"w_in has shape \(4, 8, \d+\); expected \[E_local=4, H=16, "),
            ((x, rm, probs, w1, w2[:, :3]), cfg, r"w_out has shape \(4, 3, 16\); expected \[E_local=4, F=8, H=16\]"),
            ((x, rm, probs, w1, w2), dataclasses.replace(cfg, activation=plain),
-            r"w_out has shape \(4, 8, 16\), which fits w_in \(4, 16, \d+\) as a \w+ activation's weights"),
+            r"w_out has shape \(4, 8, 16\), which fits w_in \(4, 16, \d+\) as a \w+ activation's weights, but "
+            r"EPConfig.activation='\w+' is"),
            ((x, rm, probs, w1, w2), dataclasses.replace(cfg, activation="swish"),
             r"EPConfig.activation='swish'; expected one of \('silu_glu'"),
            ((x, rm, probs, w1, w2), dataclasses.replace(cfg, capacity=-1),

@@ -272,9 +272,10 @@ def _check_shapes(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: 
                          "cannot split evenly; expected E divisible by ep")
     if local:
         check_expert_weights(w_in, w_out, e // ep, h, cfg.activation, "E_local",
-                             f"routing_map's E = {e} over the ep = {ep} ranks of mesh axis {cfg.axis!r}")
+                             f"routing_map's E = {e} over the ep = {ep} ranks of mesh axis {cfg.axis!r}",
+                             "EPConfig.activation")
     else:
-        check_expert_weights(w_in, w_out, e, h, cfg.activation)
+        check_expert_weights(w_in, w_out, e, h, cfg.activation, activation_name="EPConfig.activation")
     check_layer_dtypes(x, probs, w_in, w_out)
     # Each device's dispatch rows and its receive buffer of ep * capacity rows have int32
     # row indices, like every buffer the ops move rows in.

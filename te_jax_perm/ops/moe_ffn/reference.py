@@ -39,11 +39,12 @@ def check_activation(name: str, activation: Any) -> bool:
 
 
 def check_expert_weights(w_in: Any, w_out: Any, e: int, h: int, activation: str, experts: str = "E",
-                         experts_from: str = "routing_map") -> int:
+                         experts_from: str = "routing_map", activation_name: str = "activation") -> int:
     """Checks an expert FFN's ``w_in [E, H, F]`` (``[E, H, 2F]`` for a gated ``activation``)
     and ``w_out [E, F, H]``; returns ``F``. ``experts`` names the expert count ``e`` in the
     messages and ``experts_from`` says where it comes from (a device's share of the experts
-    is not routing_map's count)."""
+    is not routing_map's count); ``activation_name`` is what the caller calls the activation
+    (``EPConfig.activation`` for the expert-parallel layer)."""
     gated = ACTIVATIONS[activation][1]
     want_in = f"[{experts}={e}, H={h}, {'2F' if gated else 'F'}]"
     _checks.check_rank("w_in", w_in, (3,), want_in)
@@ -57,7 +58,7 @@ def check_expert_weights(w_in: Any, w_out: Any, e: int, h: int, activation: str,
             and (gated or w_in.shape[2] % 2 == 0)):
         raise ValueError(
             f"w_out has shape {tuple(w_out.shape)}, which fits w_in {tuple(w_in.shape)} as a "
-            f"{'plain' if gated else 'gated'} activation's weights, but activation={activation!r} is "
+            f"{'plain' if gated else 'gated'} activation's weights, but {activation_name}={activation!r} is "
             f"{'gated' if gated else 'not gated'}: expected w_out {want_out}; or choose a "
             f"{'plain activation (silu, gelu, relu)' if gated else 'gated activation (silu_glu, gelu_glu)'}")
     _checks.check_shape("w_out", w_out, (e, f, h), f"{want_out} (F from w_in {tuple(w_in.shape)})")
