@@ -164,7 +164,7 @@ def measure_shape(shape: MoEShape, te, calls: int, log) -> list[dict]:
     return rows
 
 
-def _spreads(mine: dict, other: dict) -> str:
+def _spread_and_wall(mine: dict, other: dict) -> str:
     """Both sides' call-to-call spread (interquartile range over median), where measured: a
     gap smaller than these is within what reruns of the same kernel move; and both sides'
     wall time per call, where measured."""
@@ -209,7 +209,7 @@ def targets(rows: list[dict]) -> list[str]:
                     lines.append(f"TARGET {_verdict(mine, other)} {shape} {op}: ours {ours:.1f} µs <= {peer} "
                                  f"{other['kernel_us']:.1f} µs (ratio {other['kernel_us'] / ours:.2f}x; "
                                  f"{mine['pct_copy']:.1f}% and {other['pct_copy']:.1f}% of the device copy"
-                                 f"{_spreads(mine, other)})")
+                                 f"{_spread_and_wall(mine, other)})")
             fwd = by.get((shape, op[:-4] + ".fwd", "ours")) if op.endswith(".bwd") else None
             if fwd:
                 per_byte = (ours / mine["bytes"]) / (fwd["kernel_us"] / fwd["bytes"])
