@@ -326,6 +326,22 @@ def test_the_layer_defaults_to_moe_ffns_activation_and_takes_its_weights(on_cpu)
                                rtol=1e-5, atol=1e-5)
 
 
+def test_the_layer_takes_its_meshs_default_backend(on_cpu, monkeypatch):
+    """A CPU mesh on a host whose default JAX device is a GPU: with no backend named, the
+    layer's ops and GEMMs take the CPU's default (``xla``), not the GPU's kernels, which
+    cannot lower for CPU devices. Here JAX's default backend is made to read "gpu"."""
+    from te_jax_perm.core import backends
+    x, rm, probs, w1, w2 = _problem(1, T, 4, 2, "uniform", 0)
+    want = reference_moe_layer(x, rm, probs, w1, w2, ep=1)
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+    assert backends.default_backend() == "triton" and backends.default_backend("cpu") == "xla"
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("ep",))
+    got = ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=EPConfig(a2a="dense"))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with backends.use_backend("xla"):   # a scope the caller set still wins over the mesh's default
+        assert backends.resolve_backend(None, "gpu") == "xla"
+
+
 def _local_on(mesh, cfg):
     """``ep_moe_local`` as a user calls it: inside their own ``shard_map`` over ``"ep"``,
     tokens and experts split over it."""

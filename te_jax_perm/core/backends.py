@@ -2,7 +2,9 @@
 
 Precedence: the ``backend=`` keyword of an op, then the innermost :func:`use_backend`
 context, then the ``TE_JAX_PERM_BACKEND`` environment variable, then the platform
-default (``triton`` when JAX's default backend is a GPU, else ``xla``).
+default (``triton`` when JAX's default backend is a GPU, else ``xla``; a caller that knows
+where its computation is placed, as the expert-parallel layer knows its mesh, passes that
+platform instead).
 """
 from __future__ import annotations
 
@@ -50,13 +52,16 @@ def use_backend(name: str) -> Iterator[str]:
         _current.reset(token)
 
 
-def default_backend() -> str:
-    return env.backend() or ("triton" if jax.default_backend() == "gpu" else "xla")
+def default_backend(platform: str | None = None) -> str:
+    """``TE_JAX_PERM_BACKEND``, else the default for devices of ``platform`` (a JAX device
+    platform such as ``"gpu"`` or ``"cpu"``; ``None``: JAX's default backend)."""
+    return env.backend() or ("triton" if (platform or jax.default_backend()) == "gpu" else "xla")
 
 
-def resolve_backend(name: str | None = None) -> str:
-    """The backend an op call will use; raises if it is not available here."""
-    chosen = check_backend_name(name) if name is not None else (_current.get() or default_backend())
+def resolve_backend(name: str | None = None, platform: str | None = None) -> str:
+    """The backend an op call will use; raises if it is not available here. ``platform``:
+    where the computation is placed, when the caller knows it (see :func:`default_backend`)."""
+    chosen = check_backend_name(name) if name is not None else (_current.get() or default_backend(platform))
     ensure_available(chosen)
     return chosen
 

@@ -43,7 +43,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from te_jax_perm import _checks
 from te_jax_perm.ops.chunk_sort.api import sort_chunks_by_index, sort_chunks_by_map
-from te_jax_perm.core import BACKENDS as OP_BACKENDS, check_backend_name
+from te_jax_perm.core import BACKENDS as OP_BACKENDS, check_backend_name, resolve_backend, use_backend
 from te_jax_perm.ops.grouped_gemm.api import BACKENDS as GEMM_BACKENDS, grouped_matmul
 from te_jax_perm.ops.moe_ffn.api import check_layer_dtypes
 from te_jax_perm.ops.moe_ffn.reference import activate, check_activation, check_expert_weights
@@ -73,13 +73,15 @@ class EPConfig:
         ``"silu_glu"`` (SwiGLU, the default, as ``moe_ffn``'s), ``"gelu_glu"`` (both gated:
         ``w_in`` is ``[E, H, 2F]``, gate columns first), ``"silu"``, ``"gelu"`` (tanh form)
         or ``"relu"`` (``w_in`` is ``[E, H, F]``); computed in float32.
-      backend: the ops backend (``None``: the default).
+      backend: the ops backend (``None``: the default; ``ep_moe_layer`` takes the default
+        for its mesh's devices, ``"xla"`` on a CPU mesh even where JAX's default device is a
+        GPU).
       a2a: how rows cross devices: ``"dense"`` (``all_to_all`` of capacity-padded chunks),
         ``"ragged"`` (``ragged_all_to_all``, exactly the kept rows; needs backend support)
         or ``"auto"`` (ragged where a probe finds it works, else dense). Same results.
       gemm: the grouped GEMM of the experts, ``grouped_matmul``'s ``backend``: ``"triton"``,
         ``"interpret"``, ``"xla"`` or ``"tokamax"`` (``None``: its default, the op backend in
-        effect, or ``"xla"`` for dtypes the kernels do not compute in).
+        effect (``backend`` above), or ``"xla"`` for dtypes the kernels do not compute in).
     """
 
     num_out_tokens: int | None = None
@@ -226,8 +228,11 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
             w_out = jax.lax.all_gather(w_out, fsdp, axis=2, tiled=True)
         return _local(x, routing_map, probs, w_in, w_out, cfg)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(tokens,) * 3 + (P(cfg.axis, split), P(cfg.axis, None, split)),
-                         out_specs=tokens)(x, routing_map, probs, w_in, w_out)
+    # Ops left on the default backend (cfg.backend or cfg.gemm None) take the one for the
+    # mesh's devices: each op resolves its backend when the body is traced, inside this scope.
+    with use_backend(resolve_backend(cfg.backend, mesh.devices.flat[0].platform)):
+        return jax.shard_map(body, mesh=mesh, in_specs=(tokens,) * 3 + (P(cfg.axis, split), P(cfg.axis, None, split)),
+                             out_specs=tokens)(x, routing_map, probs, w_in, w_out)
 
 
 def _check_config(cfg: EPConfig) -> None:
