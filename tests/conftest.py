@@ -52,15 +52,23 @@ BACKENDS_HERE = ("xla", KERNEL_BACKEND)
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.multidevice import MULTI, shard_of
+    if MULTI:
+        # An 8-device subprocess runs its share of the multi-device tests and nothing else:
+        # the parent process runs the rest.
+        keep = shard_of([item for item in items if item.get_closest_marker("multidevice") is not None])
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
     # Long tests first (a stable sort keeps the rest in file order): started last, one of
     # them would leave the other workers idle at the end of a parallel run.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    if ON_GPU:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skips = {"multidevice": pytest.mark.skip(reason="runs in the 8-device subprocess")} if not MULTI else {}
+    if not ON_GPU:
+        skips["gpu"] = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)
 
 
 @pytest.fixture(params=BACKENDS_HERE)

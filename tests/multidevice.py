@@ -1,7 +1,8 @@
-"""Running a test module again on 8 virtual CPU devices.
+"""Running a test module's multi-device tests on 8 virtual CPU devices.
 
-XLA_FLAGS must be set before jax starts, so a module's multi-device tests run in a pytest
-subprocess started by its driver test; in the ordinary single-device run they skip.
+XLA_FLAGS must be set before jax starts, so a module's tests marked :data:`multidevice`
+run in pytest subprocesses started by its driver test, and only there; in the ordinary
+single-device run they skip, and the subprocesses run nothing else (``conftest``).
 """
 import os
 import re
@@ -13,7 +14,17 @@ import pytest
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 
 MULTI = os.environ.get("TE_JAX_PERM_MULTIDEVICE") == "1"
-multidevice = pytest.mark.skipif(not MULTI, reason="runs in the 8-device subprocess")
+multidevice = pytest.mark.multidevice
+# The multi-device tests of a module split over this many subprocesses, run at once: on a
+# machine with cores to spare they are otherwise the suite's longest test (three minutes on
+# a GPU machine's 16 cores); a small machine's cores are busy with the other tests.
+SHARDS = max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def shard_of(items: list) -> list:
+    """The items this subprocess runs: every ``n``-th from ``i`` for ``TE_JAX_PERM_TEST_SHARD=i/n``."""
+    i, n = (int(v) for v in os.environ.get("TE_JAX_PERM_TEST_SHARD", "0/1").split("/"))
+    return items[i::n]
 
 
 def without_cpu_devices() -> str:
@@ -34,10 +45,19 @@ def run_module_on_8_devices(module_file: str) -> None:
     env = {**os.environ, "XLA_FLAGS": with_cpu_devices(8), "JAX_PLATFORMS": "cpu",
            "TE_JAX_PERM_MULTIDEVICE": "1", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("TE_JAX_PERM_BACKEND", None)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(module_file)],
-                       env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
+    runs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              os.path.abspath(module_file)], env={**env, "TE_JAX_PERM_TEST_SHARD": f"{i}/{SHARDS}"},
+                             cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(SHARDS)]
+    for i, run in enumerate(runs):
+        try:
+            out, err = run.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            for r in runs:
+                r.kill()
+            raise
+        assert run.returncode == 0, f"shard {i}/{SHARDS}:\n" + out[-6000:] + err[-3000:]
+        assert " passed" in out and " failed" not in out, f"shard {i}/{SHARDS}:\n" + out[-2000:]
 
 
 def shardy_all_gspmd_some(cases: list[tuple], ids: list[str], gspmd: tuple[int, ...]) -> list:

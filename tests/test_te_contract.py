@@ -23,7 +23,7 @@ import pytest
 import te_jax_perm
 from tests import numpy_reference as ref
 from tests.conftest import BACKENDS_HERE, routing, top_k_routing
-from tests.multidevice import (MULTI, collectives, multidevice, run_module_on_8_devices,  # noqa: F401
+from tests.multidevice import (collectives, multidevice, run_module_on_8_devices,
                                shardy_all_gspmd_some)
 
 # (num_tokens, num_experts, hidden_size, topk): TE's L0 cases, scaled down for the interpreter.
@@ -48,8 +48,6 @@ def _contract_matrix(cases, padded):
                 continue
             out.append(pytest.param(b, p, d, *c, id="-".join([b, str(p), jnp.dtype(d).name, *map(str, c)])))
     return out
-# The 8-device subprocess runs only the sharded tests.
-single_device = pytest.mark.skipif(MULTI, reason="ran in the single-device session")
 
 
 def te_tols(dtype) -> dict:
@@ -86,7 +84,6 @@ def _uniform(rm, dtype):
 
 
 # -- signatures and arity ----------------------------------------------------------------------
-@single_device
 @pytest.mark.parametrize("fn,params", [
     ("token_dispatch", ["inp", "routing_map", "num_out_tokens", "probs", "align_size"]),
     ("token_combine", ["inp", "row_id_map", "merging_probs", "pad_offsets"]),
@@ -100,7 +97,6 @@ def test_signatures_are_te_plus_keyword_only(fn, params):
 
 
 # -- token_dispatch / token_combine ----------------------------------------------------------
-@single_device
 @pytest.mark.parametrize("backend,with_probs,dtype,t,e,h,k", _contract_matrix(CASES, padded=False))
 def test_dispatch_and_combine(backend, t, e, h, k, dtype, with_probs):
     rm = _routing(t, e, k)
@@ -156,7 +152,6 @@ def test_dispatch_and_combine(backend, t, e, h, k, dtype, with_probs):
     close(back, np.asarray(x, np.float64), dtype)
 
 
-@single_device
 @pytest.mark.parametrize("backend,with_probs,dtype,t,e,h,k,align", _contract_matrix(PADDED_CASES, padded=True))
 def test_dispatch_and_combine_with_padding(backend, t, e, h, k, align, dtype, with_probs):
     rm = _routing(t, e, k)
@@ -205,7 +200,6 @@ def test_dispatch_and_combine_with_padding(backend, t, e, h, k, align, dtype, wi
 
 
 # -- sort_chunks_by_index ------------------------------------------------------------------
-@single_device
 @pytest.mark.parametrize("num_splits,total,h", [(8, 256, 24), (16, 300, 40)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sort_chunks_by_index(backend, num_splits, total, h, dtype):
@@ -233,7 +227,6 @@ def test_sort_chunks_by_index(backend, num_splits, total, h, dtype):
     np.testing.assert_array_equal(np.asarray(out3), np.asarray(out))
 
 
-@single_device
 def test_sort_chunks_probs_variant_keeps_te_arity_separate(backend):
     x = jnp.arange(20, dtype=jnp.float32).reshape(10, 2)
     p = jnp.arange(10, dtype=jnp.bfloat16)
