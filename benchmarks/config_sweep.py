@@ -335,7 +335,7 @@ ROWMAP_WARPS = (1, 4, 8)
 def sweep_rowmap(budget_s: float, calls: int, log) -> list[dict]:
     import jax
     import jax.numpy as jnp
-    from benchmarks.workloads import topk_routing
+    from te_jax_perm.workloads import topk_routing
     from te_jax_perm.core import Config
     from te_jax_perm.core.launch import bind_call, configure
     from te_jax_perm.ops.row_id_map.api import make_row_id_map
@@ -377,8 +377,7 @@ def sweep_rowmap(budget_s: float, calls: int, log) -> list[dict]:
                 log(f"budget spent: T={T} E={E} not swept")
                 continue
             try:
-                r = topk_routing(rng, T, E, min(8, E))
-                rm = jnp.asarray(r.routing_map)
+                rm = jnp.asarray(topk_routing(rng, T, E, min(8, E))[0])
                 items = []
                 for (t, e, bt, single, w) in variants:
                     if (t, e) != (T, E):

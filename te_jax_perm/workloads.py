@@ -1,7 +1,8 @@
 """The ops at real MoE model sizes: the published models' layer dimensions (the one table the
 autotuner and the benchmarks take them from), the shapes tuned in priority order by
-``python -m te_jax_perm.autotune --tune_shapes``, a routing problem of each, and the
-dispatch+combine step that launches the ops' main kernels."""
+``python -m te_jax_perm.autotune --tune_shapes``, the one generator of random routing
+problems (maps, probs, tokens, EP chunk layouts) that the autotuner, the benchmarks and the
+tests draw from, and the dispatch+combine step that launches the ops' main kernels."""
 from __future__ import annotations
 
 import dataclasses
@@ -57,17 +58,60 @@ def shape_list(small: bool = False, shapes: str | None = None) -> list[tuple[str
     return rows
 
 
-def moe_problem(T: int, H: int, E: int, k: int, dtype: Any, seed: int = 0) -> tuple[np.ndarray, ...]:
-    """Tokens ``[T, H]``, a top-k routing map ``[T, E]`` (bool) and probs ``[T, E]`` (fp32)."""
-    rng = np.random.default_rng(seed)
+def top_k_map(logits: np.ndarray, k: int) -> np.ndarray:
+    """bool ``[..., T, E]``: each token routed to the ``k`` experts of highest logit."""
+    top = np.argpartition(-logits, k - 1, axis=-1)[..., :k]
+    m = np.zeros(logits.shape, bool)
+    np.put_along_axis(m, top, True, axis=-1)
+    return m
+
+
+def topk_routing(rng: np.random.Generator, T: int, E: int, k: int,
+                 skew: str = "uniform") -> tuple[np.ndarray, np.ndarray]:
+    """A routing map (bool ``[T, E]``, each token to the ``k`` distinct experts of highest
+    random logit) and its probs (fp32 ``[T, E]``, the softmax over the routed experts, 0
+    elsewhere). ``skew="hot"`` biases the logits so that expert 0 takes about half of all
+    tokens; ``skew="empty"`` routes nothing to the upper half of the experts (when ``k``
+    allows)."""
+    if not 1 <= k <= E:
+        raise ValueError(f"k={k} must be in [1, E={E}]")
     logits = rng.standard_normal((T, E)).astype(np.float32)
-    top = np.argsort(-logits, axis=1)[:, :k]
-    rmap = np.zeros((T, E), bool)
-    np.put_along_axis(rmap, top, True, axis=1)
-    probs = np.where(rmap, np.exp(logits), 0).astype(np.float32)
-    probs /= probs.sum(1, keepdims=True)
-    x = rng.standard_normal((T, H)).astype(np.float32).astype(dtype)
-    return x, rmap, probs
+    if skew == "hot":
+        logits[rng.random(T) < 0.5, 0] += 100.0
+    elif skew == "empty":
+        if 2 * k <= E:  # otherwise every expert is needed to give each token k distinct ones
+            logits[:, E // 2:] -= 100.0
+    elif skew != "uniform":
+        raise ValueError(f"unknown skew {skew!r}")
+    routing_map = top_k_map(logits, k)
+    # Less the row's max before exp: a "hot" logit of 100 overflows float32's exp.
+    sel = np.where(routing_map, logits, -np.inf)
+    sel = np.exp(sel - sel.max(axis=1, keepdims=True))
+    return routing_map, (sel / sel.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def tokens(rng: np.random.Generator, T: int, H: int, dtype: Any) -> np.ndarray:
+    """``[T, H]`` standard normal values, distinct enough that a misplaced row shows in any dtype."""
+    return rng.standard_normal((T, H)).astype(np.float32).astype(dtype)
+
+
+def ep_chunks(rng: np.random.Generator, num_rows: int, ep: int, local_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk layout after an EP all-to-all: rows grouped by (source rank, local expert).
+
+    Returns ``split_sizes`` (int32 [ep*local_experts], summing to ``num_rows``, some may be
+    zero) and ``sorted_indices`` that reorder the chunks to (local expert, source rank).
+    """
+    chunks = ep * local_experts
+    split_sizes = rng.multinomial(num_rows, np.full(chunks, 1.0 / chunks)).astype(np.int32)
+    sorted_indices = np.array([r * local_experts + e for e in range(local_experts) for r in range(ep)], np.int32)
+    return split_sizes, sorted_indices
+
+
+def moe_problem(T: int, H: int, E: int, k: int, dtype: Any, seed: int = 0) -> tuple[np.ndarray, ...]:
+    """Tokens ``[T, H]``, a uniform :func:`topk_routing` map ``[T, E]`` and its probs, from ``seed``."""
+    rng = np.random.default_rng(seed)
+    routing_map, probs = topk_routing(rng, T, E, k)
+    return tokens(rng, T, H, dtype), routing_map, probs
 
 
 def moe_step(backend: str, k: int) -> Callable:

@@ -43,6 +43,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from te_jax_perm.workloads import top_k_map  # noqa: E402
+
 jax.config.update("jax_enable_x64", False)
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -125,14 +127,6 @@ def compiled_for_sm90(call, config):
 
 
 # -- routing: the one generator every test draws routing maps from -------------------------
-def top_k_routing(logits: np.ndarray, k: int) -> np.ndarray:
-    """bool ``[..., T, E]``: each token routed to the ``k`` experts of highest logit."""
-    top = np.argsort(-logits, axis=-1)[..., :k]
-    m = np.zeros(logits.shape, bool)
-    np.put_along_axis(m, top, True, axis=-1)
-    return m
-
-
 def routing(rng: np.random.Generator, t: int, e: int, k: int, mode: str = "topk") -> np.ndarray:
     """bool [T, E]: each token routed to the ``k`` distinct experts (at most ``E``) of highest
     random logit, with the logits biased by ``mode``: "topk" none; "skew" expert 0 takes
@@ -148,4 +142,4 @@ def routing(rng: np.random.Generator, t: int, e: int, k: int, mode: str = "topk"
         logits[:, 0] += 100.0
     elif mode != "topk":
         raise ValueError(f"mode {mode!r}; expected topk, skew, empty or all_one")
-    return top_k_routing(logits, k)
+    return top_k_map(logits, k)

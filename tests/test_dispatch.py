@@ -7,8 +7,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.test_util import check_grads
 
 import te_jax_perm
+from te_jax_perm.workloads import top_k_map
 from tests import numpy_reference as ref
-from tests.conftest import routing, top_k_routing
+from tests.conftest import routing
 
 FIXTURE_OK = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -120,7 +121,7 @@ def _second_order_cases(backend):
     rng = np.random.default_rng(2)
     z = jnp.asarray(rng.standard_normal((10, 4)), jnp.float32)
     p10 = jnp.asarray(rng.random(10), jnp.float32)
-    rm = top_k_routing(rng.standard_normal((6, 4)), 2)
+    rm = top_k_map(rng.standard_normal((6, 4)), 2)
     rid, tpe = te_jax_perm.make_row_id_map(rm, 12)[:2]
     x6 = jnp.asarray(rng.standard_normal((6, 4)), jnp.float32)
     y12 = jnp.asarray(rng.standard_normal((12, 4)), jnp.float32)
@@ -296,7 +297,7 @@ def test_errors_name_argument_and_shapes():
 @pytest.mark.parametrize("t,h,e,k", [(4096, 7168, 256, 8), (8192, 2880, 128, 4)])
 def test_real_size_matches_xla(kernel_backend, t, h, e, k):
     rng = np.random.default_rng(0)
-    rm = top_k_routing(rng.standard_normal((t, e)), k)
+    rm = top_k_map(rng.standard_normal((t, e)), k)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
     p = jnp.asarray(rng.random((t, e)), jnp.float32)
     # The routing map is an argument: as a closed-over constant XLA would fold the xla

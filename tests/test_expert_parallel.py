@@ -29,7 +29,7 @@ from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS  # noqa: E402
 from te_jax_perm.parallel import EPConfig, ep_moe_layer, ep_moe_local, reference_moe_layer  # noqa: E402
 from te_jax_perm.parallel import exchange  # noqa: E402
 from te_jax_perm.parallel.a2a_support import ragged_all_to_all_supported, resolve_a2a  # noqa: E402
-from tests.conftest import top_k_routing
+from te_jax_perm.workloads import top_k_map
 
 EP, T, H, F = 8, 12, 16, 8
 
@@ -42,7 +42,7 @@ def _problem(n_dev, t, e, k, routing, seed, gated=ACTIVATIONS[EPConfig().activat
         logits[:, 0] += 100.0
     if routing == "empty":       # expert e-1 receives no token
         logits[:, e - 1] -= 100.0
-    rm = top_k_routing(logits, k)
+    rm = top_k_map(logits, k)
     probs = jnp.asarray(jax.nn.softmax(jnp.asarray(logits), -1), jnp.float32)
     x = jnp.asarray(rng.standard_normal((n_dev * t, H)), jnp.float32)
     w_in = jnp.asarray(rng.standard_normal((e, H, 2 * F if gated else F)) * 0.2, jnp.float32)

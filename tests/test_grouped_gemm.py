@@ -21,7 +21,8 @@ from te_jax_perm.kernels.grouped_gemm import row_schedule, schedule_tile
 from te_jax_perm.ops.grouped_gemm import decl as D
 from te_jax_perm.ops.grouped_gemm.api import BACKENDS, KERNEL_BACKENDS, grouped_matmul, tokamax_available
 from te_jax_perm.ops.grouped_gemm.reference import clamped_group_sizes, grouped_matmul_reference
-from tests.conftest import ON_GPU, compiled_for_sm90, top_k_routing
+from te_jax_perm.workloads import top_k_map
+from tests.conftest import ON_GPU, compiled_for_sm90
 
 TOL = {"float32": 1e-5, "bfloat16": 2e-2}
 # The static params of the row-tile GEMM declarations: operand width and output dtype.
@@ -160,7 +161,7 @@ def test_padded_groups_from_token_dispatch(align):
     t, h, n, e, k = 21, 16, 8, 5, 2
     logits = rng.standard_normal((t, e))
     logits[:, 3] -= 100.0                      # expert 3 gets no token: an empty (padded: 0) group
-    rm = top_k_routing(logits, k)
+    rm = top_k_map(logits, k)
     probs = np.where(rm, rng.random((t, e)), 0.0).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((e, h, n)), jnp.float32)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.multidevice import (MULTI, collectives, collectives_in, multidevice, run_module_on_8_devices,  # noqa: E402,F401
                                shardy_all_gspmd_some)
-from tests.conftest import top_k_routing
+from te_jax_perm.workloads import top_k_map
 
 
 
@@ -81,7 +81,7 @@ def test_vmapped_dispatch_combine_is_shard_local(partitioner):
     g, t, e, h = 8, 12, 4, 16
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((g, t, h)), jnp.float32)
-    rm = top_k_routing(rng.standard_normal((g, t, e)), 2)
+    rm = top_k_map(rng.standard_normal((g, t, e)), 2)
     probs = jnp.asarray(rng.random((g, t, e)), jnp.float32)
     f = jax.vmap(lambda *a: _group_dispatch_combine(*a, backend="xla"))
     want = jax.jit(f)(x, rm, probs)
@@ -161,7 +161,7 @@ def test_token_sharded_dispatch_counts_globally_and_shard_map_runs_the_experts_p
     t, e, h, f, k = 32, 4, 8, 6, 2
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
-    rm = top_k_routing(rng.standard_normal((t, e)), k)
+    rm = top_k_map(rng.standard_normal((t, e)), k)
     probs = jnp.asarray(rng.random((t, e)), jnp.float32) * rm
     w = jnp.asarray(rng.standard_normal((e, h, f)), jnp.float32)
     dense = jnp.einsum("te,th,ehf->tf", probs, x, w)
@@ -182,7 +182,7 @@ def test_token_sharded_dispatch_counts_globally_and_shard_map_runs_the_experts_p
 def _moe_problem(t, e, h, f, k, seed=6):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
-    rm = jnp.asarray(top_k_routing(rng.standard_normal((t, e)), k))
+    rm = jnp.asarray(top_k_map(rng.standard_normal((t, e)), k))
     probs = jnp.asarray(rng.random((t, e)), jnp.float32) * rm
     w_in = jnp.asarray(rng.standard_normal((e, h, 2 * f)) / 3, jnp.float32)
     w_out = jnp.asarray(rng.standard_normal((e, f, h)) / 3, jnp.float32)

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 import te_jax_perm
+from te_jax_perm.workloads import top_k_map
 from tests import numpy_reference as ref
-from tests.conftest import BACKENDS_HERE, routing, top_k_routing
+from tests.conftest import BACKENDS_HERE, routing
 from tests.multidevice import (collectives, multidevice, run_module_on_8_devices,
                                shardy_all_gspmd_some)
 
@@ -340,7 +341,7 @@ def test_padded_shards_drop_only_rows_their_layout_cannot_fit(routing, n):
         logits = rng.standard_normal((t, e))
         if routing == "skewed":
             logits[:, 1] += 3.0
-        rm = top_k_routing(logits, 2).astype(np.int32)
+        rm = top_k_map(logits, 2).astype(np.int32)
     x, probs = _inputs(t, e, h, jnp.float32)
     mesh = Mesh(np.asarray(jax.devices()[:shards]), ("dp",))
     sh = NamedSharding(mesh, P("dp", None))

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.workloads import ep_chunks, tokens, topk_routing
+from te_jax_perm.workloads import ep_chunks, tokens, topk_routing
 
 FP8 = "float8_e4m3fn"
 # Outputs that only move data must match bit for bit; the rest sum or scale in fp32.
@@ -86,10 +86,10 @@ def make_cases(rng: np.random.Generator, n: int, small: bool,
 
 
 def make_inputs(case: StressCase, rng: np.random.Generator) -> tuple[jax.Array, ...]:
-    r = topk_routing(rng, case.T, case.E, case.k, case.skew)
+    rm, probs = topk_routing(rng, case.T, case.E, case.k, case.skew)
     x = tokens(rng, case.T, case.H, jnp.dtype(case.dtype))
     split, order = ep_chunks(rng, case.out_rows, 2, max(1, case.E // 2))
-    return tuple(jax.device_put(a) for a in (x, r.routing_map, r.probs, split, order))
+    return tuple(jax.device_put(a) for a in (x, rm, probs, split, order))
 
 
 def program(case: StressCase, backend: str) -> Callable[..., dict[str, jax.Array]]:
