@@ -71,7 +71,7 @@ def time_jitted(fn, args, reps: int = 30) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for compile_time.json, tuning.json and e2e.json")
     ap.add_argument("--small", action="store_true", help="the small shapes (CPU: interpreter tuning)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),

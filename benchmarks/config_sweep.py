@@ -423,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in args.part.split(",") if p not in ("movers", "rowmap")]
     if unknown:
         ap.error(f"--part: {unknown} not among movers, rowmap")
+    # A name no pair carries would sweep nothing and write an empty file after the GPU's start-up.
+    known = list(dict.fromkeys(kname for _, kname in MOVERS + AUX))
+    if unknown := [k for k in args.kernels.split(",") if k and k not in known]:
+        ap.error(f"--kernels: {unknown} not among {', '.join(known)}")
     if args.table is not None:
         from te_jax_perm.ops import tuned_defaults
         tables = default_tables(args.table or table_sweeps(), tuned_defaults.shipped_tables())

@@ -120,7 +120,8 @@ def summarize(rows: list[dict], names: list[str] = ()) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m benchmarks.ncu_movers", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 -m benchmarks.ncu_movers", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="mode", required=True)
     r = sub.add_parser("run", help="launch the kernels (under ncu)")
     r.add_argument("--shapes", required=True, help="comma-separated shape names, e.g. DeepSeek-V3/T8192/H7168/E256/k8")

@@ -200,7 +200,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python3 -m benchmarks.small_t", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 -m benchmarks.small_t", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for small_t.json and small_t.png")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts T")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated models, of {', '.join(MODELS)}")
