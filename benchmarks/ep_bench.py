@@ -34,6 +34,15 @@ flags.DEFINE_bool("weak_scaling", False, "also time 1, 2, 4, .. devices at the s
 flags.DEFINE_string("json_out", None, "also write the results as JSON to this file")
 
 
+def routed_and_sent(sz: example.Sizes, rm_host):
+    """int32 ``[device, rank in its group]``: the rows each device routes to each rank, and
+    those it sends (at most the capacity; the rest are dropped)."""
+    import numpy as np
+
+    routed = rm_host.reshape(sz.n_dev, sz.tokens, sz.ep, sz.experts // sz.ep).sum(axis=(1, 3)).astype(np.int32)
+    return routed, np.minimum(routed, sz.cap)
+
+
 def exchange_ms(sz: example.Sizes, mesh, rm_host, mode: str, steps: int) -> float:
     """One forward row exchange of the layer, alone: the same rows, offsets and sizes."""
     import jax
@@ -42,9 +51,8 @@ def exchange_ms(sz: example.Sizes, mesh, rm_host, mode: str, steps: int) -> floa
     from jax.sharding import NamedSharding, PartitionSpec as P
     from te_jax_perm.parallel.exchange import send_rows
 
-    ep, el, cap = sz.ep, sz.experts // sz.ep, sz.cap
-    rows_to = rm_host.reshape(sz.n_dev, sz.tokens, ep, el).sum(axis=(1, 3))     # [device, rank in group] routed rows
-    sent = np.minimum(rows_to, cap).astype(np.int32)
+    ep, cap = sz.ep, sz.cap
+    rows_to, sent = routed_and_sent(sz, rm_host)
     rank_start = (np.cumsum(rows_to, 1) - rows_to).astype(np.int32)
     recv = sent.reshape(sz.data, ep, ep).transpose(0, 2, 1).reshape(sz.n_dev, ep)   # from each rank of the group
     shard = NamedSharding(mesh, P(mesh.axis_names))
@@ -63,7 +71,7 @@ def time_config(sz: example.Sizes, devices, modes: list[str], backend: str, step
     mesh = example.make_mesh(sz, devices)
     x, rm, probs, w_in, w_out, rm_host = example.make_problem(sz, mesh, FLAGS.routing)
     args = (x, probs, w_in, w_out, rm, jax.device_put(np.ones((sz.n_dev * sz.tokens,), np.float32), x.sharding))
-    kept = np.minimum(rm_host.reshape(sz.n_dev, sz.tokens, sz.ep, -1).sum(axis=(1, 3)), sz.cap)
+    _, kept = routed_and_sent(sz, rm_host)
     res: dict[str, Any] = {"devices": sz.n_dev, "experts": sz.experts, "modes": {}}
     for mode in modes:
         compiled, r = example.compiled_step(sz, mesh, mode, backend, args, example.memory_limit(devices[0]))
