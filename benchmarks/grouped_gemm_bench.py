@@ -72,7 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import gemm_problems
 from benchmarks.gemm_problems import GemmShape
 from benchmarks.results_io import write_json
-from benchmarks.shapes import by_substrings
+from benchmarks.shapes import by_name
 from benchmarks.timing import median_wall_ms
 from te_jax_perm import cli
 from te_jax_perm.core import Config
@@ -370,10 +370,7 @@ def shape_row(shape: GemmShape, *, backend: str = "triton", reps: int = 10, swee
 
 def main(argv: list[str]) -> None:
     del argv
-    try:
-        shapes = by_substrings(",".join(_SHAPES.value), gemm_problems.SHAPES, "--shapes")
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    shapes = by_name(",".join(_SHAPES.value), gemm_problems.SHAPES)
     os.makedirs(_OUT.value, exist_ok=True)
     results = {"device": str(jax.devices()[0].device_kind), "shapes": {}}
     try:

@@ -92,7 +92,7 @@ import numpy as np
 from benchmarks import gemm_problems, trace_stats
 from benchmarks.gemm_problems import GemmShape
 from benchmarks.results_io import write_json
-from benchmarks.shapes import by_substrings
+from benchmarks.shapes import by_name
 from benchmarks.timing import interleaved_ms, median_wall_ms
 from examples import moe_permute as example
 from te_jax_perm.core import resolve_backend
@@ -663,13 +663,6 @@ def plot(result: dict, path: pathlib.Path) -> None:
 
 
 # -- main ---------------------------------------------------------------------------------
-def _pick(items: tuple, spec: str) -> tuple:
-    try:
-        return by_substrings(spec, items, "--shapes")
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="directory for layer.json, layer.png and layer.log")
@@ -716,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     result["copy_GBps"] = copy_bandwidth_gbps(steps, 1 << 30 if on_gpu else 1 << 24, kernel_time=on_gpu)
     log(f"device copy: {result['copy_GBps']:.0f} GB/s (read + write, {'kernel' if on_gpu else 'wall'} time)")
 
-    for shape in _pick(GPU_SHAPES if on_gpu else CPU_SHAPES, args.shapes):
+    for shape in by_name(args.shapes, GPU_SHAPES if on_gpu else CPU_SHAPES):
         if budget_left() < 0:
             result["skipped"].append(f"{shape.name}: budget")
             log(f"LAYER {shape.name}: skipped, the {args.budget_s:.0f} s budget is spent")

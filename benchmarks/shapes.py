@@ -50,17 +50,14 @@ CPU_SHAPES: tuple[MoEShape, ...] = (
 )
 
 
-def by_substrings(spec: str, items: tuple, flag: str) -> tuple:
-    """Items whose ``.name`` contains any comma-separated substring of ``spec`` (all if empty)."""
+def by_name(spec: str, items: tuple) -> tuple:
+    """The benchmarks' ``--shapes``: the items whose ``.name`` contains any comma-separated
+    substring of ``spec`` (all if empty). A spec that matches nothing ends the run with the
+    names it could have matched, not a traceback."""
     if not spec:
         return items
     wanted = [w.strip() for w in spec.split(",") if w.strip()]
     picked = tuple(i for i in items if any(w in i.name for w in wanted))
     if not picked:
-        raise ValueError(f"{flag} {spec!r} matches none of {[i.name for i in items]}")
+        raise SystemExit(f"--shapes {spec!r} matches none of {[i.name for i in items]}")
     return picked
-
-
-def by_name(names: str, table: tuple[MoEShape, ...]) -> tuple[MoEShape, ...]:
-    """Filters ``table`` by comma-separated substrings of shape names (empty keeps all)."""
-    return by_substrings(names, table, "--shapes")
