@@ -13,19 +13,14 @@ over the 1-device group's step.
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
-import sys
 from typing import Any
 
 from absl import flags
 
-# Run as a module from the repository root: the examples package is a sibling.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.results_io import write_json  # noqa: E402
-from benchmarks.timing import median_wall_ms, wall_ms  # noqa: E402
-from examples import moe_expert_parallel as example  # noqa: E402
+from benchmarks.results_io import write_json
+from benchmarks.timing import median_wall_ms, wall_ms
+from examples import moe_expert_parallel as example
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", None, "timed training steps per measurement (default: 10 on GPUs, 2 on CPU)")
