@@ -434,9 +434,39 @@ def test_auto_falls_back_to_dense_where_ragged_is_unsupported():
     assert jax.default_backend() == "cpu"
     assert not ragged_all_to_all_supported(devs)       # XLA:CPU: "not supported by ThunkEmitter"
     assert resolve_a2a("auto", devs) == "dense"
-    assert resolve_a2a("ragged", devs) == "ragged"
+    with pytest.raises(ValueError, match="EPConfig.a2a = 'ragged', but ragged_all_to_all does not run on these cpu"):
+        resolve_a2a("ragged", devs)
     with pytest.raises(ValueError, match="a2a"):
         resolve_a2a("sparse", devs)
+
+
+def test_resolve_a2a_refuses_ragged_where_it_does_not_run(monkeypatch):
+    """One place decides the exchange: resolve_a2a refuses a ragged exchange on devices
+    without one, naming EPConfig.a2a, what it was and what runs instead; both layer entries
+    raise it before they trace any op."""
+    from te_jax_perm.parallel import a2a_support, ep_moe
+    devs = tuple(jax.devices("cpu")[:1])
+    monkeypatch.setattr(a2a_support, "probe", lambda devices: False)
+    a2a_support.forget_probes()
+    try:
+        with pytest.raises(ValueError, match=r"^EPConfig.a2a = 'ragged', but ragged_all_to_all does not run on these "
+                                             r"cpu devices; expected 'auto' \(ragged where it runs\) or 'dense'$"):
+            resolve_a2a("ragged", devs)
+        assert resolve_a2a("auto", devs) == resolve_a2a("dense", devs) == "dense"
+
+        def traced(*args, **kwargs):
+            raise AssertionError("an op of the layer was traced before the exchange mode was checked")
+
+        x, rm, probs, w1, w2 = _problem(1, T, 4, 2, "uniform", 0)
+        mesh = Mesh(np.array(devs), ("ep",))
+        cfg = EPConfig(a2a="ragged", backend="xla")
+        monkeypatch.setattr(ep_moe, "make_row_id_map", traced)
+        for call in (lambda: ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=cfg),
+                     lambda: _local_on(mesh, cfg)(x, rm, probs, w1, w2)):
+            with pytest.raises(ValueError, match="EPConfig.a2a = 'ragged', but ragged_all_to_all does not run"):
+                call()
+    finally:
+        a2a_support.forget_probes()
 
 
 def test_forget_probes_lets_auto_see_a_new_probe_answer(monkeypatch):

@@ -70,10 +70,25 @@ def probe(devices: tuple) -> bool:
     return ok
 
 
-def resolve_a2a(mode: str, devices: tuple) -> str:
-    """``"dense"`` or ``"ragged"`` for ``mode`` in ``("dense", "ragged", "auto")``."""
+def resolve_a2a(mode: str, devices: Sequence[jax.Device]) -> str:
+    """``"dense"`` or ``"ragged"``: the exchange the expert-parallel layer runs over
+    ``devices`` for ``EPConfig.a2a = mode``.
+
+    ``"auto"`` is ``"ragged"`` where :func:`ragged_all_to_all_supported` finds it runs on
+    ``devices``, else ``"dense"``; ``"ragged"`` on devices without it raises here, where XLA
+    would refuse it only when compiling the program.
+
+    Raises:
+      ValueError: ``mode`` is not ``"dense"``, ``"ragged"`` or ``"auto"``, or is
+        ``"ragged"`` where ``devices`` cannot run a ragged all-to-all.
+    """
     if mode not in ("dense", "ragged", "auto"):
         raise ValueError(f"EPConfig.a2a = {mode!r}; expected 'dense', 'ragged' or 'auto'")
-    if mode != "auto":
+    if mode == "dense":
         return mode
-    return "ragged" if ragged_all_to_all_supported(devices) else "dense"
+    devices = tuple(devices)
+    supported = ragged_all_to_all_supported(devices)
+    if mode == "ragged" and not supported:
+        raise ValueError(f"EPConfig.a2a = 'ragged', but ragged_all_to_all does not run on these "
+                         f"{devices[0].platform} devices; expected 'auto' (ragged where it runs) or 'dense'")
+    return "ragged" if supported else "dense"

@@ -49,7 +49,7 @@ from te_jax_perm.ops.moe_ffn.api import check_layer_dtypes
 from te_jax_perm.ops.moe_ffn.reference import activate, check_activation, check_expert_weights
 from te_jax_perm.ops.permute.api import permute_with_mask_map, unpermute_with_mask_map
 from te_jax_perm.ops.row_id_map.api import checked_routing_map, make_row_id_map
-from te_jax_perm.parallel.a2a_support import ragged_all_to_all_supported, resolve_a2a
+from te_jax_perm.parallel.a2a_support import resolve_a2a
 from te_jax_perm.parallel.exchange import return_rows, send_rows
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +144,6 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
                          f"runs the shard_map)") from None
     _check_shapes(x, routing_map, probs, w_in, w_out, cfg, ep)
     devices = tuple(jax.devices()[:ep])   # those resolve_a2a probes: inside shard_map the mesh's are not known
-    _check_ragged(cfg, devices)
     return _local(x, routing_map, probs, w_in, w_out, dataclasses.replace(cfg, a2a=resolve_a2a(cfg.a2a, devices)))
 
 
@@ -237,7 +236,7 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
 
 def _check_config(cfg: EPConfig) -> None:
     """The :class:`EPConfig` fields that need no mesh, as both layer entries take them
-    (``a2a``'s name is :func:`resolve_a2a`'s to check)."""
+    (``a2a`` is :func:`resolve_a2a`'s to check, against the devices the layer runs on)."""
     if not isinstance(cfg, EPConfig):
         raise TypeError(f"cfg is {type(cfg).__name__} {cfg!r:.60}; expected a te_jax_perm.parallel.EPConfig")
     for field, names in (("backend", OP_BACKENDS), ("gemm", GEMM_BACKENDS)):
@@ -293,19 +292,10 @@ def _check_shapes(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: 
                          f"= {ep * cap} rows per device; expected at most 2**31 - 1 (row indices are int32)")
 
 
-def _check_ragged(cfg: EPConfig, devices: tuple[jax.Device, ...]) -> None:
-    """A ragged exchange asked for on ``devices`` that cannot run one (XLA would say so
-    only when it compiles the program)."""
-    if cfg.a2a == "ragged" and not ragged_all_to_all_supported(devices):
-        raise ValueError(f"EPConfig.a2a = 'ragged', but ragged_all_to_all does not run on these "
-                         f"{devices[0].platform} devices; use a2a='auto' (ragged where it runs) or 'dense'")
-
-
 def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
                   ) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """What ``shard_map`` and the collectives would otherwise report in their own terms (or,
-    for an exchange the devices cannot run, only when XLA compiles it); returns the data and
-    FSDP axes as tuples."""
+    """What ``shard_map`` and the collectives would otherwise report in their own terms;
+    returns the data and FSDP axes as tuples."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh is {type(mesh).__name__} {mesh!r}; expected a jax.sharding.Mesh with the axis "
                         f"EPConfig.axis = {cfg.axis!r}")
@@ -334,5 +324,4 @@ def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
     if x.shape[1] % pieces:
         raise ValueError(f"x has H = {x.shape[1]} columns, which the {pieces} pieces of EPConfig.fsdp_axes = {fsdp} "
                          "cannot split evenly; expected H divisible by the product of their sizes")
-    _check_ragged(cfg, tuple(mesh.devices.flat))
     return data_axes, fsdp
