@@ -342,6 +342,62 @@ def test_the_layer_takes_its_meshs_default_backend(on_cpu, monkeypatch):
         assert backends.resolve_backend(None, "gpu") == "xla"
 
 
+class _FakeGpu:
+    """A device as JAX lists one, for a host whose default devices are GPUs."""
+    platform, device_kind = "gpu", "NVIDIA H200"
+
+    def __init__(self, i):
+        self.id = i
+
+
+def test_ep_moe_local_follows_the_platform_of_the_users_mesh(on_cpu, monkeypatch):
+    """ep_moe_local inside the user's shard_map over a CPU mesh, on a host whose default
+    JAX devices are GPUs (faked: jax.default_backend and jax.devices() read "gpu"): the
+    ragged-exchange probe runs on CPU devices, not on the host's first GPUs, and ops with no
+    backend named take the CPU's default (xla), as ep_moe_layer's do for its mesh."""
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+    from te_jax_perm.core import backends
+    from te_jax_perm.parallel import a2a_support
+    x, rm, probs, w1, w2 = _problem(1, T, 4, 2, "uniform", 0)
+    want = reference_moe_layer(x, rm, probs, w1, w2, ep=1)
+    cpu = jax.devices("cpu")[:1]
+    mesh = Mesh(np.array(cpu), ("ep",))
+    probed = []
+    # The fake probe finds ragged working on GPUs only: had it been asked about the host's
+    # GPUs, the CPU program would hold a ragged all-to-all XLA:CPU cannot compile.
+    monkeypatch.setattr(a2a_support, "probe", lambda devices: probed.append(devices) or devices[0].platform == "gpu")
+    a2a_support.forget_probes()
+    real_devices = jax.devices
+    try:
+        monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+        monkeypatch.setattr(jax, "devices", lambda backend=None: real_devices(backend) if backend else
+                            [_FakeGpu(i) for i in range(8)])
+        # Each on its own (the exchange with the backend named, the backend with the
+        # exchange named), then both left to the layer.
+        for cfg in (EPConfig(backend="xla"), EPConfig(a2a="dense"), EPConfig()):
+            probed.clear()
+            a2a_support.forget_probes()
+            got = jax.jit(_local_on(mesh, cfg))(x, rm, probs, w1, w2)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+            assert [[d.platform for d in devices] for devices in probed] == ([] if cfg.a2a == "dense" else [["cpu"]])
+        # A shard_map over an abstract mesh made without devices tells nothing: JAX's
+        # default devices are probed (traced only: the program would not compile for the
+        # CPU), and naming EPConfig.a2a and backend is the way out.
+        a2a_support.forget_probes()
+        args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, rm, probs, w1, w2)]
+
+        def bare(cfg):
+            return jax.jit(jax.shard_map(lambda *a: ep_moe_local(*a, cfg=cfg), mesh=AbstractMesh((1,), ("ep",)),
+                                         in_specs=(P("ep"),) * 5, out_specs=P("ep")))
+
+        jax.eval_shape(bare(EPConfig(backend="xla")), *args)
+        assert [d.platform for d in probed[-1]] == ["gpu"]
+        got = bare(EPConfig(a2a="dense", backend="xla"))(*args)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    finally:
+        a2a_support.forget_probes()
+
+
 def _local_on(mesh, cfg):
     """``ep_moe_local`` as a user calls it: inside their own ``shard_map`` over ``"ep"``,
     tokens and experts split over it."""

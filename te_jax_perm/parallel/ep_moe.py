@@ -75,7 +75,7 @@ class EPConfig:
         or ``"relu"`` (``w_in`` is ``[E, H, F]``); computed in float32.
       backend: the ops backend (``None``: the default; ``ep_moe_layer`` takes the default
         for its mesh's devices, ``"xla"`` on a CPU mesh even where JAX's default device is a
-        GPU).
+        GPU, and so does ``ep_moe_local`` where JAX tells it the mesh's platform).
       a2a: how rows cross devices: ``"dense"`` (``all_to_all`` of capacity-padded chunks),
         ``"ragged"`` (``ragged_all_to_all``, exactly the kept rows; needs backend support)
         or ``"auto"`` (ragged where a probe finds it works, else dense). Same results.
@@ -116,6 +116,18 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
     axes of ``cfg.data_axes`` and ``cfg.fsdp_axes`` are ``ep_moe_layer``'s business and are
     not read.
 
+    The exchange and the default backend follow the devices of the mesh the enclosing
+    ``shard_map`` runs on, as ``ep_moe_layer``'s follow its mesh. Inside ``shard_map`` JAX
+    gives that mesh's platform and device kind (``jax.sharding.get_abstract_mesh()``'s
+    ``abstract_device``) but not its devices, so ``cfg.a2a`` ``"auto"`` or ``"ragged"`` is
+    probed on ``ep`` devices of that platform and kind, and ops left on the default backend
+    (``cfg.backend`` or ``cfg.gemm`` ``None``, no :func:`te_jax_perm.use_backend` scope
+    around the call) take that platform's (``"xla"`` on a CPU mesh even where JAX's default
+    device is a GPU). A ``shard_map`` over a ``jax.sharding.AbstractMesh`` made without
+    devices tells neither: then the first ``ep`` of ``jax.devices()`` are probed and JAX's
+    default backend decides. Where those are not the devices the computation runs on, set
+    ``cfg.a2a`` (``"dense"`` runs everywhere) and ``cfg.backend`` yourself.
+
     Args:
       x: ``[T, H]`` this device's tokens.
       routing_map: ``[T, E]`` bool, global experts.
@@ -143,8 +155,29 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
                          f"call inside jax.shard_map over a mesh with that axis (or call ep_moe_layer, which "
                          f"runs the shard_map)") from None
     _check_shapes(x, routing_map, probs, w_in, w_out, cfg, ep)
-    devices = tuple(jax.devices()[:ep])   # those resolve_a2a probes: inside shard_map the mesh's are not known
-    return _local(x, routing_map, probs, w_in, w_out, dataclasses.replace(cfg, a2a=resolve_a2a(cfg.a2a, devices)))
+    platform, devices = _shard_map_devices(ep)
+    cfg = dataclasses.replace(cfg, a2a=resolve_a2a(cfg.a2a, devices))
+    # As in ep_moe_layer: ops left on the default backend take the one for the mesh's
+    # platform (each op resolves its backend when traced, inside this scope).
+    with use_backend(resolve_backend(cfg.backend, platform)):
+        return _local(x, routing_map, probs, w_in, w_out, cfg)
+
+
+def _shard_map_devices(ep: int) -> tuple[str | None, tuple[jax.Device, ...]]:
+    """The platform of the mesh the enclosing ``shard_map`` runs on and ``ep`` devices like
+    its own (same platform and kind) for the ragged-exchange probe. JAX's abstract mesh
+    carries a concrete mesh's platform and device kind, not its devices; a mesh made
+    abstract without devices carries neither, and then (``None``, the first ``ep`` of
+    ``jax.devices()``) is the best guess left."""
+    # getattr: an abstract mesh without the attribute tells as little as one without devices.
+    known = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if known is None:
+        return None, tuple(jax.devices()[:ep])
+    try:
+        like = [d for d in jax.devices(known.platform) if d.device_kind == known.device_kind]
+    except RuntimeError:   # no backend for that platform in this process
+        like = []
+    return known.platform, tuple(like[:ep] if len(like) >= ep else jax.devices()[:ep])
 
 
 def _local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array,
