@@ -34,6 +34,7 @@ from absl import flags
 
 # jax is imported here, but its devices start only in setup(), after --cpu_devices is read.
 from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS
+from te_jax_perm.parallel import EPConfig
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("cpu_devices", 8, "virtual CPU devices to run on when there is no GPU", lower_bound=1)
@@ -47,7 +48,7 @@ flags.DEFINE_bool("fsdp", False, "split the expert weights along their hidden di
                   "(FSDP): gathered for each step's GEMMs, their gradients reduce-scattered")
 flags.DEFINE_integer("experts", None, "routed experts E, a multiple of the expert-parallel group's size "
                      "devices / data (default: 32 on GPUs, 2 per group member on CPU)", lower_bound=1)
-flags.DEFINE_enum("activation", "silu_glu", list(ACTIVATIONS),
+flags.DEFINE_enum("activation", EPConfig().activation, list(ACTIVATIONS),
                   "the experts' activation, as moe_ffn names it: silu_glu (SwiGLU) and gelu_glu are gated "
                   "(w_in holds gate and up columns, [E, H, 2F])")
 flags.DEFINE_integer("topk", None, "experts per token k (default: 8 on GPUs, 2 on CPU)", lower_bound=1)
@@ -89,7 +90,7 @@ class Sizes:
     dtype: str
     capacity: int | None
     data: int = 1
-    activation: str = "silu_glu"
+    activation: str = EPConfig().activation
     fsdp: bool = False
 
     @property
@@ -257,7 +258,7 @@ def compiled_step(sz: Sizes, mesh, mode: str, backend: str, args: tuple, limit: 
     MemoryError, before anything runs, when that exceeds ``limit`` bytes (a rank out of
     memory would hang the others in the all-to-all)."""
     import jax
-    from te_jax_perm.parallel import EPConfig, ep_moe_layer
+    from te_jax_perm.parallel import ep_moe_layer
 
     gemm = None if FLAGS.gemm == "auto" else FLAGS.gemm
     cfg = EPConfig(num_out_tokens=sz.num_out, capacity=sz.capacity, backend=backend, a2a=mode, gemm=gemm,

@@ -659,6 +659,25 @@ def test_benchmark_times_the_example_layer_and_weak_scales(tmp_path):
 
 
 @single_process
+def test_example_takes_its_default_activation_from_the_layer():
+    """The example's --activation default (and its Sizes') is EPConfig's, not a copy of it:
+    with EPConfig's default changed before the example is imported, the example's follows."""
+    code = "\n".join([
+        "import dataclasses",
+        "import te_jax_perm.parallel as parallel",
+        "from te_jax_perm.parallel import ep_moe",
+        "Other = dataclasses.make_dataclass('Other', [('activation', str, 'relu')], bases=(ep_moe.EPConfig,),",
+        "                                   frozen=True)",
+        "parallel.EPConfig = ep_moe.EPConfig = Other",
+        "from examples import moe_expert_parallel as example",
+        "print(example.FLAGS['activation'].default, example.Sizes(1, 1, 1, 1, 1, 1, 'float32', None).activation)"])
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["relu", "relu"]
+
+
+@single_process
 def test_example_helpshort_explains_every_flag():
     import re
     example = {"cpu_devices", "devices", "tokens", "hidden", "ffn", "experts", "topk", "dtype", "routing",
