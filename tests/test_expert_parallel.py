@@ -10,7 +10,7 @@ checks our offsets and sizes; the real collective is checked by the GPU test."""
 import numpy as np
 import pytest
 
-from tests.multidevice import MULTI, multidevice, run_module_on_8_devices, without_cpu_devices  # noqa: E402,F401
+from tests.multidevice import multidevice, run_module_on_8_devices, without_cpu_devices  # noqa: E402,F401
 
 
 @pytest.mark.slow
@@ -573,10 +573,8 @@ from te_jax_perm.parallel.memory import GIB, ep_working_set, fits  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EP_EXAMPLE = ROOT / "examples" / "moe_expert_parallel.py"
-single_process = pytest.mark.skipif(MULTI, reason="runs once, in the parent process")
 
 
-@single_process
 def test_working_set_counts_weights_activations_and_capacity():
     kw = dict(tokens=4096, hidden=4096, ffn=2048, experts=32, ep=4, num_out_tokens=4096 * 8, gated=False)
     ws = ep_working_set(**kw, dtype="bfloat16")
@@ -615,7 +613,6 @@ def _run_example(*args, bench: bool = False):
     return subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
 
 
-@single_process
 def test_example_exits_with_a_message_when_the_layer_cannot_fit():
     # DeepSeek-V3-sized experts on 2 devices against a 16 GiB device: refused before anything is built.
     proc = _run_example("--cpu_devices=2", "--tokens=4096", "--hidden=7168", "--ffn=2048", "--experts=256",
@@ -625,7 +622,6 @@ def test_example_exits_with_a_message_when_the_layer_cannot_fit():
     assert "compile" not in proc.stdout.split("WON'T FIT")[0].split("memory check")[0]
 
 
-@single_process
 def test_example_runs_when_the_layer_fits():
     # Two data copies of a 2-device group, the weights split over them, SwiGLU experts (the
     # example's default activation).
@@ -641,7 +637,6 @@ def test_example_runs_when_the_layer_fits():
     assert out.strip().splitlines()[-1].startswith("PASS: expert-parallel layer on 4 cpu devices (2 data copies)")
 
 
-@single_process
 def test_benchmark_times_the_example_layer_and_weak_scales(tmp_path):
     """benchmarks/ep_bench.py on the example's layer and flags: the step and one exchange
     timed per mode at 1, 2 and 4 devices, each over the 1-device step, written as JSON."""
@@ -658,7 +653,6 @@ def test_benchmark_times_the_example_layer_and_weak_scales(tmp_path):
     assert all("weak_scaling_ratio" in m for r in runs[1:] for m in r["modes"].values())
 
 
-@single_process
 def test_example_takes_its_default_activation_from_the_layer():
     """The example's --activation default (and its Sizes') is EPConfig's, not a copy of it:
     with EPConfig's default changed before the example is imported, the example's follows."""
@@ -677,7 +671,6 @@ def test_example_takes_its_default_activation_from_the_layer():
     assert proc.stdout.split() == ["relu", "relu"]
 
 
-@single_process
 def test_example_helpshort_explains_every_flag():
     import re
     example = {"cpu_devices", "devices", "tokens", "hidden", "ffn", "experts", "topk", "dtype", "routing",
