@@ -1,10 +1,12 @@
 """moe_ffn: the expert layer with dispatch and combine fused into its GEMMs, against the
 unfused composition (token_dispatch -> grouped_matmul -> activation -> grouped_matmul ->
 token_combine) and a float64 NumPy reference; forward and gradients, dropping and padding,
-hostile routing (tokens with no expert, every token on one expert), under jit; each fused
+hostile routing (tokens with no expert, every token on one expert), under jit, vmap, and
+lax.scan with jax.checkpoint (both the fused and the unfused layer); each fused
 kernel against its reference and under the sanitizer with hostile owner tables and group
 sizes; and a GPU-sized check (bit-identical reruns, unfused agreement) on the triton backend."""
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -199,6 +201,54 @@ def test_vmap_over_independent_layers(backend):
         _close(loss[b], want_loss, 2e-5, f"layer {b}")
         for got, w in zip(g, want):
             _close(got[b], w, 2e-5, f"layer {b} gradient")
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["moe_ffn", "unfused"])
+def test_layers_under_scan_and_remat_match_the_unrolled_layers(backend, fused):
+    """A stack of MoE layers as training stacks run them: ``lax.scan`` over the layers'
+    weights, each layer under ``jax.checkpoint`` (recomputed in the backward, wholly or
+    keeping its matmuls), routing computed from the layer's input (traced). Loss and
+    gradients equal the unrolled stack's without recomputation, and the xla backend's."""
+    layers, t, h, e, k, f = 2, 12, 16, 4, 2, 8
+    rng = np.random.default_rng(21)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    w_router = jnp.asarray(rng.standard_normal((layers, h, e)), jnp.float32)
+    w_in = jnp.asarray(rng.standard_normal((layers, e, h, 2 * f)) / np.sqrt(h), jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((layers, e, f, h)) / np.sqrt(f), jnp.float32)
+
+    def layer(be, hid, weights):
+        wr, wi, wo = weights
+        logits = hid @ wr
+        top = jax.lax.top_k(logits, k)[1]
+        rm = jnp.zeros((t, e), bool).at[jnp.arange(t)[:, None], top].set(True)
+        probs = jax.nn.softmax(logits, axis=-1)
+        ffn = te_jax_perm.moe_ffn if fused else unfused
+        return hid + ffn(hid, rm, probs, wi, wo, t * k, backend=be), None
+
+    def loss(be, remat, scan, x, *weights):
+        step = functools.partial(layer, be)
+        if remat:
+            step = jax.checkpoint(step, policy=remat)
+        if scan:
+            hid, _ = jax.lax.scan(step, x, weights)
+        else:
+            hid = x
+            for i in range(layers):
+                hid, _ = step(hid, tuple(w[i] for w in weights))
+        return jnp.sum(hid ** 2)
+
+    args = (x, w_router, w_in, w_out)
+    grad = lambda be, remat, scan: jax.jit(jax.value_and_grad(  # noqa: E731
+        functools.partial(loss, be, remat, scan), argnums=(0, 1, 2, 3)))(*args)
+    want_loss, wants = grad("xla", None, False)
+    policies = jax.checkpoint_policies
+    for remat, scan in ((None, True), (policies.nothing_saveable, False), (policies.nothing_saveable, True),
+                        (policies.dots_saveable, True)):
+        got_loss, gots = grad(backend, remat, scan)
+        what = f"{backend}, remat {getattr(remat, '__name__', None)}, scan {scan}"
+        _close(got_loss, want_loss, 2e-5, what)
+        for got, want in zip(gots, wants):
+            _close(got, want, 2e-5, f"{what} gradient")
 
 
 def test_values_off_the_route_are_never_read(kernel_backend):
