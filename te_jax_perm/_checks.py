@@ -120,7 +120,13 @@ def routing_map_array(name: str, x: Any) -> jax.Array:
     check_routing_dtype(name, x)
     if _dt(x) != np.bool_:
         check_values(functools.partial(_not_zero_one, name), x)
-    return jnp.asarray(x)
+    arr = jnp.asarray(x)
+    if isinstance(arr, jax.core.Tracer) and not isinstance(x, jax.core.Tracer):
+        # A concrete map closed over by a traced function: behind a barrier, XLA does not
+        # build the row-id map from it at compile time (on the xla backend a minute for a
+        # 4096 x 256 map, where the device takes microseconds). The barrier costs nothing.
+        arr = jax.lax.optimization_barrier(arr)
+    return arr
 
 
 def _not_zero_one(name: str, m: np.ndarray) -> str | None:

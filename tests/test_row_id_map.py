@@ -159,3 +159,19 @@ def test_dispatch_map_rejects_rows_past_int32():
     rm = np.ones((4, 8), bool)
     with pytest.raises(ValueError, match="align_size = 2147483647"):
         M.dispatch_map_fused(rm, backend="xla", block_t=4, drop_at=32, align=2**31 - 1, num_out_rows=32)
+
+
+def test_a_closed_over_routing_map_is_not_folded_at_compile_time():
+    """A NumPy routing map closed over by a jitted function is a constant of the program:
+    XLA would build the xla backend's row-id map from it while compiling (a minute at
+    4096 x 256 on a CPU). Such a map reaches the ops behind an optimisation barrier, which
+    XLA does not fold through; a map passed as an argument gets none."""
+    rm = routing(np.random.default_rng(0), 16, 4, 2, "topk")
+    ops = {"make_row_id_map": lambda m: te_jax_perm.make_row_id_map(m, 32, backend="xla")[0],
+           "token_dispatch": lambda m: te_jax_perm.token_dispatch(jnp.ones((16, 8)), m, 32, backend="xla")[0]}
+    for name, op in ops.items():
+        closed = jax.jit(lambda: op(rm)).lower().as_text()
+        passed = jax.jit(op).lower(jnp.asarray(rm)).as_text()
+        assert "optimization_barrier" in closed, name
+        assert "optimization_barrier" not in passed, name
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda: op(rm))()), np.asarray(op(rm)), err_msg=name)
