@@ -300,8 +300,7 @@ def test_real_size_matches_xla(kernel_backend, t, h, e, k):
     rm = top_k_map(rng.standard_normal((t, e)), k)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
     p = jnp.asarray(rng.random((t, e)), jnp.float32)
-    # The routing map is an argument: as a closed-over constant XLA would fold the xla
-    # backend's sort over it at compile time, for minutes at these sizes.
+    # The routing map an argument, as a router's output is in a training step.
     res = [jax.jit(lambda x, rm, p: te_jax_perm.token_dispatch(x, rm, t * k, probs=p, align_size=16, backend=b))(
                x, jnp.asarray(rm), p) for b in ("xla", kernel_backend)]
     for a, b in zip(res[0], res[1]):
