@@ -1,0 +1,125 @@
+"""Several Python threads calling the library at once, as a server's request threads do.
+
+Each test starts its threads together (a ``threading.Barrier``) so that first calls
+(tracing, lowering, config selection, tuning) overlap, and checks the results against
+single-threaded ones, that no exception escapes a thread, and that one thread's scopes
+(``use_backend``, ``autotuning``, ``sanitize``) do not change what another thread does.
+Shapes are small: the interpreter runs one program at a time, and launches from all
+threads take turns (its launch lock).
+"""
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import te_jax_perm
+from tests.conftest import routing
+from te_jax_perm.core import resolve_backend, use_backend
+
+CPU = jax.devices("cpu")[0]
+N_THREADS = 4
+
+
+def run_threads(fns, timeout_s=120.0):
+    """Runs each of ``fns`` in its own thread, all released at once by a barrier (the
+    function gets it, to meet the others again); returns their results in order and raises
+    the first exception any of them raised."""
+    barrier = threading.Barrier(len(fns))
+    results, errors = [None] * len(fns), [None] * len(fns)
+
+    def body(i, fn):
+        try:
+            with jax.default_device(CPU):   # the interpreter runs on host buffers
+                barrier.wait()
+                results[i] = fn(barrier)
+        except BaseException as e:  # noqa: BLE001 - handed to the test below
+            errors[i] = e
+            barrier.abort()   # a thread waiting on the barrier fails too instead of hanging
+
+    threads = [threading.Thread(target=body, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), f"a thread did not finish in {timeout_s} s"
+    first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)),
+                 next((e for e in errors if e is not None), None))
+    if first is not None:
+        raise first
+    return results
+
+
+# -- the ops, each a small first call of its own ------------------------------------------------
+RNG = np.random.default_rng(0)
+T, E, K_TOP, H = 16, 4, 2, 24
+X = RNG.standard_normal((T, H)).astype(np.float32)
+ROUTING = routing(RNG, T, E, K_TOP)
+PROBS = (RNG.random((T, E)) * ROUTING).astype(np.float32)
+SPLITS, ORDER = np.array([5, 3, 6, 2], np.int32), np.array([2, 0, 3, 1], np.int32)
+W = RNG.standard_normal((E, H, 8)).astype(np.float32)
+GROUPS = np.array([4, 0, 7, 5], np.int32)
+
+
+def dispatch_combine(backend, x=X):
+    out, probs, rid, _, _ = te_jax_perm.token_dispatch(x, ROUTING, T * K_TOP, probs=PROBS, backend=backend)
+    return out, probs, te_jax_perm.token_combine(out, rid, PROBS, backend=backend)
+
+
+OPS = {
+    "sort_chunks": lambda b, x=X: te_jax_perm.sort_chunks_by_index(x, SPLITS, ORDER, backend=b),
+    "row_id_map": lambda b, x=X: te_jax_perm.make_row_id_map(ROUTING, T * K_TOP, backend=b),
+    "dispatch_combine": dispatch_combine,
+    "grouped_matmul": lambda b, x=X: te_jax_perm.grouped_matmul(x, W, GROUPS, backend=b),
+}
+
+
+def as_numpy(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def assert_trees_equal(got, want, what):
+    for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"{what}: leaf {i}")
+
+
+def test_concurrent_first_calls_of_different_ops_match_the_xla_backend():
+    # Every op on both backends, eagerly and under jit, each thread with its own row count
+    # where the op allows (so each thread's call is a first lowering of its own).
+    jobs = []
+    for name, op in OPS.items():
+        for backend in ("xla", "interpret"):
+            for jitted in (False, True):
+                jobs.append((name, op, backend, jitted))
+
+    def job(name, op, backend, jitted):
+        def run(_barrier):
+            f = jax.jit(lambda x: op(backend, x)) if jitted else (lambda x: op(backend, x))
+            return as_numpy(f(jnp.asarray(X)))
+        return run
+
+    got = run_threads([job(*j) for j in jobs])
+    for (name, op, backend, jitted), g in zip(jobs, got):
+        assert_trees_equal(g, as_numpy(op("xla")), f"{name} on {backend} ({'jit' if jitted else 'eager'})")
+
+
+def test_use_backend_scopes_stay_in_their_thread():
+    # Each thread holds its own scope while the others hold theirs, and lowers a function
+    # inside it: only the interpreter's lowering holds the kernel's custom call.
+    names = ["interpret", "xla"] * (N_THREADS // 2)
+
+    def job(name):
+        def run(barrier):
+            with use_backend(name):
+                barrier.wait()   # every thread is inside its scope now
+                seen = resolve_backend()
+                text = jax.jit(lambda x: te_jax_perm.sort_chunks_by_index(x, SPLITS, ORDER)).lower(X).as_text()
+                barrier.wait()   # no thread leaves its scope before all have looked
+            return seen, "custom_call" in text, resolve_backend()
+        return run
+
+    for name, (seen, custom_call, after) in zip(names, run_threads([job(n) for n in names])):
+        assert seen == name, f"inside use_backend({name!r}) the backend resolved to {seen!r}"
+        assert custom_call is (name == "interpret"), f"use_backend({name!r}) lowered with custom call {custom_call}"
+        assert after == "xla", f"after use_backend({name!r}) closed, the backend is {after!r}, not the default"
+
