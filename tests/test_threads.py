@@ -15,6 +15,7 @@ import numpy as np
 
 import te_jax_perm
 from tests.conftest import routing
+from te_jax_perm import autotune
 from te_jax_perm.core import resolve_backend, use_backend
 
 CPU = jax.devices("cpu")[0]
@@ -122,4 +123,37 @@ def test_use_backend_scopes_stay_in_their_thread():
         assert seen == name, f"inside use_backend({name!r}) the backend resolved to {seen!r}"
         assert custom_call is (name == "interpret"), f"use_backend({name!r}) lowered with custom call {custom_call}"
         assert after == "xla", f"after use_backend({name!r}) closed, the backend is {after!r}, not the default"
+
+
+# -- the autotuner --------------------------------------------------------------------------------
+def test_autotuning_blocks_stay_in_their_thread():
+    # Two threads' blocks overlap and close in the order they opened (not nested): each
+    # thread sees its own block's setting, a thread outside any block sees the process's,
+    # and afterwards nothing of either block is left.
+    before = autotune.enabled()
+
+    def first(barrier):
+        with autotune.autotuning(not before):
+            barrier.wait()                   # 1: the second thread is outside any block
+            barrier.wait()                   # 2: it looked
+            barrier.wait()                   # 3: it opened its own block
+            mine = autotune.enabled()
+        barrier.wait()                       # 4: this block closed first
+        return mine
+
+    def second(barrier):
+        barrier.wait()
+        outside = autotune.enabled()
+        barrier.wait()
+        with autotune.autotuning(before):
+            barrier.wait()
+            barrier.wait()
+            mine = autotune.enabled()
+        return outside, mine
+
+    mine_first, (outside, mine_second) = run_threads([first, second])
+    assert mine_first is (not before), "a thread's autotuning() block was changed by another thread's"
+    assert outside is before, "a thread outside any autotuning() block saw another thread's block"
+    assert mine_second is before, "a thread's autotuning() block was changed by another thread's"
+    assert autotune.enabled() is before, "autotuning() blocks of two threads left their setting behind"
 

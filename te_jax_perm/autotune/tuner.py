@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import time
@@ -248,15 +249,19 @@ def _reference(decl: KernelDecl, inputs: Sequence[np.ndarray], params: Mapping[s
 
 # -- the config resolver -----------------------------------------------------------------------
 # Apart, so that an enable() inside an autotuning() block outlasts the block, and the
-# block's exit restores the block outside it.
+# block's exit restores the block outside it. A block holds for its own thread (a context
+# variable, as use_backend's scope): a module global would let one request thread's block
+# decide whether another thread tunes, and two threads' blocks closing out of order would
+# leave one's setting behind for the whole process.
 _process: bool | None = None   # enable()'s setting; None: TE_JAX_PERM_AUTOTUNE's
-_scoped: bool | None = None    # the innermost autotuning() block's; None: outside any
+# The innermost autotuning() block's; None: outside any.
+_scoped: contextvars.ContextVar[bool | None] = contextvars.ContextVar("te_jax_perm_autotuning", default=None)
 _options = TuneOptions()
 
 
 def enabled() -> bool:
-    if _scoped is not None:
-        return _scoped
+    if (scoped := _scoped.get()) is not None:
+        return scoped
     return env.autotune() if _process is None else _process
 
 
@@ -272,13 +277,13 @@ def enable(on: bool = True, options: TuneOptions | None = None) -> None:
 @contextlib.contextmanager
 def autotuning(on: bool = True) -> Iterator[None]:
     """Within the context, kernels traced with no explicit config are tuned on a cache miss
-    (``on=False``: not tuned)."""
-    global _scoped
-    saved, _scoped = _scoped, on
+    (``on=False``: not tuned). The block holds for the thread that opens it; other threads
+    keep their own setting."""
+    token = _scoped.set(bool(on))
     try:
         yield
     finally:
-        _scoped = saved
+        _scoped.reset(token)
 
 
 def pick(decl: KernelDecl, entry: Mapping[str, Any], dims: Mapping[str, int], params: Mapping[str, Any]
