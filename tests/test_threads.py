@@ -7,6 +7,7 @@ single-threaded ones, that no exception escapes a thread, and that one thread's 
 Shapes are small: the interpreter runs one program at a time, and launches from all
 threads take turns (its launch lock).
 """
+import json
 import threading
 
 import jax
@@ -14,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import te_jax_perm
+from tests import _autotune_kernels as K
 from tests.conftest import routing
 from te_jax_perm import autotune
-from te_jax_perm.core import resolve_backend, use_backend
+from te_jax_perm.autotune import cache
+from te_jax_perm.core import Config, declare, resolve_backend, use_backend
 
 CPU = jax.devices("cpu")[0]
 N_THREADS = 4
@@ -157,3 +160,30 @@ def test_autotuning_blocks_stay_in_their_thread():
     assert mine_second is before, "a thread's autotuning() block was changed by another thread's"
     assert autotune.enabled() is before, "autotuning() blocks of two threads left their setting behind"
 
+
+
+def test_threads_tuning_one_key_tune_it_once(tmp_cache):
+    # Every thread misses the cache at once for the same key; one tunes, the others wait
+    # for its result instead of timing every config again, and one valid entry is stored.
+    decl = K.accumulate_decl(name="threads_one_key", default_config=lambda d, p: Config.make(BS=16, BT=2))
+    prim = declare(decl)
+    x = np.random.default_rng(2).standard_normal((48, 10)).astype(np.float32)
+
+    def job(jitted):
+        def run(_barrier):
+            with autotune.autotuning(True):
+                f = jax.jit(lambda a: prim(a, backend="interpret")) if jitted else (
+                    lambda a: prim(a, backend="interpret"))
+                (y,) = f(jnp.asarray(x))
+            return np.asarray(y)
+        return run
+
+    got = run_threads([job(i % 2 == 0) for i in range(N_THREADS)])
+    for y in got:
+        np.testing.assert_array_equal(y, x)   # out(=0) += x applied exactly once
+    assert autotune.stats["tunes"] == 1, f"{autotune.stats['tunes']} threads tuned the same key; expected 1"
+    files = sorted(tmp_cache.glob("*"))
+    assert [p.suffix for p in files] == [".json"], f"cache directory holds {files}; expected one entry"
+    entry = json.loads(files[0].read_text())
+    key = cache.make_key(decl, {"T": 48, "H": 10}, {}, [np.float32], "interpret")
+    assert entry["key"] == key and cache.load(key, decl, {"T": 48, "H": 10}, {}) is not None

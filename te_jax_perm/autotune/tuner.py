@@ -17,6 +17,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import threading
 import time
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -122,14 +123,35 @@ def tune(kernel: Any, shapes: Sequence[Any], params: Mapping[str, Any] | None = 
 
 def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
     """Tunes one bound call (see :func:`tune`)."""
-    decl, dims, params, backend = call.decl, call.dims, call.params, call.backend
-    if backend not in RUNNERS:
-        raise ValueError(f"autotune: backend={backend!r} has no kernel configs to tune; expected one of "
+    if call.backend not in RUNNERS:
+        raise ValueError(f"autotune: backend={call.backend!r} has no kernel configs to tune; expected one of "
                          f"{tuple(sorted(RUNNERS))}")
     key = cache.call_key(call)
     entry = None if options.force else cached(call, key)
     if entry is not None:
         return TuneResult(key, entry, cached=True)
+    with _key_lock(key):
+        # Threads that miss the same key at once (a server's first requests) tune it once:
+        # the others wait here and then find the winner's result in the cache.
+        entry = None if options.force else cached(call, key)
+        if entry is not None:
+            return TuneResult(key, entry, cached=True)
+        return _tune(call, key, options, pool)
+
+
+_key_locks: dict[str, threading.Lock] = {}
+_key_locks_lock = threading.Lock()
+
+
+def _key_lock(key: Mapping[str, Any]) -> threading.Lock:
+    """The lock held while ``key`` is tuned in this process."""
+    with _key_locks_lock:
+        return _key_locks.setdefault(cache.key_digest(key), threading.Lock())
+
+
+def _tune(call: Call, key: Mapping[str, Any], options: TuneOptions, pool: Any) -> TuneResult:
+    """Tunes ``call`` under ``key``, whatever the cache holds."""
+    decl, dims, params, backend = call.decl, call.dims, call.params, call.backend
     stats["tunes"] += 1
     t_start = time.perf_counter()
     phases: dict[str, float] = {}
