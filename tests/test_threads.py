@@ -187,3 +187,24 @@ def test_threads_tuning_one_key_tune_it_once(tmp_cache):
     entry = json.loads(files[0].read_text())
     key = cache.make_key(decl, {"T": 48, "H": 10}, {}, [np.float32], "interpret")
     assert entry["key"] == key and cache.load(key, decl, {"T": 48, "H": 10}, {}) is not None
+
+
+# -- errors raised inside a launch ----------------------------------------------------------------
+def test_threads_failing_the_same_way_each_get_their_own_error():
+    # A kernel's error is raised in XLA's host callback, which XLA hands on only as text; the
+    # eager call finds the error again by that text. Threads failing with the same text at
+    # once must each get the error itself, not XLA's runtime error quoting it.
+    from tests.planted_kernels import broken_store
+
+    def job(_barrier):
+        seen = []
+        for _ in range(4):
+            try:
+                broken_store(jnp.zeros((8,), jnp.float32), backend="interpret")
+                seen.append(None)
+            except Exception as e:  # noqa: BLE001 - the test looks at which exception arrived
+                seen.append(type(e).__name__)
+        return seen
+
+    for seen in run_threads([job] * 8):
+        assert seen == ["ValueError"] * 4, f"a thread's failing calls raised {seen}; expected ValueError each time"

@@ -14,16 +14,21 @@ import threading
 
 from jax._src import compiler
 
-_kept: dict[str, BaseException] = {}   # by quoted text; XLA's callbacks may run on any thread
+# By quoted text, each text's exceptions in the order they were raised; XLA's callbacks may
+# run on any thread. A list, not one exception: threads that fail with the same text at once
+# (the same bad call from several request threads) must each find one, where one slot would
+# hand the first thread's lookup the second's exception and leave the second with none.
+_kept: dict[str, list[BaseException]] = {}
 _lock = threading.Lock()
+_MAX_KEPT = 64
 
 
 def keep(err: BaseException) -> BaseException:
     """``err``, remembered until a runtime error quoting it is given to :func:`original`."""
     with _lock:
-        if len(_kept) >= 64:   # raised but never asked for: forget them
+        if sum(map(len, _kept.values())) >= _MAX_KEPT:   # raised but never asked for: forget them
             _kept.clear()
-        _kept[f"{type(err).__name__}: {err}"] = err
+        _kept.setdefault(f"{type(err).__name__}: {err}", []).append(err)
     return err
 
 
@@ -36,7 +41,10 @@ def original(runtime_error: BaseException, forget: bool = True, traceback: bool 
         quoted = next((q for q in _kept if q in text), None)
         if quoted is None:
             return None
-        err = _kept.pop(quoted) if forget else _kept[quoted]
+        same = _kept[quoted]
+        err = same.pop(0) if forget else same[0]
+        if not same:
+            del _kept[quoted]
     return err if traceback else err.with_traceback(None)
 
 
