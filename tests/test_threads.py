@@ -19,7 +19,8 @@ from tests import _autotune_kernels as K
 from tests.conftest import routing
 from te_jax_perm import autotune
 from te_jax_perm.autotune import cache
-from te_jax_perm.core import Config, declare, resolve_backend, use_backend
+from te_jax_perm.core import Config, declare, hooks, resolve_backend, use_backend
+from te_jax_perm.sanitize import sanitize
 
 CPU = jax.devices("cpu")[0]
 N_THREADS = 4
@@ -208,3 +209,31 @@ def test_threads_failing_the_same_way_each_get_their_own_error():
 
     for seen in run_threads([job] * 8):
         assert seen == ["ValueError"] * 4, f"a thread's failing calls raised {seen}; expected ValueError each time"
+
+
+# -- the sanitizer ---------------------------------------------------------------------------------
+def test_sanitizer_scopes_in_some_threads_leave_the_others_results_and_close_cleanly():
+    # Sanitized threads open and close their scopes while plain threads run the same ops;
+    # every result is right, no shipped kernel is reported, each sanitized thread's report
+    # holds its own launches, and once every scope is closed no observer is left behind
+    # (which would slow every later launch in the process by the recording).
+    op = OPS["sort_chunks"]
+    want = as_numpy(op("xla"))
+
+    def sanitized(_barrier):
+        with sanitize() as report:
+            got = [as_numpy(op("interpret")), as_numpy(jax.jit(lambda x: op("interpret", x))(jnp.asarray(X)))]
+        return got, report
+
+    def plain(backend):
+        return lambda _barrier: ([as_numpy(op(backend)), as_numpy(jax.jit(lambda x: op(backend, x))(jnp.asarray(X)))],
+                                 None)
+
+    jobs = [sanitized, plain("interpret"), sanitized, plain("xla")]
+    for i, (got, report) in enumerate(run_threads(jobs)):
+        for g in got:
+            assert_trees_equal(g, want, f"thread {i}")
+        if report is not None:
+            assert not report, report.text()
+            assert {s.kernel for s in report.launches} >= {"sort_chunks"}, report.launches
+    assert hooks.launch_observers() == (), "sanitizer scopes closed in threads left a launch observer registered"

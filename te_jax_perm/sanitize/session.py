@@ -71,6 +71,8 @@ def sanitize(raise_on_first: bool = False) -> Iterator[Report]:
     launch ends). Block on results inside the scope (JAX dispatches asynchronously), or use
     :func:`check`. Computations go to the first CPU device, as the interpreter runs on host
     buffers; arrays committed to a GPU must be moved (:func:`check` moves its arguments).
+    While open, the scope sees the launches of every thread in the process, not only this
+    one's: a kernel runs in XLA's host callback, which need not run on the calling thread.
     """
     session = _hub.open(raise_on_first)
     report = session[1]
