@@ -242,3 +242,39 @@ def test_sanitizer_scopes_in_some_threads_leave_the_others_results_and_close_cle
             assert not report, report.text()
             assert {s.kernel for s in report.launches} >= {"sort_chunks"}, report.launches
     assert hooks.launch_observers() == (), "sanitizer scopes closed in threads left a launch observer registered"
+
+
+# -- the expert-parallel exchange's probe --------------------------------------------------------
+def test_threads_asking_whether_ragged_runs_probe_once_and_survive_a_forget(monkeypatch):
+    # Request threads tracing the expert-parallel layer at once ask the same question: one
+    # probe answers them all, and a forget_probes() in between takes no thread's answer away.
+    import time
+    from te_jax_perm.parallel import a2a_support
+
+    calls = []
+
+    def slow_probe(devices):
+        calls.append(devices)
+        time.sleep(0.05)   # long enough for every thread to arrive while it runs
+        return False
+
+    monkeypatch.setattr(a2a_support, "probe", slow_probe)
+    a2a_support.forget_probes()
+    devices = (CPU,)
+
+    def asker(barrier):
+        first = a2a_support.ragged_all_to_all_supported(devices)
+        barrier.wait()
+        return first, a2a_support.ragged_all_to_all_supported(devices)
+
+    def forgetter(barrier):
+        barrier.wait()
+        a2a_support.forget_probes()
+        return False, False
+
+    try:
+        answers = run_threads([asker] * N_THREADS + [forgetter])
+    finally:
+        a2a_support.forget_probes()
+    assert all(a == (False, False) for a in answers), answers
+    assert 1 <= len(calls) <= 2, f"{len(calls)} probes for one question asked by {N_THREADS} threads (2 at most: one forget)"

@@ -7,6 +7,7 @@ its result, and the answer is cached per (platform, device kind, device count).
 """
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 from absl import logging
@@ -20,20 +21,26 @@ def ragged_all_to_all_supported(devices: Sequence[jax.Device]) -> bool:
     """True when a ragged all-to-all over ``devices`` compiles and gives the right result."""
     devices = tuple(devices)
     key = (devices[0].platform, getattr(devices[0], "device_kind", ""), len(devices))
-    if key not in _cache:
-        _cache[key] = probe(devices)
-        logging.info("ragged_all_to_all on %s (%s) x%d: %s", *key,
-                     "supported" if _cache[key] else "not supported, using the dense all_to_all")
-    return _cache[key]
+    # One probe per key, however many threads ask at once; the answer is returned from
+    # here, not read back, so a forget_probes() in another thread cannot take it away.
+    with _lock:
+        known = _cache.get(key)
+        if known is None:
+            known = _cache[key] = probe(devices)
+            logging.info("ragged_all_to_all on %s (%s) x%d: %s", *key,
+                         "supported" if known else "not supported, using the dense all_to_all")
+    return known
 
 
 _cache: dict[tuple, bool] = {}
+_lock = threading.Lock()
 
 
 def forget_probes() -> None:
     """Drops the cached answers of :func:`ragged_all_to_all_supported` (one per platform,
     device kind and device count), e.g. after ``jax.lax.ragged_all_to_all`` was replaced."""
-    _cache.clear()
+    with _lock:
+        _cache.clear()
 
 
 def probe(devices: tuple) -> bool:
