@@ -95,6 +95,25 @@ def test_forward_and_gradients_match_single_device(e, k, routing):
 
 
 @multidevice
+def test_the_exchange_is_probed_on_one_expert_parallel_group(monkeypatch):
+    """On a (data, ep) mesh rows cross devices only within an expert-parallel group: the
+    ragged exchange's probe runs on one group's ep devices, not on every device of the mesh."""
+    from te_jax_perm.parallel import a2a_support
+    probed = []
+    monkeypatch.setattr(a2a_support, "probe", lambda devices: probed.append(devices) or False)
+    a2a_support.forget_probes()
+    try:
+        devices = np.array(jax.devices()[:EP]).reshape(2, EP // 2)
+        mesh = Mesh(devices, ("data", "ep"))
+        x, rm, probs, w1, w2 = _problem(EP, T, 8, 2, "uniform", 0)
+        cfg = EPConfig(data_axes=("data",), backend="xla", a2a="auto")
+        jax.eval_shape(lambda *a: ep_moe_layer(*a, mesh=mesh, cfg=cfg), x, rm, probs, w1, w2)
+    finally:
+        a2a_support.forget_probes()
+    assert [list(d) for d in probed] == [list(devices[0])]
+
+
+@multidevice
 @pytest.mark.parametrize("num_out_tokens,capacity,routing",
                          [(T * 2, None, "skewed"), (T * 2, 3, "uniform"), (7, 2, "skewed"), (T * 2, 1, "empty"),
                           (T * 2, 0, "uniform")])   # capacity 0: nothing crosses, zero-row sorts

@@ -251,8 +251,10 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
     data_axes, fsdp = _check_layout(x, routing_map, probs, w_in, w_out, mesh, cfg)
     tokens = P((*data_axes, cfg.axis))
     split = fsdp or None
-    cfg = dataclasses.replace(cfg, data_axes=data_axes, fsdp_axes=fsdp,
-                              a2a=resolve_a2a(cfg.a2a, tuple(mesh.devices.flat)))
+    # Rows cross devices only within an expert-parallel group: the exchange is probed on one
+    # group's ep devices (as ep_moe_local probes), not on every device of the mesh.
+    group = tuple(np.moveaxis(mesh.devices, mesh.axis_names.index(cfg.axis), -1).reshape(-1, mesh.shape[cfg.axis])[0])
+    cfg = dataclasses.replace(cfg, data_axes=data_axes, fsdp_axes=fsdp, a2a=resolve_a2a(cfg.a2a, group))
 
     def body(x, routing_map, probs, w_in, w_out):
         if fsdp:   # whole weights for the GEMMs; the gather's transpose reduce-scatters the gradients
@@ -262,7 +264,7 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
 
     # Ops left on the default backend (cfg.backend or cfg.gemm None) take the one for the
     # mesh's devices: each op resolves its backend when the body is traced, inside this scope.
-    with use_backend(resolve_backend(cfg.backend, mesh.devices.flat[0].platform)):
+    with use_backend(resolve_backend(cfg.backend, group[0].platform)):
         return jax.shard_map(body, mesh=mesh, in_specs=(tokens,) * 3 + (P(cfg.axis, split), P(cfg.axis, None, split)),
                              out_specs=tokens)(x, routing_map, probs, w_in, w_out)
 
