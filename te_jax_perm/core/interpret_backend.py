@@ -64,9 +64,9 @@ def launch_interpreted(kernel: Any, grid3: tuple[int, int, int], args: Mapping[s
     parameter names to :class:`HostPointer` or Python scalars."""
     from triton.runtime import interpreter as interp  # lazy: keep import cost off xla-only use
 
-    install_numerics()   # the GPU's rounding, not the interpreter's
-    _skip_dropped_overflow_checks(interp)
-    with _launch_lock:
+    with _launch_lock:   # also around the set-up: two threads' first launches would both patch
+        install_numerics()   # the GPU's rounding, not the interpreter's
+        _skip_dropped_overflow_checks(interp)
         observers = hooks.launch_observers()
         for ob in observers:
             ob.launch_begin(name, buffers, grid3)
