@@ -21,9 +21,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.results_io import write_json  # noqa: E402
+from benchmarks.results_io import write_json
 
 
 def compile_time(launches, target, max_configs: int, workers: int) -> dict:

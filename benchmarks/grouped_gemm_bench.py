@@ -12,7 +12,7 @@ by side, each TMA result checked against the default's. Writes grouped_gemm.json
 
 Usage:
 
-    python3 benchmarks/grouped_gemm_bench.py --out=OUT [--shapes=NAME,...] [--budget_s=300]
+    python3 -m benchmarks.grouped_gemm_bench --out=OUT [--shapes=NAME,...] [--budget_s=300]
         [--nosweep] [--notma] [--tma_all] [--programs=132,...]
 
 --shapes     only the shapes whose names contain one of these (default all)
@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import Any, Sequence
 
@@ -65,9 +64,6 @@ from absl import flags, logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-# Run as a script: the repository root, for the benchmarks package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import gemm_problems
 from benchmarks.gemm_problems import GemmShape

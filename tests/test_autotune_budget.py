@@ -41,10 +41,10 @@ def test_bench_budget_writes_partial_report(tmp_path):
     out = tmp_path / "at"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in sys.path if p]),
                TRITON_CACHE_DIR=str(tmp_path / "triton"))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "autotune_bench.py"), "--small",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.autotune_bench", "--small",
                         "--dtype=float32", f"--out={out}", "--max-configs=2", "--workers=1",
                         "--max-candidates=3", "--budget-s=0.001"],
-                       capture_output=True, text=True, timeout=600, env=env)
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     ct = json.loads((out / "compile_time.json").read_text())
     assert ct["configs"] == 2 and ct["pool_failed"] == 0

@@ -16,7 +16,7 @@ Steps, in the order they run (``--steps`` picks some, comma-separated; ``all`` i
   process per test (``tests/gpu/hostile.py``);
 * ``bench``: ``benchmarks.peer`` (every op's kernel and wall time against the ``xla`` backend,
   a device copy and, where importable, TransformerEngine's kernels);
-* ``autotune``: ``benchmarks/autotune_bench.py`` (compile time, tuned vs default configs);
+* ``autotune``: ``benchmarks.autotune_bench`` (compile time, tuned vs default configs);
 * ``gemm_tests``: the grouped GEMM's GPU tests;
 * ``layer``: ``benchmarks.layer_bench`` with kernel-time profiles (the whole MoE layer);
 * ``example``: ``examples/moe_permute.py`` in bfloat16.
@@ -114,7 +114,7 @@ def steps(out: pathlib.Path, dry: bool) -> list[Step]:
         # JAX's pool grows on demand (the driver's default environment below).
         Step("bench", 300, [py, "-m", "benchmarks.peer", "--out", str(out)] + shlex.split(f.bench_args),
              r"^TARGET", gpu_only=True),
-        Step("autotune", 170, [py, "benchmarks/autotune_bench.py", f"--out={out / 'autotune'}", "--budget-s=120",
+        Step("autotune", 170, [py, "-m", "benchmarks.autotune_bench", f"--out={out / 'autotune'}", "--budget-s=120",
                                "--e2e-s=30", "--max-configs=24", "--max-candidates=16"]
              + (["--small", "--dtype=float32"] if dry else []), r"(E2E|tuned|speedup)"),
         Step("gemm_tests", 90, pytest + ["tests/test_grouped_gemm.py", "-k", "gpu"], r"(passed|failed|deselected)"),
