@@ -246,6 +246,25 @@ def row_id_map_problem(rows: int, rid: np.ndarray, pad_offsets: np.ndarray | Non
     return None
 
 
+def padded_twice_problem(rid: np.ndarray, pad_offsets: np.ndarray) -> str | None:
+    """Why ``pad_offsets`` must not be applied to ``rid`` [T, 2E+1] (as the lower-level ops
+    apply it, to the unpadded map of :func:`make_row_id_map`), or ``None``. A map whose kept
+    rows leave gaps already addresses padded rows (``token_dispatch``'s map does): padding it
+    again would move every row of a padded expert onto another expert's rows."""
+    e = (rid.shape[1] - 1) // 2
+    counts = np.clip(rid[:, 2 * e], 0, e)
+    used = np.arange(e)[None, :] < counts[:, None]
+    experts, dest = rid[:, e:2 * e][used], rid[:, :e][used]
+    kept = (dest >= 0) & (experts >= 0) & (experts < e)
+    if not (pad_offsets[experts[kept]] != 0).any():
+        return None
+    if np.array_equal(np.sort(dest[kept]), np.arange(int(kept.sum()))):
+        return None
+    return ("row_id_map already addresses padded rows (its kept rows leave gaps, as the map token_dispatch "
+            f"returns does), and pad_offsets = {_shown(pad_offsets)} would pad them a second time; expected "
+            "make_row_id_map's unpadded map with pad_offsets, or token_dispatch's map without pad_offsets")
+
+
 def first_order(name: str, fn: Callable) -> Callable:
     """``fn`` with a derivative rule that refuses by name. The ops' gradients are custom VJPs
     whose forward and backward passes run kernels on bit views of the rows, or kernels with

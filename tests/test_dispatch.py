@@ -205,6 +205,31 @@ def test_token_dtypes_copied_bit_exactly(backend, dtype):
         np.testing.assert_allclose(np.asarray(back, np.float32), ref.combine(e_out.astype(np.float32), dest),
                                    rtol=1e-2, atol=1e-2)
 
+def test_fp8_tokens_dispatch_with_their_block_scales(backend):
+    # FP8 training dispatches quantised rows with one float32 scale per block of columns; the
+    # scales ride the same row-id map, so every expert row meets its own token's scales.
+    rm, n, x, _ = _case(9, 23, 96, 6, 3, "topk", 0.9, False)
+    block = 32
+    blocks = x.reshape(23, 96 // block, block)
+    scales = (np.abs(blocks).max(axis=-1) / 448.0 + 1e-12).astype(np.float32)      # [T, H/block]
+    q = jnp.asarray(blocks / scales[..., None], jnp.float8_e4m3fn).reshape(23, 96)
+
+    @jax.jit
+    def dispatch(q, scales):
+        out, _, rid, pad, tpe = te_jax_perm.token_dispatch(q, rm, n, align_size=16, backend=backend)
+        # The dispatch's map addresses the padded rows already: no pad_offsets.
+        s_out, _ = te_jax_perm.permute_with_mask_map(scales, rid, tpe, out.shape[0], backend=backend)
+        return out, s_out
+
+    out, s_out = dispatch(q, jnp.asarray(scales))
+    assert s_out.shape == (out.shape[0], 96 // block) and s_out.dtype == jnp.float32
+    deq = np.asarray(out, np.float32).reshape(-1, 96 // block, block) * np.asarray(s_out)[..., None]
+    x_deq = (np.asarray(q, np.float32).reshape(23, 96 // block, block) * scales[..., None]).reshape(23, 96)
+    e_out, _, _, _, _ = ref.dispatch(x_deq, rm, n, None, 16)
+    np.testing.assert_array_equal(deq.reshape(-1, 96), e_out)
+    assert np.any(e_out == 0) and np.any(e_out != 0)      # padding rows and real rows both present
+
+
 
 def test_batched_input_shape(backend):
     rng = np.random.default_rng(0)

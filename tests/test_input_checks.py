@@ -78,6 +78,37 @@ def test_unpadded_map_with_pad_offsets_raises():
         te_jax_perm.token_combine(out, rid0, None, pad)
 
 
+def test_padded_map_with_pad_offsets_in_the_lower_level_ops_raises(monkeypatch):
+    # token_dispatch's map addresses the padded rows already: the lower-level ops, which pad
+    # make_row_id_map's unpadded map, would pad it a second time and scatter rows onto other
+    # experts' rows.
+    rng = np.random.default_rng(1)
+    rm = np.zeros((6, 4), bool)
+    rm[np.arange(6), rng.integers(0, 4, 6)] = True
+    x = rng.standard_normal((6, 8)).astype(np.float32)
+    out, _, rid, pad, tpe = te_jax_perm.token_dispatch(x, rm, 6, align_size=4)
+    assert np.asarray(pad)[np.unique(np.nonzero(rm)[1])].any()
+    again = r"row_id_map already addresses padded rows.*pad_offsets = \[.*would pad them a second time"
+    with pytest.raises(CheckError, match=again):
+        te_jax_perm.permute_with_mask_map(x, rid, tpe, out.shape[0], pad_offsets=pad)
+    with pytest.raises(CheckError, match=again):
+        te_jax_perm.unpermute_with_mask_map(out, rid, pad_offsets=pad)
+    # Without pad_offsets the padded map moves rows as the dispatch did.
+    np.testing.assert_array_equal(np.asarray(te_jax_perm.permute_with_mask_map(x, rid, tpe, out.shape[0])[0]),
+                                  np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(te_jax_perm.unpermute_with_mask_map(out, rid)), x)
+    # make_row_id_map's unpadded map takes the same pad_offsets.
+    rid0, _ = te_jax_perm.make_row_id_map(rm, 6)
+    np.testing.assert_array_equal(
+        np.asarray(te_jax_perm.permute_with_mask_map(x, rid0, tpe, out.shape[0], pad_offsets=pad)[0]),
+        np.asarray(out))
+    # A traced map is checked when the program runs, in the checked mode.
+    monkeypatch.setenv("TE_JAX_PERM_CHECKS", "1")
+    permute = jax.jit(lambda r: te_jax_perm.permute_with_mask_map(x, r, tpe, out.shape[0], pad_offsets=pad)[0])
+    with pytest.raises(Exception, match=again):
+        jax.block_until_ready(permute(rid))
+
+
 def test_concrete_maps_that_do_not_fit_their_input_raise():
     rm = np.eye(4, dtype=bool)[[0, 1, 2, 3]]
     out, _, rid, _, _ = te_jax_perm.token_dispatch(np.ones((4, 8), np.float32), rm, 4)

@@ -186,7 +186,10 @@ def _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_o
         probs = _checks.array("probs", probs)
         _checks.check_shape("probs", probs, (inp.shape[0], e), f"[T={inp.shape[0]}, E={e}]")
         _checks.check_probs_dtype("probs", probs)
-    return inp, probs, pad_operand(pad_offsets, e), pad_offsets is not None, num_out_rows
+    pad = pad_operand(pad_offsets, e)
+    if pad_offsets is not None:
+        _checks.check_values(_checks.padded_twice_problem, row_id_map, pad)
+    return inp, probs, pad, pad_offsets is not None, num_out_rows
 
 
 @_checks.keyword_only
@@ -206,7 +209,11 @@ def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expe
       num_out_rows: static output row count (``num_out_tokens``, plus ``E*(align_size-1)``
         when padded).
       probs: optional ``[T, E]`` bfloat16, float16 or float32; permuted alongside the rows.
-      pad_offsets: optional int32 ``[E]``: rows of padding inserted before each expert.
+      pad_offsets: optional int32 ``[E]``: rows of padding inserted before each expert,
+        for the unpadded map of :func:`make_row_id_map`. The map :func:`token_dispatch`
+        returns already addresses its padded rows: pass it without ``pad_offsets`` (a
+        concrete map that is padded already raises; a traced one is checked under
+        ``TE_JAX_PERM_CHECKS=1``).
       backend: ``"triton"``, ``"interpret"``, ``"xla"`` or ``None`` (default).
 
     Returns:
@@ -243,7 +250,10 @@ def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expe
     inp, merging_probs, e = _combine_inputs(inp, row_id_map, merging_probs, "N", batched=False)
     if tokens_per_expert is not None:
         _per_expert("tokens_per_expert", tokens_per_expert, e)
-    return inp, merging_probs, pad_operand(pad_offsets, e), pad_offsets is not None
+    pad = pad_operand(pad_offsets, e)
+    if pad_offsets is not None:
+        _checks.check_values(_checks.padded_twice_problem, row_id_map, pad)
+    return inp, merging_probs, pad, pad_offsets is not None
 
 
 @_checks.keyword_only
@@ -257,7 +267,10 @@ def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs
       row_id_map: int32 ``[T, 2E+1]``.
       merging_probs: optional ``[T, E]`` weights (bfloat16, float16 or float32; their
         gradient comes back in their dtype); unweighted sum when ``None``.
-      pad_offsets: int32 ``[E]`` when ``inp`` is padded; padding rows are ignored.
+      pad_offsets: int32 ``[E]`` when ``inp`` is padded and ``row_id_map`` is the unpadded
+        map of :func:`make_row_id_map`; padding rows are ignored. :func:`token_dispatch`'s
+        map already addresses the padded rows: pass it without ``pad_offsets`` (as for
+        :func:`permute_with_mask_map`).
       tokens_per_expert: optional int32 ``[E]``; accepted as TransformerEngine takes it and
         shape-checked, but not needed (the backward derives its row layout from the map).
       backend: as for :func:`permute_with_mask_map`.
