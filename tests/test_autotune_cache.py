@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -269,6 +270,19 @@ def test_tune_ahead_names_what_it_takes():
         autotune.tune_ahead(gather_rows, [pair], backend="xla")
     (result,) = autotune.tune_ahead(gather_rows, [pair], backend="INTERPRET")   # any case, as everywhere
     assert result.best is not None and result.key["backend"] == "interpret"
+
+
+def test_every_tuning_entry_point_defaults_to_this_machines_kernels():
+    # tune, tune_ahead and the command line tune the kernels this machine runs: the GPU's
+    # own on a GPU, the interpreter elsewhere (the xla backend, a CPU's default, has none).
+    from tests.example_kernels import gather_rows
+    here = "triton" if jax.default_backend() == "gpu" else "interpret"
+    assert autotune.tuning_backend() == here and autotune.tuning_backend("Interpret") == "interpret"
+    if here == "interpret":
+        shapes = [((12, 40), np.float32), ((3,), np.int32)]
+        assert autotune.tune(gather_rows, shapes, {}).key["backend"] == "interpret"
+        (ahead,) = autotune.tune_ahead(gather_rows, [(shapes, {})])
+        assert ahead.cached and ahead.key["backend"] == "interpret"
 
 
 def test_every_tuning_entry_point_takes_the_declared_op_or_its_declaration():

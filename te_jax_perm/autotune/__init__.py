@@ -11,13 +11,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from te_jax_perm.autotune.cache import cache_dir, format_cache, make_key, set_cache_dir
 from te_jax_perm.autotune.tuner import (TuneOptions, TuneResult, autotuning, candidates, declaration, enable,
-                                        enabled, resolve, stats, tune, tune_call)
+                                        enabled, resolve, stats, tune, tune_call,
+                                        tuning_backend)
 
 
 def tune_ahead(kernel: Any, shapes_and_params: Iterable[tuple[Sequence[Any], Mapping[str, Any]]],
-               backend: str = "triton", options: TuneOptions = TuneOptions()) -> list[TuneResult]:
+               backend: str | None = None, options: TuneOptions = TuneOptions()) -> list[TuneResult]:
     """Tunes ``kernel`` (a ``KernelDecl`` or declared primitive) for each
-    ``(operand shapes, static params)``; operand shapes as in :func:`tune`."""
+    ``(operand shapes, static params)``; operand shapes and ``backend`` as in :func:`tune`."""
     decl = declaration(kernel)
     items = list(shapes_and_params)
     for i, item in enumerate(items):
@@ -35,4 +36,4 @@ def print_cache() -> None:
 
 __all__ = ["TuneOptions", "TuneResult", "autotuning", "cache_dir", "candidates", "enable", "enabled",
            "format_cache", "make_key", "print_cache", "resolve", "set_cache_dir", "stats",
-           "tune", "tune_ahead", "tune_call"]
+           "tune", "tune_ahead", "tune_call", "tuning_backend"]

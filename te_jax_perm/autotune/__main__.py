@@ -82,7 +82,7 @@ def tune_shapes(backend: str | None = None, small: bool = False, dtype: str = "b
     With ``budget_s``, no tuning starts after the budget (but the first always does), and
     the one running when it runs out stops timing configs after the first (the default): its
     row says ``complete: false`` and it is not cached."""
-    backend = backend or ("triton" if jax.default_backend() == "gpu" else "interpret")
+    backend = autotune.tuning_backend(backend)
     deadline = None if budget_s is None else time.monotonic() + budget_s
     options = dataclasses.replace(options or autotune.TuneOptions(), deadline=deadline)
     rows: list[dict] = []

@@ -110,15 +110,22 @@ def cap(valid: Sequence[Config], default: Config, limit: int | None, name: str =
     return kept, skipped
 
 
+def tuning_backend(backend: str | None = None) -> str:
+    """The backend tuning runs on: ``backend`` (any case; an unavailable one is named), or
+    with ``None`` the kernels this machine runs, ``"triton"`` on a GPU and ``"interpret"``
+    elsewhere (the ``"xla"`` backend, a CPU's default for the ops, has no configs)."""
+    return resolve_backend(backend if backend is not None else
+                           "triton" if jax.default_backend() == "gpu" else "interpret")
+
+
 def tune(kernel: Any, shapes: Sequence[Any], params: Mapping[str, Any] | None = None,
-         backend: str = "interpret", options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
+         backend: str | None = None, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
     """Tunes ``kernel`` (a declared op or its ``KernelDecl``) for operands of ``shapes``
-    (arrays, ShapeDtypeStructs or ``(shape, dtype)`` pairs) and static ``params``; returns the
-    cached result if present."""
+    (arrays, ShapeDtypeStructs or ``(shape, dtype)`` pairs) and static ``params`` on
+    :func:`tuning_backend` ``(backend)``; returns the cached result if present."""
     decl = declaration(kernel)
     avals = [s if hasattr(s, "shape") and hasattr(s, "dtype") else jax.ShapeDtypeStruct(*s) for s in shapes]
-    # Backend names are case-insensitive here as everywhere; an unavailable one is named.
-    return tune_call(bind_call(decl, avals, dict(params or {}), resolve_backend(backend)), options, pool)
+    return tune_call(bind_call(decl, avals, dict(params or {}), tuning_backend(backend)), options, pool)
 
 
 def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
