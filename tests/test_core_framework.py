@@ -160,6 +160,24 @@ def test_mismatched_dims_name_both_arguments():
     del values
 
 
+def test_a_reference_that_breaks_its_declaration_names_kernel_and_output():
+    """A bare array instead of a tuple, or an output of another dtype than the declaration's,
+    fails naming the kernel and the output, not as a shape mismatch deep in the lowering."""
+    import dataclasses
+    from te_jax_perm.core import declare
+    src, idx = _inputs(5, 16, 3, jnp.bfloat16)
+    bare = declare(dataclasses.replace(gather_rows.decl, name="bare_reference",
+                                       reference=lambda src, idx: src[idx]))
+    with pytest.raises(TypeError, match=r"bare_reference: its reference returned a single array; "
+                                        r"expected a tuple of 1 array\(s\), one per output \['out'\]"):
+        bare(src, idx, backend="xla")
+    widened = declare(dataclasses.replace(gather_rows.decl, name="widened_reference",
+                                          reference=lambda src, idx: (src[idx].astype(jnp.float32),)))
+    with pytest.raises(TypeError, match=r"widened_reference: its reference's output 'out' is "
+                                        r"float32\[3, 16\]; the declaration makes it bfloat16\[3, 16\]"):
+        jax.jit(lambda s, i: widened(s, i, backend="xla"))(src, idx)
+
+
 def test_non_static_param_is_rejected_at_trace_time():
     values = jnp.arange(4, dtype=jnp.int32)
     with pytest.raises(TypeError, match=r"parameter 'num_bins' must be a static Python value"):

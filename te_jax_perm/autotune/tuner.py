@@ -272,7 +272,7 @@ def _reference(decl: KernelDecl, inputs: Sequence[np.ndarray], params: Mapping[s
     # Tuning may run inside a lowering rule: evaluate eagerly rather than stage into it. One
     # jitted call (not op-by-op dispatch, which compiles and syncs every op on GPU).
     with jax.ensure_compile_time_eval():
-        outs = jax.jit(functools.partial(decl.reference, **params))(*[jax.numpy.asarray(a) for a in inputs])
+        outs = jax.jit(lambda *ops: decl.run_reference(ops, params))(*[jax.numpy.asarray(a) for a in inputs])
         return [np.asarray(o) for o in outs]
 
 

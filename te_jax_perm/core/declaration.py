@@ -97,12 +97,14 @@ class KernelDecl:
     kernel: Any                                # the @triton.jit function
     operands: tuple[Operand, ...]              # in kernel-argument order, as are outputs
     outputs: tuple[Output, ...]
-    reference: Callable[..., Sequence[Any]]    # (*operands, **params) -> outputs, pure JAX
+    # (*operands, **params) -> a tuple of arrays, one per output (even for one), pure JAX
+    reference: Callable[..., Sequence[Any]]
     grid: Callable[[Dims, Params, Config], tuple[int, ...]]
     default_config: Callable[[Dims, Params], Config]   # used when nothing is tuned
     params: tuple[str, ...] = ()               # static (hashable, trace-time) parameters
-    # Runtime scalar arguments in kernel order; their values must not change the binary.
-    scalars: Callable[[Dims, Params], Mapping[str, int]] = lambda dims, params: {}
+    # Runtime scalar arguments in kernel order (ints: int32, or int64 past its range; floats:
+    # float32); their values must not change the binary.
+    scalars: Callable[[Dims, Params], Mapping[str, int | float]] = lambda dims, params: {}
     # Compile-time constants beyond the config's own (e.g. dtype-dependent flags).
     constexprs: Callable[[Dims, Params, Config], Mapping[str, Any]] = lambda dims, params, config: {}
     configs: tuple[Config, ...] = ()           # the autotuning search space
@@ -117,8 +119,8 @@ class KernelDecl:
     atol: float = 1e-2
     # Raises ValueError on bad static facts, once per bound call (core/launch.py).
     params_check: Callable[[Dims, Params], None] | None = None
-    # (operands, dims, params) raising ValueError on bad values (NumPy arrays): run when all
-    # operands are concrete, on traced ones under TE_JAX_PERM_CHECKS=1 (core/checks.py).
+    # (operands, dims, params) raising ValueError on bad values (operands: a tuple of NumPy
+    # arrays in declaration order): run when all operands are concrete, on traced ones under TE_JAX_PERM_CHECKS=1 (core/checks.py).
     validate: Callable[..., None] | None = None
     partitioning: Partitioning | None = None   # None: every axis replicated
     # (dims, params, dtypes by operand name, np.random.Generator) -> valid operands (e.g.
@@ -135,6 +137,24 @@ class KernelDecl:
         if self.key_dims is None:
             every = tuple(dict.fromkeys(d for op in self.operands for d in op.dims))
             object.__setattr__(self, "key_dims", every)
+
+    def run_reference(self, operands: Sequence[Any], params: Params, expected: Sequence[Any] | None = None) -> list:
+        """The reference's outputs for ``operands``, checked to be one array per declared
+        output and, given ``expected`` (the outputs' avals), of their shapes and dtypes: a
+        reference that breaks its declaration fails here, naming the kernel and the output."""
+        outs = self.reference(*operands, **params)
+        names = [o.name for o in self.outputs]
+        if not isinstance(outs, (tuple, list)) or len(outs) != len(names):
+            got = (f"{len(outs)} values" if isinstance(outs, (tuple, list))
+                   else "a single array" if hasattr(outs, "shape") else f"a {type(outs).__name__}")
+            raise TypeError(f"{self.name}: its reference returned {got}; expected a tuple of "
+                            f"{len(names)} array(s), one per output {names}")
+        for name, out, want in zip(names, outs, expected or ()):
+            shape, dtype = tuple(np.shape(out)), np.dtype(out.dtype if hasattr(out, "dtype") else np.result_type(out))
+            if shape != tuple(want.shape) or dtype != want.dtype:
+                raise TypeError(f"{self.name}: its reference's output {name!r} is {dtype}{list(shape)}; "
+                                f"the declaration makes it {np.dtype(want.dtype)}{list(want.shape)}")
+        return list(outs)
 
     def violated(self, dims: Dims, params: Params, config: Config) -> str | None:
         """First violated constraint's reason, or None if ``config`` is valid."""

@@ -106,7 +106,8 @@ class KernelPrimitive:
         decl = self.decl
         ctx = plain_avals(ctx)
         if backend == "xla":
-            return mlir.lower_fun(lambda *ops: list(decl.reference(*ops, **params)), multiple_results=True)(ctx, *args)
+            return mlir.lower_fun(lambda *ops: decl.run_reference(ops, params, ctx.avals_out),
+                                  multiple_results=True)(ctx, *args)
         fn = self._backend_fn(platform, backend)
         # The launch is built here, once, and handed down: the backend derives nothing.
         call = bind_call(decl, ctx.avals_in, params, backend)
