@@ -145,5 +145,8 @@ def _validation_problem(decl: KernelDecl, dims, params, *operands) -> str | None
 
 
 def declare(decl: KernelDecl) -> KernelPrimitive:
-    """Turns a declaration into a callable JAX primitive."""
+    """Turns a declaration into a callable JAX primitive: ``op(*operands, backend=None,
+    config=None, **params)`` returns a tuple, one array per output, and works under ``jit``
+    and ``vmap`` (one launch per batch item). It has no gradient rule: give the public
+    function a ``jax.custom_vjp`` (docs/kernels.md walks through a whole kernel)."""
     return KernelPrimitive(decl)
