@@ -61,6 +61,17 @@ def test_topk_indices_passed_as_a_routing_map_are_rejected_with_the_conversion()
                                   [[0, 3, -1], [1, 2, -1], [0, 3, -1]])
     with pytest.raises(ValueError, match=r"indices hold \[4\]; expected expert ids in \[0, num_experts=4\)"):
         te_jax_perm.topk_to_routing_map(topk + 1, 4)
+    # routing_map_to_topk fills a short row with -1; its indices convert back, concrete or
+    # traced, to the map they came from. Other negative ids are still refused.
+    short = np.asarray(rm).copy()
+    short[1] = [0, 0, 1, 0]                                   # one expert, k = 2: one -1
+    back = te_jax_perm.routing_map_to_topk(short, 2)
+    assert (np.asarray(back) == -1).any()
+    np.testing.assert_array_equal(np.asarray(te_jax_perm.topk_to_routing_map(back, 4)), short)
+    np.testing.assert_array_equal(np.asarray(jax.jit(te_jax_perm.topk_to_routing_map, static_argnums=1)(back, 4)),
+                                  short)
+    with pytest.raises(ValueError, match=r"indices hold \[-2\]; expected expert ids in \[0, num_experts=4\), or -1"):
+        te_jax_perm.topk_to_routing_map(topk - 2, 4)
     out = te_jax_perm.token_dispatch(np.ones((3, 8), np.float32), rm.astype(jnp.int8), 6)[0]   # 0/1 ints are fine
     assert out.shape == (6, 8)
 

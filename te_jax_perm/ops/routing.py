@@ -17,9 +17,11 @@ def topk_to_routing_map(indices: jax.Array, num_experts: int) -> jax.Array:
     """The routing map of top-k expert indices.
 
     Args:
-      indices: int ``[T, k]`` (or ``[B, S, k]``): the experts each token is routed to.
-        Concrete indices must lie in ``[0, num_experts)``; traced ones outside it route
-        nowhere. A repeated index routes the token to that expert once.
+      indices: int ``[T, k]`` (or ``[B, S, k]``): the experts each token is routed to;
+        ``-1`` routes nowhere (it fills the tail of :func:`routing_map_to_topk`'s rows, so
+        its indices convert back to the map they came from). Other concrete indices must
+        lie in ``[0, num_experts)``; traced ones outside it route nowhere. A repeated index
+        routes the token to that expert once.
       num_experts: static E.
 
     Returns:
@@ -29,9 +31,9 @@ def topk_to_routing_map(indices: jax.Array, num_experts: int) -> jax.Array:
     indices = _checks.array_like("indices", indices)
     _checks.check_rank("indices", indices, (2, 3), "[T, k] or [B, S, k]")
     _checks.check_index_values("indices", indices)
-    _checks.check_values(lambda i: None if ((i >= 0) & (i < e)).all() else
-                         f"indices hold {sorted(set(i[(i < 0) | (i >= e)].tolist()))[:8]}; expected expert ids "
-                         f"in [0, num_experts={e})", indices)
+    _checks.check_values(lambda i: None if ((i >= -1) & (i < e)).all() else
+                         f"indices hold {sorted(set(i[(i < -1) | (i >= e)].tolist()))[:8]}; expected expert ids "
+                         f"in [0, num_experts={e}), or -1 for no expert", indices)
     indices = jnp.asarray(indices)
     return (indices[..., None] == jnp.arange(e, dtype=indices.dtype)).any(axis=-2)
 
