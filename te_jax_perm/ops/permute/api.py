@@ -201,7 +201,10 @@ def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expe
 
     Args:
       inp: ``[T, H]`` tokens (bf16, fp16, fp32 or fp8 e4m3; copied bit-exactly).
-      row_id_map: int32 ``[T, 2E+1]`` from :func:`make_row_id_map`.
+      row_id_map: int32 ``[T, 2E+1]`` from :func:`make_row_id_map` (or :func:`token_dispatch`),
+        read as addressing rows of the whole output, also under a multi-device ``jit``. A
+        token-sharded :func:`token_dispatch`'s map addresses each shard's own rows: use it
+        here only inside ``jax.shard_map`` (see :func:`token_dispatch`).
       tokens_per_expert: int32 ``[E]`` rows per expert (the second result of
         :func:`make_row_id_map`); accepted as TransformerEngine takes it and shape-checked,
         but not needed: which output rows tokens fill is derived from ``row_id_map`` on the
@@ -213,7 +216,9 @@ def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expe
         for the unpadded map of :func:`make_row_id_map`. The map :func:`token_dispatch`
         returns already addresses its padded rows: pass it without ``pad_offsets`` (a
         concrete map that is padded already raises; a traced one is checked under
-        ``TE_JAX_PERM_CHECKS=1``).
+        ``TE_JAX_PERM_CHECKS=1``). The padded output's experts hold their counts padded up
+        to multiples of the alignment, not :func:`make_row_id_map`'s ``tokens_per_expert``:
+        a grouped GEMM over it takes the padded counts as its group sizes.
       backend: ``"triton"``, ``"interpret"``, ``"xla"`` or ``None`` (default).
 
     Returns:
@@ -264,7 +269,9 @@ def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs
 
     Args:
       inp: ``[N, H]`` expert-sorted rows (as produced by :func:`permute_with_mask_map`).
-      row_id_map: int32 ``[T, 2E+1]``.
+      row_id_map: int32 ``[T, 2E+1]``, read as addressing rows of the whole ``inp``, as
+        for :func:`permute_with_mask_map` (a token-sharded :func:`token_dispatch`'s map
+        only inside ``jax.shard_map``).
       merging_probs: optional ``[T, E]`` weights (bfloat16, float16 or float32; their
         gradient comes back in their dtype); unweighted sum when ``None``.
       pad_offsets: int32 ``[E]`` when ``inp`` is padded and ``row_id_map`` is the unpadded
@@ -490,7 +497,11 @@ def token_dispatch(inp: jax.Array, routing_map: jax.Array, num_out_tokens: int,
     rows as a whole are then not grouped by expert, so a grouped GEMM must not take them
     with these counts: run dispatch, the expert GEMMs and the combine per shard inside
     ``jax.shard_map`` (each shard then gets its own counts), or use the expert-parallel
-    layer.
+    layer. The same holds for ``row_id_map``: it addresses each shard's rows within that
+    shard's block, which :func:`token_combine` reads per shard, but
+    :func:`permute_with_mask_map` and :func:`unpermute_with_mask_map` read as addressing
+    the whole ``output`` (rows of every shard but the first would move to and from the
+    first shard's rows); pass it to them only inside ``jax.shard_map``.
     """
     inp = _checks.array("inp", inp)
     routing_map = _checks.routing_map_array("routing_map", routing_map)
@@ -517,7 +528,12 @@ def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Arra
 
     Args:
       inp: ``[R, H]`` expert rows, laid out as :func:`token_dispatch` produced them.
-      row_id_map: int32 ``[T, 2E+1]`` from :func:`token_dispatch`.
+      row_id_map: int32 ``[T, 2E+1]`` from :func:`token_dispatch`. Under a multi-device
+        ``jit`` with the tokens sharded the combine runs per token shard and reads each
+        shard's entries as addressing rows of its own block of ``inp``, as the dispatch
+        wrote them; a map built on whole arrays (:func:`make_row_id_map`'s, or an unsharded
+        dispatch's) would read the wrong rows there: combine it with
+        :func:`unpermute_with_mask_map`.
       merging_probs: optional ``[T, E]`` (or ``[B, S, E]``) weights, bfloat16, float16 or
         float32; their gradient comes back in their dtype.
       pad_offsets: the ``pad_offsets`` from :func:`token_dispatch` when it padded. Only

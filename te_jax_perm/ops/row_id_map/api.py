@@ -40,7 +40,12 @@ def make_row_id_map(routing_map: jax.Array, num_out_tokens: int | None = None, *
     Returns:
       ``(row_id_map, tokens_per_expert)``: ``row_id_map`` int32 ``[T, 2E+1]`` (layout in
       :mod:`te_jax_perm.kernels.row_id_map`), ``tokens_per_expert`` int32 ``[E]``: rows kept
-      per expert after dropping.
+      per expert after dropping. The map addresses the rows of the whole routing map, also
+      when its tokens are sharded over devices: move rows with it through
+      :func:`~te_jax_perm.permute_with_mask_map` and
+      :func:`~te_jax_perm.unpermute_with_mask_map`, not :func:`~te_jax_perm.token_combine`,
+      which under token sharding reads a map per shard, as :func:`~te_jax_perm.token_dispatch`
+      builds it.
     """
     routing_map = _checks.routing_map_array("routing_map", routing_map)
     _checks.check_rank("routing_map", routing_map, (2,), "[T, E]")
