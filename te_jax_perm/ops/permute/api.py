@@ -537,10 +537,14 @@ def token_combine(inp: jax.Array, row_id_map: jax.Array, merging_probs: jax.Arra
       merging_probs: optional ``[T, E]`` (or ``[B, S, E]``) weights, bfloat16, float16 or
         float32; their gradient comes back in their dtype.
       pad_offsets: the ``pad_offsets`` from :func:`token_dispatch` when it padded. Only
-        its shape and dtype (int ``[E]``) are checked, and, with a concrete map, that the
-        map is padded where it pads an expert with rows (``pad_offsets`` beside an unpadded
-        map raises); its values are not read: the map already addresses the padded rows, so
-        leaving it out after a padded dispatch is fine.
+        its shape and dtype (int ``[E]``) are checked, and, with a concrete map (a traced
+        one under ``TE_JAX_PERM_CHECKS=1``), that the map is padded where it pads an expert
+        with rows (``pad_offsets`` beside an unpadded map raises); its values are not read:
+        the map already addresses the padded rows, so leaving it out after a padded dispatch
+        is fine. Rows that :func:`permute_with_mask_map` padded through ``pad_offsets`` from
+        :func:`make_row_id_map`'s unpadded map come back with
+        :func:`unpermute_with_mask_map` and the same ``pad_offsets``; here an unchecked
+        traced unpadded map would read unpadded rows.
       backend: as for :func:`token_dispatch`.
 
     Returns:
