@@ -217,17 +217,19 @@ def test_fp8_tokens_dispatch_with_their_block_scales(backend):
     @jax.jit
     def dispatch(q, scales):
         out, _, rid, pad, tpe = te_jax_perm.token_dispatch(q, rm, n, align_size=16, backend=backend)
+        by_dispatch = te_jax_perm.token_dispatch(scales, rm, n, align_size=16, backend=backend)[0]
         # The dispatch's map addresses the padded rows already: no pad_offsets.
-        s_out, _ = te_jax_perm.permute_with_mask_map(scales, rid, tpe, out.shape[0], backend=backend)
-        return out, s_out
+        by_map, _ = te_jax_perm.permute_with_mask_map(scales, rid, tpe, out.shape[0], backend=backend)
+        return out, by_dispatch, by_map
 
-    out, s_out = dispatch(q, jnp.asarray(scales))
-    assert s_out.shape == (out.shape[0], 96 // block) and s_out.dtype == jnp.float32
-    deq = np.asarray(out, np.float32).reshape(-1, 96 // block, block) * np.asarray(s_out)[..., None]
+    out, by_dispatch, by_map = dispatch(q, jnp.asarray(scales))
     x_deq = (np.asarray(q, np.float32).reshape(23, 96 // block, block) * scales[..., None]).reshape(23, 96)
     e_out, _, _, _, _ = ref.dispatch(x_deq, rm, n, None, 16)
-    np.testing.assert_array_equal(deq.reshape(-1, 96), e_out)
     assert np.any(e_out == 0) and np.any(e_out != 0)      # padding rows and real rows both present
+    for s_out in (by_dispatch, by_map):
+        assert s_out.shape == (out.shape[0], 96 // block) and s_out.dtype == jnp.float32
+        deq = np.asarray(out, np.float32).reshape(-1, 96 // block, block) * np.asarray(s_out)[..., None]
+        np.testing.assert_array_equal(deq.reshape(-1, 96), e_out)
 
 
 

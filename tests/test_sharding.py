@@ -179,6 +179,29 @@ def test_token_sharded_dispatch_counts_globally_and_shard_map_runs_the_experts_p
                                rtol=1e-5, atol=1e-5)
 
 
+@multidevice
+def test_token_sharded_dispatch_of_a_second_array_follows_the_first(partitioner):
+    """FP8 rows and their block scales dispatched with the same routing map under token
+    sharding: each scale row lands beside its token's row, padding included."""
+    import te_jax_perm
+    t, e, h, k, block = 32, 8, 16, 2, 8   # 64 + 8 * 3 padded rows: 11 a shard
+    rng = np.random.default_rng(8)
+    rm = jnp.asarray(top_k_map(rng.standard_normal((t, e)), k))
+    scales = jnp.asarray(rng.random((t, h // block)) + 0.5, jnp.float32)
+    q = jnp.asarray(rng.standard_normal((t, h)), jnp.float8_e4m3fn)
+
+    def both(q, s, rm):
+        rows = te_jax_perm.token_dispatch(q, rm, t * k, align_size=4, backend="xla")[0]
+        return rows, te_jax_perm.token_dispatch(s, rm, t * k, align_size=4, backend="xla")[0]
+    rows, s_rows = jax.jit(both)(_put(q, "d"), _put(scales, "d"), _put(rm, "d"))
+    deq = lambda r, s: np.asarray(r, np.float32).reshape(r.shape[0], -1, block) * np.asarray(s)[..., None]
+    x_deq = jnp.asarray(deq(q, scales).reshape(t, h))
+    want = jax.jit(lambda x, rm: te_jax_perm.token_dispatch(x, rm, t * k, align_size=4, backend="xla")[0])(
+        _put(x_deq, "d"), _put(rm, "d"))
+    np.testing.assert_array_equal(deq(rows, s_rows).reshape(-1, h), np.asarray(want))
+    assert np.asarray(want).any()
+
+
 def _moe_problem(t, e, h, f, k, seed=6):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
