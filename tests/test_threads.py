@@ -7,8 +7,11 @@ single-threaded ones, that no exception escapes a thread, and that one thread's 
 Shapes are small: the interpreter runs one program at a time, and launches from all
 threads take turns (its launch lock).
 """
+import collections
 import json
+import logging
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +21,7 @@ import te_jax_perm
 from tests import _autotune_kernels as K
 from tests.conftest import routing
 from te_jax_perm import autotune
-from te_jax_perm.autotune import cache
+from te_jax_perm.autotune import cache, tuner
 from te_jax_perm.core import Config, declare, hooks, resolve_backend, use_backend
 from te_jax_perm.sanitize import sanitize
 
@@ -193,6 +196,76 @@ def test_threads_tuning_one_key_tune_it_once(tmp_cache):
     entry = json.loads(files[0].read_text())
     key = cache.make_key(decl, {"T": 48, "H": 10}, {}, [np.float32], "interpret")
     assert entry["key"] == key and cache.load(key, decl, {"T": 48, "H": 10}, {}) is not None
+    # The per-key lock goes once its last user is done: a process tuning many shapes keeps none.
+    assert not tuner._key_locks, f"tuning locks left behind: {tuner._key_locks}"
+
+
+class SlowCounter(collections.Counter):
+    """A counter whose reads take a moment: a thread updating it in two steps (read, then
+    write) lets the others read the same count in between."""
+
+    def __getitem__(self, name):
+        value = super().__getitem__(name)
+        time.sleep(0.002)
+        return value
+
+
+class SlowSet(set):
+    """A set whose membership test takes a moment, so check-then-add races show."""
+
+    def __contains__(self, item):
+        found = super().__contains__(item)
+        time.sleep(0.01)
+        return found
+
+
+def test_threads_hitting_the_cache_at_once_count_every_hit(tmp_cache, monkeypatch):
+    # Request threads resolving a cached config at once: the counters the CLI and the tests
+    # read must count each hit, none lost to another thread's update.
+    monkeypatch.setattr(tuner, "stats", SlowCounter())
+    decl = K.accumulate_decl(name="threads_counted_hits", default_config=lambda d, p: Config.make(BS=16, BT=2))
+    default = Config.make(BS=16, BT=2).to_json()
+    key = cache.make_key(decl, {"T": 48, "H": 10}, {}, [np.float32], "interpret")
+    cache.store(key, {"best": default, "ranking": [[default, 1e-6]], "tuned_dims": {"T": 48, "H": 10}})
+    aval, calls = jax.ShapeDtypeStruct((48, 10), np.float32), 10
+
+    def job(_barrier):
+        return [autotune.resolve(decl, [aval], {}, "interpret") for _ in range(calls)]
+
+    for picked in run_threads([job] * N_THREADS):
+        assert picked == [Config.make(BS=16, BT=2)] * calls
+    assert tuner.stats["cache_hits"] == N_THREADS * calls, dict(tuner.stats)
+
+
+def test_threads_meeting_an_unusable_cache_at_once_warn_once(tmp_path, monkeypatch, caplog):
+    # Under a cache directory that is a file, every thread's lookup fails and every store is
+    # kept in memory: one warning of each kind for the process, not one for each thread.
+    monkeypatch.setattr(cache, "_reported", SlowSet())
+    monkeypatch.setattr(cache, "_unwritable", SlowSet())
+    monkeypatch.setattr(cache, "_memory", {})   # the entries kept in memory leave with the test
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    autotune.set_cache_dir(blocker / "cache")
+    decl = K.accumulate_decl(name="threads_unusable_cache")
+    key = cache.make_key(decl, {"T": 48, "H": 10}, {}, [np.float32], "interpret")
+    caplog.set_level(logging.WARNING)
+
+    def job(i):
+        def run(_barrier):
+            mine = {**key, "source": f"thread {i}"}   # a file of its own for each thread
+            missed = cache.load(mine, decl, {"T": 48, "H": 10}, {})
+            _barrier.wait()
+            cache.store(mine, {"best": None, "ranking": []})
+            return missed
+        return run
+
+    try:
+        assert run_threads([job(i) for i in range(N_THREADS)]) == [None] * N_THREADS
+    finally:
+        autotune.set_cache_dir(None)
+    for text in ("the cache directory is not a directory", "cannot write the tuning cache"):
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and text in r.getMessage()]
+        assert len(warned) == 1, f"{len(warned)} warnings '{text}' from {N_THREADS} threads; expected 1"
 
 
 # -- errors raised inside a launch ----------------------------------------------------------------

@@ -28,6 +28,7 @@ import math
 import os
 import stat
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -183,6 +184,18 @@ _dir_override: str | None = None
 _memory: dict[str, dict] = {}
 _unwritable: set[str] = set()             # directories already warned about
 _reported: set[tuple[str, str]] = set()   # (path, reason) of bad entries already warned about
+_warned_lock = threading.Lock()
+
+
+def _first_time(seen: set, item: Any) -> bool:
+    """Adds ``item`` to ``seen``; whether it was new. The check and the add are one step:
+    threads looking up the same bad entry (or storing into the same unwritable directory)
+    at once must not both warn."""
+    with _warned_lock:
+        if item in seen:
+            return False
+        seen.add(item)
+        return True
 
 
 def set_cache_dir(path: str | os.PathLike | None) -> None:
@@ -252,8 +265,7 @@ def load(key: Mapping[str, Any], decl: KernelDecl | None = None, dims: Mapping[s
         return entry
     # One report per file; one for the whole cache when its directory is no directory.
     where = str(path.parent) if why == _NOT_A_DIRECTORY else str(path)
-    if decl is not None and (where, why) not in _reported:
-        _reported.add((where, why))
+    if decl is not None and _first_time(_reported, (where, why)):
         logging.warning("autotune %s: ignoring the cached result in %s: %s; it is re-tuned when tuning is on",
                         decl.name, path, why)
     return None
@@ -278,8 +290,7 @@ def store(key: Mapping[str, Any], entry: Mapping[str, Any]) -> Path:
         _memory.pop(str(path), None)   # written: the file holds it now
     except OSError as e:
         _memory[str(path)] = json.loads(json.dumps(full))
-        if str(path.parent) not in _unwritable:
-            _unwritable.add(str(path.parent))
+        if _first_time(_unwritable, str(path.parent)):
             logging.warning("autotune: cannot write the tuning cache in %s (%s); results are kept in memory for "
                             "this process only. Set %s or autotune.set_cache_dir() to a writable directory.",
                             path.parent, e, env.AUTOTUNE_CACHE)

@@ -34,6 +34,14 @@ from te_jax_perm.core.launch import Call, bind_call, configure
 
 # Process-wide counters; tests and the CLI use them to prove a warm cache does no work.
 stats: collections.Counter = collections.Counter()
+_stats_lock = threading.Lock()
+
+
+def _count(name: str, n: int = 1) -> None:
+    # ``stats[name] += n`` reads and then writes: two threads (tuning different keys, or
+    # hitting the cache at once) could read the same count, and one increment would be lost.
+    with _stats_lock:
+        stats[name] += n
 
 AUTO = "auto"
 
@@ -146,20 +154,35 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
         return _tune(call, key, options, pool)
 
 
-_key_locks: dict[str, threading.Lock] = {}
+# Key digest -> [its lock, how many threads hold or wait for it]. An entry lives only while
+# some thread uses it: a long-running process tunes many shapes, and a lock kept per key
+# would pile up. Dropping it loses nothing, since a thread that comes later finds the
+# finished result in the cache (stored before the lock was released).
+_key_locks: dict[str, list] = {}
 _key_locks_lock = threading.Lock()
 
 
-def _key_lock(key: Mapping[str, Any]) -> threading.Lock:
-    """The lock held while ``key`` is tuned in this process."""
+@contextlib.contextmanager
+def _key_lock(key: Mapping[str, Any]) -> Iterator[None]:
+    """Holds the lock of ``key`` in this process while the block runs."""
+    digest = cache.key_digest(key)
     with _key_locks_lock:
-        return _key_locks.setdefault(cache.key_digest(key), threading.Lock())
+        held = _key_locks.setdefault(digest, [threading.Lock(), 0])
+        held[1] += 1
+    try:
+        with held[0]:
+            yield
+    finally:
+        with _key_locks_lock:
+            held[1] -= 1
+            if not held[1]:
+                del _key_locks[digest]
 
 
 def _tune(call: Call, key: Mapping[str, Any], options: TuneOptions, pool: Any) -> TuneResult:
     """Tunes ``call`` under ``key``, whatever the cache holds."""
     decl, dims, params, backend = call.decl, call.dims, call.params, call.backend
-    stats["tunes"] += 1
+    _count("tunes")
     t_start = time.perf_counter()
     phases: dict[str, float] = {}
     valid, pruned = candidates(decl, dims, params)
@@ -186,7 +209,7 @@ def _tune(call: Call, key: Mapping[str, Any], options: TuneOptions, pool: Any) -
         results = run_trials(decl, runner, valid, expected, reps=options.reps or runner.reps,
                              warmup=runner.warmup if options.warmup is None else options.warmup,
                              deadline=options.deadline, phases=phases)
-    stats["trials"] += len(results)
+    _count("trials", len(results))
     complete = len(results) == len(valid)
     ok = sorted((r for r in results if r.time_s is not None), key=lambda r: r.time_s)
     rejected = [[r.config.to_json(), r.rejected, min(r.times_s) if r.times_s else None] for r in results if r.rejected]
@@ -232,7 +255,7 @@ def cached(call: Call, key: Mapping[str, Any]) -> dict | None:
     """The cached entry of ``call`` under ``key`` if there is a usable one (a cache hit)."""
     entry = cache.load(key, call.decl, call.dims, call.params)
     if entry is not None:
-        stats["cache_hits"] += 1
+        _count("cache_hits")
         logging.vlog(1, "autotune %s: cache hit for %s", call.decl.name, key["dims"])
     return entry
 
@@ -249,7 +272,7 @@ def _compile_stage(call, valid, options, pool):
     if options.compile_timeout_s is not None:
         pool.timeout_s = options.compile_timeout_s
     jobs = [make_job(configure(call, c), tuple(target)) for c in valid]
-    stats["compiles"] += len(jobs)
+    _count("compiles", len(jobs))
     kept, failed = [], []
     for c, r in zip(valid, pool.compile_many(jobs)):
         if r.ok:
