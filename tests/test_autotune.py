@@ -77,6 +77,18 @@ def test_a_declaration_without_key_dims_keys_every_dim():
     assert K.accumulate_decl().key_dims == ("T", "H")      # an explicit key is kept
 
 
+def test_shipped_kernels_bucket_their_row_count_one_way_and_keep_other_dims_exact():
+    # A shipped key leads with the count that changes with every batch (tokens, rows or
+    # chunks; the row_id_map kernels' expert count is no such count): that one is bucketed.
+    from te_jax_perm.ops import shipped_decls
+    for name, decl in shipped_decls().items():
+        for dim in decl.key_dims:
+            got = [decl.key_bucket(dim, v) for v in (0, 1, 3, 100, 128, 129)]
+            bucketed = dim == decl.key_dims[0] and dim in ("T", "N", "M", "C")
+            want = [1, 1, 4, 128, 128, 256] if bucketed else [0, 1, 3, 100, 128, 129]
+            assert got == want, f"{name} buckets key dim {dim} as {got}; expected {want}"
+
+
 def test_key_changes_with_kernel_source():
     import dataclasses
     decl = K.accumulate_decl()

@@ -6,6 +6,8 @@ the same way so that nearby sizes share one tuned entry.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 # Elements of one program's [rows, block] register tile: 16384 is 32 KB of bf16 (64 KB of
 # fp32) per program, the most the row movers keep in flight without spilling.
 MAX_TILE = 16384
@@ -28,10 +30,13 @@ def pow2_at_most(v: int) -> int:
     return 1 << (max(int(v), 1).bit_length() - 1)
 
 
-def pow2_bucket(name: str, v: int) -> int:
-    """Autotuning key bucket: the next power of two (the name is part of the hook's signature)."""
-    del name
-    return next_pow2(v)
+def pow2_bucket(*dims: str) -> Callable[[str, int], int]:
+    """The autotuning ``key_bucket`` of every shipped kernel: ``dims`` (the row or chunk count,
+    which changes with every batch) rounded up to a power of two so that nearby sizes share
+    one tuned entry; any other key dim kept exact (a width or expert count compiled in)."""
+    def bucket(name: str, v: int) -> int:
+        return next_pow2(v) if name in dims else int(v)
+    return bucket
 
 
 def not_pow2(name: str, v: int) -> str | None:

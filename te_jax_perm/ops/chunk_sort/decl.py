@@ -88,7 +88,7 @@ chunk_sort_plan = declare(KernelDecl(
     default_config=lambda dims, params: Config.make(num_warps=max(1, min(8, chunk_lanes(dims["C"]) // 512))),
     key_dims=("C",),
     key_params=("num_tokens",),
-    key_bucket=pow2_bucket,
+    key_bucket=pow2_bucket("C"),
     params_check=_map_params_check,
     validate=_map_validate,
 ))
@@ -119,7 +119,7 @@ chunk_sort_map = declare(KernelDecl(
     default_config=lambda dims, params: Config.make(num_warps=4, BLOCK_N=512),
     key_dims=("C",),
     key_params=("num_tokens",),
-    key_bucket=pow2_bucket,
+    key_bucket=pow2_bucket("C"),
     params_check=_map_plan_check,
 ))
 
@@ -198,7 +198,7 @@ def _move_decl(with_probs: bool):
         # element a row more.
         default_config=tabled("sort_chunks_probs", _move_default, "N", _MOVE_CONSTRAINTS, _move_programs),
         key_dims=("N", "H"),
-        key_bucket=lambda name, v: next_pow2(v) if name == "N" else int(v),  # H is compiled in
+        key_bucket=pow2_bucket("N"),
         # Rows move whole to other rows (not N-local); each H-slice moves independently.
         partitioning=Partitioning(outputs=(("N", "H"), ("N",))[:len(outputs)], local=("H",)),
     ))

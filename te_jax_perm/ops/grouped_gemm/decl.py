@@ -28,7 +28,7 @@ from te_jax_perm.kernels.grouped_gemm import grouped_gemm_kernel, grouped_gemm_w
 from te_jax_perm.kernels.grouped_gemm_ws import grouped_gemm_wgrad_ws_kernel
 from te_jax_perm.ops.grouped_gemm.reference import (grouped_gemm_reference, grouped_gemm_rhs_t_reference,
                                                     grouped_gemm_wgrad_reference)
-from te_jax_perm.ops.tiling import next_pow2
+from te_jax_perm.ops.tiling import next_pow2, pow2_bucket
 
 FLOATS = ("float16", "bfloat16", "float32")
 # Hopper has 227 KiB of shared memory per block; leave room for the epilogue.
@@ -224,7 +224,7 @@ GEMM_SHARED = dict(
     params=("elem_bytes",),
     scalars=lambda dims, params: {"M": dims["M"]},
     key_params=("elem_bytes",),
-    key_bucket=lambda name, v: triton.next_power_of_2(v) if name == "M" else v,
+    key_bucket=pow2_bucket("M"),
     exact=False, rtol=2e-2, atol=2e-2,
 )
 

@@ -19,17 +19,14 @@ from te_jax_perm.kernels import permute as K
 from te_jax_perm.ops.permute import reference as R
 from te_jax_perm.ops.row_id_map.reference import (check_entry_ids, pad_offsets_of, row_id_map_reference,
                                                    row_owner_reference)
-from te_jax_perm.ops.tiling import MAX_TILE, expert_lanes, next_pow2, not_pow2, pow2_at_most, tile_too_large
+from te_jax_perm.ops.tiling import (MAX_TILE, expert_lanes, next_pow2, not_pow2, pow2_at_most, pow2_bucket,
+                                    tile_too_large)
 from te_jax_perm.ops.tuned_defaults import tabled
 
 FILL_ROWS = 16  # output rows per zero-fill program (only rows no token writes are touched)
 
 
 # -- configs shared by all row-moving kernels ------------------------------------------
-def _key_bucket(name: str, v: int) -> int:
-    return next_pow2(v) if name == "T" else v
-
-
 def whole_row(dims) -> int:
     """The tile width holding a whole row (a power of two, at most 8192 columns)."""
     return min(next_pow2(max(dims["H"], 16)), 8192)
@@ -140,7 +137,7 @@ def _tabled(name: str, rule: Callable, programs: Callable = _row_programs) -> Ca
 
 def _common(default_config=_default_config, params_check=_map_check, **kw: Any) -> dict:
     return dict(configs=_CONFIGS, constraints=_CONSTRAINTS, default_config=default_config,
-                key_dims=("T", "H"), key_bucket=_key_bucket, key_params=("padded",), params_check=params_check, **kw)
+                key_dims=("T", "H"), key_bucket=pow2_bucket("T"), key_params=("padded",), params_check=params_check, **kw)
 
 
 # -- valid autotuning operands ----------------------------------------------------------
@@ -282,7 +279,7 @@ row_owner = declare(KernelDecl(
     constexprs=lambda dims, params, config: {"PADDED": params["padded"], "BLOCK_K": OWNER_BLOCK_K},
     configs=tuple(Config.make(num_warps=w, BLOCK_T=bt) for bt in (8, 16, 32, 64) for w in (1, 2, 4)),
     default_config=_owner_default_config,
-    key_dims=("T", "E"), key_bucket=_key_bucket, key_params=("padded",), params_check=_owner_check,
+    key_dims=("T", "E"), key_bucket=pow2_bucket("T"), key_params=("padded",), params_check=_owner_check,
     example_inputs=lambda dims, params, dtypes, rng: _np_layout(
         dims["T"], dims["E"], params["num_out_rows"], params["padded"], rng)[:2],
     # Not token-local: rows go anywhere; the owner table comes out whole.
