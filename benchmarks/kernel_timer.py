@@ -12,6 +12,8 @@ import dataclasses
 import statistics
 from typing import Any, Callable, Sequence
 
+from benchmarks import timing
+
 MARKER = "bench_marker_kernel"
 
 
@@ -89,15 +91,6 @@ def wait_for(out: Any) -> None:
     torch.cuda.synchronize()
 
 
-def enqueued(fn: Callable[[], Any], calls: int) -> None:
-    """``calls`` calls of ``fn()`` enqueued back to back, then waited for once: how both the
-    profiles and the wall times run a label's calls."""
-    out = None
-    for _ in range(calls):
-        out = fn()
-    wait_for(out)
-
-
 def wall_us(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int = 10, reps: int = 5) -> list[float]:
     """Each label's wall time per call, in µs: ``calls`` calls enqueued back to back and
     waited for once (as a loop calling the op sees it: host dispatch and launch gaps
@@ -109,7 +102,7 @@ def wall_us(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int = 10, rep
         for i, (_, fn) in enumerate(items):
             wait_for(fn())
             t0 = time.perf_counter()
-            enqueued(fn, calls)
+            timing.back_to_back(fn, calls, wait=wait_for)
             per[i].append((time.perf_counter() - t0) / calls * 1e6)
     return [statistics.median(w) for w in per]
 
@@ -153,7 +146,7 @@ def profile_once(items: Sequence[tuple[Any, Callable[[], Any]]], calls: int, war
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _, fn in items:
             marker()
-            enqueued(fn, calls)
+            timing.back_to_back(fn, calls, wait=wait_for)
         marker()
     events = []
     for e in prof.events():
