@@ -89,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     t_start = time.monotonic()
     end = None if a.budget_s is None else t_start + a.budget_s
-    os.makedirs(a.out, exist_ok=True)
     from absl import logging
     logging.set_verbosity(logging.WARNING)
     import jax
@@ -97,11 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     from te_jax_perm import workloads
     from te_jax_perm.autotune.__main__ import record_launches, shape_list, tune_shapes
     from te_jax_perm.core import hooks
+    try:   # checked before anything is written or compiled
+        shapes = shape_list(a.small, a.shapes)
+    except ValueError as e:
+        ap.error(str(e))
+    os.makedirs(a.out, exist_ok=True)
     gpu = jax.default_backend() == "gpu"
     backend = "triton" if gpu else "interpret"
     dtype = np.dtype(a.dtype)   # "bfloat16" too: importing jax registers ml_dtypes' types
     autotune.set_cache_dir(os.path.join(a.out, "cache"))
-    shapes = shape_list(a.small, a.shapes)
 
     # 1. Compile time: the kernels of dispatch+combine at the first shape.
     model, H, E, k, T = shapes[0]

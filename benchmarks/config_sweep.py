@@ -434,6 +434,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.out:
         ap.error("--out is required to sweep")
+    if bad := [t for t in args.tokens.split(",") if t and not (t.isdigit() and int(t) >= 1)]:
+        ap.error(f"--tokens: {bad} are not positive integers")
+    if args.calls < 1:
+        ap.error(f"--calls={args.calls} must be at least 1")
+    parts = args.part.split(",")
+    # The movers' shapes are picked before the GPU starts: a --shapes that matches nothing ends here.
+    shapes = by_name(args.shapes, GPU_SHAPES + OFF_LIST_SHAPES) if "movers" in parts else ()
+    if args.tokens:
+        import dataclasses
+        shapes = tuple(dataclasses.replace(s, T=int(t)) for s in shapes for t in args.tokens.split(",") if t)
     import jax
     os.makedirs(args.out, exist_ok=True)
 
@@ -446,12 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         return save
 
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    parts = args.part.split(",")
     if "movers" in parts:
-        shapes = by_name(args.shapes, GPU_SHAPES + OFF_LIST_SHAPES)
-        if args.tokens:
-            import dataclasses
-            shapes = tuple(dataclasses.replace(s, T=int(t)) for s in shapes for t in args.tokens.split(","))
         sweep_movers(shapes, args.budget_s, args.calls, log, args.kernels, saver("sweep_movers.json"), args.quick)
     if "rowmap" in parts:
         saver("sweep_rowmap.json")(sweep_rowmap(args.budget_s, args.calls, log))

@@ -23,7 +23,8 @@ from benchmarks.timing import median_wall_ms, wall_ms
 from examples import moe_expert_parallel as example
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("steps", None, "timed training steps per measurement (default: 10 on GPUs, 2 on CPU)")
+flags.DEFINE_integer("steps", None, "timed training steps per measurement (default: 10 on GPUs, 2 on CPU)",
+                     lower_bound=1)
 flags.DEFINE_bool("weak_scaling", False, "also time 1, 2, 4, .. devices at the same tokens per device and "
                   "report each step time over the 1-device one")
 flags.DEFINE_string("json_out", None, "also write the results as JSON to this file")

@@ -680,9 +680,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="profile each layer's step: the share of GPU kernel time in te_jax_perm's kernels (GPU)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
+    if args.steps is not None and args.steps < 1:
+        ap.error(f"--steps={args.steps} must be at least 1")
     on_gpu = jax.default_backend() == "gpu" and args.mode != "cpu"
     if args.mode == "gpu" and not on_gpu:
         raise SystemExit(f"--mode gpu: JAX sees no GPU (jax.default_backend() is {jax.default_backend()!r})")
+    # Every flag is checked before the output directory or the device is touched: a typo in
+    # --shapes must not cost the copy measurement (a GiB on a GPU) first.
+    shapes = by_name(args.shapes, GPU_SHAPES if on_gpu else CPU_SHAPES)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "layer.log").unlink(missing_ok=True)
@@ -709,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
     result["copy_GBps"] = copy_bandwidth_gbps(steps, 1 << 30 if on_gpu else 1 << 24, kernel_time=on_gpu)
     log(f"device copy: {result['copy_GBps']:.0f} GB/s (read + write, {'kernel' if on_gpu else 'wall'} time)")
 
-    for shape in by_name(args.shapes, GPU_SHAPES if on_gpu else CPU_SHAPES):
+    for shape in shapes:
         if budget_left() < 0:
             result["skipped"].append(f"{shape.name}: budget")
             log(f"LAYER {shape.name}: skipped, the {args.budget_s:.0f} s budget is spent")

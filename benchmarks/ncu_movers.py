@@ -42,9 +42,11 @@ def run(shape_names: list[str]) -> None:
     from te_jax_perm.core.triton_backend import triton_call
 
     shapes = {s.name: s for s in GPU_SHAPES + OFF_LIST_SHAPES}
+    # All names checked before the first launch: a typo in the last must not cost ncu's
+    # replay of every shape before it.
+    if unknown := [n for n in shape_names if n not in shapes]:
+        raise SystemExit(f"--shapes: unknown shapes {unknown}; expected names of {sorted(shapes)}")
     for name in shape_names:
-        if name not in shapes:
-            raise SystemExit(f"--shapes: unknown shape {name!r}; expected one of {sorted(shapes)}")
         shape = shapes[name]
         problem = cases.Problem.make(shape)
         for case_name, kernel in (("token_combine.fwd", "unpermute_weighted"),

@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.out:
         ap.error("--out is required to measure")
+    if args.calls < 1:
+        ap.error(f"--calls={args.calls} must be at least 1")
+    shapes = by_name(args.shapes, GPU_SHAPES + OFF_LIST_SHAPES)   # before any import or measurement
     import jax
     import triton
     os.makedirs(args.out, exist_ok=True)
@@ -297,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'present' if te else 'absent (not importable)'}")
     rows: list[dict] = []
     t0 = time.monotonic()
-    for shape in by_name(args.shapes, GPU_SHAPES + OFF_LIST_SHAPES):
+    for shape in shapes:
         try:
             rows += measure_shape(shape, te, args.calls, log)
         except Exception:  # one shape failing must not end the run

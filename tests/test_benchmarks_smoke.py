@@ -79,6 +79,56 @@ def test_gpu_driver_names_its_steps_and_rejects_others(tmp_path):
     assert not (tmp_path / "summary.txt").exists()
 
 
+# What each benchmark measures or launches first: a bad flag must end the run before it.
+FIRST_WORK = {"layer_bench": "copy_bandwidth_gbps", "peer": "te_module", "config_sweep": "sweep_movers",
+              "autotune_bench": "compile_time"}
+
+
+@pytest.mark.parametrize("bench, argv", [
+    ("layer_bench", ["--mode", "cpu", "--shapes", "NoSuchShape"]),
+    ("layer_bench", ["--mode", "cpu", "--steps", "-1"]),
+    ("peer", ["--shapes", "NoSuchShape"]),
+    ("peer", ["--calls", "0"]),
+    ("config_sweep", ["--part", "movers", "--shapes", "NoSuchShape"]),
+    ("config_sweep", ["--part", "movers", "--tokens", "16,x"]),
+    ("autotune_bench", ["--small", "--shapes", "NoSuchShape"]),
+])
+def test_a_bad_flag_ends_a_benchmark_before_it_writes_or_measures(bench, argv, tmp_path, monkeypatch):
+    import importlib
+    module = importlib.import_module(f"benchmarks.{bench}")
+
+    def measured(*a, **kw):
+        raise AssertionError(f"{bench} {argv}: started measuring before it checked its flags")
+
+    monkeypatch.setattr(module, FIRST_WORK[bench], measured)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit):
+        module.main(["--out", str(out), *argv])
+    assert not out.exists(), f"{bench} {argv}: wrote its output directory before it checked its flags"
+
+
+def test_ncu_movers_checks_every_shape_name_before_the_first_launch(monkeypatch):
+    from benchmarks import ncu_movers
+    from benchmarks.shapes import GPU_SHAPES
+
+    def launched(*a, **kw):
+        raise AssertionError("a shape was set up before every name was checked")
+
+    monkeypatch.setattr(cases.Problem, "make", launched)
+    with pytest.raises(SystemExit, match="NoSuchShape"):
+        ncu_movers.run([GPU_SHAPES[0].name, "NoSuchShape"])
+
+
+def test_ep_bench_rejects_steps_below_one():
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "benchmarks.ep_bench", "--steps=0"], cwd=root, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert done.returncode != 0 and "steps" in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
+
+
 def test_gpu_driver_splits_pytest_args_as_a_shell_would(tmp_path):
     """``--pytest_args="-k 'a or b'"`` reaches pytest as two arguments (split on spaces, the
     quoted expression fell apart and pytest collected nothing)."""
