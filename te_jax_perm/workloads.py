@@ -71,18 +71,20 @@ def topk_routing(rng: np.random.Generator, T: int, E: int, k: int,
     """A routing map (bool ``[T, E]``, each token to the ``k`` distinct experts of highest
     random logit) and its probs (fp32 ``[T, E]``, the softmax over the routed experts, 0
     elsewhere). ``skew="hot"`` biases the logits so that expert 0 takes about half of all
-    tokens; ``skew="empty"`` routes nothing to the upper half of the experts (when ``k``
-    allows)."""
+    tokens; ``skew="empty"`` routes nothing to the experts from ``max(k, E // 2)`` on (the
+    upper half, or all past the first ``k`` that each token needs); ``skew="all_one"`` routes
+    every token to expert 0."""
     if not 1 <= k <= E:
         raise ValueError(f"k={k} must be in [1, E={E}]")
     logits = rng.standard_normal((T, E)).astype(np.float32)
     if skew == "hot":
         logits[rng.random(T) < 0.5, 0] += 100.0
     elif skew == "empty":
-        if 2 * k <= E:  # otherwise every expert is needed to give each token k distinct ones
-            logits[:, E // 2:] -= 100.0
+        logits[:, max(k, E // 2):] -= 100.0
+    elif skew == "all_one":
+        logits[:, 0] += 100.0
     elif skew != "uniform":
-        raise ValueError(f"unknown skew {skew!r}")
+        raise ValueError(f"unknown skew {skew!r}; expected uniform, hot, empty or all_one")
     routing_map = top_k_map(logits, k)
     # Less the row's max before exp: a "hot" logit of 100 overflows float32's exp.
     sel = np.where(routing_map, logits, -np.inf)

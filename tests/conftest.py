@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from te_jax_perm.workloads import top_k_map  # noqa: E402
+from te_jax_perm.workloads import topk_routing  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
@@ -59,7 +59,8 @@ def pytest_collection_modifyitems(config, items):
         # An 8-device subprocess runs its share of the multi-device tests and nothing else:
         # the parent process runs the rest.
         keep = shard_of([item for item in items if item.get_closest_marker("multidevice") is not None])
-        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        kept = set(keep)   # a set: a list's `in` made this quadratic in the suite's size
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = keep
     # Long tests first (a stable sort keeps the rest in file order): started last, one of
     # them would leave the other workers idle at the end of a parallel run.
@@ -126,20 +127,9 @@ def compiled_for_sm90(call, config):
         raise
 
 
-# -- routing: the one generator every test draws routing maps from -------------------------
-def routing(rng: np.random.Generator, t: int, e: int, k: int, mode: str = "topk") -> np.ndarray:
-    """bool [T, E]: each token routed to the ``k`` distinct experts (at most ``E``) of highest
-    random logit, with the logits biased by ``mode``: "topk" none; "skew" expert 0 takes
-    about half the tokens; "empty" the experts from ``max(k, E // 2)`` on take none;
-    "all_one" every token goes to expert 0."""
-    k = min(k, e)
-    logits = rng.standard_normal((t, e))
-    if mode == "skew":
-        logits[rng.random(t) < 0.5, 0] += 100.0
-    elif mode == "empty":
-        logits[:, max(k, e // 2):] -= 100.0
-    elif mode == "all_one":
-        logits[:, 0] += 100.0
-    elif mode != "topk":
-        raise ValueError(f"mode {mode!r}; expected topk, skew, empty or all_one")
-    return top_k_map(logits, k)
+# -- routing ---------------------------------------------------------------------------------
+def routing(rng: np.random.Generator, t: int, e: int, k: int, skew: str = "uniform") -> np.ndarray:
+    """bool [T, E]: the map of the library's routing generator (``workloads.topk_routing``,
+    ``skew`` as it takes it), each token routed to ``min(k, e)`` experts: property tests draw
+    ``k`` and ``e`` independently."""
+    return topk_routing(rng, t, e, min(k, e), skew)[0]

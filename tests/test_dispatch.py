@@ -33,7 +33,7 @@ def _run(backend, rm, n, x, probs, align, w=None):
 
 @settings(max_examples=10, **FIXTURE_OK)
 @given(t=st.sampled_from([1, 3, 17, 64]), h=st.sampled_from([64, 71, 96]), e=st.integers(1, 16),
-       k=st.integers(1, 4), mode=st.sampled_from(["topk", "skew", "empty", "all_one"]),
+       k=st.integers(1, 4), mode=st.sampled_from(["uniform", "hot", "empty", "all_one"]),
        budget=st.sampled_from([1.0, 0.6, 1.3]), align=st.sampled_from([None, 1, 4, 16]),
        with_probs=st.booleans(), weighted=st.booleans(), seed=st.integers(0, 2**16))
 def test_dispatch_combine_forward(backend, t, h, e, k, mode, budget, align, with_probs, weighted, seed):
@@ -58,7 +58,7 @@ def test_dispatch_combine_forward(backend, t, h, e, k, mode, budget, align, with
 
 @settings(max_examples=8, **FIXTURE_OK)
 @given(t=st.sampled_from([1, 5, 32]), h=st.sampled_from([64, 67]), e=st.integers(1, 8), k=st.integers(1, 4),
-       mode=st.sampled_from(["topk", "skew", "empty"]), budget=st.sampled_from([1.0, 0.5, 1.25]),
+       mode=st.sampled_from(["uniform", "hot", "empty"]), budget=st.sampled_from([1.0, 0.5, 1.25]),
        align=st.sampled_from([None, 4]), seed=st.integers(0, 2**16))
 def test_dispatch_and_combine_gradients_match_reference_vjp(backend, t, h, e, k, mode, budget, align, seed):
     rm, n, x, probs = _case(seed, t, h, e, k, mode, budget, True)
@@ -93,7 +93,7 @@ def test_dispatch_and_combine_gradients_match_reference_vjp(backend, t, h, e, k,
 
 
 def test_check_grads_numerically(backend):
-    rm, n, x, probs = _case(3, 6, 64, 4, 2, "skew", 0.75, True)
+    rm, n, x, probs = _case(3, 6, 64, 4, 2, "hot", 0.75, True)
     w = np.random.default_rng(4).random((6, 4)).astype(np.float32)
 
     def f(x, p, w):
@@ -105,7 +105,7 @@ def test_check_grads_numerically(backend):
 def test_second_order_gradients_are_refused_by_name(backend):
     """The gradients are first-order custom VJPs: differentiating one again raises an error
     naming the op, not JAX's about a primitive or custom_partitioning having no rule."""
-    rm, n, x, probs = _case(3, 6, 16, 4, 2, "topk", 1.0, True)
+    rm, n, x, probs = _case(3, 6, 16, 4, 2, "uniform", 1.0, True)
     out, _, rid, _, _ = te_jax_perm.token_dispatch(x, rm, n, backend=backend)
     combine_grad = jax.grad(lambda y: jnp.sum(te_jax_perm.token_combine(y, rid, backend=backend) ** 2))
     assert combine_grad(out).shape == out.shape
@@ -161,8 +161,8 @@ def test_every_op_refuses_a_second_differentiation_by_name(backend):
         np.testing.assert_allclose(jax.grad(lambda v: jnp.sum(jax.grad(f)(v)))(a), np.full((6, 3), 3.0))
 
 
-@pytest.mark.parametrize("t,e,k,mode", [(1, 1, 1, "topk"), (1, 4, 4, "topk"), (9, 1, 1, "topk"),
-                                        (12, 5, 5, "topk"), (10, 6, 1, "all_one"), (10, 8, 2, "empty")])
+@pytest.mark.parametrize("t,e,k,mode", [(1, 1, 1, "uniform"), (1, 4, 4, "uniform"), (9, 1, 1, "uniform"),
+                                        (12, 5, 5, "uniform"), (10, 6, 1, "all_one"), (10, 8, 2, "empty")])
 @pytest.mark.parametrize("align", [None, 8])
 def test_edge_cases(backend, t, e, k, mode, align):
     rm, n, x, probs = _case(11, t, 65, e, k, mode, 1.0, True)
@@ -193,7 +193,7 @@ def test_zero_tokens_give_zero_size_results(backend, align):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn], ids=lambda d: jnp.dtype(d).name)
 def test_token_dtypes_copied_bit_exactly(backend, dtype):
-    rm, n, x, _ = _case(5, 19, 72, 6, 2, "topk", 0.8, False)
+    rm, n, x, _ = _case(5, 19, 72, 6, 2, "uniform", 0.8, False)
     xd = jnp.asarray(x, dtype)
     out, _, rid, pad, _ = jax.jit(lambda x: te_jax_perm.token_dispatch(x, rm, n, align_size=4, backend=backend))(xd)
     e_out, _, dest, _, _ = ref.dispatch(np.asarray(xd), rm, n, None, 4)
@@ -235,7 +235,7 @@ def test_fp8_tokens_dispatch_with_their_block_scales(backend):
 
 def test_batched_input_shape(backend):
     rng = np.random.default_rng(0)
-    rm = routing(rng, 10, 4, 2, "topk").reshape(2, 5, 4)
+    rm = routing(rng, 10, 4, 2, "uniform").reshape(2, 5, 4)
     x = rng.standard_normal((2, 5, 64)).astype(np.float32)
     p = rng.random((2, 5, 4)).astype(np.float32)
     out, pp, rid, pad, _ = te_jax_perm.token_dispatch(x, rm, 20, probs=p, backend=backend)
@@ -248,7 +248,7 @@ def test_batched_input_shape(backend):
 
 def test_vmap_equals_python_loop(backend):
     rng = np.random.default_rng(2)
-    rms = np.stack([routing(rng, 8, 4, 2, m) for m in ("topk", "skew", "all_one")])
+    rms = np.stack([routing(rng, 8, 4, 2, m) for m in ("uniform", "hot", "all_one")])
     xs = rng.standard_normal((3, 8, 64)).astype(np.float32)
     ps = rng.random((3, 8, 4)).astype(np.float32)
 
@@ -268,7 +268,7 @@ def test_vmap_equals_python_loop(backend):
 
 
 def test_alias_audit_every_kernel_forward_and_backward(kernel_backend):
-    rm, n, x, probs = _case(1, 9, 64, 4, 2, "topk", 0.9, True)
+    rm, n, x, probs = _case(1, 9, 64, 4, 2, "uniform", 0.9, True)
     w = np.random.default_rng(1).random((9, 4)).astype(np.float32)
 
     def loss(x, p, w):

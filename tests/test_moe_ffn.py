@@ -30,7 +30,7 @@ def _highest_precision():
         yield
 
 
-def _problem(t, h, e, k, f, activation, dtype, mode="topk", seed=0, empty_tokens=0):
+def _problem(t, h, e, k, f, activation, dtype, mode="uniform", seed=0, empty_tokens=0):
     rng = np.random.default_rng(seed)
     rm = routing(rng, t, e, k, mode)
     rm[:empty_tokens] = False                       # tokens routed to no expert
@@ -89,8 +89,8 @@ def value_and_grads(fn, rm, seed=9):
 TOL = {"float32": 2e-5, "bfloat16": 3e-2}
 # (T, H, E, k, F, activation, dtype, routing, tokens with no expert, rows dropped, align_size)
 CASES = {
-    "swiglu_fp32": (32, 32, 4, 2, 16, "silu_glu", "float32", "topk", 0, 0, None),
-    "gelu_bf16_drop_pad": (24, 32, 8, 2, 16, "gelu", "bfloat16", "skew", 0, 7, 4),
+    "swiglu_fp32": (32, 32, 4, 2, 16, "silu_glu", "float32", "uniform", 0, 0, None),
+    "gelu_bf16_drop_pad": (24, 32, 8, 2, 16, "gelu", "bfloat16", "hot", 0, 7, 4),
     "relu_no_expert_one_expert": (24, 16, 4, 1, 16, "relu", "float32", "all_one", 7, 0, None),
 }
 
@@ -337,7 +337,7 @@ def test_every_fused_kernel_matches_its_reference_and_sanitizes_clean(kernel_bac
 
 
 def test_the_op_sanitizes_clean_forward_and_backward(on_cpu):
-    x, rm, probs, w_in, w_out = _problem(12, 16, 4, 2, 8, "silu_glu", "float32", mode="skew", seed=6,
+    x, rm, probs, w_in, w_out = _problem(12, 16, 4, 2, 8, "silu_glu", "float32", mode="hot", seed=6,
                                          empty_tokens=2)
     with sanitize() as report:
         jax.block_until_ready(jax.grad(lambda *a: jnp.sum(te_jax_perm.moe_ffn(
@@ -358,7 +358,7 @@ def test_the_op_sanitizes_clean_forward_and_backward(on_cpu):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gpu_real_size_matches_unfused_and_is_deterministic(dtype):
     t, h, e, k, f = 4096, 1024, 16, 2, 512
-    x, rm, probs, w_in, w_out = _problem(t, h, e, k, f, "silu_glu", dtype, mode="skew", seed=7)
+    x, rm, probs, w_in, w_out = _problem(t, h, e, k, f, "silu_glu", dtype, mode="hot", seed=7)
     n = t * k - 100
     args = (x, probs, w_in, w_out)
     # A fixed output gradient rather than a loss: the check covers the op's own results, not
@@ -380,7 +380,7 @@ def test_hopper_first_gemm_on_moved_rows_matches_the_gathering_kernel(monkeypatc
     dropped rows; the gathering kernel is not launched. (The branch is forced on the
     interpreter here; on a GPU it runs where the device is Hopper.)"""
     from te_jax_perm.ops.moe_ffn import api
-    x, rm, probs, w_in, w_out = _problem(12, 16, 4, 2, 8, "silu_glu", "float32", mode="skew", seed=3,
+    x, rm, probs, w_in, w_out = _problem(12, 16, 4, 2, 8, "silu_glu", "float32", mode="hot", seed=3,
                                          empty_tokens=2)
     op = lambda *a: te_jax_perm.moe_ffn(*a, 17, align_size=4, backend="interpret")  # noqa: E731
     want = value_and_grads(op, rm)(x, probs, w_in, w_out)

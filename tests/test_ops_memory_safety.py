@@ -70,7 +70,7 @@ def test_chunk_sort_overflowing_traced_sizes_truncate_at_the_input_end(backend, 
 # -- 2. combine given fewer rows than its map addresses; corrupt maps ----------------------
 def _dispatched(t=8, e=4, k=2, h=16, seed=0):
     rng = np.random.default_rng(seed)
-    rm = routing(rng, t, e, k, "topk")
+    rm = routing(rng, t, e, k, "uniform")
     x = rng.standard_normal((t, h)).astype(np.float32)
     w = rng.random((t, e)).astype(np.float32)
     out, _, rid, _, _ = te_jax_perm.token_dispatch(x, rm, int(rm.sum()), backend="xla")
@@ -144,7 +144,7 @@ def test_chunk_sort_by_a_corrupt_map_stays_inside_the_buffers(backend):
 def test_padded_dispatch_combined_without_pad_offsets_returns_the_right_tokens(backend):
     rng = np.random.default_rng(7)
     t, e, h, align = 8, 4, 16, 4
-    rm = routing(rng, t, e, 2, "skew")
+    rm = routing(rng, t, e, 2, "hot")
     x = rng.standard_normal((t, h)).astype(np.float32)
     w = rng.random((t, e)).astype(np.float32)
     n = int(rm.sum())
@@ -175,7 +175,7 @@ def test_rows_without_columns_still_move_their_probabilities(backend):
     gradients and the combine's weight gradient are values every backend writes (a kernel
     whose programs were all column slices would leave them as allocated)."""
     rng = np.random.default_rng(3)
-    rm = routing(rng, 8, 4, 2, "topk")
+    rm = routing(rng, 8, 4, 2, "uniform")
     n = int(rm.sum())
     p = (rng.random((8, 4)) * rm).astype(np.float32)
     x, y = np.zeros((8, 0), np.float32), np.zeros((n, 0), np.float32)

@@ -15,7 +15,7 @@ from tests import numpy_reference as ref
 from tests.conftest import compiled_for_sm90, routing
 
 
-def _setup(seed=0, t=11, h=67, e=5, k=2, mode="skew", budget=1.0):
+def _setup(seed=0, t=11, h=67, e=5, k=2, mode="hot", budget=1.0):
     rng = np.random.default_rng(seed)
     rm = routing(rng, t, e, k, mode)
     n = int(rm.sum() * budget)
@@ -322,7 +322,7 @@ def test_numpy_row_id_map_reference_matches_make_row_id_map():
     kernels build, and the independent loop reference's."""
     from te_jax_perm.ops.row_id_map.reference import row_id_map_reference
     rng = np.random.default_rng(3)
-    rm = routing(rng, 13, 6, 3, "skew")
+    rm = routing(rng, 13, 6, 3, "hot")
     for drop_at in (int(rm.sum()), 7, 0):
         rid, kept = te_jax_perm.make_row_id_map(rm, drop_at, backend="xla")
         e_rid, e_kept = row_id_map_reference(rm, drop_at, xp=np)
@@ -372,7 +372,7 @@ from tests.conftest import routing
 
 mesh = Mesh(np.array(jax.devices()), ("d",))
 rng = np.random.default_rng(0)
-rm = routing(rng, 12, 4, 2, "topk")
+rm = routing(rng, 12, 4, 2, "uniform")
 x = rng.standard_normal((12, 64)).astype(np.float32)
 p = rng.random((12, 4)).astype(np.float32)
 rid, kept = te_jax_perm.make_row_id_map(rm, backend="xla")
@@ -426,7 +426,7 @@ def test_xla_references_match_numpy_at_edges(t, e, k, budget, align):
     """T=1, E=1, every row dropped (num_out_rows 0, or only padding), drops with padding:
     forward and backward of both directions equal the loop reference (data movement exactly)."""
     rng = np.random.default_rng(t * 100 + e)
-    rm = routing(rng, t, e, k, "topk")
+    rm = routing(rng, t, e, k, "uniform")
     n = int(rm.sum() * budget)
     x = rng.standard_normal((t, 24)).astype(np.float32)
     p = rng.random((t, e)).astype(np.float32)
@@ -463,7 +463,7 @@ def test_xla_references_match_numpy_at_edges(t, e, k, budget, align):
 def _memory_cases():
     t, e, k, h = 512, 64, 4, 256
     rng = np.random.default_rng(0)
-    rm = jnp.asarray(routing(rng, t, e, k, "topk"))
+    rm = jnp.asarray(routing(rng, t, e, k, "uniform"))
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
     p = jnp.asarray(rng.random((t, e)), jnp.float32)
     y, pp, rid, _, _ = te_jax_perm.token_dispatch(x, rm, t * k, probs=p, backend="xla")

@@ -12,7 +12,7 @@ from tests.conftest import routing
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(t=st.sampled_from([1, 2, 7, 33, 64]), e=st.integers(1, 16), k=st.integers(1, 4),
-       mode=st.sampled_from(["topk", "skew", "empty", "all_one"]), budget=st.sampled_from([None, 0.5, 1.0, 1.5]),
+       mode=st.sampled_from(["uniform", "hot", "empty", "all_one"]), budget=st.sampled_from([None, 0.5, 1.0, 1.5]),
        block=st.sampled_from([None, 1, 4, 16]), int_map=st.booleans(), single=st.sampled_from([None, True, False]),
        seed=st.integers(0, 2**16))
 def test_row_id_map_matches_reference(backend, t, e, k, mode, budget, block, int_map, single, seed):
@@ -34,7 +34,7 @@ def test_row_id_map_large_xla_and_kernel_agree(kernel_backend, single):
     # Many blocks (more than one reduction chunk of the counts at E=37 -> 64: CH=128 rows of
     # blocks with block_tokens=1, so 150 tokens), E not a power of two, a bool map, entries
     # dropped (750 routed, 500 kept).
-    rm = routing(np.random.default_rng(1), 150, 37, 5, "skew")
+    rm = routing(np.random.default_rng(1), 150, 37, 5, "hot")
     out = [te_jax_perm.make_row_id_map(rm, 500, block_tokens=1 if b != "xla" else 8, single_pass=single, backend=b)
            for b in ("xla", kernel_backend)]
     np.testing.assert_array_equal(np.asarray(out[0][0]), np.asarray(out[1][0]))
@@ -73,7 +73,7 @@ def test_a_block_past_the_tokens_is_one_block_of_them_all(block, kernel_backend)
 
 @pytest.mark.gpu
 def test_row_id_map_real_size(kernel_backend):
-    rm = routing(np.random.default_rng(2), 4096, 256, 8, "topk")
+    rm = routing(np.random.default_rng(2), 4096, 256, 8, "uniform")
     rid, _ = jax.jit(lambda m: te_jax_perm.make_row_id_map(m, backend=kernel_backend))(rm)
     rid_x, _ = jax.jit(lambda m: te_jax_perm.make_row_id_map(m, backend="xla"))(rm)
     np.testing.assert_array_equal(np.asarray(rid), np.asarray(rid_x))
@@ -122,7 +122,7 @@ def test_map_plans_are_the_committed_sweeps_fastest():
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(t=st.sampled_from([1, 7, 33]), e=st.integers(1, 9), k=st.integers(1, 3),
-       mode=st.sampled_from(["topk", "skew", "empty"]), budget=st.sampled_from([0.0, 0.5, 1.0, 1.5]),
+       mode=st.sampled_from(["uniform", "hot", "empty"]), budget=st.sampled_from([0.0, 0.5, 1.0, 1.5]),
        align=st.sampled_from([1, 2, 4, 16]), block=st.sampled_from([1, 4, 64]), single=st.booleans(),
        extra_rows=st.sampled_from([-3, 0, 5]), seed=st.integers(0, 2**16))
 def test_dispatch_map_is_the_padded_map_and_its_row_owners(kernel_backend, t, e, k, mode, budget, align, block,
@@ -166,7 +166,7 @@ def test_a_closed_over_routing_map_is_not_folded_at_compile_time():
     XLA would build the xla backend's row-id map from it while compiling (a minute at
     4096 x 256 on a CPU). Such a map reaches the ops behind an optimisation barrier, which
     XLA does not fold through; a map passed as an argument gets none."""
-    rm = routing(np.random.default_rng(0), 16, 4, 2, "topk")
+    rm = routing(np.random.default_rng(0), 16, 4, 2, "uniform")
     ops = {"make_row_id_map": lambda m: te_jax_perm.make_row_id_map(m, 32, backend="xla")[0],
            "token_dispatch": lambda m: te_jax_perm.token_dispatch(jnp.ones((16, 8)), m, 32, backend="xla")[0]}
     for name, op in ops.items():

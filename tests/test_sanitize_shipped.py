@@ -189,22 +189,22 @@ def run_moe_ffn(T, H, E, k, F, mode, *, drop=0, align=None, seed=0, dtype=jnp.fl
 
 
 SCENARIOS = {
-    "moe_T1_oddH": lambda: run_moe(1, 5, 4, 2, "topk"),
-    "moe_topk_odd": lambda: run_moe(13, 33, 5, 2, "topk", dtype=jnp.bfloat16),
+    "moe_T1_oddH": lambda: run_moe(1, 5, 4, 2, "uniform"),
+    "moe_topk_odd": lambda: run_moe(13, 33, 5, 2, "uniform", dtype=jnp.bfloat16),
     "moe_empty_experts": lambda: run_moe(12, 16, 8, 2, "empty"),
-    "moe_skewed_k1": lambda: run_moe(17, 24, 4, 1, "skew", probs=False),
-    "moe_dropping": lambda: run_moe(16, 20, 4, 2, "skew", drop=7),
+    "moe_skewed_k1": lambda: run_moe(17, 24, 4, 1, "hot", probs=False),
+    "moe_dropping": lambda: run_moe(16, 20, 4, 2, "hot", drop=7),
     "moe_padding": lambda: run_moe(11, 70, 4, 2, "empty", align=4),
-    "moe_drop_and_pad_noprobs": lambda: run_moe(9, 7, 3, 2, "topk", drop=3, align=8, probs=False),
-    "mask_map_inference_dropping": lambda: run_mask_map_inference(15, 24, 6, 2, "skew", drop=4),
+    "moe_drop_and_pad_noprobs": lambda: run_moe(9, 7, 3, 2, "uniform", drop=3, align=8, probs=False),
+    "mask_map_inference_dropping": lambda: run_mask_map_inference(15, 24, 6, 2, "hot", drop=4),
     "chunks_empty_and_unmapped": lambda: run_chunk_sort(20, 9, [3, 0, 5, 4, 0, 2], [5, 2, 0, 4, 3, 1]),
     "chunks_T1": lambda: run_chunk_sort(1, 3, [1], [0], probs=False),
     "chunks_full": lambda: run_chunk_sort(24, 96, [8, 8, 8], [2, 0, 1]),
     "copy_odd": lambda: run_copy((7, 13)),
-    "row_id_map_two_pass": lambda: run_row_id_map(19, 6, 2, "skew", drop=5),
-    "row_id_map_one_pass": lambda: run_row_id_map(19, 6, 2, "topk", drop=3, single_pass=True),
+    "row_id_map_two_pass": lambda: run_row_id_map(19, 6, 2, "hot", drop=5),
+    "row_id_map_one_pass": lambda: run_row_id_map(19, 6, 2, "uniform", drop=3, single_pass=True),
     # T*E large enough for the dispatch's two-launch map (counts, then the padded, owned fill).
-    "moe_two_pass_map": lambda: run_moe(16, 8, 256, 2, "topk", align=4),
+    "moe_two_pass_map": lambda: run_moe(16, 8, 256, 2, "uniform", align=4),
     "grouped_gemm_ragged": lambda: run_grouped_gemm(40, 24, 40, [10, 0, 25]),
     "grouped_gemm_hopper_tma_tiles": lambda: run_hopper_row_tile_gemms(2176, 256, [1000, 0, 1100]),
     # Small enough to run once per config of the Hopper declarations' tuning space.
@@ -214,11 +214,11 @@ SCENARIOS = {
     # that every row mover's whole tuning space is valid, for the config sweep, and the same
     # op path on rows of NARROW_H columns, where the tiles those admit run (one scenario per
     # op path, so parallel runs share them out).
-    "movers_wide_rows": lambda: (run_moe(4, NARROW_H, 4, 2, "topk", drop=1), run_moe(4, 2050, 4, 2, "topk", drop=1)),
-    "movers_wide_rows_noprobs": lambda: (run_moe(4, NARROW_H, 4, 2, "topk", probs=False),
-                                         run_moe(4, 2050, 4, 2, "topk", probs=False)),
-    "weighted_unpermute_wide_rows": lambda: (run_weighted_unpermute(4, NARROW_H, 4, 2, "topk"),
-                                             run_weighted_unpermute(4, 2050, 4, 2, "topk")),
+    "movers_wide_rows": lambda: (run_moe(4, NARROW_H, 4, 2, "uniform", drop=1), run_moe(4, 2050, 4, 2, "uniform", drop=1)),
+    "movers_wide_rows_noprobs": lambda: (run_moe(4, NARROW_H, 4, 2, "uniform", probs=False),
+                                         run_moe(4, 2050, 4, 2, "uniform", probs=False)),
+    "weighted_unpermute_wide_rows": lambda: (run_weighted_unpermute(4, NARROW_H, 4, 2, "uniform"),
+                                             run_weighted_unpermute(4, 2050, 4, 2, "uniform")),
     # 16-bit operands admit larger GEMM tiles than float32's (shared memory): their sweep.
     "grouped_gemm_bf16": lambda: run_grouped_gemm(40, 24, 40, [10, 0, 25], dtype=jnp.bfloat16),
     "moe_ffn_bf16": lambda: run_moe_ffn(12, 16, 4, 2, 8, "empty", drop=3, dtype=jnp.bfloat16),
