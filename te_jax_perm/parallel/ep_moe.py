@@ -145,9 +145,7 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
         before any op of the layer is traced; a ``ValueError`` also where ``cfg.axis`` is not a bound
         mesh axis (a call outside ``shard_map``).
     """
-    _check_config(cfg)
-    x, probs, w_in, w_out = _checked_arrays(x, probs, w_in, w_out)
-    routing_map = checked_routing_map(routing_map)
+    x, routing_map, probs, w_in, w_out = _checked_args(x, routing_map, probs, w_in, w_out, cfg)
     try:
         ep = jax.lax.axis_size(cfg.axis)
     except NameError:
@@ -245,9 +243,8 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
       and ``w_out`` (the weights' gradients summed over the data axes, reduce-scattered
       over the FSDP axes).
     """
-    _check_config(cfg)
-    x, probs, w_in, w_out = _checked_arrays(x, probs, w_in, w_out)
-    routing_map = checked_routing_map(routing_map)   # inside shard_map its values are traced
+    # Checked here, outside shard_map, where the routing map's values are still concrete.
+    x, routing_map, probs, w_in, w_out = _checked_args(x, routing_map, probs, w_in, w_out, cfg)
     data_axes, fsdp = _check_layout(x, routing_map, probs, w_in, w_out, mesh, cfg)
     tokens = P((*data_axes, cfg.axis))
     split = fsdp or None
@@ -284,9 +281,14 @@ def _check_config(cfg: EPConfig) -> None:
             raise ValueError(f"EPConfig.{field} = {v!r}; expected None or an int >= 0")
 
 
-def _checked_arrays(x, probs, w_in, w_out) -> tuple[jax.Array, ...]:
-    """The float arguments as the ops take arrays (lists too); ``None`` raises naming one."""
-    return tuple(_checks.array(name, a) for name, a in (("x", x), ("probs", probs), ("w_in", w_in), ("w_out", w_out)))
+def _checked_args(x, routing_map, probs, w_in, w_out, cfg: EPConfig) -> tuple[jax.Array, ...]:
+    """What both layer entries check first, before any shape: ``cfg`` (:func:`_check_config`),
+    the float arguments as the ops take arrays (lists too; ``None`` raises naming one) and
+    the routing map. Returns ``(x, routing_map, probs, w_in, w_out)`` as arrays."""
+    _check_config(cfg)
+    x, probs, w_in, w_out = (_checks.array(name, a) for name, a in
+                             (("x", x), ("probs", probs), ("w_in", w_in), ("w_out", w_out)))
+    return x, checked_routing_map(routing_map), probs, w_in, w_out
 
 
 def _check_shapes(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array,
