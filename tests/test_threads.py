@@ -10,6 +10,7 @@ threads take turns (its launch lock).
 import collections
 import json
 import logging
+import pathlib
 import threading
 import time
 
@@ -197,7 +198,7 @@ def test_threads_tuning_one_key_tune_it_once(tmp_cache):
     key = cache.make_key(decl, {"T": 48, "H": 10}, {}, [np.float32], "interpret")
     assert entry["key"] == key and cache.load(key, decl, {"T": 48, "H": 10}, {}) is not None
     # The per-key lock goes once its last user is done: a process tuning many shapes keeps none.
-    assert not tuner._key_locks, f"tuning locks left behind: {tuner._key_locks}"
+    assert tuner.tunings_in_flight() == 0, "a finished tuning left its key's lock behind"
 
 
 class SlowCounter(collections.Counter):
@@ -210,13 +211,14 @@ class SlowCounter(collections.Counter):
         return value
 
 
-class SlowSet(set):
-    """A set whose membership test takes a moment, so check-then-add races show."""
+class SlowPath(type(pathlib.Path())):
+    """A path whose parent takes a moment to work out: code that works it out again between
+    checking a directory and recording it lets the other threads check in between."""
 
-    def __contains__(self, item):
-        found = super().__contains__(item)
+    @property
+    def parent(self):
         time.sleep(0.01)
-        return found
+        return super().parent
 
 
 def test_threads_hitting_the_cache_at_once_count_every_hit(tmp_cache, monkeypatch):
@@ -240,12 +242,9 @@ def test_threads_hitting_the_cache_at_once_count_every_hit(tmp_cache, monkeypatc
 def test_threads_meeting_an_unusable_cache_at_once_warn_once(tmp_path, monkeypatch, caplog):
     # Under a cache directory that is a file, every thread's lookup fails and every store is
     # kept in memory: one warning of each kind for the process, not one for each thread.
-    monkeypatch.setattr(cache, "_reported", SlowSet())
-    monkeypatch.setattr(cache, "_unwritable", SlowSet())
-    monkeypatch.setattr(cache, "_memory", {})   # the entries kept in memory leave with the test
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    autotune.set_cache_dir(blocker / "cache")
+    monkeypatch.setattr(cache, "cache_dir", lambda: SlowPath(blocker / "cache"))
     decl = K.accumulate_decl(name="threads_unusable_cache")
     key = cache.make_key(decl, {"T": 48, "H": 10}, {}, [np.float32], "interpret")
     caplog.set_level(logging.WARNING)
@@ -259,10 +258,7 @@ def test_threads_meeting_an_unusable_cache_at_once_warn_once(tmp_path, monkeypat
             return missed
         return run
 
-    try:
-        assert run_threads([job(i) for i in range(N_THREADS)]) == [None] * N_THREADS
-    finally:
-        autotune.set_cache_dir(None)
+    assert run_threads([job(i) for i in range(N_THREADS)]) == [None] * N_THREADS
     for text in ("the cache directory is not a directory", "cannot write the tuning cache"):
         warned = [r for r in caplog.records if r.levelno == logging.WARNING and text in r.getMessage()]
         assert len(warned) == 1, f"{len(warned)} warnings '{text}' from {N_THREADS} threads; expected 1"

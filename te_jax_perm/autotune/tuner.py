@@ -179,6 +179,12 @@ def _key_lock(key: Mapping[str, Any]) -> Iterator[None]:
                 del _key_locks[digest]
 
 
+def tunings_in_flight() -> int:
+    """How many tuning keys threads of this process are tuning, or waiting to tune, now."""
+    with _key_locks_lock:
+        return len(_key_locks)
+
+
 def _tune(call: Call, key: Mapping[str, Any], options: TuneOptions, pool: Any) -> TuneResult:
     """Tunes ``call`` under ``key``, whatever the cache holds."""
     decl, dims, params, backend = call.decl, call.dims, call.params, call.backend
