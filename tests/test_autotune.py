@@ -31,7 +31,7 @@ def test_pruning_drops_invalid_configs_before_trials():
     assert {c for c, _ in pruned} == {K.RACY_CONFIG, Config.make(BS=128, BT=4)}
     assert "not a multiple" in dict(pruned)[K.RACY_CONFIG]
     assert set(valid) == set(K.SAFE_CONFIGS) | {Config.make(BS=8, BT=8)}  # + the default
-    res = autotune.tune(decl, SHAPE)
+    res = autotune.tune(decl, SHAPE, backend="interpret")
     timed = {Config.from_json(c) for c, _ in res.entry["ranking"]}
     assert K.RACY_CONFIG not in timed and len(res.entry["pruned"]) == 2
     assert autotune.stats["trials"] == len(valid)
@@ -114,15 +114,15 @@ def test_key_changes_with_the_source_of_a_body_the_kernel_calls(tmp_path, monkey
 
 def test_value_outside_key_does_not_retune_and_key_values_do():
     decl = K.accumulate_decl(name="p2", params=("mode", "tag"), key_params=("mode",))
-    autotune.tune(decl, [((64, 16), np.float32)], {"mode": 1, "tag": "a"})
+    autotune.tune(decl, [((64, 16), np.float32)], {"mode": 1, "tag": "a"}, backend="interpret")
     assert autotune.stats["tunes"] == 1
-    autotune.tune(decl, [((40, 12), np.float32)], {"mode": 1, "tag": "b"})  # same buckets, tag not in key
+    autotune.tune(decl, [((40, 12), np.float32)], {"mode": 1, "tag": "b"}, backend="interpret")  # same buckets, tag not in key
     assert autotune.stats["tunes"] == 1 and autotune.stats["cache_hits"] == 1
     for shapes, params in [([((65, 16), np.float32)], {"mode": 1, "tag": "a"}),
                            ([((64, 16), np.float16)], {"mode": 1, "tag": "a"}),
                            ([((64, 16), np.float32)], {"mode": 2, "tag": "a"})]:
         before = autotune.stats["tunes"]
-        autotune.tune(decl, shapes, params)
+        autotune.tune(decl, shapes, params, backend="interpret")
         assert autotune.stats["tunes"] == before + 1
 
 
@@ -159,7 +159,7 @@ def test_racy_config_rejected_by_output_validation():
     # CPU is noise, and the rejection must hold whatever the timings are.)
     decl = K.accumulate_decl(name="racy", configs=K.SAFE_CONFIGS + (K.RACY_CONFIG,), constraints=(),
                              default_config=lambda d, p: Config.make(BS=16, BT=4))
-    res = autotune.tune(decl, SHAPE, options=autotune.TuneOptions(reps=3, warmup=1))
+    res = autotune.tune(decl, SHAPE, options=autotune.TuneOptions(reps=3, warmup=1), backend="interpret")
     rejected = {Config.from_json(c): (why, t) for c, why, t in res.entry["rejected"]}
     assert set(rejected) == {K.RACY_CONFIG}
     assert "outside rtol" in rejected[K.RACY_CONFIG][0]
@@ -200,7 +200,7 @@ def test_warm_cache_reuse_across_processes(tmp_cache):
         from tests import _autotune_kernels as K
         from te_jax_perm import autotune
         autotune.set_cache_dir({str(tmp_cache)!r})
-        r = autotune.tune(K.accumulate_decl(), [((64, 16), np.float32)])
+        r = autotune.tune(K.accumulate_decl(), [((64, 16), np.float32)], backend="interpret")
         print(json.dumps({{"stats": dict(autotune.stats), "cached": r.cached, "best": str(r.best)}}))
     """)
     runs = []
@@ -267,7 +267,7 @@ def test_enable_inside_autotuning_blocks_outlasts_them():
 
 def test_cached_winner_invalid_for_exact_dims_is_skipped(tmp_cache):
     decl = K.accumulate_decl(name="bucket", constraints=(K.tiles_own_rows, K.not_wider_than_rows))
-    autotune.tune(decl, [((64, 16), np.float32)])
+    autotune.tune(decl, [((64, 16), np.float32)], backend="interpret")
     k = cache.make_key(decl, {"T": 64, "H": 16}, {}, [np.float32], "interpret")
     entry = cache.load(k)
     entry["ranking"].insert(0, [Config.make(BS=64, BT=4).to_json(), 0.0])

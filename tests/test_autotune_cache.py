@@ -163,11 +163,11 @@ def test_unwritable_cache_keeps_results_in_memory_and_warns_once(tmp_path, caplo
     autotune.set_cache_dir(blocker / "cache")      # mkdir fails even for root
     decl = K.accumulate_decl(name="cache_unwritable")
     caplog.set_level(logging.WARNING)
-    first = autotune.tune(decl, [((64, 16), np.float32)])
+    first = autotune.tune(decl, [((64, 16), np.float32)], backend="interpret")
     assert not first.cached and first.best is not None
-    again = autotune.tune(decl, [((64, 16), np.float32)])
+    again = autotune.tune(decl, [((64, 16), np.float32)], backend="interpret")
     assert again.cached and again.best == first.best and autotune.stats["tunes"] == 1
-    other = autotune.tune(K.accumulate_decl(name="cache_unwritable_2"), [((64, 16), np.float32)])
+    other = autotune.tune(K.accumulate_decl(name="cache_unwritable_2"), [((64, 16), np.float32)], backend="interpret")
     assert not other.cached
     assert len(_absl_warnings(caplog, "cannot write the tuning cache")) == 1, caplog.text
     # Two kernels looked up under a directory that is no directory: one report, not one a key.
