@@ -233,6 +233,21 @@ def test_default_backend_on_this_platform():
     assert default_backend() == ("triton" if ON_GPU else "xla")
 
 
+def test_default_backend_follows_jaxs_default_device(monkeypatch):
+    # On a GPU machine, computations placed on the CPU by jax.default_device take the CPU's
+    # defaults: the xla backend for the ops and the interpreter for tuning (the GPU's kernels
+    # cannot run there). A GPU machine is stood in for by JAX's default backend.
+    from te_jax_perm import autotune
+    from te_jax_perm.core.backends import default_backend, default_platform
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert (default_platform(), default_backend()) == ("gpu", "triton")
+    for device in (jax.devices("cpu")[0], "cpu"):
+        with jax.default_device(device):
+            assert (default_platform(), default_backend()) == ("cpu", "xla")
+            assert autotune.tuning_backend() == "interpret"
+            assert te_jax_perm.resolve_backend() == "xla"
+
+
 # -- preallocated buffers ------------------------------------------------------------------
 
 def test_empty_outputs_are_poisoned_on_cpu_so_unwritten_elements_show():

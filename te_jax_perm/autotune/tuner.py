@@ -16,7 +16,6 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import threading
 import time
 from typing import Any, Iterator, Mapping, Sequence
@@ -29,6 +28,7 @@ from te_jax_perm.autotune import cache
 from te_jax_perm.autotune.pool import get_pool, make_job
 from te_jax_perm.autotune.trials import RUNNERS, initial_prealloc, make_inputs, run_trials, timed
 from te_jax_perm.core import env, resolve_backend
+from te_jax_perm.core.backends import default_platform
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import Call, bind_call, configure
 
@@ -120,10 +120,11 @@ def cap(valid: Sequence[Config], default: Config, limit: int | None, name: str =
 
 def tuning_backend(backend: str | None = None) -> str:
     """The backend tuning runs on: ``backend`` (any case; an unavailable one is named), or
-    with ``None`` the kernels this machine runs, ``"triton"`` on a GPU and ``"interpret"``
-    elsewhere (the ``"xla"`` backend, a CPU's default for the ops, has no configs)."""
+    with ``None`` the kernels of where JAX places computations (``default_platform``):
+    ``"triton"`` on a GPU, ``"interpret"`` elsewhere (the ``"xla"`` backend, a CPU's
+    default for the ops, has no configs)."""
     return resolve_backend(backend if backend is not None else
-                           "triton" if jax.default_backend() == "gpu" else "interpret")
+                           "triton" if default_platform() == "gpu" else "interpret")
 
 
 def tune(kernel: Any, shapes: Sequence[Any], params: Mapping[str, Any] | None = None,

@@ -2,7 +2,8 @@
 
 Precedence: the ``backend=`` keyword of an op, then the innermost :func:`use_backend`
 context, then the ``TE_JAX_PERM_BACKEND`` environment variable, then the platform
-default (``triton`` when JAX's default backend is a GPU, else ``xla``; a caller that knows
+default (``triton`` where computations are placed on a GPU, else ``xla``: JAX's default
+device where ``jax.default_device`` sets one, else its default backend; a caller that knows
 where its computation is placed, as the expert-parallel layer knows its mesh, passes that
 platform instead).
 """
@@ -52,10 +53,21 @@ def use_backend(name: str) -> Iterator[str]:
         _current.reset(token)
 
 
+def default_platform() -> str:
+    """Where JAX places a computation that names no device: the platform of the
+    ``jax.default_device`` setting where one is in effect (a ``with jax.default_device(cpu):``
+    block on a GPU machine, say), else JAX's default backend; GPUs read ``"gpu"``."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return jax.default_backend()
+    platform = (device if isinstance(device, str) else device.platform).lower()
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
 def default_backend(platform: str | None = None) -> str:
     """``TE_JAX_PERM_BACKEND``, else the default for devices of ``platform`` (a JAX device
-    platform such as ``"gpu"`` or ``"cpu"``; ``None``: JAX's default backend)."""
-    return env.backend() or ("triton" if (platform or jax.default_backend()) == "gpu" else "xla")
+    platform such as ``"gpu"`` or ``"cpu"``; ``None``: :func:`default_platform`)."""
+    return env.backend() or ("triton" if (platform or default_platform()) == "gpu" else "xla")
 
 
 def resolve_backend(name: str | None = None, platform: str | None = None) -> str:
