@@ -353,6 +353,7 @@ def test_the_layer_takes_its_meshs_default_backend(on_cpu, monkeypatch):
     x, rm, probs, w1, w2 = _problem(1, T, 4, 2, "uniform", 0)
     want = reference_moe_layer(x, rm, probs, w1, w2, ep=1)
     monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(backends, "default_platform", lambda: "gpu")   # not the on_cpu block's
     assert backends.default_backend() == "triton" and backends.default_backend("cpu") == "xla"
     mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("ep",))
     got = ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=EPConfig(a2a="dense"))

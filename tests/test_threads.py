@@ -123,16 +123,18 @@ def test_use_backend_scopes_stay_in_their_thread():
 
     def job(name):
         def run(barrier):
+            # The thread's own default before its scope ("triton" for computations placed on
+            # a GPU, else "xla"): the scope must close back to it.
+            default = resolve_backend()
             with use_backend(name):
                 barrier.wait()   # every thread is inside its scope now
                 seen = resolve_backend()
                 text = jax.jit(lambda x: te_jax_perm.sort_chunks_by_index(x, SPLITS, ORDER)).lower(X).as_text()
                 barrier.wait()   # no thread leaves its scope before all have looked
-            return seen, "custom_call" in text, resolve_backend()
+            return seen, "custom_call" in text, resolve_backend(), default
         return run
 
-    default = resolve_backend()   # this machine's: "triton" on a GPU machine, else "xla"
-    for name, (seen, custom_call, after) in zip(names, run_threads([job(n) for n in names])):
+    for name, (seen, custom_call, after, default) in zip(names, run_threads([job(n) for n in names])):
         assert seen == name, f"inside use_backend({name!r}) the backend resolved to {seen!r}"
         assert custom_call is (name == "interpret"), f"use_backend({name!r}) lowered with custom call {custom_call}"
         assert after == default, f"after use_backend({name!r}) closed, the backend is {after!r}, not {default!r}"
