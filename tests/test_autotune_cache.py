@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
