@@ -7,7 +7,6 @@ import json
 import os
 import re
 import statistics
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ import pytest
 from benchmarks import cases, timing
 from benchmarks.shapes import CPU_SHAPES
 from tests.gpu import stress
+from tests.live_outputs import step_probe
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -447,23 +447,12 @@ def test_wall_time_enqueues_each_labels_calls_back_to_back_in_turns_and_waits_on
     assert log == one_round * 2
 
 
-class _Output:
-    """Stands for one call's outputs: its lifetime shows which calls' buffers are live."""
-
-
 def test_wall_time_keeps_one_calls_outputs_live(monkeypatch):
     # A label's calls run as a training loop runs its steps: each call's outputs are dropped
     # before the next is enqueued, so a large layer's timing never holds two steps' buffers.
     from benchmarks import kernel_timer
     monkeypatch.setattr(kernel_timer, "wait_for", lambda out: None)
-    live, seen = [], []
-
-    def step():
-        seen.append(sum(ref() is not None for ref in live))   # earlier outputs still alive
-        out = _Output()
-        live.append(weakref.ref(out))
-        return out
-
+    step, seen = step_probe()
     kernel_timer.wall_us([("a", step)], calls=4, reps=1)
     assert seen == [0] * 5, f"outputs of earlier calls alive at each call: {seen}"
 

@@ -1,27 +1,15 @@
 """The profiler helper of the benchmarks (benchmarks/trace_stats.py)."""
-import weakref
-
 from benchmarks import trace_stats
-
-
-class _Output:
-    """Stands for one call's outputs: its lifetime shows which calls' buffers are live."""
+from tests.live_outputs import step_probe
 
 
 def test_back_to_back_profile_keeps_one_call_live(tmp_path):
     """Enqueued back to back, every call's outputs are dropped before the next call: a
     profile that kept them all would hold six steps' weight gradients at once (135 GB at
     DeepSeek-V3's layer)."""
-    live, seen = [], []
-
-    def step():
-        seen.append(sum(ref() is not None for ref in live))   # earlier outputs still alive
-        out = _Output()
-        live.append(weakref.ref(out))
-        return out
-
+    step, seen = step_probe()
     stats = trace_stats.profile(step, 4, log_dir=str(tmp_path), back_to_back=True)
-    assert seen == [0, 0, 0, 0] and len(live) == 4
+    assert seen == [0, 0, 0, 0]
     assert stats.steps == 4
 
 
