@@ -235,10 +235,8 @@ def row_id_map_problem(rows: int, rid: np.ndarray, pad_offsets: np.ndarray | Non
         return (f"row_id_map addresses rows {_shown(np.unique(bad), 8)}, but inp has {rows} rows; expected "
                 f"destinations in [-1, {rows}): is it the map of the dispatch whose output inp is?")
     if pad_offsets is not None:
-        kept = dest >= 0
-        shifted = pad_offsets[experts[kept]] != 0
-        packed = np.array_equal(np.sort(dest[kept]), np.arange(int(kept.sum())))
-        if shifted.any() and packed:
+        shifted, packed = _padding_layout(rid, pad_offsets)
+        if shifted and packed:
             return ("row_id_map holds unpadded destinations (its rows are packed from 0), but pad_offsets = "
                     f"{_shown(pad_offsets)} pads experts that have rows; expected the row_id_map of the padded "
                     "token_dispatch that returned these pad_offsets (it addresses the padded rows), or no "
@@ -246,19 +244,27 @@ def row_id_map_problem(rows: int, rid: np.ndarray, pad_offsets: np.ndarray | Non
     return None
 
 
-def padded_twice_problem(rid: np.ndarray, pad_offsets: np.ndarray) -> str | None:
-    """Why ``pad_offsets`` must not be applied to ``rid`` [T, 2E+1] (as the lower-level ops
-    apply it, to the unpadded map of :func:`make_row_id_map`), or ``None``. A map whose kept
-    rows leave gaps already addresses padded rows (``token_dispatch``'s map does): padding it
-    again would move every row of a padded expert onto another expert's rows."""
+def _padding_layout(rid: np.ndarray, pad_offsets: np.ndarray) -> tuple[bool, bool]:
+    """``(shifted, packed)`` of the map ``rid`` [T, 2E+1]: whether ``pad_offsets`` pads an
+    expert that has kept rows, and whether the kept rows are packed from row 0 (an unpadded
+    map's are; a padded map's leave the padding's gaps). Entries past a token's count (clamped
+    to ``[0, E]``), with an expert outside ``[0, E)`` or a negative destination are not kept."""
     e = (rid.shape[1] - 1) // 2
     counts = np.clip(rid[:, 2 * e], 0, e)
     used = np.arange(e)[None, :] < counts[:, None]
     experts, dest = rid[:, e:2 * e][used], rid[:, :e][used]
     kept = (dest >= 0) & (experts >= 0) & (experts < e)
-    if not (pad_offsets[experts[kept]] != 0).any():
-        return None
-    if np.array_equal(np.sort(dest[kept]), np.arange(int(kept.sum()))):
+    shifted = bool((pad_offsets[experts[kept]] != 0).any())
+    return shifted, np.array_equal(np.sort(dest[kept]), np.arange(int(kept.sum())))
+
+
+def padded_twice_problem(rid: np.ndarray, pad_offsets: np.ndarray) -> str | None:
+    """Why ``pad_offsets`` must not be applied to ``rid`` [T, 2E+1] (as the lower-level ops
+    apply it, to the unpadded map of :func:`make_row_id_map`), or ``None``. A map whose kept
+    rows leave gaps already addresses padded rows (``token_dispatch``'s map does): padding it
+    again would move every row of a padded expert onto another expert's rows."""
+    shifted, packed = _padding_layout(rid, pad_offsets)
+    if not shifted or packed:
         return None
     return ("row_id_map already addresses padded rows (its kept rows leave gaps, as the map token_dispatch "
             f"returns does), and pad_offsets = {_shown(pad_offsets)} would pad them a second time; expected "

@@ -186,10 +186,7 @@ def _permute_args(inp, row_id_map, tokens_per_expert, num_out_rows, probs, pad_o
         probs = _checks.array("probs", probs)
         _checks.check_shape("probs", probs, (inp.shape[0], e), f"[T={inp.shape[0]}, E={e}]")
         _checks.check_probs_dtype("probs", probs)
-    pad = pad_operand(pad_offsets, e)
-    if pad_offsets is not None:
-        _checks.check_values(_checks.padded_twice_problem, row_id_map, pad)
-    return inp, probs, pad, pad_offsets is not None, num_out_rows
+    return inp, probs, pad_operand(pad_offsets, e, row_id_map), pad_offsets is not None, num_out_rows
 
 
 @_checks.keyword_only
@@ -255,10 +252,7 @@ def _unpermute_args(inp, row_id_map, merging_probs, pad_offsets, tokens_per_expe
     inp, merging_probs, e = _combine_inputs(inp, row_id_map, merging_probs, "N", batched=False)
     if tokens_per_expert is not None:
         _per_expert("tokens_per_expert", tokens_per_expert, e)
-    pad = pad_operand(pad_offsets, e)
-    if pad_offsets is not None:
-        _checks.check_values(_checks.padded_twice_problem, row_id_map, pad)
-    return inp, merging_probs, pad, pad_offsets is not None
+    return inp, merging_probs, pad_operand(pad_offsets, e, row_id_map), pad_offsets is not None
 
 
 @_checks.keyword_only
@@ -292,12 +286,15 @@ def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs
     return _unpermute(inp, merging_probs, row_id_map, pad, padded, backend)
 
 
-def pad_operand(pad_offsets, e):
-    """The kernels' ``pad`` operand: the checked ``pad_offsets``, or :func:`unread_pad` when
-    there are none."""
+def pad_operand(pad_offsets, e, row_id_map):
+    """The lower-level ops' ``pad`` operand: the checked ``pad_offsets``, or
+    :func:`unread_pad` when there are none. The ops add it to ``row_id_map``'s destinations,
+    so a map that is padded already is refused (concrete, or traced in the checked mode)."""
     if pad_offsets is None:
         return unread_pad(e)
-    return jnp.asarray(_per_expert("pad_offsets", pad_offsets, e)).astype(jnp.int32)
+    pad = jnp.asarray(_per_expert("pad_offsets", pad_offsets, e)).astype(jnp.int32)
+    _checks.check_values(_checks.padded_twice_problem, row_id_map, pad)
+    return pad
 
 
 # -- TransformerEngine-compatible dispatch and combine ------------------------------------
