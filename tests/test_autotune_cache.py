@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -283,6 +284,22 @@ def test_every_tuning_entry_point_defaults_to_this_machines_kernels():
         assert autotune.tune(gather_rows, shapes, {}).key["backend"] == "interpret"
         (ahead,) = autotune.tune_ahead(gather_rows, [(shapes, {})])
         assert ahead.cached and ahead.key["backend"] == "interpret"
+
+
+def test_tuning_the_gpu_kernels_away_from_the_gpu_is_refused_by_name(monkeypatch):
+    # Trials place their buffers where JAX places computations: GPU kernels tuned under a
+    # CPU default device would fail every config. On a CPU machine the GPU machine is stood
+    # in for (triton available), under a CPU default device either way.
+    from te_jax_perm.autotune import tuner
+    from te_jax_perm.core import backends
+    if backends.default_platform() != "gpu":
+        monkeypatch.setattr(tuner, "resolve_backend", lambda name: backends.check_backend_name(name))
+    with jax.default_device(jax.devices("cpu")[0]):
+        with pytest.raises(ValueError, match=r"backend='triton' tunes GPU kernels.*'cpu'.*backend='interpret'"):
+            autotune.tuning_backend("triton")
+        assert autotune.tuning_backend() == "interpret"
+    monkeypatch.setattr(tuner, "default_platform", lambda: "gpu")
+    assert autotune.tuning_backend("triton") == "triton" and autotune.tuning_backend() == "triton"
 
 
 def test_every_tuning_entry_point_takes_the_declared_op_or_its_declaration():

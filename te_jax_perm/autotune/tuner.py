@@ -122,9 +122,17 @@ def tuning_backend(backend: str | None = None) -> str:
     """The backend tuning runs on: ``backend`` (any case; an unavailable one is named), or
     with ``None`` the kernels of where JAX places computations (``default_platform``):
     ``"triton"`` on a GPU, ``"interpret"`` elsewhere (the ``"xla"`` backend, a CPU's
-    default for the ops, has no configs)."""
-    return resolve_backend(backend if backend is not None else
-                           "triton" if default_platform() == "gpu" else "interpret")
+    default for the ops, has no configs). Trials place their buffers where JAX places
+    computations, so ``"triton"`` under a non-GPU default device (a ``with
+    jax.default_device(cpu):`` block on a GPU machine) is refused rather than failing every
+    config."""
+    platform = default_platform()
+    chosen = resolve_backend(backend if backend is not None else "triton" if platform == "gpu" else "interpret")
+    if chosen == "triton" and platform != "gpu":
+        raise ValueError(f"autotune: backend={backend!r} tunes GPU kernels, but JAX places computations on "
+                         f"{platform!r} here (jax.default_device); expected a GPU default device, or "
+                         "backend='interpret' to tune the interpreter's kernels on the CPU")
+    return chosen
 
 
 def tune(kernel: Any, shapes: Sequence[Any], params: Mapping[str, Any] | None = None,
