@@ -140,6 +140,23 @@ def test_use_backend_scopes_stay_in_their_thread():
         assert after == default, f"after use_backend({name!r}) closed, the backend is {after!r}, not {default!r}"
 
 
+def test_threads_started_inside_a_block_start_outside_it():
+    # A scope holds for the thread that opened it: a thread started inside it (here, one of
+    # each scope) sees the process's setting, not the block's.
+    def seen():
+        return resolve_backend(), autotune.enabled()
+
+    outside = seen()
+    other = "interpret" if outside[0] == "xla" else "xla"
+    with use_backend(other), autotune.autotuning(not outside[1]):
+        assert seen() == (other, not outside[1])
+        got = []
+        t = threading.Thread(target=lambda: got.append(seen()))
+        t.start()
+        t.join(60)
+    assert got == [outside], f"a thread started inside the blocks saw {got}, not the process's {outside}"
+
+
 # -- the autotuner --------------------------------------------------------------------------------
 def test_autotuning_blocks_stay_in_their_thread():
     # Two threads' blocks overlap and close in the order they opened (not nested): each

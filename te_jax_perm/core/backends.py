@@ -6,11 +6,17 @@ default (``triton`` where computations are placed on a GPU, else ``xla``: JAX's 
 device where ``jax.default_device`` sets one, else its default backend; a caller that knows
 where its computation is placed, as the expert-parallel layer knows its mesh, passes that
 platform instead).
+
+A :func:`use_backend` block is part of the cache key of ``jax.jit``: a jitted function
+called in a block naming another backend than the one it was traced with is traced again,
+and runs the backend asked for. It holds for the thread that opens it; threads started
+inside it (``asyncio.to_thread`` workers too) do not inherit it, and start outside any
+block. ``TE_JAX_PERM_BACKEND`` is a process-level setting, read when an op is traced: a
+function jitted before it changes keeps the backend it was traced with.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import importlib.util
 from typing import Iterator
 
@@ -20,7 +26,10 @@ from te_jax_perm.core import env
 
 BACKENDS = env.BACKEND_VALUES
 
-_current: contextvars.ContextVar[str | None] = contextvars.ContextVar("te_jax_perm_backend", default=None)
+# The innermost use_backend() block's backend, None outside any: a JAX user context, whose
+# value jax.jit keys its tracing, lowering and compilation caches on. Entering a block sets
+# it for the calling thread only (JAX keeps context values per thread).
+_scope = jax.make_user_context(None)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -42,15 +51,12 @@ def check_backend_name(name: str, names: tuple[str, ...] = BACKENDS, what: str =
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[str]:
-    """Context manager selecting the default backend for ops traced inside it. A function
-    ``jax.jit`` traced before keeps the backend it was traced with (jit's cache does not
-    key on this setting)."""
+    """Context manager selecting the default backend for ops traced inside it, in the
+    calling thread; yields the name (lower case). A jitted function called inside is traced
+    again where it was traced for another backend: ``jax.jit`` keys its cache on the block."""
     name = check_backend_name(name)
-    token = _current.set(name)
-    try:
+    with _scope(name):
         yield name
-    finally:
-        _current.reset(token)
 
 
 def default_platform() -> str:
@@ -73,7 +79,7 @@ def default_backend(platform: str | None = None) -> str:
 def resolve_backend(name: str | None = None, platform: str | None = None) -> str:
     """The backend an op call will use; raises if it is not available here. ``platform``:
     where the computation is placed, when the caller knows it (see :func:`default_backend`)."""
-    chosen = check_backend_name(name) if name is not None else (_current.get() or default_backend(platform))
+    chosen = check_backend_name(name) if name is not None else (_scope.value or default_backend(platform))
     ensure_available(chosen)
     return chosen
 
