@@ -252,6 +252,72 @@ def test_resolver_tunes_on_miss_when_enabled_and_uses_cache_when_disabled(on_cpu
     assert autotune.stats["tunes"] == 1
 
 
+class GridRecorder:
+    """A launch observer (``core.hooks``): the grid of each kernel the interpreter runs."""
+
+    def __init__(self):
+        self.grids = []
+
+    def launch_begin(self, kernel_name, buffers, grid):
+        self.grids.append(tuple(grid))
+
+    def launch_end(self):
+        pass
+
+
+def _jitted_prim(name):
+    """A jitted call of a fresh kernel on a 48-row input whose default config runs 3
+    programs: ``(call, tuning setting each trace saw, its declaration, the input)``; the
+    call checks its result."""
+    decl = K.accumulate_decl(name=name, default_config=lambda d, p: Config.make(BS=16, BT=2))
+    prim = declare(decl)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((48, 10)).astype(np.float32))
+    traced = []
+    f = jax.jit(lambda a: (traced.append(autotune.enabled()), prim(a, backend="interpret"))[1])
+
+    def call():
+        (y,) = f(x)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(x))   # out(=0) += x applied once
+    return call, traced, decl, x
+
+
+def test_jit_lowers_again_inside_an_autotuning_block_and_tunes(on_cpu):
+    # Lowered with tuning off, a jitted function keeps the default config; called inside
+    # autotuning() it is lowered again (jit's cache keys on the block), tunes the miss and
+    # runs the winner. Back outside, the first lowering is still cached.
+    from te_jax_perm.core import hooks
+    call, traced, decl, x = _jitted_prim("jit_block")
+    recorder, ran = GridRecorder(), []
+    hooks.add_launch_observer(recorder)
+    try:
+        for on in (False, True, False):
+            with autotune.autotuning(on):
+                call()
+            ran.append(recorder.grids[-1])   # the call's own launch (tuning trials come before it)
+    finally:
+        hooks.remove_launch_observer(recorder)
+    assert traced == [False, True], f"traced with tuning {traced}; expected once off, once on"
+    assert autotune.stats["tunes"] == 1, f"{autotune.stats['tunes']} tunings; the call inside the block must tune"
+    best = autotune.resolve(decl, [x], {}, "interpret")
+    assert ran == [(3, 1, 1), (-(-48 // best.kw["BS"]), 1, 1), (3, 1, 1)], \
+        f"grids launched {ran}; expected the default's, the tuned {best}'s, the default's"
+
+
+def test_jit_lowers_again_after_enable_and_tunes(on_cpu):
+    # The process-wide switch is in jit's cache key too.
+    call, traced, _decl, _x = _jitted_prim("jit_enable")
+    before = autotune.enabled()
+    try:
+        autotune.enable(False)
+        call()
+        autotune.enable(True)
+        call()
+    finally:
+        autotune.enable(before)
+    assert traced == [False, True], f"traced with tuning {traced}; expected once before enable(True), once after"
+    assert autotune.stats["tunes"] == 1, f"{autotune.stats['tunes']} tunings; the call after enable(True) must tune"
+
+
 def test_enable_inside_autotuning_blocks_outlasts_them():
     before = autotune.enabled()
     try:

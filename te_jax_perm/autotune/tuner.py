@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
 import dataclasses
 import threading
 import time
@@ -315,28 +314,32 @@ def _reference(decl: KernelDecl, inputs: Sequence[np.ndarray], params: Mapping[s
 
 
 # -- the config resolver -----------------------------------------------------------------------
-# Apart, so that an enable() inside an autotuning() block outlasts the block, and the
-# block's exit restores the block outside it. A block holds for its own thread (a context
-# variable, as use_backend's scope): a module global would let one request thread's block
+# One JAX user context holds the setting, so jax.jit keys its caches on it: a function jitted
+# with tuning off and called again with it on is lowered again, and tunes its misses. Its
+# global value is enable()'s setting (None: TE_JAX_PERM_AUTOTUNE's); an autotuning() block
+# sets the calling thread's own value, which wins while the block is open. So an enable()
+# inside a block outlasts the block, and the block's exit restores the block outside it.
+# A block holds for its own thread: a module global would let one request thread's block
 # decide whether another thread tunes, and two threads' blocks closing out of order would
 # leave one's setting behind for the whole process.
-_process: bool | None = None   # enable()'s setting; None: TE_JAX_PERM_AUTOTUNE's
-# The innermost autotuning() block's; None: outside any.
-_scoped: contextvars.ContextVar[bool | None] = contextvars.ContextVar("te_jax_perm_autotuning", default=None)
+_setting = jax.make_user_context(None)
 _options = TuneOptions()
 
 
 def enabled() -> bool:
-    if (scoped := _scoped.get()) is not None:
-        return scoped
-    return env.autotune() if _process is None else _process
+    """Whether a kernel lowered now in this thread with no explicit config is tuned on a
+    cache miss: the innermost :func:`autotuning` block's setting, else :func:`enable`'s,
+    else ``TE_JAX_PERM_AUTOTUNE``'s."""
+    on = _setting.value
+    return env.autotune() if on is None else bool(on)
 
 
 def enable(on: bool = True, options: TuneOptions | None = None) -> None:
     """Turns tuning-on-miss on or off for this process (overrides the env var); inside an
-    :func:`autotuning` block, the block's setting holds until it exits."""
-    global _options, _process
-    _process = on
+    :func:`autotuning` block, the block's setting holds until it exits. A jitted function
+    called after the setting changes is lowered again (``jax.jit`` keys its cache on it)."""
+    global _options
+    _setting.set_global(on)
     if options is not None:
         _options = options
 
@@ -344,13 +347,12 @@ def enable(on: bool = True, options: TuneOptions | None = None) -> None:
 @contextlib.contextmanager
 def autotuning(on: bool = True) -> Iterator[None]:
     """Within the context, kernels traced with no explicit config are tuned on a cache miss
-    (``on=False``: not tuned). The block holds for the thread that opens it; other threads
-    keep their own setting."""
-    token = _scoped.set(bool(on))
-    try:
+    (``on=False``: not tuned). The block holds for the thread that opens it; other threads,
+    and threads started inside it, keep their own setting. A jitted function called inside
+    a block whose setting differs from the one it was lowered with is lowered again
+    (``jax.jit`` keys its cache on it), so its misses are tuned."""
+    with _setting(bool(on)):
         yield
-    finally:
-        _scoped.reset(token)
 
 
 def pick(decl: KernelDecl, entry: Mapping[str, Any], dims: Mapping[str, int], params: Mapping[str, Any]
