@@ -259,6 +259,26 @@ def test_resolver_and_call_observers_plug_in_through_hooks(on_cpu):
     assert hooks.set_config_resolver(resolve_call) is resolve_call  # restored: installed at package import
 
 
+def test_jit_lowers_again_under_another_config_resolver(on_cpu):
+    # The installed resolver is in jit's cache key: a function lowered under one resolver
+    # and called under another is lowered again, with the other's configs.
+    import jax.numpy as jnp
+    import numpy as np
+    from te_jax_perm.core import Config
+    src = jnp.asarray(np.random.default_rng(0).standard_normal((4, 40)), jnp.float32)
+    idx = jnp.asarray([3, 0, 2], jnp.int32)
+    f = jax.jit(lambda s, i: gather_rows(s, i, backend="interpret")[0])
+    asked = []
+
+    def resolver(name, block_h):
+        return lambda call: (asked.append(name), Config.make(BLOCK_H=block_h))[1]
+
+    for name, block_h in (("a", 16), ("b", 64), ("a", 16)):
+        with hooks.using_config_resolver(resolver(name, block_h)):
+            np.testing.assert_array_equal(np.asarray(f(src, idx)), np.asarray(src)[np.asarray(idx)])
+    assert asked == ["a", "b", "a"], f"resolvers asked {asked}; each new resolver must be asked when f is called"
+
+
 def _run(code, **env_vars):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TE_JAX_PERM_")}
     environ.update(env_vars, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

@@ -12,6 +12,7 @@ import dataclasses
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+import jax
 import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,7 +44,9 @@ class BufferInfo:
 
 
 _lock = threading.RLock()
-_resolver: ConfigResolver | None = None
+# The installed resolver, as the global value of a JAX user context: jax.jit keys its caches
+# on it, so a function lowered under one resolver is lowered again under another.
+_resolver = jax.make_user_context(None)
 _call_observers: list[Callable[["Call"], None]] = []
 # Each has launch_begin(kernel_name, buffers, grid3) and launch_end(); the ``interpret``
 # backend calls them around every launch (the program running is the interpreter's grid_idx).
@@ -51,10 +54,12 @@ _launch_observers: list[Any] = []
 
 
 def set_config_resolver(resolver: ConfigResolver | None) -> ConfigResolver | None:
-    """Installs ``resolver`` (``None`` removes it); returns the one it replaces."""
-    global _resolver
+    """Installs ``resolver`` (``None`` removes it) for the process; returns the one it
+    replaces. A jitted function called afterwards is lowered again (``jax.jit`` keys its
+    cache on the resolver), so its configs are the new resolver's."""
     with _lock:
-        previous, _resolver = _resolver, resolver
+        previous = _resolver.get_global()
+        _resolver.set_global(resolver)
     return previous
 
 
@@ -71,7 +76,9 @@ def using_config_resolver(resolver: ConfigResolver | None) -> Iterator[None]:
 @contextlib.contextmanager
 def observe_calls(observer: Callable[["Call"], None]) -> Iterator[Callable[["Call"], None]]:
     """Within the context, ``observer`` sees every call whose config is being chosen
-    (at lowering time), in order."""
+    (at lowering time), in order. Only lowerings done inside are seen: JAX keeps a
+    function's lowering for the same arguments and settings, also across new ``jax.jit``
+    wrappers of the same function object, so observe a function not lowered before."""
     with _lock:
         _call_observers.append(observer)
     try:
@@ -88,7 +95,7 @@ def notify_call(call: "Call") -> None:
 
 def resolve_config(call: "Call") -> "Config | None":
     """The installed resolver's pick for ``call``, if any."""
-    resolver = _resolver
+    resolver = _resolver.value
     return resolver(call) if resolver is not None else None
 
 
