@@ -199,7 +199,9 @@ def _first_time(seen: set, item: Any) -> bool:
 
 
 def set_cache_dir(path: str | os.PathLike | None) -> None:
-    """Sets the cache directory for this process (``None``: back to env var/default)."""
+    """Sets the cache directory for this process (``None``: back to env var/default). It is
+    read when a kernel is lowered: a function ``jax.jit`` compiled before keeps the configs
+    it picked then."""
     global _dir_override
     _dir_override = None if path is None else os.fspath(path)
 

@@ -2,6 +2,11 @@
 
 An unknown value is an error naming the variable, the value and what it accepts: a typo
 such as ``TE_JAX_PERM_AUTOTUNE=" 1"`` must not silently mean "off".
+
+They are process-level settings, read when an op is traced or lowered (the sanitizer's once,
+at import). ``jax.jit`` does not key its cache on them: a function it traced before a
+variable changed keeps what it was traced with. The scoped settings that override them
+(``use_backend``, ``autotune.autotuning`` and ``autotune.enable``) are in jit's cache key.
 """
 from __future__ import annotations
 
@@ -37,17 +42,19 @@ def _lookup(var: str, table: Mapping[str, object]) -> object:
 
 
 def backend() -> str | None:
-    """``TE_JAX_PERM_BACKEND``: the default backend, or ``None`` for the platform's."""
+    """``TE_JAX_PERM_BACKEND``: the default backend, or ``None`` for the platform's (read
+    when an op is traced)."""
     return _lookup(BACKEND, {b: b for b in BACKEND_VALUES})  # type: ignore[return-value]
 
 
 def autotune() -> bool:
-    """``TE_JAX_PERM_AUTOTUNE``: tune on a cache miss while tracing."""
+    """``TE_JAX_PERM_AUTOTUNE``: tune on a cache miss (read when a kernel is lowered)."""
     return bool(_lookup(AUTOTUNE, _SWITCH))
 
 
 def sanitize() -> str | None:
-    """``TE_JAX_PERM_SANITIZE``: ``"raise"``, ``"collect"`` or ``None`` (off)."""
+    """``TE_JAX_PERM_SANITIZE``: ``"raise"``, ``"collect"`` or ``None`` (off); read at
+    ``import te_jax_perm``."""
     return _lookup(SANITIZE, _SANITIZE)  # type: ignore[return-value]
 
 
