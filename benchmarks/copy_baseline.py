@@ -33,12 +33,12 @@ def device_copy_kernel(src_ptr, N, dst_prealloc_ptr, dst_ptr, BLOCK: tl.constexp
     if EVEN or base + BLOCK * ITERS <= N:
         for i in tl.static_range(ITERS):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
-            tl.store(dst_ptr + offs, tl.load(src_ptr + offs, eviction_policy="evict_first"))
+            tl.store(dst_ptr + offs, tl.load(src_ptr + offs))
     else:
         for i in tl.static_range(ITERS):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < N
-            tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask, eviction_policy="evict_first"), mask=mask)
+            tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
 
 
 def _tile(dims, config: Config) -> int:
@@ -53,8 +53,12 @@ def _fits_warps(dims, params, config: Config) -> str | None:
 
 
 def _default(dims, params) -> Config:
-    block = min(4096, max(32, next_pow2(dims["N"])))  # at least one element per lane
-    return Config.make(num_warps=max(1, min(8, block // 512)), BLOCK=block, ITERS=1)
+    # 1024 elements a program on 4 warps (16 bytes a lane in bf16): of every config, with and
+    # without an evict-first hint on the load, the fastest copy of 1.2 and 4.0 GB of bf16 on
+    # an H200, moving bytes 1.01-1.02x as fast as torch's copy_; 4096 elements on 8 warps with
+    # the hint moved them 0.92-0.93x as fast, which would flatter every share of the copy's rate.
+    block = min(1024, max(32, next_pow2(dims["N"])))  # at least one element per lane
+    return Config.make(num_warps=max(1, min(4, block // 256)), BLOCK=block, ITERS=1)
 
 
 device_copy_primitive = declare(KernelDecl(
