@@ -11,8 +11,12 @@ A :func:`use_backend` block is part of the cache key of ``jax.jit``: a jitted fu
 called in a block naming another backend than the one it was traced with is traced again,
 and runs the backend asked for. It holds for the thread that opens it; threads started
 inside it (``asyncio.to_thread`` workers too) do not inherit it, and start outside any
-block. ``TE_JAX_PERM_BACKEND`` is a process-level setting, read when an op is traced: a
-function jitted before it changes keeps the backend it was traced with.
+block. As with JAX's own configuration blocks, leaving a block restores the value it
+replaced: asyncio tasks share their thread's block, so a block held open across an
+``await`` while another task opens and closes its own is left out of order; pass
+``backend=`` to ops in such code. ``TE_JAX_PERM_BACKEND`` is a process-level setting,
+read when an op is traced: a function jitted before it changes keeps the backend it was
+traced with.
 """
 from __future__ import annotations
 
