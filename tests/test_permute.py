@@ -308,6 +308,18 @@ def test_row_kernels_vectorise_for_sm90(case, h):
         assert not re.search(r"(ld|st)\.global[\w.:]*\.(b16|u16)\b", ptx), "2-byte row accesses remain"
 
 
+def test_kernels_fuse_multiply_adds_whatever_tritons_default(monkeypatch):
+    """The combine forward's weighted sum compiles to fused multiply-adds (one rounding, as
+    measured and tested) also where Triton's own default turns fusion off."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    idx = {"row_id_map": "int32", "pad_offsets": "int32", "owner": "int32"}
+    # A row width no other test compiles: the compile cache cannot answer with another's PTX.
+    dims = {"T": 512, "E": 64, "W": 129, "N": 512 * 4, "R": 512 * 4, "H": 1040}
+    ptx = _sm90_ptx(D.unpermute_weighted.decl, dims, {"padded": True},
+                    {**idx, "inp": "bfloat16", "merging_probs": "float32"})
+    assert "fma.rn.f32" in ptx and "mul.rn.f32" not in ptx
+
+
 @pytest.mark.parametrize("n", [1, 2048, 3 * 1024 + 5])
 def test_device_copy_full_and_ragged_tiles(kernel_backend, n):
     """Unmasked full tiles, then one masked ragged program (n not a multiple of the tile)."""
