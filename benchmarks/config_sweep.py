@@ -9,6 +9,8 @@ the op really hands it, launched directly through the backend's call under every
 shape and warp count its declaration allows, then the fastest few at every stage count;
 each config's outputs are checked against the default's (bitwise for kernels that only move
 data, within the declared tolerance for those that sum); one that disagrees never enters the table.
+Then a runoff: the configs within a few percent of the fastest, and the default, timed again
+together over several profiles in turns; their runoff times are the ones recorded.
 ``--kernels`` also takes the chunk sort's row mover (``sort_chunks_probs``, forward and
 backward: a rule, and table entries where a sweep found better).
 ``rowmap``: ``make_row_id_map`` over a grid of token and expert counts, one launch or two,
@@ -44,6 +46,15 @@ AUX = (("sort_chunks_by_index.fwd", "sort_chunks_probs"), ("sort_chunks_by_index
 # TOP fastest every stage count.
 FIRST_STAGES = 3
 TOP = 6
+# Phase three, the runoff: the configs within RUNOFF_PCT of the fastest (at most
+# RUNOFF_MAX of them) and the default are timed again together, RUNOFF_ROUNDS profiles with
+# their order reversed every other one, and those times decide. One profile of a few calls
+# puts configs 1% apart in either order from run to run (2 against 4 warps for the combine
+# backward at DeepSeek-V3 T16384 on an H200: the table held 4 warps, which four later runs
+# in turns each measured 0.7-0.8% slower).
+RUNOFF_PCT = 3.0
+RUNOFF_MAX = 6
+RUNOFF_ROUNDS = 5
 
 
 class _Found(Exception):
@@ -141,8 +152,22 @@ def _precompile(launches: list) -> dict:
             "compile_s": time.monotonic() - t0}
 
 
-def _time_configs(call, configs, operands, want, calls: int) -> list[dict]:
-    """Each config's kernel time (CUPTI) and whether its outputs agree with ``want``, the
+def runoff_entrants(group: list[dict], default: str) -> list[dict]:
+    """The rows of ``group`` (one per config, as :func:`_time_configs` returns them) that run
+    in the runoff: timed configs whose outputs agree, within :data:`RUNOFF_PCT` of the
+    fastest (the fastest :data:`RUNOFF_MAX`), and the ``default`` config's row however slow;
+    none where fewer than two would run (nothing to decide)."""
+    ok = sorted((r for r in group if r.get("us") is not None and r.get("agrees")), key=lambda r: r["us"])
+    if not ok:
+        return []
+    close = [r for r in ok if r["us"] <= ok[0]["us"] * (1 + RUNOFF_PCT / 100)][:RUNOFF_MAX]
+    entrants = close + [r for r in ok if r["config_str"] == default and r not in close]
+    return entrants if len(entrants) >= 2 else []
+
+
+def _time_configs(call, configs, operands, want, calls: int, rounds: int = 1) -> list[dict]:
+    """Each config's kernel time (CUPTI; with ``rounds`` > 1 over that many profiles, their
+    order reversed every other one) and whether its outputs agree with ``want``, the
     default config's, as the autotuner judges a candidate (``trials.mismatch``)."""
     import jax
     from te_jax_perm.autotune.trials import mismatch
@@ -161,8 +186,8 @@ def _time_configs(call, configs, operands, want, calls: int) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - a failing config is recorded, the rest go on
             rows.append({"config": cfg.to_json(), "config_str": str(cfg), "error": f"{type(e).__name__}: {e}"})
     kfn = call.decl.kernel.fn.__name__
-    times = {t.label: t.per_call_us(lambda n: n.startswith(kfn)) for t in kernel_timer.measure(items, calls=calls,
-                                                                                              warmup=1)}
+    times = {t.label: t.per_call_us(lambda n: n.startswith(kfn))
+             for t in kernel_timer.measure(items, calls=calls, warmup=1, rounds=rounds)}
     for r in rows:
         r["us"] = times.get(_config(r["config"]))
     return rows
@@ -210,6 +235,15 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
             second = [] if quick else [c for r in timed[:TOP] for c in _restaged(_config(r["config"]))
                                        if str(c) not in tried]
             group = first + (_time_configs(call, second, operands, want, calls) if second else [])
+            entrants = [] if quick else runoff_entrants(group, str(default))
+            if entrants:
+                rerun = {r["config_str"]: r for r in _time_configs(
+                    call, [_config(r["config"]) for r in entrants], operands, want, calls, RUNOFF_ROUNDS)}
+                for r in entrants:
+                    again = rerun[r["config_str"]]
+                    if again.get("us") is not None and again.get("agrees"):
+                        # The runoff's time decides: the table reads "us".
+                        r.update(swept_us=r["us"], us=again["us"], runoff=True)
             for r in group:
                 r.update({"shape": shape.name, "T": shape.T, "H": shape.H, "E": shape.E, "k": shape.k,
                           "rows": call.dims[decl.key_dims[0]],  # the kernel's row count: the table's key

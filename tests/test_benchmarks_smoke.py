@@ -172,6 +172,25 @@ def test_sweep_binds_each_kernel_to_the_operands_its_op_hands_it(case, kernel):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)
 
 
+def test_the_sweeps_runoff_takes_the_close_configs_and_the_default():
+    from benchmarks.config_sweep import RUNOFF_MAX, RUNOFF_PCT, runoff_entrants
+
+    def row(name, us, agrees=True):
+        return {"config_str": name, "us": us, "agrees": agrees}
+    near = 100 * (1 + RUNOFF_PCT / 100)
+    group = [row("slow", 150.0), row("best", 100.0), row("close", near - 0.1), row("far", near + 0.1),
+             row("wrong", 99.0, agrees=False), row("failed", None), row("dflt", 120.0)]
+    # Configs within RUNOFF_PCT of the fastest that agree, fastest first, then the default.
+    assert [r["config_str"] for r in runoff_entrants(group, "dflt")] == ["best", "close", "dflt"]
+    # The default among the close ones runs once.
+    assert [r["config_str"] for r in runoff_entrants(group, "close")] == ["best", "close"]
+    # One entrant decides nothing: no runoff.
+    assert runoff_entrants([row("best", 100.0), row("slow", 150.0)], "best") == []
+    assert runoff_entrants([row("wrong", 1.0, agrees=False)], "wrong") == []
+    many = [row(f"c{i}", 100.0 + i * 0.01) for i in range(RUNOFF_MAX + 3)]
+    assert len(runoff_entrants(many, "c0")) == RUNOFF_MAX
+
+
 def test_default_table_takes_the_fastest_config_and_a_later_sweep_supersedes(tmp_path):
     from benchmarks.config_sweep import default_table
 
