@@ -19,10 +19,11 @@ def next_pow2(v: int) -> int:
     return 1 if v <= 1 else 1 << (v - 1).bit_length()
 
 
-def expert_lanes(num_experts: int) -> int:
-    """Lanes of a kernel's expert axis: a power of two, at least 16 (Triton 3.6 fails to
-    compile a scan over one lane; lanes past E are masked)."""
-    return max(16, next_pow2(num_experts))
+def lanes(n: int) -> int:
+    """Lanes of a kernel axis over ``n`` experts, chunks or row columns: the power of two
+    ``>= n``, at least 16 (Triton 3.6 fails to compile a scan over one lane, and size-1
+    aranges lay out badly); lanes past ``n`` are masked."""
+    return max(16, next_pow2(n))
 
 
 def pow2_at_most(v: int) -> int:

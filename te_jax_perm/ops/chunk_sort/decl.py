@@ -15,11 +15,9 @@ from te_jax_perm.core import Config, KernelDecl, Operand, Output, Partitioning, 
 from te_jax_perm.kernels import chunk_sort as K
 from te_jax_perm.ops.chunk_sort.reference import (chunk_maps_reference, chunk_sort_map_reference,
                                                   chunk_sort_plan_reference, gather_rows_reference)
-from te_jax_perm.ops.tiling import next_pow2, pow2_bucket, tile_too_large
+from te_jax_perm.ops.tiling import lanes, pow2_bucket, tile_too_large
 from te_jax_perm.ops.tuned_defaults import tabled
 
-# Chunk tables are padded to at least 16 lanes: no size-1 aranges, friendlier layouts.
-MIN_LANES = 16
 MAX_CHUNKS = 2048
 
 
@@ -61,10 +59,6 @@ def _map_example(dims, params, dtypes, rng) -> tuple[np.ndarray, ...]:
     return sizes.astype(dtypes["split_sizes"]), order.astype(dtypes["sorted_indices"])
 
 
-def chunk_lanes(c: int) -> int:
-    return max(MIN_LANES, next_pow2(c))
-
-
 def _search_steps(c: int) -> int:
     """Binary-search rounds over C sorted values: ceil(log2(C + 1))."""
     return max(1, int(c).bit_length())
@@ -82,10 +76,10 @@ chunk_sort_plan = declare(KernelDecl(
     reference=chunk_sort_plan_reference,
     grid=lambda dims, params, config: (1,),
     scalars=lambda dims, params: {"C": dims["C"], "N": params["num_tokens"]},
-    constexprs=lambda dims, params, config: {"C_POW2": chunk_lanes(dims["C"])},
+    constexprs=lambda dims, params, config: {"C_POW2": lanes(dims["C"])},
     configs=tuple(Config.make(num_warps=w) for w in (1, 2, 4, 8)),
     # One program over C lanes: a warp per 512 of them.
-    default_config=lambda dims, params: Config.make(num_warps=max(1, min(8, chunk_lanes(dims["C"]) // 512))),
+    default_config=lambda dims, params: Config.make(num_warps=max(1, min(8, lanes(dims["C"]) // 512))),
     key_dims=("C",),
     key_params=("num_tokens",),
     key_bucket=pow2_bucket("C"),
@@ -135,9 +129,9 @@ def chunk_maps(split_sizes, sorted_indices, *, num_tokens: int, backend: str | N
 # -- the row movers: a gather by a source map, with optional probs ------------------------
 def _move_fits(dims, params, config: Config) -> str | None:
     kw = config.kw
-    too_wide = kw["BLOCK_H"] > max(16, next_pow2(dims["H"]))
+    too_wide = kw["BLOCK_H"] > lanes(dims["H"])
     return tile_too_large(kw["ROWS"], kw["BLOCK_H"]) or (
-        f"BLOCK_H = {kw['BLOCK_H']} wider than next_pow2(H = {dims['H']})" if too_wide else None)
+        f"BLOCK_H = {kw['BLOCK_H']} wider than lanes(H = {dims['H']}) = {lanes(dims['H'])}" if too_wide else None)
 
 
 _MOVE_CONSTRAINTS = (_move_fits,)
@@ -152,7 +146,7 @@ def _move_default(dims, params) -> Config:
     # 4096-column tiles: rows wider than 2048 move as one token per program in as few column
     # steps as fit (on the H100, 1-3% faster at H = 2880-7168 than two 2048-column rows; on
     # an H200 at H = 2880, 1-2% slower: a device that differs gets table entries).
-    block_h = min(max(16, next_pow2(dims["H"])), 4096)
+    block_h = min(lanes(dims["H"]), 4096)
     rows = max(1, min(8, 4096 // block_h))
     return Config.make(num_warps=8 if rows * block_h >= 4096 else 4, ROWS=rows, BLOCK_H=block_h)
 

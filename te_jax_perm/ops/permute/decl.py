@@ -19,7 +19,7 @@ from te_jax_perm.kernels import permute as K
 from te_jax_perm.ops.permute import reference as R
 from te_jax_perm.ops.row_id_map.reference import (check_entry_ids, pad_offsets_of, row_id_map_reference,
                                                    row_owner_reference)
-from te_jax_perm.ops.tiling import (MAX_TILE, expert_lanes, next_pow2, not_pow2, pow2_at_most, pow2_bucket,
+from te_jax_perm.ops.tiling import (MAX_TILE, lanes, next_pow2, not_pow2, pow2_at_most, pow2_bucket,
                                     tile_too_large)
 from te_jax_perm.ops.tuned_defaults import tabled
 
@@ -29,7 +29,7 @@ FILL_ROWS = 16  # output rows per zero-fill program (only rows no token writes a
 # -- configs shared by all row-moving kernels ------------------------------------------
 def whole_row(dims) -> int:
     """The tile width holding a whole row (a power of two, at most 8192 columns)."""
-    return min(next_pow2(max(dims["H"], 16)), 8192)
+    return min(lanes(dims["H"]), 8192)
 
 
 def _default_config(dims, params) -> Config:
@@ -52,7 +52,7 @@ def _block_h_ok(dims, params, config) -> str | None:
     bh = config.kw["BLOCK_H"]
     if why := not_pow2("BLOCK_H", bh):
         return why
-    if bh > 2 * next_pow2(max(dims["H"], 16)):
+    if bh > 2 * lanes(dims["H"]):
         return f"BLOCK_H={bh} is over twice the row width H={dims['H']} (all-masked lanes)"
     return tile_too_large(config.kw["ROWS"], bh)
 
@@ -210,7 +210,7 @@ def _grad_probs(like: str) -> Output:
 def _grad_lanes(dims, prob_grads: bool) -> int:
     """E_LANES: lanes of the store that zeroes a token's E probability gradients before its
     entries are written; 1 where the kernel has none, so it compiles one binary for every E."""
-    return expert_lanes(dims["E"]) if prob_grads else 1
+    return lanes(dims["E"]) if prob_grads else 1
 
 
 def _slices(dims, config) -> int:
@@ -229,7 +229,7 @@ def _scatter_fill_grid(dims, rows: int, config, split: bool = True) -> tuple[int
 def _scatter_constexprs(prob_grads: bool):
     def constexprs(dims, params, config):
         # H is compiled in (16-byte vector rows, see kernels/permute.py); it is an exact key dim.
-        fill_h = max(16, min(next_pow2(dims["H"]), 8192 // FILL_ROWS))
+        fill_h = min(lanes(dims["H"]), 8192 // FILL_ROWS)
         out = {"H": dims["H"], "PADDED": params["padded"], "FILL_ROWS": FILL_ROWS, "FILL_H": fill_h,
                "E_LANES": _grad_lanes(dims, prob_grads)}
         if prob_grads:

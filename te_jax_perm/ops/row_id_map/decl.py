@@ -15,7 +15,7 @@ from te_jax_perm.kernels import row_id_map as K
 from te_jax_perm._checks import INT32_MAX
 from te_jax_perm.ops.row_id_map import reference as R
 from te_jax_perm.ops.row_id_map.reference import block_sums, check_entry_ids, num_blocks, padded_extent, routed
-from te_jax_perm.ops.tiling import expert_lanes, pow2_at_most
+from te_jax_perm.ops.tiling import lanes, pow2_at_most
 
 # How the map is built, by token and expert count: one launch or two, tokens per block,
 # warps. Each entry is the fastest of every variant measured on an H100 at that (T, E)
@@ -64,19 +64,19 @@ def map_plan(num_tokens: int, num_experts: int) -> MapPlan:
 
 def _sub_tokens(block_t: int, num_experts: int) -> int:
     """Tokens per sub-tile of the count/fill loops: ~2K routing entries in registers."""
-    return max(1, min(block_t, 2048 // expert_lanes(num_experts)))
+    return max(1, min(block_t, 2048 // lanes(num_experts)))
 
 
 def _tile_constexprs(dims, params, config) -> dict:
     # E is compiled in (an exact key dim): routing rows become vector loads.
     e = dims["E"]
-    return {"E": e, "BLOCK_T": params["block_t"], "BLOCK_E": expert_lanes(e), "SUB": _sub_tokens(params["block_t"], e)}
+    return {"E": e, "BLOCK_T": params["block_t"], "BLOCK_E": lanes(e), "SUB": _sub_tokens(params["block_t"], e)}
 
 
 def _fill_constexprs(dims, params, config) -> dict:
     # CH: rows of the reduced matrix per chunk, ~8K int32 counts or ~16K routing bytes;
     # from E and block_t only, so the binary does not depend on T.
-    be = expert_lanes(dims["E"])
+    be = lanes(dims["E"])
     ch = max(1, 8192 // be) if "NB" in dims else max(1, min(16384 // be, 32 * params["block_t"]))
     return {**_tile_constexprs(dims, params, config), "CH": ch}
 
