@@ -87,9 +87,7 @@ MIN_PROGRAMS = 1024
 def _small_t_slices(dims, cfg: Config) -> Config:
     """``cfg`` with rows cut into column slices when whole rows give under MIN_PROGRAMS
     programs, down to 256 columns, with a warp per 512 columns."""
-    bh, rows = cfg.kw["BLOCK_H"], cfg.kw["ROWS"]
-    programs = -(-dims["T"] // rows) * -(-dims["H"] // bh)
-    if programs >= MIN_PROGRAMS or bh <= 256:
+    if _row_programs(dims, cfg) >= MIN_PROGRAMS or cfg.kw["BLOCK_H"] <= 256:
         return cfg
     want = max(256, pow2_at_most(max(1, dims["H"] * dims["T"] // MIN_PROGRAMS)))
     return Config.make(num_warps=max(1, min(4, want // 512)), num_stages=cfg.num_stages, BLOCK_H=want, ROWS=1)
