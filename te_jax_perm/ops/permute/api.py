@@ -299,29 +299,26 @@ def pad_operand(pad_offsets, e, row_id_map):
 
 # -- TransformerEngine-compatible dispatch and combine ------------------------------------
 
-def padded_rows(num_out_tokens: int, num_experts: int, align_size: int) -> int:
-    """Rows of a padded dispatch buffer: the worst case (every expert ``align_size - 1``
-    rows of padding) rounded down to a multiple of ``align_size``, as TransformerEngine.
-    Padded counts are multiples of ``align_size`` summing to at most
-    ``num_out_tokens + E*(align_size-1)``, so the rounding never cuts a used row."""
-    return ((num_out_tokens + num_experts * (align_size - 1)) // align_size) * align_size
-
-
 def dispatch_rows(num_out_tokens: int, num_experts: int, align_size: int | None) -> tuple[int | None, int]:
     """``(align_size, rows)``: the checked static ``align_size`` (``None`` unpadded) and the
-    rows of the dispatch buffer (:func:`padded_rows` when padded); raises, naming both
-    arguments, when the rows would not have int32 indices."""
+    rows of the dispatch buffer; raises, naming both arguments, when the rows would not
+    have int32 indices.
+
+    Padded, the rows are the worst case (every expert ``align_size - 1`` rows of padding,
+    :func:`padded_extent`) rounded down to a multiple of ``align_size``, as
+    TransformerEngine: padded counts are multiples of ``align_size`` summing to at most
+    that worst case, so the rounding never cuts a used row."""
     if align_size is None:
         return None, num_out_tokens
     align_size = _checks.check_static_int("align_size", align_size, 1)
-    # The padded layout before padded_rows rounds it down: the rows the map's int32
-    # arithmetic reaches, which the buffer's row count alone can understate.
+    # The padded layout before it is rounded down: the rows the map's int32 arithmetic
+    # reaches, which the buffer's row count alone can understate.
     extent = padded_extent(num_out_tokens, num_experts, align_size)
     if extent > _checks.INT32_MAX:
         raise ValueError(f"align_size = {align_size} with num_out_tokens = {num_out_tokens} and E = {num_experts} "
                          f"pads up to {extent} rows; expected at most 2**31 - 1 rows (row indices are int32): choose "
                          "a smaller align_size")
-    return align_size, padded_rows(num_out_tokens, num_experts, align_size)
+    return align_size, extent // align_size * align_size
 
 
 def local_budget(num_out_tokens: int, shards: int, rows: int, num_experts: int, align_size: int | None) -> int:
