@@ -37,7 +37,7 @@ import numpy as np
 import triton
 from absl import logging
 
-from te_jax_perm.core import env
+from te_jax_perm.core import backends, env
 from te_jax_perm.core.declaration import Config, KernelDecl
 from te_jax_perm.core.launch import Call
 
@@ -58,9 +58,9 @@ def versions() -> dict[str, str]:
 
 
 def device_kind(backend: str) -> str:
-    if backend == "interpret":
-        return "cpu-interpreter"
-    return jax.devices()[0].device_kind
+    """The key's device: :func:`~te_jax_perm.core.backends.device_kind`, one name for the
+    Triton interpreter whatever the host."""
+    return "cpu-interpreter" if backend == "interpret" else backends.device_kind()
 
 
 def make_key(decl: KernelDecl, dims: Mapping[str, int], params: Mapping[str, Any],

@@ -74,6 +74,12 @@ def default_platform() -> str:
     return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
+def device_kind() -> str:
+    """The kind of the device this process computes on (JAX's first device), e.g.
+    ``"NVIDIA H100 80GB HBM3"``: the key of tuned configs, shipped or cached."""
+    return jax.devices()[0].device_kind
+
+
 def default_backend(platform: str | None = None) -> str:
     """``TE_JAX_PERM_BACKEND``, else the default for devices of ``platform`` (a JAX device
     platform such as ``"gpu"`` or ``"cpu"``; ``None``: :func:`default_platform`)."""

@@ -15,6 +15,7 @@ import os
 from typing import Callable, Sequence
 
 from te_jax_perm.core import Config
+from te_jax_perm.core.backends import device_kind
 
 # device kind -> kernel name -> row width H -> row count -> config (JSON).
 DEFAULTS_TABLE = os.path.join(os.path.dirname(__file__), "tuned_defaults_sm90.json")
@@ -42,12 +43,6 @@ def shipped_tables() -> dict:
             return json.load(f)
     except FileNotFoundError:
         return {}
-
-
-def device_kind() -> str:
-    """The kind of the device this process computes on (the shipped tables' key)."""
-    import jax
-    return jax.devices()[0].device_kind
 
 
 @functools.lru_cache(maxsize=8)
