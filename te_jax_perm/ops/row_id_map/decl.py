@@ -54,11 +54,10 @@ def map_plan(num_tokens: int, num_experts: int) -> MapPlan:
 
     def rank(item):
         (t0, e0), (_, bt0, _) = item
-        return abs(math.log2(t0) - lt) + abs(math.log2(e0) - le), -(-t0 // bt0)
+        return abs(math.log2(t0) - lt) + abs(math.log2(e0) - le), num_blocks(t0, bt0)
 
     (t0, _), (single, bt0, warps) = min(MAP_PLANS.items(), key=rank)
-    blocks = -(-t0 // bt0)
-    bt = min(MAX_BLOCK_TOKENS, pow2_at_most(max(1, num_tokens // blocks)))
+    bt = min(MAX_BLOCK_TOKENS, pow2_at_most(max(1, num_tokens // num_blocks(t0, bt0))))
     return MapPlan(single or num_blocks(num_tokens, bt) <= 1, bt, warps)
 
 
