@@ -184,16 +184,15 @@ def index_vector(name: str, x: Any) -> Any:
     return x.astype(np.int32) if isinstance(x, np.ndarray) else jnp.asarray(x).astype(jnp.int32)
 
 
-def check_static_int(name: str, v: Any, minimum: int, maximum: int = INT32_MAX) -> int:
-    """``v`` as a Python int in ``[minimum, maximum]``; the default bound is int32's, as
-    every row index and count the kernels use is int32."""
+def check_static_int(name: str, v: Any, minimum: int) -> int:
+    """``v`` as a Python int in ``[minimum, INT32_MAX]``: every row index and count the
+    kernels use is int32."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"{name} must be a static Python int, got {type(v).__name__} {v!r}")
     if v < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {v}")
-    if v > maximum:
-        raise ValueError(f"{name} must be <= {maximum}{' (int32 row indices)' if maximum == INT32_MAX else ''}, "
-                         f"got {v}")
+    if v > INT32_MAX:
+        raise ValueError(f"{name} must be <= {INT32_MAX} (int32 row indices), got {v}")
     return int(v)
 
 

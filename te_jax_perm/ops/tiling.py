@@ -45,6 +45,6 @@ def not_pow2(name: str, v: int) -> str | None:
     return None if v > 0 and v & (v - 1) == 0 else f"{name}={v} is not a power of two"
 
 
-def tile_too_large(rows: int, block: int, limit: int = MAX_TILE, what: str = "ROWS*BLOCK_H") -> str | None:
-    """``None`` when a ``[rows, block]`` register tile fits in ``limit`` elements, else why not."""
-    return f"{what} = {rows * block} > {limit} (register tile too large)" if rows * block > limit else None
+def tile_too_large(rows: int, block: int) -> str | None:
+    """``None`` when a ``[rows, block]`` register tile fits in ``MAX_TILE`` elements, else why not."""
+    return f"ROWS*BLOCK_H = {rows * block} > {MAX_TILE} (register tile too large)" if rows * block > MAX_TILE else None
