@@ -135,16 +135,16 @@ def tuning_backend(backend: str | None = None) -> str:
 
 
 def tune(kernel: Any, shapes: Sequence[Any], params: Mapping[str, Any] | None = None,
-         backend: str | None = None, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
+         backend: str | None = None, options: TuneOptions = TuneOptions()) -> TuneResult:
     """Tunes ``kernel`` (a declared op or its ``KernelDecl``) for operands of ``shapes``
     (arrays, ShapeDtypeStructs or ``(shape, dtype)`` pairs) and static ``params`` on
     :func:`tuning_backend` ``(backend)``; returns the cached result if present."""
     decl = declaration(kernel)
     avals = [s if hasattr(s, "shape") and hasattr(s, "dtype") else jax.ShapeDtypeStruct(*s) for s in shapes]
-    return tune_call(bind_call(decl, avals, dict(params or {}), tuning_backend(backend)), options, pool)
+    return tune_call(bind_call(decl, avals, dict(params or {}), tuning_backend(backend)), options)
 
 
-def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None) -> TuneResult:
+def tune_call(call: Call, options: TuneOptions = TuneOptions()) -> TuneResult:
     """Tunes one bound call (see :func:`tune`)."""
     if call.backend not in RUNNERS:
         raise ValueError(f"autotune: backend={call.backend!r} has no kernel configs to tune; expected one of "
@@ -159,7 +159,7 @@ def tune_call(call: Call, options: TuneOptions = TuneOptions(), pool: Any = None
         entry = None if options.force else cached(call, key)
         if entry is not None:
             return TuneResult(key, entry, cached=True)
-        return _tune(call, key, options, pool)
+        return _tune(call, key, options)
 
 
 # Key digest -> [its lock, how many threads hold or wait for it]. An entry lives only while
@@ -193,7 +193,7 @@ def tunings_in_flight() -> int:
         return len(_key_locks)
 
 
-def _tune(call: Call, key: Mapping[str, Any], options: TuneOptions, pool: Any) -> TuneResult:
+def _tune(call: Call, key: Mapping[str, Any], options: TuneOptions) -> TuneResult:
     """Tunes ``call`` under ``key``, whatever the cache holds."""
     decl, dims, params, backend = call.decl, call.dims, call.params, call.backend
     _count("tunes")
@@ -207,7 +207,7 @@ def _tune(call: Call, key: Mapping[str, Any], options: TuneOptions, pool: Any) -
                  dict(dims), params, len(pruned))
 
     with timed(phases, "compile_s"):
-        valid, failed = _compile_stage(call, valid, options, pool)
+        valid, failed = _compile_stage(call, valid, options)
 
     # Inputs and the reference once per (kernel, shape); every trial reuses them.
     with timed(phases, "inputs_s"):
@@ -274,7 +274,7 @@ def cached(call: Call, key: Mapping[str, Any]) -> dict | None:
     return entry
 
 
-def _compile_stage(call, valid, options, pool):
+def _compile_stage(call, valid, options):
     # All candidates in one parallel batch, before any trial: a config whose compile
     # crashes or hangs is dropped here, in a worker, never in this process.
     target = options.compile_target
@@ -282,7 +282,7 @@ def _compile_stage(call, valid, options, pool):
         target = device_target() if call.backend == "triton" else None
     if target is None:
         return valid, []
-    pool = pool or get_pool()
+    pool = get_pool()
     if options.compile_timeout_s is not None:
         pool.timeout_s = options.compile_timeout_s
     jobs = [make_job(configure(call, c), tuple(target)) for c in valid]
