@@ -252,19 +252,6 @@ def test_resolver_tunes_on_miss_when_enabled_and_uses_cache_when_disabled(on_cpu
     assert autotune.stats["tunes"] == 1
 
 
-class GridRecorder:
-    """A launch observer (``core.hooks``): the grid of each kernel the interpreter runs."""
-
-    def __init__(self):
-        self.grids = []
-
-    def launch_begin(self, kernel_name, buffers, grid):
-        self.grids.append(tuple(grid))
-
-    def launch_end(self):
-        pass
-
-
 def _jitted_prim(name):
     """A jitted call of a fresh kernel on a 48-row input whose default config runs 3
     programs: ``(call, tuning setting each trace saw, its declaration, the input)``; the
@@ -285,17 +272,14 @@ def test_jit_lowers_again_inside_an_autotuning_block_and_tunes(on_cpu):
     # Lowered with tuning off, a jitted function keeps the default config; called inside
     # autotuning() it is lowered again (jit's cache keys on the block), tunes the miss and
     # runs the winner. Back outside, the first lowering is still cached.
-    from te_jax_perm.core import hooks
+    from tests.launches import recorded_launches
     call, traced, decl, x = _jitted_prim("jit_block")
-    recorder, ran = GridRecorder(), []
-    hooks.add_launch_observer(recorder)
-    try:
+    ran = []
+    with recorded_launches() as launches:
         for on in (False, True, False):
             with autotune.autotuning(on):
                 call()
-            ran.append(recorder.grids[-1])   # the call's own launch (tuning trials come before it)
-    finally:
-        hooks.remove_launch_observer(recorder)
+            ran.append(launches[-1][1])   # the call's own launch's grid (tuning trials come before it)
     assert traced == [False, True], f"traced with tuning {traced}; expected once off, once on"
     assert autotune.stats["tunes"] == 1, f"{autotune.stats['tunes']} tunings; the call inside the block must tune"
     best = autotune.resolve(decl, [x], {}, "interpret")

@@ -209,40 +209,23 @@ def test_use_backend_context_and_keyword_precedence():
         gather_rows(src, idx, backend="cuda")
 
 
-class LaunchCounter:
-    """A launch observer (``core.hooks``): counts the kernels the ``interpret`` backend runs."""
-
-    def __init__(self):
-        self.launches = 0
-
-    def launch_begin(self, kernel_name, buffers, grid):
-        self.launches += 1
-
-    def launch_end(self):
-        pass
-
-
 def test_jit_traces_again_for_another_use_backend_block(on_cpu):
     # One jitted function called in blocks naming different backends runs each block's:
     # jit's cache keys on the block, so the second block traces it again.
-    from te_jax_perm.core import hooks
+    from tests.launches import recorded_launches
     src, idx = _inputs(5, 16, 3, jnp.float32)
     traces = []
     f = jax.jit(lambda s, i: (traces.append(te_jax_perm.resolve_backend()), gather_rows(s, i))[1])
-    counter = LaunchCounter()
-    hooks.add_launch_observer(counter)
-    try:
-        ran = []
+    ran = []
+    with recorded_launches() as launches:
         for name in ("xla", "interpret", "xla", "interpret"):
             with te_jax_perm.use_backend(name) as chosen:
                 assert chosen == name
-                before = counter.launches
+                before = len(launches)
                 (out,) = f(src, idx)
                 jax.block_until_ready(out)
-                ran.append((name, counter.launches - before))
+                ran.append((name, len(launches) - before))
             np.testing.assert_array_equal(np.asarray(out), np.asarray(src)[np.asarray(idx)])
-    finally:
-        hooks.remove_launch_observer(counter)
     assert traces == ["xla", "interpret"], f"traced for {traces}; expected once per backend, the later calls cached"
     assert ran == [("xla", 0), ("interpret", 1), ("xla", 0), ("interpret", 1)], \
         f"(block, kernels launched) per call: {ran}; the interpreter must run exactly under use_backend('interpret')"
