@@ -181,8 +181,9 @@ def _time_configs(call, configs, operands, want, calls: int, rounds: int = 1) ->
             exe = jax.jit(lambda ops, launch=launch: triton_call(launch, ops)).lower(operands).compile()
             got = exe(operands)
             items.append((cfg, (lambda exe=exe: exe(operands))))
-            rows.append({"config": cfg.to_json(), "config_str": str(cfg),
-                         "agrees": mismatch(call.decl, got, want) is None})
+            why = mismatch(call.decl, got, want)
+            rows.append({"config": cfg.to_json(), "config_str": str(cfg), "agrees": why is None}
+                        | ({"disagrees": why} if why else {}))
         except Exception as e:  # noqa: BLE001 - a failing config is recorded, the rest go on
             rows.append({"config": cfg.to_json(), "config_str": str(cfg), "error": f"{type(e).__name__}: {e}"})
     kfn = call.decl.kernel.fn.__name__
@@ -203,7 +204,8 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
     """Every group (shape, kernel) in turn; ``save(rows)`` after each, so a run cut off
     keeps what it measured. A group starts only if the longest group so far still fits.
     ``quick``: the :func:`_candidates` of ``quick`` at one stage count, no second phase
-    (about a tenth of the configs: a device's whole table in a few minutes)."""
+    (about a tenth of the configs: a device's whole table in a few minutes); the runoff
+    runs either way (a few configs timed again: a close call is decided by it, not by noise)."""
     import jax
     import numpy as np
     from benchmarks import cases
@@ -235,7 +237,7 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
             second = [] if quick else [c for r in timed[:TOP] for c in _restaged(_config(r["config"]))
                                        if str(c) not in tried]
             group = first + (_time_configs(call, second, operands, want, calls) if second else [])
-            entrants = [] if quick else runoff_entrants(group, str(default))
+            entrants = runoff_entrants(group, str(default))
             if entrants:
                 rerun = {r["config_str"]: r for r in _time_configs(
                     call, [_config(r["config"]) for r in entrants], operands, want, calls, RUNOFF_ROUNDS)}
@@ -252,7 +254,7 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
             ok = [r for r in group if r.get("us") is not None and r.get("agrees")]
             best = min(ok, key=lambda r: r["us"])
             dflt = next(r for r in group if r["is_default"])
-            wrong = [r["config_str"] for r in group if r.get("agrees") is False]
+            wrong = [f'{r["config_str"]}: {r["disagrees"]}' for r in group if r.get("agrees") is False]
             log(f"{shape.name:40s} {kname:24s} {len(group):3d} configs default {dflt['us']:8.1f} µs "
                 f"{dflt['config_str']} | best {best['us']:8.1f} µs {best['config_str']} "
                 f"({dflt['us'] / best['us']:.3f}x)" + (f" | WRONG OUTPUT: {wrong}" if wrong else ""))

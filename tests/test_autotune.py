@@ -185,6 +185,36 @@ def test_outputs_are_checked_bitwise_for_exact_kernels_and_integers_within_toler
     assert mismatch(summed, [near[0], np.array([3, 4], np.int64)], w)   # another dtype never matches
 
 
+def test_summed_outputs_are_judged_against_the_outputs_largest_magnitude():
+    """Dot products over 7168 terms summed in two orders (as two warp counts sum them): the
+    sums that cancel to near zero differ by more than rtol=atol=1e-5 of themselves, which
+    an element-wise test calls wrong; against the output's largest magnitude they agree. A
+    wrong, missing or doubled element is still refused."""
+    import types
+
+    import ml_dtypes
+
+    from te_jax_perm.autotune.trials import mismatch
+    rng = np.random.default_rng(0)
+    g, y = (rng.standard_normal((1024, 7168)).astype(ml_dtypes.bfloat16).astype(np.float32) for _ in "gy")
+    terms = g * y
+    one = terms.reshape(1024, 56, 128).sum(axis=2).sum(axis=1)
+    other = terms.reshape(1024, 128, 56).sum(axis=1).sum(axis=1)
+    assert (~np.isclose(one, other, rtol=1e-5, atol=1e-5)).sum() > 0   # the element-wise test refuses
+    decl = types.SimpleNamespace(outputs=(types.SimpleNamespace(name="dw"),), exact=False, rtol=1e-5, atol=1e-5)
+    assert mismatch(decl, [other], [one]) is None
+    swapped, zeroed, doubled = other.copy(), other.copy(), other.copy()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    zeroed[7] = 0.0
+    doubled[9] *= 2
+    for bad in (swapped, zeroed, doubled):
+        assert "outside rtol" in mismatch(decl, [bad], [one])
+    inf_nan = np.array([np.inf, -np.inf, np.nan, 1.0], np.float32)
+    assert mismatch(decl, [inf_nan], [inf_nan]) is None
+    assert mismatch(decl, [inf_nan[::-1].copy()], [inf_nan])
+    assert mismatch(decl, [np.array([np.nan, 1.0], np.float32)], [np.array([0.0, 1.0], np.float32)])
+
+
 def test_empty_output_garbage_is_caught():
     """init='empty' buffers start as random bytes, so a config writing too few rows fails."""
     buf = initial_prealloc(False, (4, 4), np.float32, seed=3)

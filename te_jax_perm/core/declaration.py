@@ -115,6 +115,7 @@ class KernelDecl:
     key_params: tuple[str, ...] = ()           # params that change the compiled code or grid
     key_bucket: Callable[[str, int], int] = lambda dim_name, size: size
     exact: bool = True                         # bit-exact against the reference (data movement)
+    # Otherwise each float output element within atol + rtol * the reference's largest magnitude.
     rtol: float = 1e-2
     atol: float = 1e-2
     # Raises ValueError on bad static facts, once per bound call (core/launch.py).
