@@ -130,12 +130,14 @@ def mover_call(problem, case_name: str, kernel: str, backend: str = "triton") ->
 def _candidates(decl, dims, params, stages=None, quick: bool = False) -> list:
     """The declaration's valid configs at ``stages`` (all of them if none has those);
     ``quick``: only one token per program, its whole row or half of it per tile (the shapes
-    every mover default has taken), at each warp count."""
+    every mover default has taken), at each warp count, and the combine backward's map
+    columns as tiles (``K_TILE``) in every width."""
     valid = [c for c in decl.configs if not decl.violated(dims, params, c)]
     if quick:
         from te_jax_perm.ops.permute.decl import whole_row
         whole = whole_row(dims)
-        valid = [c for c in valid if c.kw.get("ROWS") == 1 and c.kw.get("BLOCK_H") in (whole, whole // 2)]
+        valid = [c for c in valid if c.kw.get("K_TILE")
+                 or (c.kw.get("ROWS") == 1 and c.kw.get("BLOCK_H") in (whole, whole // 2))]
     staged = [c for c in valid if stages is None or c.num_stages in stages]
     return staged or valid or [decl.default_config(dims, params)]
 

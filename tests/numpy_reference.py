@@ -117,3 +117,31 @@ def map_gather(y, rid, pad=None, w=None, gpp=None):
                 if gpp is not None:
                     gp[tok, ex] = gpp[d]
     return out, gp
+
+
+def map_scatter_weighted(g, y, rid, pad=None, w=None):
+    """The combine backward through any [T, 2E+1] map, entry by entry (the entries as
+    :func:`map_gather` reads them): each output row is written by its highest entry ``t*E + j``
+    only (its owner; unowned rows zero) with ``g[t] * w[t, expert]``, and that entry's
+    ``grad_w[t, expert] = <g[t], y[row]>``; of a token's entries naming one expert, the last
+    that owns its row gives the gradient."""
+    t, e, n = rid.shape[0], (rid.shape[1] - 1) // 2, y.shape[0]
+    entries = []
+    for tok in range(t):
+        for j in range(min(max(int(rid[tok, 2 * e]), 0), e)):
+            d, ex = int(rid[tok, j]), int(rid[tok, e + j])
+            if d < 0 or not 0 <= ex < e:
+                continue
+            d += 0 if pad is None else int(pad[ex])
+            if 0 <= d < n:
+                entries.append((tok * e + j, tok, ex, d))
+    owner = {}
+    for entry, tok, ex, d in entries:
+        owner[d] = max(owner.get(d, -1), entry)
+    gy = np.zeros(y.shape, np.float64)
+    gw = np.zeros((t, e), np.float64)
+    for entry, tok, ex, d in entries:   # in entry order: a later entry's gradient replaces
+        if owner[d] == entry:
+            gy[d] = g[tok] * (1.0 if w is None else float(w[tok, ex]))
+            gw[tok, ex] = float(np.dot(y[d].astype(np.float64), g[tok].astype(np.float64)))
+    return gy, gw

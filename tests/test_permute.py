@@ -177,6 +177,40 @@ def test_gathers_add_every_entry_of_a_hostile_map(backend, padded, n):
         np.testing.assert_array_equal(outs[3], expected[3])  # copies of gpp
 
 
+# The combine backward's two paths: one map column at a time (a token per program, the
+# gradient row loaded per column or, at 8 columns, once; two tokens a program) and the map's
+# columns as [K_TILE, BLOCK_H] tiles (one tile per token at E = 4, several at E = 20).
+_COMBINE_BWD_CONFIGS = [Config.make(num_warps=2, BLOCK_H=16, ROWS=1), Config.make(num_warps=2, BLOCK_H=32, ROWS=2),
+                        Config.make(num_warps=4, BLOCK_H=16, ROWS=1, K_TILE=4),
+                        Config.make(num_warps=4, BLOCK_H=32, ROWS=1, K_TILE=8)]
+
+
+@pytest.mark.parametrize("cfg", _COMBINE_BWD_CONFIGS, ids=str)
+@pytest.mark.parametrize("t,e,n", [(9, 4, 12), (7, 20, 40)], ids=["E4", "E20"])
+def test_combine_backward_through_a_hostile_map(kernel_backend, cfg, t, e, n):
+    """Duplicate rows and experts within a token and across tokens, rows and experts out of
+    range, routed counts above E and negative: every config writes each row once (by its
+    owner) and each token's row of weight gradients (the later entry's where one expert is
+    named twice), as a NumPy loop over the entries does, and as the xla backend does."""
+    rid, pad = _hostile_map(11, t, e, n)
+    rng = np.random.default_rng(11)
+    g = rng.standard_normal((t, 24)).astype(np.float32)
+    y = rng.standard_normal((n, 24)).astype(np.float32)
+    w = rng.random((t, e)).astype(np.float32)
+    dup = [(tok, int(x)) for tok in range(t) for x in set(rid[tok, e:2 * e]) if (rid[tok, e:2 * e] == x).sum() > 1]
+    assert dup  # experts named twice by one token: which gradient is kept is checked
+    for padded in (False, True):
+        (owner,) = D.row_owner(rid, pad, backend="xla", num_out_rows=n, padded=padded)
+        want = ref.map_scatter_weighted(g, y, rid, pad if padded else None, w)
+        for b in ("xla", kernel_backend):
+            got = D.unpermute_bwd_weighted(g, rid, pad, owner, w, y, backend=b, padded=padded,
+                                           config=None if b == "xla" else cfg)
+            for a, x in zip(got, want):
+                a = np.asarray(a)
+                assert np.isfinite(a).all()  # the interpreter's outputs start as NaN
+                np.testing.assert_allclose(a, x, rtol=1e-5, atol=1e-5)
+
+
 def test_gathers_through_a_malformed_map_by_hand(kernel_backend):
     """The public combine and dispatch backward through a small traced map, on every
     backend: a row named twice by one token and once by another, rows past the input and

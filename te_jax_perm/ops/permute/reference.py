@@ -20,14 +20,15 @@ from te_jax_perm.ops.row_id_map.reference import dests, row_owner_reference
 
 
 def _inverse_map(rid, pad, padded, n):
-    """Per output row: (token int32 [n], expert int32 [n]) of the entry that owns it (see
-    :func:`row_owner_reference`); rows no entry owns (padding, unused budget) get token T and
-    expert E, which index the zero row/column that callers pad their [T, .] and [T, E]
-    arrays with."""
+    """Per output row: (token int32 [n], expert int32 [n]) of the entry that owns it, and the
+    owner table (see :func:`row_owner_reference`); rows no entry owns (padding, unused budget)
+    get token T and expert E, which index the zero row/column that callers pad their [T, .]
+    and [T, E] arrays with."""
     t, e = rid.shape[0], (rid.shape[1] - 1) // 2
     if t == 0:  # no tokens: no row has an owner (and there is no map row to look up)
-        return jnp.zeros((n,), jnp.int32), jnp.full((n,), e, jnp.int32)
-    return _row_entries(rid, row_owner_reference(rid, pad, num_out_rows=n, padded=padded)[0])
+        return jnp.zeros((n,), jnp.int32), jnp.full((n,), e, jnp.int32), jnp.zeros((n,), jnp.int32)
+    (owner,) = row_owner_reference(rid, pad, num_out_rows=n, padded=padded)
+    return (*_row_entries(rid, owner), owner)
 
 
 def _row_entries(rid, owner):
@@ -51,15 +52,21 @@ def _weights_at(w, row_token, row_expert):
     return wp[row_token, row_expert]
 
 
-def _to_token_expert(values, row_token, row_expert, t, e, dtype):
-    """Scatter one value per output row into a ``dtype`` [T, E] matrix (zero elsewhere)."""
-    return jnp.zeros((t + 1, e + 1), dtype).at[row_token, row_expert].set(values.astype(dtype), mode="drop")[:t, :e]
+def _to_token_expert(values, owner, row_token, row_expert, t, e, dtype):
+    """Scatter one value per output row into a ``dtype`` [T, E] matrix (zero elsewhere). Of
+    two rows owned by one token's entries naming one expert, the later map column's value
+    is kept, as the kernels store them column by column (an owner grows with the column,
+    so the largest wins); a scatter of both would keep either."""
+    last = jnp.zeros((t + 1, e + 1), jnp.int32).at[row_token, row_expert].max(owner)
+    keep = owner == last[row_token, row_expert]
+    rows = jnp.where(keep, row_token, t), jnp.where(keep, row_expert, e)   # the others to the cut corner
+    return jnp.zeros((t + 1, e + 1), dtype).at[rows].set(values.astype(dtype))[:t, :e]
 
 
 def permute_rows_reference(x, rid, pad, owner, probs=None, *, num_out_rows, padded):
     """Kernels ``permute`` / ``permute_probs``: token rows to expert-sorted rows."""
     del owner
-    row_token, row_expert = _inverse_map(rid, pad, padded, num_out_rows)
+    row_token, row_expert, _ = _inverse_map(rid, pad, padded, num_out_rows)
     # A gather of N rows (zero row for unwritten ones): bit-exact data movement.
     out = _pad_rows(x)[row_token]
     if probs is None:
@@ -83,12 +90,12 @@ def unpermute_bwd_weighted_reference(g, rid, pad, owner, w, y, *, padded):
     """Kernel ``unpermute_bwd_weighted``: the weighted combine's gradients (rows and weights)."""
     del owner
     n, t, e = y.shape[0], g.shape[0], w.shape[1]
-    row_token, row_expert = _inverse_map(rid, pad, padded, n)
+    row_token, row_expert, owner = _inverse_map(rid, pad, padded, n)
     g_rows = _pad_rows(g.astype(jnp.float32))[row_token]  # [N, H]; zero for unwritten rows
     out = to_output(g_rows * _weights_at(w, row_token, row_expert)[:, None], y.dtype)
     # d w[t, e] = <g[t], y[r]> for the row r of (t, e): N dots over H, scattered into [T, E].
     dots = jnp.sum(g_rows * y.astype(jnp.float32), axis=-1)
-    return out, _to_token_expert(dots, row_token, row_expert, t, e, w.dtype)
+    return out, _to_token_expert(dots, owner, row_token, row_expert, t, e, w.dtype)
 
 
 def unpermute_rows_reference(y, rid, pad, w=None, gpp=None, *, padded):
@@ -123,7 +130,7 @@ def _gather_by_row(y, rid, owner, w, gpp):
     out = to_output(jax.ops.segment_sum(rows, row_token, num_segments=t + 1)[:t], y.dtype)
     if gpp is None:
         return (out,)
-    return out, _to_token_expert(gpp, row_token, row_expert, t, e, gpp.dtype)
+    return out, _to_token_expert(gpp, owner, row_token, row_expert, t, e, gpp.dtype)
 
 
 def _gather_per_entry(y, dest, ex, ok, w, gpp):
