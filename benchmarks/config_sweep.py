@@ -127,7 +127,7 @@ def mover_call(problem, case_name: str, kernel: str, backend: str = "triton") ->
     return bind_call(prim.decl, operands, params, backend), operands
 
 
-def _candidates(decl, dims, params, stages=None, quick: bool = False) -> list:
+def sweep_candidates(decl, dims, params, stages=None, quick: bool = False) -> list:
     """The declaration's valid configs at ``stages`` (all of them if none has those);
     ``quick``: only one token per program, its whole row or half of it per tile (the shapes
     every mover default has taken), at each warp count, and the combine backward's map
@@ -205,7 +205,7 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
                  save: Callable[[list[dict]], None] = lambda rows: None, quick: bool = False) -> list[dict]:
     """Every group (shape, kernel) in turn; ``save(rows)`` after each, so a run cut off
     keeps what it measured. A group starts only if the longest group so far still fits.
-    ``quick``: the :func:`_candidates` of ``quick`` at one stage count, no second phase
+    ``quick``: the :func:`sweep_candidates` of ``quick`` at one stage count, no second phase
     (about a tenth of the configs: a device's whole table in a few minutes); the runoff
     runs either way (a few configs timed again: a close call is decided by it, not by noise)."""
     import jax
@@ -231,7 +231,7 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
             decl = call.decl
             default = decl.default_config(call.dims, call.params)
             want = [np.asarray(o) for o in jax.jit(lambda ops: triton_call(configure(call, default), ops))(operands)]
-            cands = _candidates(decl, call.dims, call.params, {1 if quick else FIRST_STAGES}, quick)
+            cands = sweep_candidates(decl, call.dims, call.params, {1 if quick else FIRST_STAGES}, quick)
             first = _time_configs(call, cands + [c for c in [default] if str(c) not in {str(x) for x in cands}],
                                   operands, want, calls)
             timed = sorted((r for r in first if r.get("us") is not None), key=lambda r: r["us"])

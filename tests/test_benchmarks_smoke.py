@@ -173,11 +173,11 @@ def test_sweep_binds_each_kernel_to_the_operands_its_op_hands_it(case, kernel):
 
 
 def test_quick_sweeps_take_whole_and_half_rows_and_the_combine_backwards_entry_tiles():
-    from benchmarks.config_sweep import _candidates
+    from benchmarks.config_sweep import sweep_candidates
     from te_jax_perm.ops.permute import decl as D
     dims = {"T": 16384, "H": 7168, "E": 256, "W": 513, "N": 131072, "R": 131072}
     for decl, tiles in ((D.unpermute_bwd_weighted.decl, 2 * 3 * 2), (D.permute_probs.decl, 0)):
-        quick = _candidates(decl, dims, {"padded": False, "num_out_rows": 131072}, {1}, quick=True)
+        quick = sweep_candidates(decl, dims, {"padded": False, "num_out_rows": 131072}, {1}, quick=True)
         assert {c.kw["BLOCK_H"] for c in quick if not c.kw.get("K_TILE")} == {4096, 8192}
         assert all(c.kw["ROWS"] == 1 and c.num_stages == 1 for c in quick)
         assert sum(bool(c.kw.get("K_TILE")) for c in quick) == tiles   # 2 tile heights x 3 widths x 2 warps
