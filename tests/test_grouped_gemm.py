@@ -17,7 +17,7 @@ import triton.language as tl
 
 import te_jax_perm
 from te_jax_perm.core import Config, KernelDecl, Operand, Output, declare, hooks
-from te_jax_perm.kernels.grouped_gemm import row_schedule, schedule_tile
+from te_jax_perm.kernels.grouped_gemm import group_bounds, row_schedule, schedule_tile
 from te_jax_perm.ops.grouped_gemm import decl as D
 from te_jax_perm.ops.grouped_gemm.api import BACKENDS, KERNEL_BACKENDS, grouped_matmul, tokamax_available
 from te_jax_perm.ops.grouped_gemm.reference import clamped_group_sizes, grouped_matmul_reference
@@ -569,6 +569,42 @@ def test_shape_errors_name_the_argument(kernel_backend):
 def test_clamped_group_sizes():
     got = clamped_group_sizes(jnp.asarray([-3, 7, 2, 100], jnp.int32), 17)
     np.testing.assert_array_equal(np.asarray(got), [0, 7, 2, 8])
+
+
+@triton.jit
+def _bounds_probe_kernel(group_sizes_ptr, M, out_prealloc_ptr, out_ptr, G: tl.constexpr, G_P2: tl.constexpr):
+    """Writes each group's row count as the kernels bound it (``group_bounds``)."""
+    g_idx, starts, ends = group_bounds(group_sizes_ptr, M, G, G_P2)
+    tl.store(out_ptr + g_idx, (ends - starts).to(tl.int32), mask=g_idx < G)
+
+
+_bounds_probe = declare(KernelDecl(
+    name="test_grouped_gemm_bounds_probe",
+    kernel=_bounds_probe_kernel,
+    operands=(Operand("group_sizes", ("G",), ("int32",)),),
+    outputs=(Output("sizes", lambda d, p: (d["G"],), lambda t, p: jnp.int32),),
+    params=("m",),
+    reference=lambda group_sizes, *, m: (clamped_group_sizes(group_sizes, m),),
+    grid=lambda d, p, c: (1,),
+    scalars=lambda d, p: {"M": p["m"]},
+    constexprs=lambda d, p, c: {"G": d["G"], "G_P2": triton.next_power_of_2(d["G"])},
+    default_config=lambda d, p: Config.make(num_warps=1),
+))
+
+
+@pytest.mark.parametrize("m,sizes", [(65536, [65536] * 32769), (2**20, [2**30, -5] + [2**20 - 3] * 2049 + [7])],
+                         ids=["all_full", "mixed"])
+def test_group_sizes_summing_past_int32_are_clamped_as_the_kernels_clamp_them(kernel_backend, m, sizes):
+    """Clamped sizes summing past 2**31 (G * M does at 32769 groups of 65536 rows): the
+    kernels sum them in int64 and clamp the ends to M, so the first groups take the rows
+    and the rest are empty; the references, which every xla path bounds its groups by, give
+    the same sizes rather than ends wrapped past int32 (which would give one late group
+    2**31 - M rows and a negative total, every row then past the groups)."""
+    gs = np.asarray(sizes, np.int32)
+    ends = np.minimum(np.cumsum(np.clip(gs.astype(np.int64), 0, m)), m)
+    want = np.diff(ends, prepend=0)
+    for b in ("xla", kernel_backend):
+        np.testing.assert_array_equal(np.asarray(_bounds_probe(gs, backend=b, m=m)[0]), want, err_msg=b)
 
 
 @pytest.mark.parametrize("elem_bytes", [2, 4])

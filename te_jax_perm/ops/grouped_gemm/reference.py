@@ -81,7 +81,10 @@ def _folded(a: jax.Array, b: jax.Array, group_sizes: jax.Array, dims: Any, out_d
 def clamped_group_sizes(group_sizes: jax.Array, rows: int) -> jax.Array:
     """The group sizes every path actually uses: each in [0, rows], their sum <= rows."""
     sizes = jnp.clip(group_sizes.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32), 0, rows)
-    ends = jnp.minimum(jnp.cumsum(sizes), rows)
+    # Summed saturating at rows, as the kernels sum them in int64 and clamp: a plain int32
+    # cumsum wraps once G * rows passes 2**31 (32769 groups of 65536 rows) and would end
+    # groups before they start.
+    ends = jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, rows - a), sizes)
     return jnp.diff(ends, prepend=0).astype(jnp.int32)
 
 
