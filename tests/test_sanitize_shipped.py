@@ -375,7 +375,19 @@ def run_combine_short_input(rows=13, T=8, E=4, k=2):
     return token_combine(out[:rows], rid, backend=BE), token_combine(out[:rows], rid, merging_probs=p, backend=BE)
 
 
+def run_dispatch_map_foreign_counts(counts):
+    """The dispatch's two-pass map given traced ``counts`` that are not its routing map's
+    block counts (negative ones put rows before the buffer's first)."""
+    from te_jax_perm.ops.row_id_map import decl as D
+
+    rm = jnp.ones((4, 2), bool)
+    f = jax.jit(lambda rm, c: D.dispatch_map_fill(rm, c, backend=BE, block_t=1, drop_at=8, align=1, num_out_rows=8))
+    return f(rm, jnp.asarray(counts, jnp.int32))
+
+
 HOSTILE = {
+    "dispatch_map_counts_negative": lambda: run_dispatch_map_foreign_counts([[-5, -3], [1, 1], [-9, 1], [1, 1]]),
+    "dispatch_map_counts_huge": lambda: run_dispatch_map_foreign_counts([[2**30, 2**30], [2**30, 1], [1, 1], [0, 0]]),
     "chunk_sort_sizes_2^30+2^30": lambda: run_chunk_sort_overflowing_sizes([2**30, 2**30]),
     "chunk_sort_sizes_2^31-1+5": lambda: run_chunk_sort_overflowing_sizes([2**31 - 1, 5]),
     "combine_short_input": run_combine_short_input,

@@ -91,8 +91,9 @@ def _fill_block(rm_ptr, run, pad, b, T, N, R, map_ptr, owner_ptr, E: tl.constexp
         if OWNED:
             # The map is built here, so each kept row has exactly one entry: its owner (the
             # entry id t*E + column + 1, as row_owner_kernel would find) is a plain store.
-            # Rows stay below R, whatever N and ALIGN say.
-            own = mask & kept & (vd < R)
+            # Rows stay in [0, R), whatever N, ALIGN and a counts operand say (counts that
+            # are not the map's block counts can make a row negative).
+            own = mask & kept & (vd >= 0) & (vd < R)
             tl.store(owner_ptr + vd.to(tl.int64), (t[:, None] * E + col + 1), mask=own)
 
 

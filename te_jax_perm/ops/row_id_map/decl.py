@@ -173,6 +173,10 @@ _DISPATCH_MAP = dict(
                                   "R": params["num_out_rows"]},
     params_check=_dispatch_params_check)
 
+# The two-pass fills take ``counts`` as given (the public ops pass the block counts their
+# first pass just wrote: checking them would copy the routing map to the host): counts that
+# are not the map's give a map with rows out of place and shared, never a row outside the
+# buffers (hostile counts run under the sanitizer in the tests).
 dispatch_map_fill = declare(KernelDecl(
     name="dispatch_map_fill", kernel=K.dispatch_map_fill_kernel,
     operands=(_ROUTING, Operand("counts", ("NB", "E"), ("int32",))),
