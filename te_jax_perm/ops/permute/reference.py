@@ -90,12 +90,12 @@ def unpermute_bwd_weighted_reference(g, rid, pad, owner, w, y, *, padded):
     """Kernel ``unpermute_bwd_weighted``: the weighted combine's gradients (rows and weights)."""
     del owner
     n, t, e = y.shape[0], g.shape[0], w.shape[1]
-    row_token, row_expert, owner = _inverse_map(rid, pad, padded, n)
+    row_token, row_expert, writer = _inverse_map(rid, pad, padded, n)   # derived, not the operand
     g_rows = _pad_rows(g.astype(jnp.float32))[row_token]  # [N, H]; zero for unwritten rows
     out = to_output(g_rows * _weights_at(w, row_token, row_expert)[:, None], y.dtype)
     # d w[t, e] = <g[t], y[r]> for the row r of (t, e): N dots over H, scattered into [T, E].
     dots = jnp.sum(g_rows * y.astype(jnp.float32), axis=-1)
-    return out, _to_token_expert(dots, owner, row_token, row_expert, t, e, w.dtype)
+    return out, _to_token_expert(dots, writer, row_token, row_expert, t, e, w.dtype)
 
 
 def unpermute_rows_reference(y, rid, pad, w=None, gpp=None, *, padded):
