@@ -211,6 +211,11 @@ def _unpermute_example(extra: str | None):
 _X = Operand("inp", ("T", "H"))
 _RID = Operand("row_id_map", ("T", "W"), ("int32",))
 _PAD = Operand("pad_offsets", ("E",), ("int32",))
+# The scatters' writer of each output row (``row_owner``'s table, or the dispatch map's or a
+# combine forward's, all built from the same map): taken as given. A table of another map
+# keeps every access inside the buffers but can leave a row to an entry that does not
+# address it, so neither that entry nor the zero fill writes it; checking each row's owner
+# against the map would add dependent map loads to every zero-fill program.
 _OWNER = Operand("owner", ("R",), ("int32",))
 # Probabilities in bf16, fp16 or fp32: loaded in their dtype, combined in fp32.
 PROB_DTYPES = ("bfloat16", "float16", "float32")
