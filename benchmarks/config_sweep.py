@@ -167,18 +167,33 @@ def runoff_entrants(group: list[dict], default: str) -> list[dict]:
     return entrants if len(entrants) >= 2 else []
 
 
-def _time_configs(call, configs, operands, want, calls: int, rounds: int = 1) -> list[dict]:
+def within_budget(configs: list, deadline: float | None, clock: Callable[[], float] = time.monotonic):
+    """``(config, run)`` for each of ``configs`` in order: the first always runs, the others
+    only while ``clock()`` is before ``deadline`` (None: no deadline). A sweep's budget is
+    then kept inside a group too, where one group of every config at a large shape can take
+    longer than the whole budget; the configs left out are recorded as such."""
+    for i, c in enumerate(configs):
+        yield c, i == 0 or deadline is None or clock() < deadline
+
+
+def _time_configs(call, configs, operands, want, calls: int, rounds: int = 1,
+                  deadline: float | None = None) -> list[dict]:
     """Each config's kernel time (CUPTI; with ``rounds`` > 1 over that many profiles, their
     order reversed every other one) and whether its outputs agree with ``want``, the
-    default config's, as the autotuner judges a candidate (``trials.mismatch``)."""
+    default config's, as the autotuner judges a candidate (``trials.mismatch``). Past
+    ``deadline`` (``time.monotonic``) configs after the first are not compiled or timed."""
     import jax
     from te_jax_perm.autotune.trials import mismatch
     from te_jax_perm.core.launch import configure
     from te_jax_perm.core.triton_backend import triton_call
-    launches = [configure(call, c) for c in configs]
-    _precompile(launches)
+    launches = {str(c): configure(call, c) for c in configs}
+    _precompile(list(launches.values()))
     items, rows = [], []
-    for cfg, launch in zip(configs, launches):
+    for cfg, run in within_budget(configs, deadline):
+        if not run:
+            rows.append({"config": cfg.to_json(), "config_str": str(cfg), "skipped": "budget spent"})
+            continue
+        launch = launches[str(cfg)]
         try:
             exe = jax.jit(lambda ops, launch=launch: triton_call(launch, ops)).lower(operands).compile()
             got = exe(operands)
@@ -204,7 +219,8 @@ def _config(j):
 def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
                  save: Callable[[list[dict]], None] = lambda rows: None, quick: bool = False) -> list[dict]:
     """Every group (shape, kernel) in turn; ``save(rows)`` after each, so a run cut off
-    keeps what it measured. A group starts only if the longest group so far still fits.
+    keeps what it measured. A group starts only if the longest group so far still fits,
+    and within a group configs after the default are timed only while the budget lasts.
     ``quick``: the :func:`sweep_candidates` of ``quick`` at one stage count, no second phase
     (about a tenth of the configs: a device's whole table in a few minutes); the runoff
     runs either way (a few configs timed again: a close call is decided by it, not by noise)."""
@@ -232,13 +248,16 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
             default = decl.default_config(call.dims, call.params)
             want = [np.asarray(o) for o in jax.jit(lambda ops: triton_call(configure(call, default), ops))(operands)]
             cands = sweep_candidates(decl, call.dims, call.params, {1 if quick else FIRST_STAGES}, quick)
-            first = _time_configs(call, cands + [c for c in [default] if str(c) not in {str(x) for x in cands}],
-                                  operands, want, calls)
+            log(f"{shape.name} {kname}: {len(cands)} configs")
+            # The default first: it runs whatever the budget says, and the table compares with it.
+            first = _time_configs(call, [default] + [c for c in cands if str(c) != str(default)],
+                                  operands, want, calls, deadline=t0 + budget_s)
             timed = sorted((r for r in first if r.get("us") is not None), key=lambda r: r["us"])
             tried = {r["config_str"] for r in first}
             second = [] if quick else [c for r in timed[:TOP] for c in _restaged(_config(r["config"]))
                                        if str(c) not in tried]
-            group = first + (_time_configs(call, second, operands, want, calls) if second else [])
+            group = first + (_time_configs(call, second, operands, want, calls, deadline=t0 + budget_s)
+                             if second and time.monotonic() < t0 + budget_s else [])
             entrants = runoff_entrants(group, str(default))
             if entrants:
                 rerun = {r["config_str"]: r for r in _time_configs(
@@ -259,7 +278,8 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
             wrong = [f'{r["config_str"]}: {r["disagrees"]}' for r in group if r.get("agrees") is False]
             log(f"{shape.name:40s} {kname:24s} {len(group):3d} configs default {dflt['us']:8.1f} µs "
                 f"{dflt['config_str']} | best {best['us']:8.1f} µs {best['config_str']} "
-                f"({dflt['us'] / best['us']:.3f}x)" + (f" | WRONG OUTPUT: {wrong}" if wrong else ""))
+                f"({dflt['us'] / best['us']:.3f}x)" + (f" | WRONG OUTPUT: {wrong}" if wrong else "")
+                + (f" | {left} not timed (budget spent)" if (left := sum("skipped" in r for r in group)) else ""))
         except Exception:  # one failing group must not end the sweep
             log(f"{shape.name} {case_name}: FAILED\n{traceback.format_exc()}")
         save(rows)
@@ -455,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(small-T sweeps, e.g. 16,64,256)")
     ap.add_argument("--quick", action="store_true",
                     help="movers: whole- and half-row tiles of one token at each warp count, one stage count")
-    ap.add_argument("--budget-s", type=float, default=400.0, help="wall-clock budget in seconds for each sweep")
+    ap.add_argument("--budget-s", type=float, default=400.0, help="wall-clock budget in seconds for each sweep (a group's configs after its "
+                    "default are not timed once it is spent)")
     ap.add_argument("--calls", type=int, default=5, help="timed calls per config (median taken)")
     args = ap.parse_args(argv)
     unknown = [p for p in args.part.split(",") if p not in ("movers", "rowmap")]

@@ -183,6 +183,16 @@ def test_quick_sweeps_take_whole_and_half_rows_and_the_combine_backwards_entry_t
         assert sum(bool(c.kw.get("K_TILE")) for c in quick) == tiles   # 2 tile heights x 3 widths x 2 warps
 
 
+def test_a_sweep_group_stops_timing_configs_once_its_budget_is_spent():
+    from benchmarks.config_sweep import within_budget
+    now = iter([1.0, 2.0, 3.0, 4.0, 5.0])
+    got = list(within_budget(["dflt", "a", "b", "c", "d"], 2.5, clock=lambda: next(now)))
+    assert got == [("dflt", True), ("a", True), ("b", True), ("c", False), ("d", False)]
+    assert all(run for _, run in within_budget(["dflt", "a"], None))
+    # The first config (the default) runs even past the deadline.
+    assert list(within_budget(["dflt", "a"], 0.0, clock=lambda: 9.0)) == [("dflt", True), ("a", False)]
+
+
 def test_the_sweeps_runoff_takes_the_close_configs_and_the_default():
     from benchmarks.config_sweep import RUNOFF_MAX, RUNOFF_PCT, runoff_entrants
 
