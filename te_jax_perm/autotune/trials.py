@@ -88,8 +88,9 @@ def mismatch(decl: KernelDecl, got: Sequence[Any], want: Sequence[Any], xp: Any 
             # misplaced, unwritten or twice-written element is off by about the data's size.
             gf, wf = g.astype(np.float32), w.astype(np.float32)
             scale = float(xp.max(xp.abs(xp.where(xp.isfinite(wf), wf, 0)))) if wf.size else 0.0
-            ok = ((xp.abs(gf - wf) <= decl.atol + decl.rtol * scale)
-                  | (gf == wf) | (xp.isnan(gf) & xp.isnan(wf)))   # infinities of one sign, NaNs
+            with np.errstate(invalid="ignore", over="ignore"):   # inf - inf: NaN, judged below
+                ok = ((xp.abs(gf - wf) <= decl.atol + decl.rtol * scale)
+                      | (gf == wf) | (xp.isnan(gf) & xp.isnan(wf)))   # infinities of one sign, NaNs
             if bad := int(xp.sum(~ok)):
                 i = tuple(int(x) for x in np.unravel_index(int(xp.argmin(ok.astype(np.int8))), ok.shape))
                 return (f"{o.name}: {bad} of {g.size} elements outside rtol={decl.rtol} of the "
