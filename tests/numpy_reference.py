@@ -98,14 +98,11 @@ def combine_vjp(g, y, dest, w=None):
     return gy, gw
 
 
-def map_gather(y, rid, pad=None, w=None, gpp=None):
-    """What each token gathers through any [T, 2E+1] map, entry by entry: its first
-    ``cnt`` columns (clamped to [0, E]), each entry whose expert is in [0, E) and whose row
-    (plus ``pad[expert]`` when given) is in [0, N) adding that row (times ``w[t, expert]``);
-    ``(rows, grad_probs)``, ``grad_probs[t, expert] = gpp[row]`` of the token's last such entry."""
-    t, e, n = rid.shape[0], (rid.shape[1] - 1) // 2, y.shape[0]
-    out = np.zeros((t, y.shape[1]), np.float64)
-    gp = np.zeros((t, e), np.float64)
+def map_entries(rid, n, pad=None):
+    """``(entry, token, expert, row)`` of every usable entry of any [T, 2E+1] map, in entry
+    order (``entry = t*E + j``): a token's first ``cnt`` columns (clamped to [0, E]) whose
+    expert is in [0, E) and whose row (plus ``pad[expert]`` when given) is in [0, n)."""
+    t, e = rid.shape[0], (rid.shape[1] - 1) // 2
     for tok in range(t):
         for j in range(min(max(int(rid[tok, 2 * e]), 0), e)):
             d, ex = int(rid[tok, j]), int(rid[tok, e + j])
@@ -113,28 +110,31 @@ def map_gather(y, rid, pad=None, w=None, gpp=None):
                 continue
             d += 0 if pad is None else int(pad[ex])
             if 0 <= d < n:
-                out[tok] += y[d].astype(np.float64) * (1.0 if w is None else float(w[tok, ex]))
-                if gpp is not None:
-                    gp[tok, ex] = gpp[d]
+                yield tok * e + j, tok, ex, d
+
+
+def map_gather(y, rid, pad=None, w=None, gpp=None):
+    """What each token gathers through any [T, 2E+1] map, entry by entry (:func:`map_entries`),
+    each entry adding its row (times ``w[t, expert]``); ``(rows, grad_probs)``,
+    ``grad_probs[t, expert] = gpp[row]`` of the token's last such entry."""
+    t, e = rid.shape[0], (rid.shape[1] - 1) // 2
+    out = np.zeros((t, y.shape[1]), np.float64)
+    gp = np.zeros((t, e), np.float64)
+    for _, tok, ex, d in map_entries(rid, y.shape[0], pad):
+        out[tok] += y[d].astype(np.float64) * (1.0 if w is None else float(w[tok, ex]))
+        if gpp is not None:
+            gp[tok, ex] = gpp[d]
     return out, gp
 
 
 def map_scatter_weighted(g, y, rid, pad=None, w=None):
-    """The combine backward through any [T, 2E+1] map, entry by entry (the entries as
-    :func:`map_gather` reads them): each output row is written by its highest entry ``t*E + j``
+    """The combine backward through any [T, 2E+1] map, entry by entry (the entries of
+    :func:`map_entries`): each output row is written by its highest entry ``t*E + j``
     only (its owner; unowned rows zero) with ``g[t] * w[t, expert]``, and that entry's
     ``grad_w[t, expert] = <g[t], y[row]>``; of a token's entries naming one expert, the last
     that owns its row gives the gradient."""
-    t, e, n = rid.shape[0], (rid.shape[1] - 1) // 2, y.shape[0]
-    entries = []
-    for tok in range(t):
-        for j in range(min(max(int(rid[tok, 2 * e]), 0), e)):
-            d, ex = int(rid[tok, j]), int(rid[tok, e + j])
-            if d < 0 or not 0 <= ex < e:
-                continue
-            d += 0 if pad is None else int(pad[ex])
-            if 0 <= d < n:
-                entries.append((tok * e + j, tok, ex, d))
+    t, e = rid.shape[0], (rid.shape[1] - 1) // 2
+    entries = list(map_entries(rid, y.shape[0], pad))
     owner = {}
     for entry, tok, ex, d in entries:
         owner[d] = max(owner.get(d, -1), entry)
