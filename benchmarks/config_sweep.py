@@ -229,14 +229,14 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
     from benchmarks import cases
     from te_jax_perm.core.launch import configure
     from te_jax_perm.core.triton_backend import triton_call
-    rows, t0 = [], time.monotonic()
+    rows, deadline = [], time.monotonic() + budget_s
     # Forward movers at every shape first, so a short budget still covers them.
     order = [(shape, pair) for pairs in (MOVERS[:2], MOVERS[2:] + AUX) for shape in shapes for pair in pairs
              if pair[1] in kernels.split(",") or (not kernels and pair in MOVERS)]
     p, longest = None, 0.0
     for shape, (case_name, kname) in order:
         started = time.monotonic()
-        if started - t0 + longest > budget_s:
+        if started + longest > deadline:
             log(f"budget spent: {shape.name} {case_name} not swept")
             continue
         if p is None or p.shape != shape:
@@ -251,13 +251,13 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
             log(f"{shape.name} {kname}: {len(cands)} configs")
             # The default first: it runs whatever the budget says, and the table compares with it.
             first = _time_configs(call, [default] + [c for c in cands if str(c) != str(default)],
-                                  operands, want, calls, deadline=t0 + budget_s)
+                                  operands, want, calls, deadline=deadline)
             timed = sorted((r for r in first if r.get("us") is not None), key=lambda r: r["us"])
             tried = {r["config_str"] for r in first}
             second = [] if quick else [c for r in timed[:TOP] for c in _restaged(_config(r["config"]))
                                        if str(c) not in tried]
-            group = first + (_time_configs(call, second, operands, want, calls, deadline=t0 + budget_s)
-                             if second and time.monotonic() < t0 + budget_s else [])
+            group = first + (_time_configs(call, second, operands, want, calls, deadline=deadline)
+                             if second and time.monotonic() < deadline else [])
             entrants = runoff_entrants(group, str(default))
             if entrants:
                 rerun = {r["config_str"]: r for r in _time_configs(
