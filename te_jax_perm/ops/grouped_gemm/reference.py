@@ -83,8 +83,15 @@ def clamped_group_sizes(group_sizes: jax.Array, rows: int) -> jax.Array:
     sizes = jnp.clip(group_sizes.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.int32), 0, rows)
     # Summed saturating at rows, as the kernels sum them in int64 and clamp: a plain int32
     # cumsum wraps once G * rows passes 2**31 (32769 groups of 65536 rows) and would end
-    # groups before they start.
-    ends = jax.lax.associative_scan(lambda a, b: a + jnp.minimum(b, rows - a), sizes)
+    # groups before they start. Saturating addition is associative, so the prefix sums take
+    # log2(G) whole-array steps, each adding the sum ending `shift` groups earlier (a + min(b,
+    # rows - a) never leaves [0, rows]). Shifts by padding, not lax.associative_scan: its
+    # concatenations of slices, compiled one by one under an eager shard_map, crash XLA's CPU
+    # compiler in jax 0.11.
+    ends, shift, n = sizes, 1, sizes.shape[-1]
+    while shift < n:
+        earlier = jnp.pad(ends[..., :-shift], [(0, 0)] * (ends.ndim - 1) + [(shift, 0)])
+        ends, shift = earlier + jnp.minimum(ends, rows - earlier), 2 * shift
     return jnp.diff(ends, prepend=0).astype(jnp.int32)
 
 
