@@ -571,6 +571,19 @@ def test_clamped_group_sizes():
     np.testing.assert_array_equal(np.asarray(got), [0, 7, 2, 8])
 
 
+@pytest.mark.parametrize("groups", [1, 2, 3, 5, 17, 256, 40000])
+@pytest.mark.parametrize("rows", [0, 1, 17, 65536, 2**31 - 1])
+def test_clamped_group_sizes_match_a_saturating_int64_sum(groups, rows):
+    """Every group count (powers of two and not) and row count up to int32's largest, with
+    sums far past 2**31: each size clipped to [0, rows], their running sum capped at rows."""
+    sizes = np.random.default_rng(groups * 31 + rows % 97).integers(-5, rows + 10, groups).clip(
+        np.iinfo(np.int32).min, np.iinfo(np.int32).max).astype(np.int32)
+    ends = np.minimum(np.cumsum(np.clip(sizes.astype(np.int64), 0, rows)), rows)
+    want = np.diff(ends, prepend=0)
+    np.testing.assert_array_equal(np.asarray(clamped_group_sizes(jnp.asarray(sizes), rows)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(clamped_group_sizes, static_argnums=1)(jnp.asarray(sizes), rows)), want)
+
+
 @triton.jit
 def _bounds_probe_kernel(group_sizes_ptr, M, out_prealloc_ptr, out_ptr, G: tl.constexpr, G_P2: tl.constexpr):
     """Writes each group's row count as the kernels bound it (``group_bounds``)."""
