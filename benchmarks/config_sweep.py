@@ -128,18 +128,28 @@ def mover_call(problem, case_name: str, kernel: str, backend: str = "triton") ->
 
 
 def sweep_candidates(decl, dims, params, stages=None, quick: bool = False) -> list:
-    """The declaration's valid configs at ``stages`` (all of them if none has those);
-    ``quick``: only one token per program, its whole row or half of it per tile (the shapes
-    every mover default has taken), at each warp count, and the combine backward's map
-    columns as tiles (``K_TILE``) in every width."""
+    """The declaration's valid configs at ``stages``: of each tile shape and warp count, the
+    configs at those stage counts, or where it declares none of them, the one at the nearest
+    stage count (a family declared at fewer stage counts is still timed); ``quick``: only one
+    token per program, its whole row or half of it per tile (the shapes every mover default
+    has taken), at each warp count, and the combine backward's map columns as tiles
+    (``K_TILE``) in every width."""
     valid = [c for c in decl.configs if not decl.violated(dims, params, c)]
     if quick:
         from te_jax_perm.ops.permute.decl import whole_row
         whole = whole_row(dims)
         valid = [c for c in valid if c.kw.get("K_TILE")
                  or (c.kw.get("ROWS") == 1 and c.kw.get("BLOCK_H") in (whole, whole // 2))]
-    staged = [c for c in valid if stages is None or c.num_stages in stages]
-    return staged or valid or [decl.default_config(dims, params)]
+    if stages is None:
+        return valid or [decl.default_config(dims, params)]
+    families: dict = {}
+    for c in valid:
+        families.setdefault((tuple(sorted(c.kw.items())), c.num_warps), []).append(c)
+    out = []
+    for family in families.values():
+        out += ([c for c in family if c.num_stages in stages]
+                or [min(family, key=lambda c: min(abs(c.num_stages - s) for s in stages))])
+    return out or [decl.default_config(dims, params)]
 
 
 def _precompile(launches: list) -> dict:
@@ -254,8 +264,9 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
                                   operands, want, calls, deadline=deadline)
             timed = sorted((r for r in first if r.get("us") is not None), key=lambda r: r["us"])
             tried = {r["config_str"] for r in first}
+            declared = {str(c) for c in decl.configs}
             second = [] if quick else [c for r in timed[:TOP] for c in _restaged(_config(r["config"]))
-                                       if str(c) not in tried]
+                                       if str(c) not in tried and str(c) in declared]
             group = first + (_time_configs(call, second, operands, want, calls, deadline=deadline)
                              if second and time.monotonic() < deadline else [])
             entrants = runoff_entrants(group, str(default))

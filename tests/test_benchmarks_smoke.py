@@ -183,6 +183,24 @@ def test_quick_sweeps_take_whole_and_half_rows_and_the_combine_backwards_entry_t
         assert sum(bool(c.kw.get("K_TILE")) for c in quick) == tiles   # 2 tile heights x 3 widths x 2 warps
 
 
+def test_a_full_sweeps_first_phase_times_every_tile_shape_and_warp_count():
+    """Phase one runs at one stage count; a family declared without it (the combine
+    backward's map-column tiles, 1-2 stages) enters at its nearest, not never."""
+    from benchmarks.config_sweep import FIRST_STAGES, sweep_candidates
+    from te_jax_perm.ops.permute import decl as D
+    dims = {"T": 8192, "H": 4096, "E": 128, "W": 257, "N": 65536, "R": 65536}
+    params = {"padded": False, "num_out_rows": 65536}
+    decl = D.unpermute_bwd_weighted.decl
+    valid = [c for c in decl.configs if not decl.violated(dims, params, c)]
+    got = sweep_candidates(decl, dims, params, {FIRST_STAGES})
+    family = lambda c: (tuple(sorted(c.kw.items())), c.num_warps)  # noqa: E731
+    assert {family(c) for c in got} == {family(c) for c in valid}
+    assert len(got) == len({family(c) for c in got})
+    tiles = [c for c in got if c.kw.get("K_TILE")]
+    assert tiles and all(c.num_stages == 2 for c in tiles)
+    assert all(c.num_stages == FIRST_STAGES for c in got if not c.kw.get("K_TILE"))
+
+
 def test_a_sweep_group_stops_timing_configs_once_its_budget_is_spent():
     from benchmarks.config_sweep import within_budget
     now = iter([1.0, 2.0, 3.0, 4.0, 5.0])
