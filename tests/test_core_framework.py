@@ -330,3 +330,42 @@ def test_an_eager_interpret_error_points_at_the_kernels_line(on_cpu):
         broken_store(jnp.zeros((8,), jnp.float32), backend="interpret")
     frames = traceback.extract_tb(info.value.__traceback__)
     assert any(f.name == "broken_store_kernel" and "2 * BLOCK" in (f.line or "") for f in frames), frames
+
+
+# -- launch checks ---------------------------------------------------------------------------
+
+def test_params_check_sees_each_params_type_even_after_an_equal_value():
+    values = jnp.arange(6, dtype=jnp.int32)
+    histogram(values, num_bins=2, backend="xla")
+    # 2.0 == 2 and hashes alike: a cache keyed on values alone would skip the check.
+    with pytest.raises(ValueError, match=r"num_bins must be a positive int, got 2\.0"):
+        histogram(values, num_bins=2.0, backend="xla")
+
+
+def _grid_decl(name, init):
+    from tests.example_kernels import gather_rows_kernel
+    return te_jax_perm.core.declare(te_jax_perm.core.KernelDecl(
+        name=name, kernel=gather_rows_kernel,
+        operands=(te_jax_perm.core.Operand("src", ("N", "H")), te_jax_perm.core.Operand("idx", ("R",), ("int32",))),
+        outputs=(te_jax_perm.core.Output("out", lambda d, p: (d["R"], d["H"]), lambda t, p: t["src"], init=init),),
+        params=("grid",), reference=lambda src, idx, grid: (src[idx],), grid=lambda d, p, c: p["grid"],
+        scalars=lambda d, p: {"H": d["H"]}, default_config=lambda d, p: Config.make(BLOCK_H=16)))
+
+
+@pytest.mark.parametrize("grid", [(), (1, 1, 1, 1), (2, -1)])
+def test_a_grid_triton_cannot_launch_is_refused_naming_it(kernel_backend, grid):
+    src, idx = _inputs(4, 8, 2, jnp.float32)
+    op = _grid_decl("test_core_bad_grid", "empty")
+    with pytest.raises(ValueError, match=r"test_core_bad_grid: its grid .* is " + repr(grid).replace("(", r"\(")
+                       .replace(")", r"\)") + r"; expected one to three program counts, none negative"):
+        op(src, idx, grid=grid, backend=kernel_backend)
+
+
+def test_an_empty_grid_that_would_leave_an_output_unwritten_is_refused(kernel_backend):
+    src, idx = _inputs(4, 8, 2, jnp.float32)
+    with pytest.raises(ValueError, match=r"runs no program, but output 'out' has shape \(2, 8\) and does not start as "
+                                         "zeros: nothing would write it"):
+        _grid_decl("test_core_empty_grid", "empty")(src, idx, grid=(0,), backend=kernel_backend)
+    # Zero-initialised outputs are written by their allocation: the launch is skipped.
+    (out,) = _grid_decl("test_core_empty_grid_zeros", "zeros")(src, idx, grid=(2, 0), backend=kernel_backend)
+    np.testing.assert_array_equal(np.asarray(out), np.zeros((2, 8), np.float32))

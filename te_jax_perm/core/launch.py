@@ -118,12 +118,15 @@ def bind_call(decl: KernelDecl, avals: Sequence[Any], params: Params, backend: s
             # Sizes set grids, tiles and buffer lengths at compile time.
             raise TypeError(f"{decl.name}: argument {op.name!r} has shape {tuple(a.shape)} with symbolic sizes "
                             "(as jax.export's symbolic shapes make); expected concrete sizes")
-    return _bind(decl, tuple(_shaped(a.shape, a.dtype) for a in avals), tuple(sorted(params.items())), backend)
+    items = tuple(sorted(params.items()))
+    return _bind(decl, tuple(_shaped(a.shape, a.dtype) for a in avals), items, backend,
+                 tuple(type(v) for _, v in items))
 
 
-# Abstract evaluation, lowering and the tuner all bind the same call: derive it once.
+# Abstract evaluation, lowering and the tuner all bind the same call: derive it once. The
+# params' types are part of the key: 1 == True, and params_check must see each as given.
 @functools.lru_cache(maxsize=4096)
-def _bind(decl: KernelDecl, avals: tuple, param_items: tuple, backend: str) -> Call:
+def _bind(decl: KernelDecl, avals: tuple, param_items: tuple, backend: str, param_types: tuple) -> Call:
     params = dict(param_items)
     dims = bind_dims(decl, avals)
     if decl.params_check is not None:
@@ -169,6 +172,20 @@ def configure(call: Call, config: Config) -> Launch:
     if why := decl.violated(dims, params, config):
         raise ValueError(f"{decl.name}: {config} is invalid for dims {dict(dims)}: {why}")
     grid = tuple(int(g) for g in decl.grid(dims, params, config))
+    # Triton launches one to three grid axes; anything else would fail inside its launcher
+    # with a message that names neither the kernel nor the grid.
+    if not 1 <= len(grid) <= 3 or min(grid) < 0:
+        raise ValueError(f"{decl.name}: its grid for {config} at dims {dict(dims)} is {grid}; "
+                         "expected one to three program counts, none negative")
+    if min(grid) == 0:
+        # No program runs, so an output that does not start as zeros would be returned as
+        # allocated: memory nobody wrote.
+        for out, aval, zeroed in zip(decl.outputs, call.out_avals, call.aliases.zeroed):
+            if not zeroed and aval.size:
+                raise ValueError(f"{decl.name}: its grid for {config} at dims {dict(dims)} is {grid}, which runs "
+                                 f"no program, but output {out.name!r} has shape {aval.shape} and does not start "
+                                 "as zeros: nothing would write it; expected a grid with programs for every "
+                                 "output element, or init='zeros'")
     constexprs = {**config.kw, **decl.constexprs(dims, params, config)}
     scalars = dict(decl.scalars(dims, params))
     constexprs = check_signature(decl, scalars, constexprs)  # now in the kernel's order
