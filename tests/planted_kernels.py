@@ -58,11 +58,13 @@ def tiled_scale_kernel(x_ptr, T, H, out_prealloc_ptr, out_ptr, NS: tl.constexpr,
 
 
 def _tiles_cover_rows(d, p, c):
+    # Program p stores rows [p * bs, p * bs + BT): a wider tile overlaps the next program's
+    # rows, a narrower one leaves rows that no program stores.
     bs = triton.cdiv(d["T"], c.kw["NS"])
-    if bs % c.kw["BT"] != 0:
-        return f"rows per program cdiv(T={d['T']}, NS={c.kw['NS']})={bs} is not a multiple of BT={c.kw['BT']}"
     if c.kw["BT"] > bs:
-        return f"BT={c.kw['BT']} exceeds rows per program {bs}"
+        return f"BT={c.kw['BT']} exceeds rows per program cdiv(T={d['T']}, NS={c.kw['NS']})={bs}"
+    if c.kw["BT"] < bs:
+        return f"BT={c.kw['BT']} leaves rows of the {bs} per program cdiv(T={d['T']}, NS={c.kw['NS']}) unwritten"
     return None
 
 

@@ -14,7 +14,7 @@ import te_jax_perm
 from te_jax_perm.core import Config, declare
 from te_jax_perm.core.hooks import BufferInfo
 from te_jax_perm.core.interpret_backend import HostPointer, launch_interpreted
-from te_jax_perm.sanitize import (IN_PLACE, OOB, READ_WRITE, WRITE_WRITE, Hazard, HazardError, check,
+from te_jax_perm.sanitize import (IN_PLACE, OOB, READ_WRITE, UNWRITTEN, WRITE_WRITE, Hazard, HazardError, check,
                                   sanitize)
 from tests import planted_kernels as pk
 
@@ -158,7 +158,7 @@ def test_tiled_writer_with_rows_per_program_below_tile_overlaps():
 
 
 @pytest.mark.parametrize("T", [1, 7, 10])
-def test_every_unpruned_tiled_config_is_clean_and_every_overlap_is_pruned(T):
+def test_every_unpruned_tiled_config_is_clean_and_every_overlap_and_gap_is_pruned(T):
     decl = pk.tiled_scale.decl
     unchecked = declare(dataclasses.replace(decl, name=f"planted_tiled_unchecked_{T}", constraints=()))
     x = jnp.arange(T * 3, dtype=jnp.float32).reshape(T, 3)
@@ -166,8 +166,30 @@ def test_every_unpruned_tiled_config_is_clean_and_every_overlap_is_pruned(T):
         r = check(lambda: unchecked(x, backend=INTERP, config=cfg))
         if r.of_kind(WRITE_WRITE):
             assert decl.violated({"T": T, "H": 3}, {}, cfg), f"{cfg} races at T={T} but is not pruned"
+        if r.of_kind(UNWRITTEN):
+            assert decl.violated({"T": T, "H": 3}, {}, cfg), f"{cfg} leaves rows unwritten at T={T} but is not pruned"
         if not decl.violated({"T": T, "H": 3}, {}, cfg):
             assert not r, r.text()
+
+
+def test_output_elements_no_program_stores_are_reported_unless_the_output_starts_as_zeros():
+    """Memory nobody wrote: at T = 7 with two programs of one row each (rows per program 4),
+    rows 0 and 4 are stored and the other five rows are returned as allocated."""
+    decl = pk.tiled_scale.decl
+    gappy = declare(dataclasses.replace(decl, name="planted_tiled_gappy", constraints=()))
+    x = jnp.arange(7 * 3, dtype=jnp.float32).reshape(7, 3)
+    cfg = Config.make(NS=2, BT=1)
+    r = check(lambda: gappy(x, backend=INTERP, config=cfg))
+    (h,) = r.hazards
+    assert (h.kind, h.buffer, h.programs, h.elements, h.count, h.buffer_elements) == (
+        UNWRITTEN, "out", (), (3, 21), 15, 21)
+    assert h.text() == ("kernel 'planted_tiled_gappy': no program stores 15 element(s) in element offsets [3, 21) "
+                        "of output 'out' (21 elements), which does not start as zeros: they are returned as allocated")
+    with pytest.raises(HazardError, match="no program stores 15 element"):
+        check(lambda: gappy(x, backend=INTERP, config=cfg), raise_on_first=True)
+    zeroed = declare(dataclasses.replace(decl, name="planted_tiled_gappy_zeroed", constraints=(),
+                                         outputs=(dataclasses.replace(decl.outputs[0], init="zeros"),)))
+    assert not check(lambda: zeroed(x, backend=INTERP, config=cfg)), "zeros are written by the allocation"
 
 
 # -- cross-program read/write, and in-place safety (lesson 1) ----------------------------

@@ -33,6 +33,9 @@ class BufferInfo:
     nbytes: int
     dtype: np.dtype
     shape: tuple[int, ...]
+    # An output the kernel must store in full: it does not start as zeros, so a byte no
+    # program stores is returned as allocated (memory nobody wrote).
+    full_write: bool = False
 
     @property
     def itemsize(self) -> int:

@@ -36,7 +36,7 @@ import numpy as np
 from te_jax_perm.core import errors, hooks
 from te_jax_perm.core.aliasing import preallocate
 from te_jax_perm.core.hooks import BufferInfo
-from te_jax_perm.core.kernel_args import OPERAND, kernel_arguments
+from te_jax_perm.core.kernel_args import OPERAND, OUTPUT, kernel_arguments
 from te_jax_perm.core.launch import Launch
 
 
@@ -155,8 +155,10 @@ def run_launch(launch: Launch, operands: Sequence[np.ndarray], preallocs: Sequen
     if launch.empty:
         return   # as on the GPU: no program runs, the preallocated buffers are the result
     args = kernel_arguments(launch, operands, preallocs, outputs)
+    must_write = {o.name for o, zeroed in zip(launch.decl.outputs, launch.aliases.zeroed) if not zeroed}
     infos = [BufferInfo(a.source, "input" if a.role == OPERAND else a.role, a.value.ctypes.data, a.value.nbytes,
-                        a.value.dtype, tuple(a.value.shape)) for a in args if a.is_pointer]
+                        a.value.dtype, tuple(a.value.shape), a.role == OUTPUT and a.source in must_write)
+             for a in args if a.is_pointer]
     values = {a.name: HostPointer(a.value) if a.is_pointer else a.value for a in args}
     launch_interpreted(launch.decl.kernel, launch.grid3, values, launch.constexprs, name=launch.decl.name,
                        buffers=infos)

@@ -11,7 +11,8 @@ WRITE_WRITE = "write_write"
 READ_WRITE = "read_write"
 IN_PLACE = "in_place"
 INPUT_WRITE = "input_write"
-KINDS = (OOB, WRITE_WRITE, READ_WRITE, IN_PLACE, INPUT_WRITE)
+UNWRITTEN = "unwritten"
+KINDS = (OOB, WRITE_WRITE, READ_WRITE, IN_PLACE, INPUT_WRITE, UNWRITTEN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +22,7 @@ class Hazard:
     kind: str                   # one of KINDS
     kernel: str                 # the declared kernel name
     buffer: str                 # operand/output the access belongs to (in_place: the output)
-    programs: tuple[Pid, ...]   # (pid,) for out_of_bounds/input_write; (reader or first writer, writer)
+    programs: tuple[Pid, ...]   # (pid,) for out_of_bounds/input_write; (reader or first writer, writer); () for unwritten
     access: str                 # "load", "store" or "atomic"
     elements: tuple[int, int]   # half-open range of the offending elements, in buffer's own dtype
     count: int                  # number of offending elements
@@ -37,6 +38,9 @@ class Hazard:
                     f"({self.buffer_elements} elements): {span}")
         if self.kind == INPUT_WRITE:
             return f"{k}: program {self.programs[0]} stores into input {self.buffer!r}: {span}"
+        if self.kind == UNWRITTEN:
+            return (f"{k}: no program stores {span} of output {self.buffer!r} ({self.buffer_elements} elements), "
+                    "which does not start as zeros: they are returned as allocated")
         a, b = self.programs
         if self.kind == WRITE_WRITE:
             return f"{k}: programs {a} and {b} both store to {self.buffer!r}: {span}"

@@ -29,8 +29,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from te_jax_perm.core.hooks import BufferInfo
-from te_jax_perm.sanitize.hazards import (IN_PLACE, INPUT_WRITE, OOB, READ_WRITE, WRITE_WRITE, Hazard, HazardError,
-                                          LaunchSummary, Pid)
+from te_jax_perm.sanitize.hazards import (IN_PLACE, INPUT_WRITE, OOB, READ_WRITE, UNWRITTEN, WRITE_WRITE, Hazard,
+                                          HazardError, LaunchSummary, Pid)
 
 _TAG = "te_jax_perm.region"
 # Per launch and hazard class, at most this many (program pair) hazards are recorded.
@@ -297,6 +297,20 @@ def _cross_reads(loads: np.ndarray, stores: np.ndarray, nprog: int):
     return lp[hit], writer[hit], lb[hit]
 
 
+def _unwritten(rec: LaunchRecord, region: int, reg: BufferInfo) -> Hazard | None:
+    """The elements of an output that must be stored in full (``full_write``) of which some
+    byte no program stored or updated atomically, as one hazard; ``None`` if there are none."""
+    written = np.zeros(reg.nbytes, bool)
+    for a in rec.accesses:
+        if a.region == region and a.kind in ("store", "atomic"):
+            written[(a.offsets[:, None] + np.arange(a.size, dtype=np.int64)).reshape(-1)] = True
+    if written.all():
+        return None
+    elem = unique(np.flatnonzero(~written) // reg.itemsize)
+    return Hazard(UNWRITTEN, rec.kernel, reg.name, (), "store", (int(elem[0]), int(elem[-1]) + 1), int(elem.size),
+                  reg.elements)
+
+
 def analyse(rec: LaunchRecord) -> tuple[list[Hazard], list[Hazard], LaunchSummary]:
     """Hazards of the launch as run, ``in_place`` findings for hypothetical aliasing, and
     the launch summary."""
@@ -328,6 +342,8 @@ def analyse(rec: LaunchRecord) -> tuple[list[Hazard], list[Hazard], LaunchSummar
         dup = np.flatnonzero(sb[1:] == sb[:-1])
         emit(WRITE_WRITE, reg, _by_pair(sp[dup], sp[dup + 1], sb[dup], reg), "store")
         emit(READ_WRITE, reg, _by_pair(*_cross_reads(ld, st, nprog), reg), "load")
+        if reg.full_write and (gap := _unwritten(rec, i, reg)) is not None:
+            hazards.append(gap)
 
     # Hypothetical in-place use: input i placed on output j's memory (same shape/dtype),
     # so input i's loads become loads of output j's bytes.
