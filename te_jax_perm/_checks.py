@@ -184,6 +184,14 @@ def index_vector(name: str, x: Any) -> Any:
     return x.astype(np.int32) if isinstance(x, np.ndarray) else jnp.asarray(x).astype(jnp.int32)
 
 
+def negative_problem(name: str, expected: str, x: np.ndarray) -> str | None:
+    """Why ``x`` (the op's argument ``name``) is refused for its negative entries, or
+    ``None``; ``expected`` says what was expected instead (for :func:`check_values`)."""
+    if not (x < 0).any():
+        return None
+    return f"{name} = {_shown(x)} has negative entries; expected {expected}"
+
+
 def check_static_int(name: str, v: Any, minimum: int) -> int:
     """``v`` as a Python int in ``[minimum, INT32_MAX]``: every row index and count the
     kernels use is int32."""
