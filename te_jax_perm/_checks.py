@@ -52,10 +52,15 @@ def keyword_only(fn: Callable | None = None, *, backends: Sequence[str] = BACKEN
 
 def array_like(name: str, x: Any) -> Any:
     """``x`` itself when it is an array (jax or NumPy), else ``np.asarray(x)``: no cast yet.
-    ``None``, text and other objects that make no array of numbers raise, naming ``name``."""
+    ``None``, text, ragged lists and other objects that make no array of numbers raise,
+    naming ``name``."""
     if hasattr(x, "dtype") and hasattr(x, "shape"):
         return x
-    a = np.asarray(x) if x is not None else None
+    try:
+        a = np.asarray(x) if x is not None else None
+    except ValueError as e:   # a ragged nested list: NumPy's message names no argument
+        raise ValueError(f"{name} is {type(x).__name__} {x!r:.60}, which makes no array ({e}); expected an array "
+                         "(jax or NumPy) or a nested list of numbers with one length per level") from None
     if a is None or a.dtype.kind in "OUSV":
         raise TypeError(f"{name} is {type(x).__name__} {x!r:.60}; expected an array (jax or NumPy) or a nested "
                         "list of numbers")

@@ -312,6 +312,9 @@ _W_IN, _W_OUT = np.ones((4, 8, 12), np.float32), np.ones((4, 6, 8), np.float32)
      "inp is NoneType None; expected an array"),
     (lambda: te_jax_perm.token_combine("abc", np.zeros((6, 9), np.int32)), TypeError,
      "inp is str 'abc'; expected an array"),
+    (lambda: te_jax_perm.token_dispatch([[1.0, 2.0], [3.0]], np.eye(2, dtype=bool), 2), ValueError,
+     r"inp is list \[\[1.0, 2.0\], \[3.0\]\], which makes no array .*; expected an array \(jax or NumPy\) or a "
+     "nested list of numbers with one length per level"),
     (lambda: te_jax_perm.grouped_matmul(np.ones((6, 8)), np.ones((3, 8, 5)), None), TypeError,
      "group_sizes is NoneType None; expected an array"),
     (lambda: te_jax_perm.moe_ffn(np.ones((6, 8)), _RM, np.ones((6, 4)), None, _W_OUT, 6), TypeError,
@@ -326,7 +329,7 @@ _W_IN, _W_OUT = np.ones((4, 8, 12), np.float32), np.ones((4, 6, 8), np.float32)
      ValueError, r"activation=\['silu'\]; expected one of"),
 ], ids=["block_tokens_float", "block_tokens_bool", "block_tokens_huge", "single_pass_str", "make_row_id_map_backend",
         "is_forward_str", "is_forward_none", "is_forward_traced", "with_probs_none", "chunk_probs_fp8", "topk_rank0", "topk_rank1", "indices_rank1", "topk_k_past_e",
-        "inp_none", "inp_str", "group_sizes_none", "w_in_none", "chunk_map_none",
+        "inp_none", "inp_str", "inp_ragged", "group_sizes_none", "w_in_none", "chunk_map_none",
         "preferred_element_type", "moe_ffn_probs_none", "moe_ffn_activation_list"])
 def test_static_and_required_arguments_are_checked(call, error, message):
     with pytest.raises(error, match=message):
