@@ -326,6 +326,16 @@ def test_arguments_the_layer_cannot_take_are_named():
             ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=EPConfig(a2a="dense", **{field: 2**40}))
 
 
+@pytest.mark.parametrize("field", ["data_axes", "fsdp_axes"])
+@pytest.mark.parametrize("given", [None, 5, ("data", 5)])
+def test_axes_that_are_not_axis_names_are_named(field, given):
+    x, rm, probs, w1, w2 = _problem(1, T, 4, 2, "uniform", 0)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("ep",))
+    with pytest.raises(TypeError, match=rf"EPConfig.{field} = {re.escape(repr(given))}; expected a mesh axis name "
+                                        r"or a tuple of them \(\(\) for none\)"):
+        ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=EPConfig(a2a="dense", **{field: given}))
+
+
 def test_the_layer_defaults_to_moe_ffns_activation_and_takes_its_weights(on_cpu):
     """One default activation for the one layer, single-device or expert-parallel: weights
     made for moe_ffn's default go into ep_moe_layer (and its reference) without naming it."""

@@ -341,6 +341,9 @@ def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
     axes = {}
     for field in ("data_axes", "fsdp_axes"):
         given = getattr(cfg, field)
+        if not (isinstance(given, str) or isinstance(given, (tuple, list)) and all(isinstance(a, str) for a in given)):
+            # tuple() of None or of an int raises Python's error, naming no field
+            raise TypeError(f"EPConfig.{field} = {given!r}; expected a mesh axis name or a tuple of them (() for none)")
         axes[field] = (given,) if isinstance(given, str) else tuple(given)
         for a in axes[field]:
             if a not in mesh.axis_names or a == cfg.axis or axes[field].count(a) > 1:
