@@ -336,6 +336,28 @@ def test_axes_that_are_not_axis_names_are_named(field, given):
         ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=EPConfig(a2a="dense", **{field: given}))
 
 
+def test_the_reference_names_what_it_cannot_take():
+    """The dense reference checks its arguments as the layer does: unchecked, a map of 2s
+    was read bitwise (no row kept) and shapes failed inside its einsums."""
+    x, rm, probs, w1, w2 = _problem(1, T, 4, 2, "uniform", 0)
+    for kw, args, error, message in [
+            (dict(ep=0), (), ValueError, "ep must be >= 1, got 0"),
+            (dict(ep=2.0), (), TypeError, "ep must be a static Python int, got float 2.0"),
+            (dict(ep=3), (), ValueError, "routing_map has E = 4 experts, which the ep = 3 ranks"),
+            (dict(ep=1, data=5), (), ValueError, r"x has shape \(12, 16\); expected \[tokens, H\] with its rows split "
+                                                 r"evenly into data \* ep = 5 \* 1 token shards"),
+            (dict(ep=1, num_out_tokens=2.5), (), TypeError, "num_out_tokens must be a static Python int, got float 2.5"),
+            (dict(ep=1, capacity=-1), (), ValueError, "capacity must be >= 0, got -1"),
+            (dict(ep=1, activation="swish"), (), ValueError, r"activation='swish'; expected one of \('silu_glu'"),
+            (dict(ep=1), (x, rm, probs, w1[:3], w2), ValueError, r"w_in has shape \(3, 16, \d+\); expected \[E=4, H=16"),
+            (dict(ep=1), (x, jnp.asarray(rm, jnp.int32) * 2, probs, w1, w2), ValueError,
+             r"routing_map holds values other than 0 and 1 \(e.g. \[2\]\)"),
+            (dict(ep=1), (x, rm, jnp.asarray(probs, jnp.int32), w1, w2), TypeError,
+             "probs has dtype int32; expected bfloat16, float16 or float32")]:
+        with pytest.raises(error, match=message):
+            reference_moe_layer(*(args or (x, rm, probs, w1, w2)), **kw)
+
+
 def test_the_layer_defaults_to_moe_ffns_activation_and_takes_its_weights(on_cpu):
     """One default activation for the one layer, single-device or expert-parallel: weights
     made for moe_ffn's default go into ep_moe_layer (and its reference) without naming it."""

@@ -152,7 +152,7 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
         raise ValueError(f"ep_moe_local: EPConfig.axis = {cfg.axis!r} is not a mesh axis bound here; expected a "
                          f"call inside jax.shard_map over a mesh with that axis (or call ep_moe_layer, which "
                          f"runs the shard_map)") from None
-    _check_shapes(x, routing_map, probs, w_in, w_out, cfg, ep)
+    check_shapes(x, routing_map, probs, w_in, w_out, cfg, ep)
     platform, devices = _shard_map_devices(ep)
     cfg = dataclasses.replace(cfg, a2a=resolve_a2a(cfg.a2a, devices))
     # As in ep_moe_layer: ops left on the default backend take the one for the mesh's
@@ -291,7 +291,7 @@ def _checked_args(x, routing_map, probs, w_in, w_out, cfg: EPConfig) -> tuple[ja
     return x, checked_routing_map(routing_map), probs, w_in, w_out
 
 
-def _check_shapes(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array,
+def check_shapes(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array,
                   cfg: EPConfig, ep: int, shards: int | None = None, over: str = "") -> None:
     """The arrays' shapes and dtypes against each other and ``cfg``, on ``ep`` ranks: the
     layer's whole arrays (``x``'s rows split into ``shards`` token shards, ``over`` saying
@@ -359,7 +359,7 @@ def _check_layout(x, routing_map, probs, w_in, w_out, mesh: Mesh, cfg: EPConfig
     shards = ep * int(np.prod([mesh.shape[a] for a in data_axes], dtype=np.int64))
     over = f"{shards} token shards: ep = {ep} (mesh axis {cfg.axis!r})" + (
         f" times the data axes {data_axes}" if data_axes else "")
-    _check_shapes(x, routing_map, probs, w_in, w_out, cfg, ep, shards, over)
+    check_shapes(x, routing_map, probs, w_in, w_out, cfg, ep, shards, over)
     pieces = int(np.prod([mesh.shape[a] for a in fsdp], dtype=np.int64))
     if x.shape[1] % pieces:
         raise ValueError(f"x has H = {x.shape[1]} columns, which the {pieces} pieces of EPConfig.fsdp_axes = {fsdp} "

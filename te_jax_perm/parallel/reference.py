@@ -4,9 +4,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from te_jax_perm.ops.moe_ffn.reference import activate
+from te_jax_perm import _checks
+from te_jax_perm.ops.moe_ffn.reference import activate, check_activation
+from te_jax_perm.ops.row_id_map.api import checked_routing_map
 from te_jax_perm.ops.row_id_map.reference import kept_of
-from te_jax_perm.parallel.ep_moe import EPConfig
+from te_jax_perm.parallel.ep_moe import EPConfig, check_shapes
 
 
 def _kept(routing_map: jax.Array, num_out_tokens: int, capacity: int, ep: int) -> jax.Array:
@@ -31,8 +33,23 @@ def reference_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, 
     Shapes as for :func:`te_jax_perm.parallel.ep_moe_layer`; ``x`` is split into
     ``data * ep`` equal contiguous shards (``data``: the product of the data axes' sizes)
     whose drop rules apply separately. ``activation`` as ``EPConfig.activation``, with the
-    same default (``"silu_glu"``: ``w_in`` is ``[E, H, 2F]``).
+    same default (``"silu_glu"``: ``w_in`` is ``[E, H, 2F]``). Arguments are checked as
+    :func:`ep_moe_layer` checks its own; a ``TypeError`` or ``ValueError`` names the one
+    that does not fit.
     """
+    # Checked as the layer checks them: unchecked, a routing map of other values than 0/1
+    # is read bitwise, and shapes fail inside the einsums naming no argument.
+    ep, data = _checks.check_static_int("ep", ep, 1), _checks.check_static_int("data", data, 1)
+    for name, v in (("num_out_tokens", num_out_tokens), ("capacity", capacity)):
+        if v is not None:
+            _checks.check_static_int(name, v, 0)
+    check_activation("activation", activation)
+    x, probs, w_in, w_out = (_checks.array(name, a) for name, a in
+                             (("x", x), ("probs", probs), ("w_in", w_in), ("w_out", w_out)))
+    routing_map = checked_routing_map(routing_map)
+    check_shapes(x, routing_map, probs, w_in, w_out,
+                 EPConfig(num_out_tokens=num_out_tokens, capacity=capacity, activation=activation), ep, data * ep,
+                 f"data * ep = {data} * {ep} token shards")
     tt, h = x.shape
     e = routing_map.shape[1]
     shards = data * ep
