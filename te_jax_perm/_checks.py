@@ -189,12 +189,21 @@ def index_vector(name: str, x: Any) -> Any:
     return x.astype(np.int32) if isinstance(x, np.ndarray) else jnp.asarray(x).astype(jnp.int32)
 
 
-def negative_problem(name: str, expected: str, x: np.ndarray) -> str | None:
-    """Why ``x`` (the op's argument ``name``) is refused for its negative entries, or
-    ``None``; ``expected`` says what was expected instead (for :func:`check_values`)."""
-    if not (x < 0).any():
-        return None
-    return f"{name} = {_shown(x)} has negative entries; expected {expected}"
+def pad_offsets_problem(pad_offsets: np.ndarray) -> str | None:
+    """Why ``pad_offsets`` [E] cannot pad an unpadded map, or ``None``. Expert ``e``'s rows
+    land at their unpadded rows plus ``pad_offsets[e]``; the unpadded experts sit back to
+    back, so an offset below the previous expert's (a negative one is below the 0 before
+    expert 0) puts rows on that expert's rows or before row 0, and those rows are lost."""
+    if (pad_offsets < 0).any():
+        return f"pad_offsets = {_shown(pad_offsets)} has negative entries; expected rows of padding before each " \
+               "expert, all >= 0 and non-decreasing"
+    if (falls := np.argwhere(np.diff(pad_offsets, axis=-1) < 0)).size:
+        *row, e = falls[0]   # the first fall; a vmapped check sees rows of offsets
+        prev, at = pad_offsets[(*row, e)], pad_offsets[(*row, e + 1)]
+        return (f"pad_offsets = {_shown(pad_offsets)} decreases at expert {e + 1} ({prev} then {at}); expected "
+                "rows of padding before each expert, all >= 0 and non-decreasing (a cumulative sum, as "
+                "token_dispatch returns them)")
+    return None
 
 
 def check_static_int(name: str, v: Any, minimum: int) -> int:

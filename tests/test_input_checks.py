@@ -425,3 +425,21 @@ def test_negative_pad_offsets_raise(monkeypatch, op):
     with pytest.raises(Exception, match=message):
         jax.block_until_ready(jax.jit(call)(jnp.array([0, -1, 0, 0], jnp.int32)))
     assert call(np.array([0, 2, 2, 4], np.int32)).shape[1] == 8
+
+
+@pytest.mark.parametrize("op", ["permute", "unpermute"])
+def test_decreasing_pad_offsets_raise(monkeypatch, op):
+    # Experts' unpadded rows sit back to back: an offset below the one before moves the
+    # expert's rows onto the previous expert's rows, which are then lost.
+    rid, kept = te_jax_perm.make_row_id_map(_RM, backend="xla")
+    x, rows = np.ones((6, 8), np.float32), np.ones((20, 8), np.float32)
+    call = ((lambda pad: te_jax_perm.permute_with_mask_map(x, rid, kept, 20, None, pad, backend="xla")[0])
+            if op == "permute" else
+            (lambda pad: te_jax_perm.unpermute_with_mask_map(rows, rid, None, pad, backend="xla")))
+    message = (r"pad_offsets = \[0, 3, 1, 1\] decreases at expert 2 \(3 then 1\); expected rows of padding "
+               r"before each expert, all >= 0 and non-decreasing")
+    with pytest.raises(CheckError, match=message):
+        call(np.array([0, 3, 1, 1], np.int32))
+    monkeypatch.setenv("TE_JAX_PERM_CHECKS", "1")
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(jax.jit(call)(jnp.array([0, 3, 1, 1], jnp.int32)))

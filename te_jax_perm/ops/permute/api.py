@@ -210,7 +210,8 @@ def permute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, tokens_per_expe
         when padded).
       probs: optional ``[T, E]`` bfloat16, float16 or float32; permuted alongside the rows.
       pad_offsets: optional int32 ``[E]``: rows of padding inserted before each expert
-        (none negative: checked when concrete, and under ``TE_JAX_PERM_CHECKS=1``),
+        (none negative, none below the one before: checked when concrete, and under
+        ``TE_JAX_PERM_CHECKS=1``),
         for the unpadded map of :func:`make_row_id_map`. The map :func:`token_dispatch`
         returns already addresses its padded rows: pass it without ``pad_offsets`` (a
         concrete map that is padded already raises; a traced one is checked under
@@ -270,7 +271,7 @@ def unpermute_with_mask_map(inp: jax.Array, row_id_map: jax.Array, merging_probs
       merging_probs: optional ``[T, E]`` weights (bfloat16, float16 or float32; their
         gradient comes back in their dtype); unweighted sum when ``None``.
       pad_offsets: int32 ``[E]`` when ``inp`` is padded and ``row_id_map`` is the unpadded
-        map of :func:`make_row_id_map`; padding rows are ignored. None negative, as for
+        map of :func:`make_row_id_map`; padding rows are ignored. Non-negative and non-decreasing, as for
         :func:`permute_with_mask_map`. :func:`token_dispatch`'s
         map already addresses the padded rows: pass it without ``pad_offsets`` (as for
         :func:`permute_with_mask_map`).
@@ -295,10 +296,7 @@ def pad_operand(pad_offsets, e, row_id_map):
     if pad_offsets is None:
         return unread_pad(e)
     pad_offsets = _per_expert("pad_offsets", pad_offsets, e)
-    # Each row lands at its unpadded row plus its expert's offset: a negative offset would
-    # put it on an earlier expert's rows or off the buffer, and the row would be lost.
-    _checks.check_values(functools.partial(_checks.negative_problem, "pad_offsets",
-                                           "rows of padding before each expert, all >= 0"), pad_offsets)
+    _checks.check_values(_checks.pad_offsets_problem, pad_offsets)
     pad = jnp.asarray(pad_offsets).astype(jnp.int32)
     _checks.check_values(_checks.padded_twice_problem, row_id_map, pad)
     return pad
