@@ -1,4 +1,5 @@
 """The framework promise, tested on the worked example kernels."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -340,6 +341,22 @@ def test_params_check_sees_each_params_type_even_after_an_equal_value():
     # 2.0 == 2 and hashes alike: a cache keyed on values alone would skip the check.
     with pytest.raises(ValueError, match=r"num_bins must be a positive int, got 2\.0"):
         histogram(values, num_bins=2.0, backend="xla")
+
+
+def test_params_check_sees_the_types_inside_a_tuple_param():
+    def ints(d, p):
+        if not all(type(g) is int for g in p["grid"]):
+            raise ValueError(f"grid must hold ints, got {p['grid']!r}")
+    op = te_jax_perm.core.declare(dataclasses.replace(_grid_decl("test_core_tuple_param", "empty").decl,
+                                                      name="test_core_tuple_param_checked", params_check=ints))
+    src, idx = _inputs(4, 8, 2, jnp.float32)
+    op(src, idx, grid=(2,), backend="xla")
+    # (2.0,) == (2,) and hashes alike, as do (True,) and (1,).
+    with pytest.raises(ValueError, match=r"grid must hold ints, got \(2\.0,\)"):
+        op(src, idx, grid=(2.0,), backend="xla")
+    op(src, idx, grid=(1,), backend="xla")
+    with pytest.raises(ValueError, match=r"grid must hold ints, got \(True,\)"):
+        op(src, idx, grid=(True,), backend="xla")
 
 
 def _grid_decl(name, init):

@@ -120,11 +120,21 @@ def bind_call(decl: KernelDecl, avals: Sequence[Any], params: Params, backend: s
                             "(as jax.export's symbolic shapes make); expected concrete sizes")
     items = tuple(sorted(params.items()))
     return _bind(decl, tuple(_shaped(a.shape, a.dtype) for a in avals), items, backend,
-                 tuple(type(v) for _, v in items))
+                 tuple(_types(v) for _, v in items))
+
+
+def _types(v: Any) -> Any:
+    """``v``'s type, and its items' types for a tuple or frozenset: ``(2,) == (2.0,)`` too."""
+    if isinstance(v, tuple):
+        return type(v), tuple(_types(x) for x in v)
+    if isinstance(v, frozenset):
+        return type(v), frozenset((x, _types(x)) for x in v)
+    return type(v)
 
 
 # Abstract evaluation, lowering and the tuner all bind the same call: derive it once. The
-# params' types are part of the key: 1 == True, and params_check must see each as given.
+# params' types (inside tuples too) are part of the key: 1 == True, and params_check must
+# see each as given.
 @functools.lru_cache(maxsize=4096)
 def _bind(decl: KernelDecl, avals: tuple, param_items: tuple, backend: str, param_types: tuple) -> Call:
     params = dict(param_items)
