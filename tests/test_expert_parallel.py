@@ -343,7 +343,10 @@ def test_the_reference_names_what_it_cannot_take():
     for kw, args, error, message in [
             (dict(ep=0), (), ValueError, "ep must be >= 1, got 0"),
             (dict(ep=2.0), (), TypeError, "ep must be a static Python int, got float 2.0"),
-            (dict(ep=3), (), ValueError, "routing_map has E = 4 experts, which the ep = 3 ranks"),
+            (dict(ep=3), (), ValueError, "routing_map has E = 4 experts, which the ep = 3 ranks cannot split"),
+            # Its own arguments named, not the layer's EPConfig fields.
+            (dict(ep=1, activation="silu"), (), ValueError, r"but activation='silu' is not gated"),
+            (dict(ep=2, capacity=2**31 - 1), (), ValueError, r"^capacity = 2147483647 makes a receive buffer"),
             (dict(ep=1, data=5), (), ValueError, r"x has shape \(12, 16\); expected \[tokens, H\] with its rows split "
                                                  r"evenly into data \* ep = 5 \* 1 token shards"),
             (dict(ep=1, num_out_tokens=2.5), (), TypeError, "num_out_tokens must be a static Python int, got float 2.5"),

@@ -292,12 +292,16 @@ def _checked_args(x, routing_map, probs, w_in, w_out, cfg: EPConfig) -> tuple[ja
 
 
 def check_shapes(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array,
-                  cfg: EPConfig, ep: int, shards: int | None = None, over: str = "") -> None:
+                 cfg: EPConfig, ep: int, shards: int | None = None, over: str = "", fields: str = "EPConfig."
+                 ) -> None:
     """The arrays' shapes and dtypes against each other and ``cfg``, on ``ep`` ranks: the
     layer's whole arrays (``x``'s rows split into ``shards`` token shards, ``over`` saying
     into what; the weights holding all ``E`` experts) or, with ``shards=None``, one device's
-    (``x`` its tokens, the weights its ``E / ep`` experts)."""
+    (``x`` its tokens, the weights its ``E / ep`` experts). Messages name ``cfg``'s values as
+    ``fields`` + their names: ``""`` where the caller took them as its own arguments (the
+    dense reference, which has no mesh)."""
     local = shards is None
+    ranks = f"the ep = {ep} ranks" + (f" of mesh axis {cfg.axis!r}" if fields else "")
     if x.ndim != 2 or (not local and x.shape[0] % shards):
         raise ValueError(f"x has shape {tuple(x.shape)}; expected " +
                          ("[T, H], this device's tokens" if local else
@@ -309,23 +313,22 @@ def check_shapes(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
     if probs.shape != routing_map.shape:
         raise ValueError(f"probs has shape {tuple(probs.shape)}; expected {tuple(routing_map.shape)} (routing_map's)")
     if e % ep:
-        raise ValueError(f"routing_map has E = {e} experts, which the ep = {ep} ranks of mesh axis {cfg.axis!r} "
+        raise ValueError(f"routing_map has E = {e} experts, which {ranks} "
                          "cannot split evenly; expected E divisible by ep")
     if local:
         check_expert_weights(w_in, w_out, e // ep, h, cfg.activation, "E_local",
-                             f"routing_map's E = {e} over the ep = {ep} ranks of mesh axis {cfg.axis!r}",
-                             "EPConfig.activation")
+                             f"routing_map's E = {e} over {ranks}", f"{fields}activation")
     else:
-        check_expert_weights(w_in, w_out, e, h, cfg.activation, activation_name="EPConfig.activation")
+        check_expert_weights(w_in, w_out, e, h, cfg.activation, activation_name=f"{fields}activation")
     check_layer_dtypes(x, probs, w_in, w_out)
     # Each device's dispatch rows and its receive buffer of ep * capacity rows have int32
     # row indices, like every buffer the ops move rows in.
     n, cap = cfg.sizes(x.shape[0] // (shards or 1), e, e // ep)
     if n > _checks.INT32_MAX:
-        raise ValueError(f"EPConfig.num_out_tokens = {cfg.num_out_tokens!r} makes {n} dispatch rows per device; "
+        raise ValueError(f"{fields}num_out_tokens = {cfg.num_out_tokens!r} makes {n} dispatch rows per device; "
                          "expected at most 2**31 - 1 (row indices are int32)")
     if ep * cap > _checks.INT32_MAX:
-        raise ValueError(f"EPConfig.capacity = {cfg.capacity!r} makes a receive buffer of ep * capacity = {ep} * {cap} "
+        raise ValueError(f"{fields}capacity = {cfg.capacity!r} makes a receive buffer of ep * capacity = {ep} * {cap} "
                          f"= {ep * cap} rows per device; expected at most 2**31 - 1 (row indices are int32)")
 
 

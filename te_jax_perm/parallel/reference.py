@@ -49,7 +49,7 @@ def reference_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, 
     routing_map = checked_routing_map(routing_map)
     check_shapes(x, routing_map, probs, w_in, w_out,
                  EPConfig(num_out_tokens=num_out_tokens, capacity=capacity, activation=activation), ep, data * ep,
-                 f"data * ep = {data} * {ep} token shards")
+                 f"data * ep = {data} * {ep} token shards", fields="")
     tt, h = x.shape
     e = routing_map.shape[1]
     shards = data * ep
