@@ -369,7 +369,7 @@ def _grid_decl(name, init):
         scalars=lambda d, p: {"H": d["H"]}, default_config=lambda d, p: Config.make(BLOCK_H=16)))
 
 
-@pytest.mark.parametrize("grid", [(), (1, 1, 1, 1), (2, -1)])
+@pytest.mark.parametrize("grid", [(), (1, 1, 1, 1), (2, -1), 5])
 def test_a_grid_triton_cannot_launch_is_refused_naming_it(kernel_backend, grid):
     src, idx = _inputs(4, 8, 2, jnp.float32)
     op = _grid_decl("test_core_bad_grid", "empty")

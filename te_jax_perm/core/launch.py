@@ -181,11 +181,12 @@ def configure(call: Call, config: Config) -> Launch:
     decl, dims, params = call.decl, call.dims, call.params
     if why := decl.violated(dims, params, config):
         raise ValueError(f"{decl.name}: {config} is invalid for dims {dict(dims)}: {why}")
-    grid = tuple(int(g) for g in decl.grid(dims, params, config))
+    raw = decl.grid(dims, params, config)
     # Triton launches one to three grid axes; anything else would fail inside its launcher
-    # with a message that names neither the kernel nor the grid.
+    # (a bare count, here) with a message that names neither the kernel nor the grid.
+    grid = tuple(int(g) for g in raw) if isinstance(raw, (tuple, list)) else ()
     if not 1 <= len(grid) <= 3 or min(grid) < 0:
-        raise ValueError(f"{decl.name}: its grid for {config} at dims {dict(dims)} is {grid}; "
+        raise ValueError(f"{decl.name}: its grid for {config} at dims {dict(dims)} is {raw!r}; "
                          "expected one to three program counts, none negative")
     if min(grid) == 0:
         # No program runs, so an output that does not start as zeros would be returned as
