@@ -297,17 +297,17 @@ def _cross_reads(loads: np.ndarray, stores: np.ndarray, nprog: int):
     return lp[hit], writer[hit], lb[hit]
 
 
-def _unwritten(rec: LaunchRecord, region: int, reg: BufferInfo) -> Hazard | None:
+def _unwritten(kernel: str, reg: BufferInfo, *written: np.ndarray) -> Hazard | None:
     """The elements of an output that must be stored in full (``full_write``) of which some
-    byte no program stored or updated atomically, as one hazard; ``None`` if there are none."""
-    written = np.zeros(reg.nbytes, bool)
-    for a in rec.accesses:
-        if a.region == region and a.kind in ("store", "atomic"):
-            written[(a.offsets[:, None] + np.arange(a.size, dtype=np.int64)).reshape(-1)] = True
-    if written.all():
+    byte is in none of the ``written`` byte offsets (stored, updated atomically), as one
+    hazard; ``None`` if there are none."""
+    done = np.zeros(reg.nbytes, bool)
+    for w in written:
+        done[w] = True
+    if done.all():
         return None
-    elem = unique(np.flatnonzero(~written) // reg.itemsize)
-    return Hazard(UNWRITTEN, rec.kernel, reg.name, (), "store", (int(elem[0]), int(elem[-1]) + 1), int(elem.size),
+    elem = unique(np.flatnonzero(~done) // reg.itemsize)
+    return Hazard(UNWRITTEN, kernel, reg.name, (), "store", (int(elem[0]), int(elem[-1]) + 1), int(elem.size),
                   reg.elements)
 
 
@@ -334,7 +334,8 @@ def analyse(rec: LaunchRecord) -> tuple[list[Hazard], list[Hazard], LaunchSummar
     for i, (reg, st, ld) in enumerate(zip(regions, stores, loads)):
         stored[reg.name] = int(unique(st // nprog).size)
         loaded[reg.name] = int(unique(ld // nprog).size)
-        atomic[reg.name] = int(unique(_keys(rec, i, "atomic", nprog) // nprog).size)
+        at = unique(_keys(rec, i, "atomic", nprog) // nprog)
+        atomic[reg.name] = int(at.size)
         # Each class from its (possibly empty) conflicting bytes: no bytes, no pairs.
         sb, sp = st // nprog, st % nprog
         if reg.role == "input":
@@ -342,7 +343,7 @@ def analyse(rec: LaunchRecord) -> tuple[list[Hazard], list[Hazard], LaunchSummar
         dup = np.flatnonzero(sb[1:] == sb[:-1])
         emit(WRITE_WRITE, reg, _by_pair(sp[dup], sp[dup + 1], sb[dup], reg), "store")
         emit(READ_WRITE, reg, _by_pair(*_cross_reads(ld, st, nprog), reg), "load")
-        if reg.full_write and (gap := _unwritten(rec, i, reg)) is not None:
+        if reg.full_write and (gap := _unwritten(rec.kernel, reg, sb, at)) is not None:
             hazards.append(gap)
 
     # Hypothetical in-place use: input i placed on output j's memory (same shape/dtype),
