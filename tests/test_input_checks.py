@@ -406,40 +406,32 @@ def test_symbolic_shapes_are_refused_by_argument():
     assert exported.out_avals[0].shape == (16, 3)
 
 
-@pytest.mark.parametrize("op", ["permute", "unpermute"])
-def test_negative_pad_offsets_raise(monkeypatch, op):
-    # A negative offset puts an expert's rows on an earlier expert's rows or before row 0:
-    # rows would be lost without a word.
-    rid, kept = te_jax_perm.make_row_id_map(_RM, backend="xla")
-    x, rows = np.ones((6, 8), np.float32), np.ones((14, 8), np.float32)
-    call = ((lambda pad: te_jax_perm.permute_with_mask_map(x, rid, kept, 14, None, pad, backend="xla")[0])
-            if op == "permute" else
-            (lambda pad: te_jax_perm.unpermute_with_mask_map(rows, rid, None, pad, backend="xla")))
-    message = r"pad_offsets = \[0, -1, 0, 0\] has negative entries; expected rows of padding before each expert"
-    for pad in (np.array([0, -1, 0, 0], np.int32), [0, -1, 0, 0]):
-        with pytest.raises(CheckError, match=message):
-            call(pad)
-    with pytest.raises(CheckError, match=message):   # a NumPy constant under jit is concrete
-        jax.jit(lambda: call(np.array([0, -1, 0, 0], np.int32)))()
-    monkeypatch.setenv("TE_JAX_PERM_CHECKS", "1")
-    with pytest.raises(Exception, match=message):
-        jax.block_until_ready(jax.jit(call)(jnp.array([0, -1, 0, 0], jnp.int32)))
-    assert call(np.array([0, 2, 2, 4], np.int32)).shape[1] == 8
-
-
-@pytest.mark.parametrize("op", ["permute", "unpermute"])
-def test_decreasing_pad_offsets_raise(monkeypatch, op):
+_BAD_PADS = {
+    # A negative offset puts an expert's rows on an earlier expert's rows or before row 0.
+    "negative": ([0, -1, 0, 0], 14, r"pad_offsets = \[0, -1, 0, 0\] has negative entries; expected rows of "
+                 r"padding before each expert"),
     # Experts' unpadded rows sit back to back: an offset below the one before moves the
-    # expert's rows onto the previous expert's rows, which are then lost.
+    # expert's rows onto the previous expert's rows.
+    "decreasing": ([0, 3, 1, 1], 20, r"pad_offsets = \[0, 3, 1, 1\] decreases at expert 2 \(3 then 1\); expected "
+                   r"rows of padding before each expert, all >= 0 and non-decreasing"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(_BAD_PADS))
+@pytest.mark.parametrize("op", ["permute", "unpermute"])
+def test_pad_offsets_that_would_lose_rows_raise(monkeypatch, op, bad):
+    pad, n, message = _BAD_PADS[bad]
     rid, kept = te_jax_perm.make_row_id_map(_RM, backend="xla")
-    x, rows = np.ones((6, 8), np.float32), np.ones((20, 8), np.float32)
-    call = ((lambda pad: te_jax_perm.permute_with_mask_map(x, rid, kept, 20, None, pad, backend="xla")[0])
+    x, rows = np.ones((6, 8), np.float32), np.ones((n, 8), np.float32)
+    call = ((lambda pad: te_jax_perm.permute_with_mask_map(x, rid, kept, n, None, pad, backend="xla")[0])
             if op == "permute" else
             (lambda pad: te_jax_perm.unpermute_with_mask_map(rows, rid, None, pad, backend="xla")))
-    message = (r"pad_offsets = \[0, 3, 1, 1\] decreases at expert 2 \(3 then 1\); expected rows of padding "
-               r"before each expert, all >= 0 and non-decreasing")
-    with pytest.raises(CheckError, match=message):
-        call(np.array([0, 3, 1, 1], np.int32))
+    for given in (np.array(pad, np.int32), pad):
+        with pytest.raises(CheckError, match=message):
+            call(given)
+    with pytest.raises(CheckError, match=message):   # a NumPy constant under jit is concrete
+        jax.jit(lambda: call(np.array(pad, np.int32)))()
     monkeypatch.setenv("TE_JAX_PERM_CHECKS", "1")
     with pytest.raises(Exception, match=message):
-        jax.block_until_ready(jax.jit(call)(jnp.array([0, 3, 1, 1], jnp.int32)))
+        jax.block_until_ready(jax.jit(call)(jnp.array(pad, jnp.int32)))
+    assert call(np.array([0, 2, 2, 4], np.int32)).shape[1] == 8
