@@ -435,3 +435,11 @@ def test_pad_offsets_that_would_lose_rows_raise(monkeypatch, op, bad):
     with pytest.raises(Exception, match=message):
         jax.block_until_ready(jax.jit(call)(jnp.array(pad, jnp.int32)))
     assert call(np.array([0, 2, 2, 4], np.int32)).shape[1] == 8
+
+
+@pytest.mark.parametrize("devices", [None, [], [1, 2], "cpu"], ids=["none", "empty", "ints", "str"])
+def test_ragged_all_to_all_supported_names_what_it_cannot_probe(devices):
+    from te_jax_perm.parallel.a2a_support import ragged_all_to_all_supported
+    with pytest.raises(TypeError, match=r"ragged_all_to_all_supported: devices is \w+ .*; expected a non-empty "
+                                        r"sequence of jax.Device"):
+        ragged_all_to_all_supported(devices)

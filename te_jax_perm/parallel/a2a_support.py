@@ -19,7 +19,14 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 def ragged_all_to_all_supported(devices: Sequence[jax.Device]) -> bool:
     """True when a ragged all-to-all over ``devices`` compiles and gives the right result."""
-    devices = tuple(devices)
+    given = devices
+    try:
+        devices = tuple(devices)
+    except TypeError:
+        devices = ()
+    if not devices or not all(hasattr(d, "platform") for d in devices):   # jax.Device, or alike
+        raise TypeError(f"ragged_all_to_all_supported: devices is {type(given).__name__} {given!r:.80}; expected "
+                        "a non-empty sequence of jax.Device (e.g. tuple(mesh.devices.flat))")
     key = (devices[0].platform, getattr(devices[0], "device_kind", ""), len(devices))
     # One probe per key, however many threads ask at once; the answer is returned from
     # here, not read back, so a forget_probes() in another thread cannot take it away.
