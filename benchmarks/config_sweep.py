@@ -264,9 +264,8 @@ def sweep_movers(shapes, budget_s: float, calls: int, log, kernels: str = "",
                                   operands, want, calls, deadline=deadline)
             timed = sorted((r for r in first if r.get("us") is not None), key=lambda r: r["us"])
             tried = {r["config_str"] for r in first}
-            declared = {str(c) for c in decl.configs}
-            second = [] if quick else [c for r in timed[:TOP] for c in _restaged(_config(r["config"]))
-                                       if str(c) not in tried and str(c) in declared]
+            second = [] if quick else [c for r in timed[:TOP] for c in _restaged(decl, _config(r["config"]))
+                                       if str(c) not in tried]
             group = first + (_time_configs(call, second, operands, want, calls, deadline=deadline)
                              if second and time.monotonic() < deadline else [])
             entrants = runoff_entrants(group, str(default))
@@ -363,10 +362,10 @@ def default_table(sweeps: list[str]) -> dict:
             for k, v in sorted(best.items())}
 
 
-def _restaged(cfg) -> list:
-    from te_jax_perm.core import Config
-    return [Config.make(num_warps=cfg.num_warps, num_stages=s, **cfg.kw) for s in (1, 2, 3, 4)
-            if s != cfg.num_stages]
+def _restaged(decl, cfg) -> list:
+    """``decl``'s configs of ``cfg``'s tile shape and warp count at its other stage counts."""
+    return [c for c in decl.configs
+            if c.kw == cfg.kw and c.num_warps == cfg.num_warps and c.num_stages != cfg.num_stages]
 
 
 def _forced_jit(fn: Callable, args: tuple, name: str, config) -> Callable:
