@@ -132,14 +132,12 @@ def sweep_candidates(decl, dims, params, stages=None, quick: bool = False) -> li
     configs at those stage counts, or where it declares none of them, the one at the nearest
     stage count (a family declared at fewer stage counts is still timed); ``quick``: only one
     token per program, its whole row or half of it per tile (the shapes every mover default
-    has taken), at each warp count, and the combine backward's map columns as tiles
-    (``K_TILE``) in every width."""
+    has taken), at each warp count."""
     valid = [c for c in decl.configs if not decl.violated(dims, params, c)]
     if quick:
         from te_jax_perm.ops.permute.decl import whole_row
         whole = whole_row(dims)
-        valid = [c for c in valid if c.kw.get("K_TILE")
-                 or (c.kw.get("ROWS") == 1 and c.kw.get("BLOCK_H") in (whole, whole // 2))]
+        valid = [c for c in valid if c.kw.get("ROWS") == 1 and c.kw.get("BLOCK_H") in (whole, whole // 2)]
     if stages is None:
         return valid or [decl.default_config(dims, params)]
     families: dict = {}

@@ -172,33 +172,36 @@ def test_sweep_binds_each_kernel_to_the_operands_its_op_hands_it(case, kernel):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)
 
 
-def test_quick_sweeps_take_whole_and_half_rows_and_the_combine_backwards_entry_tiles():
+def test_quick_sweeps_take_whole_and_half_rows_at_one_stage():
     from benchmarks.config_sweep import sweep_candidates
     from te_jax_perm.ops.permute import decl as D
     dims = {"T": 16384, "H": 7168, "E": 256, "W": 513, "N": 131072, "R": 131072}
-    for decl, tiles in ((D.unpermute_bwd_weighted.decl, 2 * 3 * 2), (D.permute_probs.decl, 0)):
+    for decl in (D.unpermute_bwd_weighted.decl, D.permute_probs.decl):
         quick = sweep_candidates(decl, dims, {"padded": False, "num_out_rows": 131072}, {1}, quick=True)
-        assert {c.kw["BLOCK_H"] for c in quick if not c.kw.get("K_TILE")} == {4096, 8192}
+        assert {c.kw["BLOCK_H"] for c in quick} == {4096, 8192}
         assert all(c.kw["ROWS"] == 1 and c.num_stages == 1 for c in quick)
-        assert sum(bool(c.kw.get("K_TILE")) for c in quick) == tiles   # 2 tile heights x 3 widths x 2 warps
+        assert {c.num_warps for c in quick} == {c.num_warps for c in decl.configs}
 
 
 def test_a_full_sweeps_first_phase_times_every_tile_shape_and_warp_count():
-    """Phase one runs at one stage count; a family declared without it (the combine
-    backward's map-column tiles, 1-2 stages) enters at its nearest, not never."""
+    """Phase one runs at one stage count; a family declared without it (the sorter's, at
+    one stage only) enters at its nearest, not never."""
     from benchmarks.config_sweep import FIRST_STAGES, sweep_candidates
+    from te_jax_perm.ops.chunk_sort import decl as C
     from te_jax_perm.ops.permute import decl as D
-    dims = {"T": 8192, "H": 4096, "E": 128, "W": 257, "N": 65536, "R": 65536}
-    params = {"padded": False, "num_out_rows": 65536}
-    decl = D.unpermute_bwd_weighted.decl
-    valid = [c for c in decl.configs if not decl.violated(dims, params, c)]
-    got = sweep_candidates(decl, dims, params, {FIRST_STAGES})
     family = lambda c: (tuple(sorted(c.kw.items())), c.num_warps)  # noqa: E731
-    assert {family(c) for c in got} == {family(c) for c in valid}
-    assert len(got) == len({family(c) for c in got})
-    tiles = [c for c in got if c.kw.get("K_TILE")]
-    assert tiles and all(c.num_stages == 2 for c in tiles)
-    assert all(c.num_stages == FIRST_STAGES for c in got if not c.kw.get("K_TILE"))
+    for decl, dims, params in (
+            (D.unpermute_bwd_weighted.decl, {"T": 8192, "H": 4096, "E": 128, "W": 257, "N": 65536, "R": 65536},
+             {"padded": False, "num_out_rows": 65536}),
+            (C.sort_chunks.decl, {"N": 65536, "H": 4096}, {})):
+        valid = [c for c in decl.configs if not decl.violated(dims, params, c)]
+        got = sweep_candidates(decl, dims, params, {FIRST_STAGES})
+        assert {family(c) for c in got} == {family(c) for c in valid}
+        assert len(got) == len({family(c) for c in got})
+        declared = {c.num_stages for c in valid}
+        want = FIRST_STAGES if FIRST_STAGES in declared else min(declared, key=lambda s: abs(s - FIRST_STAGES))
+        assert {c.num_stages for c in got} == {want}
+    assert FIRST_STAGES not in {c.num_stages for c in C.sort_chunks.decl.configs}   # the case it covers
 
 
 def test_a_sweep_group_stops_timing_configs_once_its_budget_is_spent():

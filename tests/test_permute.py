@@ -177,13 +177,10 @@ def test_gathers_add_every_entry_of_a_hostile_map(backend, padded, n):
         np.testing.assert_array_equal(outs[3], expected[3])  # copies of gpp
 
 
-# The combine backward's two paths: one map column at a time (a token per program in
-# 16-column steps, the gradient row loaded per column; two tokens a program in one 32-column
-# tile, the row loaded once where the map has two rows per token, at E = 20) and the map's
-# columns as [K_TILE, BLOCK_H] tiles (one tile per token at E = 4, several at E = 20).
-_COMBINE_BWD_CONFIGS = [Config.make(num_warps=2, BLOCK_H=16, ROWS=1), Config.make(num_warps=2, BLOCK_H=32, ROWS=2),
-                        Config.make(num_warps=4, BLOCK_H=16, ROWS=1, K_TILE=4),
-                        Config.make(num_warps=4, BLOCK_H=32, ROWS=1, K_TILE=8)]
+# The combine backward's two ways through a row: a token per program in 16-column steps,
+# the gradient row loaded per column; two tokens a program in one 32-column tile, the row
+# loaded once where the map has two rows per token (at E = 20).
+_COMBINE_BWD_CONFIGS = [Config.make(num_warps=2, BLOCK_H=16, ROWS=1), Config.make(num_warps=2, BLOCK_H=32, ROWS=2)]
 
 
 @pytest.mark.parametrize("cfg", _COMBINE_BWD_CONFIGS, ids=str)

@@ -43,10 +43,6 @@ Performance notes (H100-class, bandwidth bound):
 * The combine backward loads a token's gradient row once for all its rows (``GRAD_ONCE``)
   where one tile holds the row and there are at least two rows per token: 1-2.5% faster
   at top-2 to top-8 on an H100; at top-1 there is nothing to share.
-* The combine backward can also take a token's map columns ``K_TILE`` at a time as one
-  ``[K_TILE, BLOCK_H]`` tile (``_weighted_entry_tiles``): K_TILE forward rows in flight per
-  program instead of one, each gradient slice loaded once for them all, at the cost of a
-  tile's registers. Which path is faster depends on the row width (the configs say which).
 * Gathers of two or more rows per token (``TWO_IN_FLIGHT``, from the row and token counts)
   also request step ``j + 1``'s row before summing step ``j``'s: two row loads in flight
   per program (DBRX's top-4 combine forward 4% faster at the same tile on an H100). With
@@ -275,61 +271,14 @@ def permute_probs_kernel(x_ptr, rid_ptr, pad_ptr, owner_ptr, probs_ptr, T, E, N_
 
 
 @triton.jit
-def _weighted_entry_tiles(g_ptr, rid_ptr, pad_ptr, owner_ptr, w_ptr, y_ptr, E, N_OUT, out_ptr, dw_ptr,
-                          H: tl.constexpr, PADDED: tl.constexpr, BLOCK_H: tl.constexpr,
-                          E_LANES: tl.constexpr, K_TILE: tl.constexpr):
-    """Combine backward of one token (program ``t``, ``t < T``) with K_TILE map columns as one
-    ``[K_TILE, BLOCK_H]`` tile: their K_TILE forward rows are requested at once, each slice
-    of the gradient row is loaded once for all of them, and each dot product is reduced
-    once, after the row. Same writes as the column-at-a-time path: a row by its owner
-    only, a weight's gradient where its entry owns its row (the last such entry of an
-    expert named twice), zeros elsewhere in the token's row of E."""
-    t = tl.program_id(0) + tl.arange(0, 1)
-    t64 = t.to(tl.int64)
-    tm = t >= 0
-    rid_row = rid_ptr + t64 * (2 * E + 1)
-    cnt = tl.minimum(tl.maximum(tl.load(rid_row + 2 * E), 0), E)
-    _zero_token_rows(dw_ptr, t64, tm, E, E_LANES)
-    for j0 in range(0, tl.max(cnt, axis=0), K_TILE):
-        j = j0 + tl.arange(0, K_TILE)
-        dest, e, ok = _dest(rid_row, pad_ptr, j, E, N_OUT, tm & (j < cnt), PADDED)
-        own = _owns(owner_ptr, dest, t64, j, E, ok)
-        w = tl.load(w_ptr + t64 * E + e, mask=own, other=0).to(tl.float32)
-        acc = tl.zeros([K_TILE, BLOCK_H], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            off = h0 + tl.arange(0, BLOCK_H)
-            m = own[:, None] & (off < H)[None, :]
-            g = tl.load(g_ptr + t64 * H + off, mask=off < H, other=0.0).to(tl.float32)[None, :]
-            yv = tl.load(y_ptr + dest[:, None] * H + off[None, :], mask=m, other=0.0)
-            acc += g * yv.to(tl.float32)
-            tl.store(out_ptr + dest[:, None] * H + off[None, :], (g * w[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=m)
-        # Of entries naming one expert, the last that owns its row gives the weight's
-        # gradient (as column by column): in this tile the later lanes' mask out the earlier,
-        # and the barrier orders this tile's stores before a later tile's, whichever threads
-        # hold the lanes.
-        lane = tl.arange(0, K_TILE)
-        later = (e[None, :] == e[:, None]) & own[None, :] & (lane[None, :] > lane[:, None])
-        last = own & (tl.sum(later.to(tl.int32), axis=1) == 0)
-        tl.store(dw_ptr + t64 * E + e, tl.sum(acc, axis=1).to(dw_ptr.dtype.element_ty), mask=last)
-        tl.debug_barrier()
-
-
-@triton.jit
 def unpermute_bwd_weighted_kernel(g_ptr, rid_ptr, pad_ptr, owner_ptr, w_ptr, y_ptr, T, E, N_OUT,
                                   out_prealloc, dw_prealloc, out_ptr, dw_ptr, H: tl.constexpr,
                                   PADDED: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
                                   FILL_ROWS: tl.constexpr, FILL_H: tl.constexpr, E_LANES: tl.constexpr,
-                                  GRAD_ONCE: tl.constexpr, K_TILE: tl.constexpr):
-    # K_TILE > 0 (one token per program, ROWS == 1): map columns as tiles; the programs
-    # after the tokens' zero-fill the rows no entry owns, as in the column-at-a-time path.
-    if K_TILE > 0 and tl.program_id(0) < T:
-        _weighted_entry_tiles(g_ptr, rid_ptr, pad_ptr, owner_ptr, w_ptr, y_ptr, E, N_OUT, out_ptr, dw_ptr,
-                              H, PADDED, BLOCK_H, E_LANES, K_TILE)
-    else:
-        _scatter_body(g_ptr, rid_ptr, pad_ptr, owner_ptr, w_ptr, w_ptr, y_ptr,
-                      T, E, N_OUT, out_ptr, out_ptr, dw_ptr, H,
-                      False, True, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H, E_LANES, GRAD_ONCE)
+                                  GRAD_ONCE: tl.constexpr):
+    _scatter_body(g_ptr, rid_ptr, pad_ptr, owner_ptr, w_ptr, w_ptr, y_ptr,
+                  T, E, N_OUT, out_ptr, out_ptr, dw_ptr, H,
+                  False, True, PADDED, BLOCK_H, ROWS, FILL_ROWS, FILL_H, E_LANES, GRAD_ONCE)
 
 
 @triton.jit

@@ -47,7 +47,5 @@ def not_pow2(name: str, v: int) -> str | None:
 
 def tile_too_large(rows: int, block: int) -> str | None:
     """``None`` when a ``[rows, block]`` register tile fits in ``MAX_TILE`` elements, else why not."""
-    # Named by its sides, not by config keys: the movers' ROWS x BLOCK_H tiles and the combine
-    # backward's K_TILE x BLOCK_H ones share the bound.
     return (f"a [{rows}, {block}] register tile ({rows * block} elements) exceeds {MAX_TILE}"
             if rows * block > MAX_TILE else None)

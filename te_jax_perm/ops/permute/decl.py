@@ -46,12 +46,6 @@ def _default_config(dims, params) -> Config:
 _CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BLOCK_H=bh, ROWS=r)
                  for bh in (64, 128, 256, 512, 1024, 2048, 4096, 8192) for r in (1, 2, 4)
                  for w in (1, 2, 4, 8) for s in (1, 2, 3, 4) if r * bh <= MAX_TILE and 16 * w <= r * bh)
-# The combine backward also takes a token's map columns K_TILE at a time as one tile
-# (``K_TILE`` absent: one column at a time). On an H200 at top-8, 1024 columns of 8 entries
-# on 4 warps took 0.98x the column path's time at H = 4096 and 7168, but 1.08x at H = 2880
-# and up to 1.27x at H = 2048: a choice per shape, for the table and the tuner.
-_ENTRY_TILE_CONFIGS = tuple(Config.make(num_warps=w, num_stages=s, BLOCK_H=bh, ROWS=1, K_TILE=kt)
-                            for kt in (4, 8) for bh in (512, 1024, 2048) for w in (4, 8) for s in (1, 2))
 
 
 def _block_h_ok(dims, params, config) -> str | None:
@@ -74,20 +68,8 @@ def _rows_ok(dims, params, config) -> str | None:
     return None
 
 
-def _k_tile_ok(dims, params, config) -> str | None:
-    # The combine backward's map columns as tiles (K_TILE > 0) hold one token per program.
-    kt = config.kw.get("K_TILE", 0)
-    if kt == 0:
-        return None
-    if why := not_pow2("K_TILE", kt):
-        return why
-    if config.kw["ROWS"] != 1:
-        return f"K_TILE={kt} takes one token per program; got ROWS={config.kw['ROWS']}"
-    return tile_too_large(kt, config.kw["BLOCK_H"])
-
-
 # Every mover's constraints: what its declaration checks, and what a table entry must meet.
-_CONSTRAINTS = (_block_h_ok, _rows_ok, _k_tile_ok)
+_CONSTRAINTS = (_block_h_ok, _rows_ok)
 
 
 def _map_check(dims, params) -> None:
@@ -258,7 +240,6 @@ def _scatter_constexprs(prob_grads: bool):
             # tile holds the row and there are rows to share it (at top-1 holding it only
             # costs registers).
             out["GRAD_ONCE"] = config.kw["BLOCK_H"] >= dims["H"] and several_rows_per_token(dims)
-            out["K_TILE"] = config.kw.get("K_TILE", 0)
         return out
     return constexprs
 
@@ -347,7 +328,7 @@ unpermute_bwd_weighted = declare(KernelDecl(
     example_inputs=_unpermute_bwd_weighted_example,
     # One program per ROWS tokens walks the whole row (no column slices).
     **_common(default_config=_tabled("unpermute_bwd_weighted", _weighted_scatter_default_config, _token_programs),
-              params_check=_scatter_check, configs=_CONFIGS + _ENTRY_TILE_CONFIGS)))
+              params_check=_scatter_check, configs=_CONFIGS)))
 
 
 def several_rows_per_token(dims) -> bool:
