@@ -197,7 +197,9 @@ _PAD = Operand("pad_offsets", ("E",), ("int32",))
 # combine forward's, all built from the same map): taken as given. A table of another map
 # keeps every access inside the buffers but can leave a row to an entry that does not
 # address it, so neither that entry nor the zero fill writes it; checking each row's owner
-# against the map would add dependent map loads to every zero-fill program.
+# against the map adds dependent map loads to every zero-fill program (on an H200 the
+# dispatch forward took up to 1.4x its time at 1024 tokens, 1.7x padded), and the ops
+# always pass their map's own table.
 _OWNER = Operand("owner", ("R",), ("int32",))
 # Probabilities in bf16, fp16 or fp32: loaded in their dtype, combined in fp32.
 PROB_DTYPES = ("bfloat16", "float16", "float32")
