@@ -94,11 +94,11 @@ def assert_trees_equal(got, want, what):
 
 def test_concurrent_first_calls_of_different_ops_match_the_xla_backend():
     # Every op on both backends, eagerly and under jit, each call a first lowering of its
-    # own: the xla backend's each in a thread of its own, the interpreter's one after the
-    # other in one more thread, beside them. Triton's interpreter parses a kernel's source
-    # at its first launch, and CPython's parser is not safe for threads parsing at once
-    # (Python 3.11 raised "SystemError: AST constructor recursion depth mismatch" about once
-    # in ten runs with the interpreter's first launches in several threads).
+    # own and each in a thread of its own. Triton parses a kernel's source at the kernel's
+    # first hash (its tuning key) and the interpreter at its first launch, and CPython
+    # 3.11's parser is not safe for threads parsing at once ("SystemError: AST constructor
+    # recursion depth mismatch", about once in ten runs of this test when the key's parse
+    # was not under the interpreter's lock).
     jobs = [(name, op, backend, jitted) for name, op in OPS.items() for backend in ("xla", "interpret")
             for jitted in (False, True)]
 
@@ -106,11 +106,8 @@ def test_concurrent_first_calls_of_different_ops_match_the_xla_backend():
         f = jax.jit(lambda x: op(backend, x)) if jitted else (lambda x: op(backend, x))
         return as_numpy(f(jnp.asarray(X)))
 
-    xla = [j for j in jobs if j[2] == "xla"]
-    interpreted = [j for j in jobs if j[2] == "interpret"]
-    got = run_threads([lambda _barrier, j=j: [run_one(*j)] for j in xla]
-                      + [lambda _barrier: [run_one(*j) for j in interpreted]])
-    for (name, op, backend, jitted), g in zip(xla + interpreted, [r for rs in got for r in rs]):
+    got = run_threads([lambda _barrier, j=j: run_one(*j) for j in jobs])
+    for (name, op, backend, jitted), g in zip(jobs, got):
         with jax.default_device(CPU):   # where the threads ran: a GPU would multiply float32 in TF32
             want = as_numpy(op("xla"))
         assert_trees_equal(g, want, f"{name} on {backend} ({'jit' if jitted else 'eager'})")

@@ -39,12 +39,21 @@ from absl import logging
 
 from te_jax_perm.core import backends, env
 from te_jax_perm.core.declaration import Config, KernelDecl
+from te_jax_perm.core.interpret_backend import source_lock
 from te_jax_perm.core.launch import Call
 
 
 # -- the key -----------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
 def _source_hash(kernel: Any) -> str:
+    # Triton parses a kernel's source (and its callees') the first time the kernel is hashed,
+    # here by the cache below: under the lock the interpreter's launches parse under, as
+    # lowerings in several threads would otherwise parse at once (see ``source_lock``).
+    with source_lock:
+        return _hashed_source(kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _hashed_source(kernel: Any) -> str:
     # Every lowering of a tunable kernel computes its key: read the source once. Triton's
     # own cache key hashes the source of every jitted function the kernel calls too, so a
     # change to a shared body (not only to the wrapper) invalidates tuned entries.

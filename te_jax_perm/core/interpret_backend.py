@@ -53,7 +53,10 @@ class HostPointer:
 
 # Triton's interpreter keeps the grid position in one global builder, and XLA's CPU runtime
 # may run independent custom calls on different threads: launches must not interleave.
-_launch_lock = threading.RLock()
+# A launch also parses kernel sources (its first one of a kernel), and CPython 3.11's parser
+# fails ("AST constructor recursion depth mismatch") when threads parse at once: whatever
+# else parses a kernel's source (Triton's cache key, on a kernel's first hash) holds it too.
+source_lock = threading.RLock()
 
 
 def launch_interpreted(kernel: Any, grid3: tuple[int, int, int], args: Mapping[str, Any],
@@ -64,7 +67,7 @@ def launch_interpreted(kernel: Any, grid3: tuple[int, int, int], args: Mapping[s
     parameter names to :class:`HostPointer` or Python scalars."""
     from triton.runtime import interpreter as interp  # lazy: keep import cost off xla-only use
 
-    with _launch_lock:   # also around the set-up: two threads' first launches would both patch
+    with source_lock:   # also around the set-up: two threads' first launches would both patch
         install_numerics()   # the GPU's rounding, not the interpreter's
         _skip_dropped_overflow_checks(interp)
         observers = hooks.launch_observers()
