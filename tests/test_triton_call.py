@@ -263,3 +263,37 @@ def test_kernels_compile_without_line_info_unless_the_user_asks(monkeypatch, tmp
     monkeypatch.setenv("TRITON_DISABLE_LINE_INFO", "0")
     with_lines = spec.compile(("cuda", 90, 32)).asm["ptx"]
     assert ".loc" in with_lines and len(with_lines) > 2 * len(bare)
+
+
+def test_compiles_parse_kernel_sources_under_the_source_lock(monkeypatch, tmp_path):
+    """CPython 3.11's parser fails when threads parse at once, and lowerings in several
+    threads compile at once: the compile cache's first hash of a kernel and Triton's code
+    generator parse kernel sources, so they parse under the lock the interpreter's launches
+    and the tuning key's hash parse under."""
+    import threading
+
+    from triton.runtime.jit import JITFunction
+
+    from te_jax_perm.core.interpret_backend import source_lock
+    from te_jax_perm.core.launch import bind_call, configure
+
+    def held_here():
+        # Held by this thread exactly when another thread cannot take it (nothing else runs).
+        took = []
+
+        def probe():
+            took.append(source_lock.acquire(blocking=False))
+            if took[0]:
+                source_lock.release()
+        t = threading.Thread(target=probe)
+        t.start()
+        t.join()
+        return not took[0]
+
+    held, parse = [], JITFunction.parse
+    monkeypatch.setattr(JITFunction, "parse", lambda self: held.append(held_here()) or parse(self))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))   # a compile, not a hit in Triton's cache
+    triton_backend.compile_cached.cache_clear()                # nor in ours
+    call = bind_call(gather_rows.decl, [jnp.ones((7, 40), jnp.float32), jnp.zeros((5,), jnp.int32)], {}, "triton")
+    triton_backend.compiled_for(configure(call, gather_rows.decl.default_config(call.dims, call.params)), 90)
+    assert held and all(held), held

@@ -55,7 +55,8 @@ class HostPointer:
 # may run independent custom calls on different threads: launches must not interleave.
 # A launch also parses kernel sources (its first one of a kernel), and CPython 3.11's parser
 # fails ("AST constructor recursion depth mismatch") when threads parse at once: whatever
-# else parses a kernel's source (Triton's cache key, on a kernel's first hash) holds it too.
+# else parses a kernel's source (Triton's cache key, on a kernel's first hash; Triton's
+# compiler) holds it too.
 source_lock = threading.RLock()
 
 

@@ -26,6 +26,7 @@ from packaging.version import Version
 from te_jax_perm.core import env
 from te_jax_perm.core.aliasing import preallocate
 from te_jax_perm.core.backends import BackendUnavailableError
+from te_jax_perm.core.interpret_backend import source_lock
 from te_jax_perm.core.kernel_args import SCALAR, kernel_arguments, scalar_type, signature
 from te_jax_perm.core.launch import Launch
 
@@ -157,7 +158,11 @@ def launch_spec(launch: Launch) -> CompileSpec:
 def compiled_for(launch: Launch, compute_capability: int) -> CompiledKernel:
     """The compiled kernel of ``launch`` for a CUDA device of ``compute_capability`` (e.g.
     90), compiled once per (kernel, signature, constexprs, warps, stages, device)."""
-    return compile_cached(launch_spec(launch), int(compute_capability))
+    # The cache's first hash of a kernel parses its source, and so does every compile
+    # (Triton's code generator): under ``source_lock``, as lowerings in several threads would
+    # otherwise parse at once.
+    with source_lock:
+        return compile_cached(launch_spec(launch), int(compute_capability))
 
 
 @functools.lru_cache(maxsize=1024)
