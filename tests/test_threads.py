@@ -5,7 +5,7 @@ Each test starts its threads together (a ``threading.Barrier``) so that first ca
 single-threaded ones, that no exception escapes a thread, and that one thread's scopes
 (``use_backend``, ``autotuning``, ``sanitize``) do not change what another thread does.
 Shapes are small: the interpreter runs one program at a time, and launches from all
-threads take turns (its launch lock).
+threads take turns (``source_lock``).
 """
 import collections
 import json

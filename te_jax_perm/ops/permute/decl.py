@@ -330,7 +330,7 @@ unpermute_bwd_weighted = declare(KernelDecl(
     example_inputs=_unpermute_bwd_weighted_example,
     # One program per ROWS tokens walks the whole row (no column slices).
     **_common(default_config=_tabled("unpermute_bwd_weighted", _weighted_scatter_default_config, _token_programs),
-              params_check=_scatter_check, configs=_CONFIGS)))
+              params_check=_scatter_check)))
 
 
 def several_rows_per_token(dims) -> bool:
