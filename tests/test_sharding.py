@@ -392,3 +392,69 @@ def test_tokens_split_along_an_automatic_axis_of_a_partly_manual_shard_map_raise
     both = NamedSharding(mesh, P(("d0", "d1")))
     with pytest.raises(ValueError, match=r"^moe_ffn: its tokens \(16\) .* partly manual shard_map"):
         f(*(jax.device_put(v, both) for v in (x, rm, probs)))
+
+
+def _dispatch_combine_layer(x, rm, p):
+    """Dispatch with probs, scale the rows, combine: every output of both ops returned."""
+    import te_jax_perm
+    rows, pp, rid, pad, tpe = te_jax_perm.token_dispatch(x, rm, x.shape[0] * 2, probs=p, backend="xla")
+    return te_jax_perm.token_combine(rows * pp[:, None], rid, merging_probs=p, backend="xla"), rows, pp, rid, tpe
+
+
+@multidevice
+@pytest.mark.parametrize("batch_axis", [None, "b"], ids=["batch_replicated", "batch_sharded"])
+def test_vmapped_token_sharded_dispatch_combine_runs_each_shard_locally(partitioner, batch_axis):
+    """vmap over micro-batches whose tokens are sharded: each item is dispatched per token
+    shard exactly as the unbatched call is (same rows, same counts), with the unbatched
+    call's collectives only; the batch axis stays split where it arrives split."""
+    b, t, e, h = 2, 32, 4, 8
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("b", "d"))
+    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
+    rm = jnp.asarray(np.stack([top_k_map(rng.standard_normal((t, e)), 2) for _ in range(b)]))
+    probs = jnp.asarray(rng.random((b, t, e)), jnp.float32) * rm
+    f = jax.vmap(_dispatch_combine_layer)
+    loss = lambda x, p, rm: jnp.sum(f(x, rm, p)[0] * jnp.arange(h, dtype=jnp.float32))  # noqa: E731
+    args = (put(x, batch_axis, "d"), put(rm, batch_axis, "d"), put(probs, batch_axis, "d"))
+    fwd = _compiled(f, *args)
+    got = fwd(*args)
+    item_args = [(put(x[i], "d"), put(rm[i], "d"), put(probs[i], "d")) for i in range(b)]
+    per_item = [jax.jit(_dispatch_combine_layer)(*a) for a in item_args]
+    for j, out in enumerate(got):
+        np.testing.assert_array_equal(np.asarray(out), np.stack([np.asarray(r[j]) for r in per_item]))
+    assert got[0].sharding.spec[:2] == (batch_axis, "d")
+    # The round trip does not depend on the rows' layout: it equals the unsharded run.
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(jax.jit(f)(x, rm, probs)[0]), rtol=1e-6, atol=1e-6)
+    bwd = _compiled(jax.grad(loss, argnums=(0, 1)), args[0], args[2], args[1])
+    for g, want in zip(bwd(args[0], args[2], args[1]), jax.jit(jax.grad(loss, argnums=(0, 1)))(x, probs, rm)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-6, atol=1e-6)
+    # As unbatched: only tokens_per_expert, counted over every shard, is all-reduced.
+    assert collectives_in(fwd) == ["all-reduce"] == collectives(_dispatch_combine_layer, *item_args[0])
+    assert collectives_in(bwd) == []
+
+
+@multidevice
+def test_vmapped_token_sharded_moe_ffn_sums_only_weight_gradients(partitioner):
+    """moe_ffn vmapped over micro-batches with tokens sharded, shared weights and weights
+    per item: forward shard-local, backward summing only the weights' gradients, results
+    and gradients those of the unsharded run (nothing is dropped)."""
+    import te_jax_perm
+    b, t, e, h, f, k = 2, 32, 4, 8, 6, 2
+    items = [_moe_problem(t, e, h, f, k, seed=10 + i) for i in range(b)]
+    x, rm, probs, w_in, w_out, dy = (jnp.stack(a) for a in zip(*items))
+    layer = lambda x, rm, p, wi, wo: te_jax_perm.moe_ffn(x, rm, p, wi, wo, t * k, backend="xla")  # noqa: E731
+    for w_axis in (None, 0):   # weights shared by the items, then one set per item
+        fn = jax.vmap(layer, in_axes=(0, 0, 0, w_axis, w_axis))
+        wi, wo = (w_in[0], w_out[0]) if w_axis is None else (w_in, w_out)
+        grad = jax.grad(lambda x, p, wi, wo, rm, dy: jnp.sum(fn(x, rm, p, wi, wo) * dy), argnums=(0, 1, 2, 3))
+        args = (_put(x, None, "d"), _put(probs, None, "d"), _put(wi), _put(wo), _put(rm, None, "d"),
+                _put(dy, None, "d"))
+        fwd = _compiled(fn, args[0], args[4], args[1], args[2], args[3])
+        np.testing.assert_allclose(np.asarray(fwd(args[0], args[4], args[1], args[2], args[3])),
+                                   np.asarray(jax.jit(fn)(x, rm, probs, wi, wo)), rtol=1e-5, atol=1e-5)
+        bwd = _compiled(grad, *args)
+        for g, want in zip(bwd(*args), jax.jit(grad)(x, probs, wi, wo, rm, dy)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5)
+        assert collectives_in(fwd) == []
+        assert collectives_in(bwd) == ["all-reduce"]

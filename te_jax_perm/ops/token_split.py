@@ -25,13 +25,15 @@ Mechanics: :func:`jax.experimental.custom_partitioning` with a Shardy rule in wh
 and ``R`` share one factor (of size ``gcd(T, R)``), so propagation shards ``R`` exactly
 like ``T``; the per-shard function reads its shard's size off its operands. With one
 device, or inside a fully manual ``shard_map``, the call is the per-shard function on the whole operands. Under
-``vmap`` the batch is mapped over that function (its kernels keep the batch axis
-local). The ``interpret`` backend runs kernels in host callbacks, which cannot live in a
-partitioned module (a JAX limitation), so with it a multi-device program computes the
-unsharded (global) result instead.
+``vmap`` the call is partitioned the same way with the batch as one more leading axis,
+local as ``H`` is, and the per-shard function maps over its shard's batch items: each item
+runs per token shard as an unbatched call does. The ``interpret`` backend runs kernels in
+host callbacks, which cannot live in a partitioned module (a JAX limitation), so with it a
+multi-device program computes the unsharded (global) result instead.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Callable, Mapping, Sequence
 
@@ -115,13 +117,13 @@ def _scatter_plan(mesh, operand, tokens) -> tuple[tuple[int, Any], ...]:
     return tuple(plan)
 
 
-def _out_shardings(mesh, out_axes: Sequence[Axes], tokens, hidden,
+def _out_shardings(mesh, out_axes: Sequence[Axes], tokens, local: dict[str, Any],
                    plans: dict[int, tuple[tuple[int, Any], ...]]) -> list[NamedSharding]:
     """The outputs' shardings: :func:`_shardings`, each reduce-scattered output split as its
-    plan says."""
-    out = _shardings(mesh, out_axes, tokens, hidden)
+    plan says (and along its vmapped batch axes as they are, which the sum does not cross)."""
+    out = _shardings(mesh, out_axes, tokens, local)
     for i, plan in plans.items():
-        spec = [None] * len(out_axes[i])
+        spec = [local.get(n) if n != LOCAL else None for n in out_axes[i]]
         for d, ax in plan:
             spec[d] = ax
         out[i] = NamedSharding(mesh, PartitionSpec(*spec))
@@ -138,12 +140,27 @@ def _sum_over_tokens(x: jax.Array, tokens, plan: tuple[tuple[int, Any], ...]) ->
     return jax.lax.psum(x, rest) if rest else x
 
 
-def _shardings(mesh, axes_list: Sequence[Axes], tokens, hidden) -> list[NamedSharding]:
-    pick = lambda n: tokens if n in SPLIT else (hidden if n == LOCAL else None)  # noqa: E731
+def _shardings(mesh, axes_list: Sequence[Axes], tokens, local: dict[str, Any]) -> list[NamedSharding]:
+    pick = lambda n: tokens if n in SPLIT else local.get(n)  # noqa: E731
     return [NamedSharding(mesh, PartitionSpec(*(pick(n) for n in axes))) for axes in axes_list]
 
 
-def _rule(arg_axes: Sequence[Axes], out_axes: Sequence[Axes], sizes: dict[str, int]) -> SdyShardingRule:
+def _local_splits(mesh, arg_shapes, arg_axes: Sequence[Axes], local_names: Sequence[str], tokens) -> dict[str, Any]:
+    """The mesh axes along which each local axis (``H``, vmapped batch axes) is sliced: the
+    first operand's split of it, where that split shares no mesh axis with the tokens' or an
+    earlier local axis's (one mesh axis cannot split two dimensions of one array); the
+    others are gathered."""
+    taken, chosen = set(_axis_names(tokens)), {}
+    for n in local_names:
+        ax = _split(mesh, arg_shapes, arg_axes, {n})[0]
+        if ax is not None and not set(_axis_names(ax)) & taken:
+            chosen[n] = ax
+            taken |= set(_axis_names(ax))
+    return chosen
+
+
+def _rule(arg_axes: Sequence[Axes], out_axes: Sequence[Axes], sizes: dict[str, int],
+          local_names: Sequence[str]) -> SdyShardingRule:
     """T and R as compounds (s, tx) and (s, rx) of one shared factor s = gcd(T, R)."""
     g = math.gcd(*(sizes[n] for n in SPLIT if n in sizes))
     # A split dim is s itself when g is all of it, else the compound (s, rest); Shardy
@@ -166,7 +183,7 @@ def _rule(arg_axes: Sequence[Axes], out_axes: Sequence[Axes], sizes: dict[str, i
 
     ops = tuple(tuple(dim(n) for n in axes) for axes in arg_axes)
     outs = tuple(tuple(dim(n) for n in axes) for axes in out_axes)
-    keep = {"s", "tok", names.get(LOCAL)}
+    keep = {"s", "tok"} | {names.get(n) for n in local_names}
     # Shardy wants special factors listed in order of first appearance.
     seen: list[str] = []
     for d in (d for mapping in ops + outs for d in mapping):
@@ -215,7 +232,8 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array | Non
 
     results = _split_arrays(name, present, [args[i] for i in given], [arg_axes[i] for i in given],
                             [out_axes[i] for i in made], [outs[i] for i in made], backend,
-                            {made.index(i): None if j is None else given.index(j) for i, j in summed.items()})
+                            {made.index(i): None if j is None else given.index(j) for i, j in summed.items()},
+                            (LOCAL,))
     return tuple(_placed(len(outs), made, results))
 
 
@@ -229,9 +247,10 @@ def _placed(n: int, positions: Sequence[int], values: Sequence[Any]) -> list[Any
 
 def _split_arrays(name: str, local: Callable, args: Sequence[jax.Array], arg_axes: Sequence[Axes],
                   out_axes: Sequence[Axes], outs: Sequence[jax.ShapeDtypeStruct], backend: str,
-                  summed: dict[int, int | None]) -> tuple[jax.Array, ...]:
+                  summed: dict[int, int | None], local_names: Sequence[str]) -> tuple[jax.Array, ...]:
     """:func:`split_over_tokens` once every operand and output is an array; ``outs`` are
-    ``local``'s output shapes."""
+    ``local``'s output shapes, ``local_names`` the axes sliced along whatever shards them
+    (``H`` and, under ``vmap``, the batch axes)."""
     sizes = {n: d for axes, a in zip(arg_axes, args) for n, d in zip(axes, a.shape)}
     sizes.update({n: d for axes, o in zip(out_axes, outs) for n, d in zip(axes, o.shape)})
     if backend == "interpret" or any(sizes.get(n, 1) == 0 for n in SPLIT):
@@ -245,13 +264,13 @@ def _split_arrays(name: str, local: Callable, args: Sequence[jax.Array], arg_axe
 
     def infer(mesh, arg_shapes, result_shape):
         tokens = _split(mesh, arg_shapes, arg_axes, SPLIT)[0]
-        hidden = _split(mesh, arg_shapes, arg_axes, {LOCAL})[0]
-        return tuple(_out_shardings(mesh, out_axes, tokens, hidden, plans(mesh, arg_shapes, tokens)))
+        local_axes = _local_splits(mesh, arg_shapes, arg_axes, local_names, tokens)
+        return tuple(_out_shardings(mesh, out_axes, tokens, local_axes, plans(mesh, arg_shapes, tokens)))
 
     def partition(mesh, arg_shapes, result_shape):
         tokens, shards = _split(mesh, arg_shapes, arg_axes, SPLIT)
         # H split along part of a mesh axis: gathered (every row mover also runs on whole rows).
-        hidden = _split(mesh, arg_shapes, arg_axes, {LOCAL})[0]
+        local_axes = _local_splits(mesh, arg_shapes, arg_axes, local_names, tokens)
         # Raised through errors.keep: XLA runs this callback, and would otherwise hand the
         # error on only as text inside its own runtime error.
         where = f"of mesh axes {tokens}" if tokens is not None else "(split along part of a mesh axis)"
@@ -274,8 +293,8 @@ def _split_arrays(name: str, local: Callable, args: Sequence[jax.Array], arg_axe
             for i in summed if tokens is not None else ():
                 outs[i] = _sum_over_tokens(outs[i], tokens, scatter.get(i, ()))
             return tuple(outs)
-        return (mesh, run, tuple(_out_shardings(mesh, out_axes, tokens, hidden, scatter)),
-                tuple(_shardings(mesh, arg_axes, tokens, hidden)))
+        return (mesh, run, tuple(_out_shardings(mesh, out_axes, tokens, local_axes, scatter)),
+                tuple(_shardings(mesh, arg_axes, tokens, local_axes)))
 
     partitioned = custom_partitioning(lambda *xs: tuple(local(*xs)))
     # decode_shardings=False: the callbacks read the operands' shardings themselves
@@ -283,15 +302,24 @@ def _split_arrays(name: str, local: Callable, args: Sequence[jax.Array], arg_axe
     # instead of failing in JAX's decoding of the result shardings.
     partitioned.def_partition(partition, infer_sharding_from_operands=infer,
                               propagate_user_sharding=lambda mesh, user_shape: tuple(u.sharding for u in user_shape),
-                              sharding_rule=_rule(arg_axes, out_axes, sizes), decode_shardings=False)
+                              sharding_rule=_rule(arg_axes, out_axes, sizes, local_names), decode_shardings=False)
 
     batched = custom_vmap(lambda *xs: partitioned(*xs))
 
     @batched.def_vmap
     def _vmap(axis_size, in_batched, *xs):
-        # Each batch element is an independent unsharded call.
-        out = jax.vmap(local, in_axes=tuple(0 if b else None for b in in_batched))(*xs)
-        return tuple(out), tuple(True for _ in out)
+        # The same split with the batch as a leading local axis, each shard mapping `local`
+        # over its batch items: mapped outside the partitioned call instead, the items'
+        # calls would be partitioned by their kernels' rules, which gather the tokens.
+        batch = next(f"vmap{i}" for i in itertools.count() if f"vmap{i}" not in local_names)
+        mapped = jax.vmap(local, in_axes=tuple(0 if b else None for b in in_batched))
+        # A summed output follows its operand's split only where that operand is batched
+        # too (of the output's shape); else it is all-reduced over the token shards.
+        return tuple(_split_arrays(
+            name, mapped, xs, [(batch,) * b + tuple(a) for a, b in zip(arg_axes, in_batched)],
+            [(batch,) + tuple(o) for o in out_axes], jax.eval_shape(mapped, *xs), backend,
+            {i: j if j is not None and in_batched[j] else None for i, j in summed.items()},
+            (batch,) + tuple(local_names))), (True,) * len(outs)
 
     # custom_partitioning and custom_vmap drop the operands' varying axes inside jax.shard_map.
     return first_order(name, lambda *xs: vary_like(batched(*xs), xs))(*args)
