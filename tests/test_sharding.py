@@ -458,3 +458,27 @@ def test_vmapped_token_sharded_moe_ffn_sums_only_weight_gradients(partitioner):
             np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5)
         assert collectives_in(fwd) == []
         assert collectives_in(bwd) == ["all-reduce"]
+
+
+@multidevice
+def test_vmapped_moe_ffn_reduce_scatters_gradients_of_shared_fsdp_weights(partitioner):
+    """moe_ffn vmapped over micro-batches that share weights split by the token axis (FSDP):
+    each item's weight gradient is reduce-scattered as the unbatched layer's is, not
+    all-reduced whole; the gradients equal the unsharded run's and come out split like the
+    weights."""
+    import te_jax_perm
+    b, t, e, h, f, k = 2, 16, 8, 8, 6, 2
+    items = [_moe_problem(t, e, h, f, k, seed=20 + i) for i in range(b)]
+    x, rm, probs, _, _, dy = (jnp.stack(a) for a in zip(*items))
+    w_in, w_out = items[0][3], items[0][4]
+    fn = jax.vmap(lambda x, rm, p, wi, wo: te_jax_perm.moe_ffn(x, rm, p, wi, wo, t * k, backend="xla"),
+                  in_axes=(0, 0, 0, None, None))
+    grad = jax.grad(lambda x, p, wi, wo, rm, dy: jnp.sum(fn(x, rm, p, wi, wo) * dy), argnums=(0, 1, 2, 3))
+    args = (_put(x, None, "d"), _put(probs, None, "d"), _put(w_in, "d"), _put(w_out, "d"), _put(rm, None, "d"),
+            _put(dy, None, "d"))
+    bwd = _compiled(grad, *args)
+    got = bwd(*args)
+    for g, want in zip(got, jax.jit(grad)(x, probs, w_in, w_out, rm, dy)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert [g.sharding.spec[0] for g in got[2:]] == ["d", "d"]
+    assert collectives_in(bwd) == ["all-gather", "reduce-scatter"]

@@ -208,8 +208,8 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array | Non
     ones): it reads the shard's size off them; ``arg_axes``/``out_axes`` name each
     operand's and output's axes. The outputs at the positions ``summed`` maps are per-shard
     partial sums (without a token axis): the result holds their sum over the shards. Each
-    maps to the position of the operand of its shape whose split the sum takes (a weight
-    gradient to its weight; see the module docstring), or to ``None``.
+    maps to the position of the operand of its shape and axis names whose split the sum
+    takes (a weight gradient to its weight; see the module docstring), or to ``None``.
 
     An operand may be ``None`` (an optional one not given): ``local`` gets ``None`` in its
     place, and an output it returns as ``None`` is ``None`` in the result. Both are left out
@@ -220,9 +220,10 @@ def split_over_tokens(name: str, local: Callable, args: Sequence[jax.Array | Non
     summed = dict(summed or {})
     outs = jax.eval_shape(local, *args)
     for i, j in summed.items():
-        if j is not None and outs[i].shape != args[j].shape:
-            raise ValueError(f"{name}: summed output {i} has shape {outs[i].shape}; expected operand {j}'s "
-                             f"{args[j].shape}, whose split its sum takes")
+        if j is not None and (outs[i].shape, tuple(out_axes[i])) != (args[j].shape, tuple(arg_axes[j])):
+            raise ValueError(f"{name}: summed output {i} has shape {outs[i].shape} and axes {tuple(out_axes[i])}; "
+                             f"expected operand {j}'s {args[j].shape} and {tuple(arg_axes[j])}, whose split its "
+                             "sum takes")
     given = [i for i, a in enumerate(args) if a is not None]
     made = [i for i, o in enumerate(outs) if o is not None]
 
@@ -259,7 +260,13 @@ def _split_arrays(name: str, local: Callable, args: Sequence[jax.Array], arg_axe
     def plans(mesh, arg_shapes, tokens) -> dict[int, tuple[tuple[int, Any], ...]]:
         if tokens is None:
             return {}
-        found = {i: _scatter_plan(mesh, arg_shapes[j], tokens) for i, j in summed.items() if j is not None}
+        found = {}
+        for i, j in summed.items():
+            if j is not None:
+                # Under vmap the output has the batch axes that an unbatched operand (a weight
+                # shared by the items) lacks: each of the operand's dimensions where the output has it.
+                at = [out_axes[i].index(n) for n in arg_axes[j]]
+                found[i] = tuple((at[d], ax) for d, ax in _scatter_plan(mesh, arg_shapes[j], tokens))
         return {i: p for i, p in found.items() if p}
 
     def infer(mesh, arg_shapes, result_shape):
@@ -313,12 +320,11 @@ def _split_arrays(name: str, local: Callable, args: Sequence[jax.Array], arg_axe
         # calls would be partitioned by their kernels' rules, which gather the tokens.
         batch = next(f"vmap{i}" for i in itertools.count() if f"vmap{i}" not in local_names)
         mapped = jax.vmap(local, in_axes=tuple(0 if b else None for b in in_batched))
-        # A summed output follows its operand's split only where that operand is batched
-        # too (of the output's shape); else it is all-reduced over the token shards.
+        # A summed output keeps following its operand's split, batched or not: each item's
+        # sum is reduce-scattered along the operand's dimensions, the batch axis as it is.
         return tuple(_split_arrays(
             name, mapped, xs, [(batch,) * b + tuple(a) for a, b in zip(arg_axes, in_batched)],
-            [(batch,) + tuple(o) for o in out_axes], jax.eval_shape(mapped, *xs), backend,
-            {i: j if j is not None and in_batched[j] else None for i, j in summed.items()},
+            [(batch,) + tuple(o) for o in out_axes], jax.eval_shape(mapped, *xs), backend, summed,
             (batch,) + tuple(local_names))), (True,) * len(outs)
 
     # custom_partitioning and custom_vmap drop the operands' varying axes inside jax.shard_map.
