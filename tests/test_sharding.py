@@ -381,10 +381,10 @@ def test_token_sharded_moe_ffn_names_an_indivisible_token_count(partitioner):
 def test_tokens_split_along_an_automatic_axis_of_a_partly_manual_shard_map_raise_our_error(partitioner):
     """Inside a shard_map manual over "d0" only, tokens split along the automatic "d1" too:
     our error naming the op and what to do (was a KeyError inside JAX's sharding parser).
-    Shardy only: under GSPMD propagation XLA aborts the process on this program."""
+    Shardy only: GSPMD runs the ops unpartitioned there (the test below)."""
     import te_jax_perm
     if not partitioner:
-        pytest.skip("XLA aborts the process under GSPMD here")
+        pytest.skip("GSPMD gathers the tokens along the automatic axis here: the test below")
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("d0", "d1"))
     x, rm, probs, w_in, w_out, _ = _moe_problem(64, 4, 8, 6, 2)
     f = jax.jit(jax.shard_map(lambda x, rm, p: te_jax_perm.moe_ffn(x, rm, p, w_in, w_out, 32, backend="xla"),
@@ -392,6 +392,46 @@ def test_tokens_split_along_an_automatic_axis_of_a_partly_manual_shard_map_raise
     both = NamedSharding(mesh, P(("d0", "d1")))
     with pytest.raises(ValueError, match=r"^moe_ffn: its tokens \(16\) .* partly manual shard_map"):
         f(*(jax.device_put(v, both) for v in (x, rm, probs)))
+
+
+@multidevice
+@pytest.mark.parametrize("partitioner", [False], ids=["gspmd"], indirect=True)
+@pytest.mark.parametrize("split", [("d0",), (("d0", "d1"),)], ids=["tokens_on_the_manual_axis", "tokens_on_both"])
+def test_gspmd_partly_manual_shard_map_runs_each_manual_shard_unpartitioned(partitioner, split):
+    """Under GSPMD, inside a shard_map manual over "d0" only, JAX's custom_partitioning aborts
+    the process (its callbacks cannot read manual subgroups), so the ops run there without it:
+    each d0 shard's dispatch, combine, chunk sort, grouped GEMM and moe_ffn, forward and
+    gradients, equal the same calls on that shard's tokens alone (tokens split along the
+    automatic d1 too are gathered along it)."""
+    import te_jax_perm
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("d0", "d1"))
+    x, rm, probs, w_in, w_out, dy = _moe_problem(64, 4, 8, 6, 2)
+
+    def layer(x, rm, p, w_in, w_out, dy):
+        rows, pp, rid, _, tpe = te_jax_perm.token_dispatch(x, rm, 32, probs=p, backend="xla")
+        h = te_jax_perm.grouped_matmul(rows, w_in[..., :8], tpe, backend="xla")
+        split = jnp.full((4,), 8, jnp.int32)
+        h = te_jax_perm.sort_chunks_by_index(h, split, jnp.array([3, 1, 0, 2], jnp.int32), backend="xla")[0]
+        y = te_jax_perm.token_combine(h * pp[:, None], rid, merging_probs=p, backend="xla")
+        z = te_jax_perm.moe_ffn(x, rm, p, w_in, w_out, 32, backend="xla")
+        return jnp.sum(y * dy) + jnp.sum(z * dy)
+
+    step = jax.value_and_grad(layer, argnums=(0, 2, 3, 4))
+
+    def per_shard(x, rm, p, dy):
+        loss, grads = step(x, rm, p, w_in, w_out, dy)
+        return loss[None], *grads   # the weights' gradients summed over the shards (shard_map's transpose)
+
+    f = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P("d0"),) * 4,
+                              out_specs=(P("d0"),) * 3 + (P(),) * 2, axis_names={"d0"}))
+    got = f(*(jax.device_put(v, NamedSharding(mesh, P(*split))) for v in (x, rm, probs, dy)))
+    want = [step(*(v[16 * i:16 * (i + 1)] for v in (x, rm, probs)), w_in, w_out, dy[16 * i:16 * (i + 1)])
+            for i in range(4)]
+    np.testing.assert_allclose(got[0], [w[0] for w in want], rtol=1e-5)
+    for j in range(2):
+        np.testing.assert_allclose(got[1 + j], np.concatenate([w[1][j] for w in want]), rtol=1e-5, atol=1e-5)
+    for j in range(2, 4):
+        np.testing.assert_allclose(got[1 + j], sum(w[1][j] for w in want), rtol=1e-5, atol=1e-5)
 
 
 def _dispatch_combine_layer(x, rm, p):
