@@ -395,17 +395,21 @@ def test_tokens_split_along_an_automatic_axis_of_a_partly_manual_shard_map_raise
 
 
 @multidevice
-@pytest.mark.parametrize("partitioner", [False], ids=["gspmd"], indirect=True)
-@pytest.mark.parametrize("split", [("d0",), (("d0", "d1"),)], ids=["tokens_on_the_manual_axis", "tokens_on_both"])
-def test_gspmd_partly_manual_shard_map_runs_each_manual_shard_unpartitioned(partitioner, split):
-    """Under GSPMD, inside a shard_map manual over "d0" only, JAX's custom_partitioning aborts
-    the process (its callbacks cannot read manual subgroups), so the ops run there without it:
-    each d0 shard's dispatch, combine, chunk sort, grouped GEMM and moe_ffn, forward and
-    gradients, equal the same calls on that shard's tokens alone (tokens split along the
-    automatic d1 too are gathered along it)."""
+@pytest.mark.parametrize("partitioner,mesh_shape,split", [
+    (False, (4, 2), ("d0",)), (False, (4, 2), (("d0", "d1"),)), (False, (8, 1), ("d0",)),
+    (True, (8, 1), ("d0",)), (True, (4, 2), ("d0",))],
+    ids=["gspmd-tokens_on_the_manual_axis", "gspmd-tokens_on_both", "gspmd-automatic_axis_of_1",
+         "shardy-automatic_axis_of_1", "shardy-tokens_on_the_manual_axis"], indirect=["partitioner"])
+def test_partly_manual_shard_map_runs_each_manual_shard_as_its_own_calls(partitioner, mesh_shape, split):
+    """Inside a shard_map manual over "d0" only, each d0 shard's dispatch, combine, chunk sort,
+    grouped GEMM and moe_ffn, forward and gradients, equal the same calls on that shard's
+    tokens alone. Where JAX's custom_partitioning fails there (under GSPMD it aborted the
+    process; under Shardy with the automatic axis of size 1 it raised), the ops run without
+    it (tokens split along the automatic d1 too are gathered along it); under Shardy with
+    d1 of 2 devices, by their rules."""
     import te_jax_perm
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("d0", "d1"))
-    x, rm, probs, w_in, w_out, dy = _moe_problem(64, 4, 8, 6, 2)
+    mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), ("d0", "d1"))
+    x, rm, probs, w_in, w_out, dy = _moe_problem(16 * mesh_shape[0], 4, 8, 6, 2)
 
     def layer(x, rm, p, w_in, w_out, dy):
         rows, pp, rid, _, tpe = te_jax_perm.token_dispatch(x, rm, 32, probs=p, backend="xla")
@@ -426,7 +430,7 @@ def test_gspmd_partly_manual_shard_map_runs_each_manual_shard_unpartitioned(part
                               out_specs=(P("d0"),) * 3 + (P(),) * 2, axis_names={"d0"}))
     got = f(*(jax.device_put(v, NamedSharding(mesh, P(*split))) for v in (x, rm, probs, dy)))
     want = [step(*(v[16 * i:16 * (i + 1)] for v in (x, rm, probs)), w_in, w_out, dy[16 * i:16 * (i + 1)])
-            for i in range(4)]
+            for i in range(mesh_shape[0])]
     np.testing.assert_allclose(got[0], [w[0] for w in want], rtol=1e-5)
     for j in range(2):
         np.testing.assert_allclose(got[1 + j], np.concatenate([w[1][j] for w in want]), rtol=1e-5, atol=1e-5)

@@ -10,9 +10,10 @@ primitive: a plain call lowers through ``custom_partitioning`` with a Shardy rul
 GSPMD callbacks, its per-shard function binding the kernel again on local shapes (so the
 per-device module still holds our aliased custom call); a ``vmap``-ed call becomes one
 ``vmapped`` primitive whose leading batch axis is local. With one device, or inside a fully
-manual ``shard_map``, there is no custom-partitioning call at all; nor under GSPMD in a
-``shard_map`` manual over some mesh axes only, where JAX's custom_partitioning would abort
-(the kernel then runs unpartitioned there: XLA gathers its operands along the automatic axes).
+manual ``shard_map``, there is no custom-partitioning call at all; nor in a ``shard_map``
+manual over some mesh axes only where JAX's custom_partitioning fails (under GSPMD, or
+under Shardy with every automatic axis of size 1): the kernel runs unpartitioned there,
+XLA gathering its operands along the automatic axes.
 
 The token axis of ``token_dispatch``/``token_combine`` is not a kernel-local axis (a
 token's row depends on every earlier token): its rule is op-level, in
@@ -94,24 +95,27 @@ def _multi_device(ctx) -> bool:
     return False
 
 
-def _partly_manual(manual_axes, axis_names) -> bool:
-    return 0 < len(set(manual_axes)) < len(set(axis_names))
-
-
-def gspmd_partly_manual(ctx=None) -> bool:
-    """Whether this is a ``shard_map`` manual over some mesh axes only, partitioned by GSPMD
-    (``jax_use_shardy_partitioner`` off): there JAX's custom_partitioning cannot read the
-    operands' shardings (manual and replicated subgroups) and XLA aborts the process, so the
-    ops run unpartitioned (correct; XLA gathers along the automatic axes). At lowering with
-    ``ctx``, else at trace time from the abstract mesh."""
-    if jax.config.jax_use_shardy_partitioner:
+def _cannot_partition(manual_axes, axis_sizes: dict) -> bool:
+    automatic = [n for n in axis_sizes if n not in set(manual_axes)]
+    if not manual_axes or not automatic:
         return False
+    return not jax.config.jax_use_shardy_partitioner or all(axis_sizes[n] == 1 for n in automatic)
+
+
+def partly_manual_unpartitioned(ctx=None) -> bool:
+    """Whether this is a ``shard_map`` manual over some mesh axes only where JAX's
+    custom_partitioning fails: under GSPMD (``jax_use_shardy_partitioner`` off) it cannot
+    read the operands' shardings (manual and replicated subgroups) and XLA aborts the
+    process; under Shardy it fails where every automatic axis has size 1. There the ops run
+    unpartitioned: correct, XLA gathering along any automatic axis of more than one device.
+    At lowering with ``ctx``, else at trace time from the abstract mesh."""
     if ctx is None:
         mesh = jax.sharding.get_abstract_mesh()
-        return _partly_manual(mesh.manual_axes, mesh.axis_names)
+        return _cannot_partition(mesh.manual_axes, dict(mesh.shape))
     from jax._src import sharding_impls
     ac = ctx.module_context.axis_context
-    return isinstance(ac, sharding_impls.SPMDAxisContext) and _partly_manual(ac.manual_axes, ac.mesh.axis_names)
+    return (isinstance(ac, sharding_impls.SPMDAxisContext)
+            and _cannot_partition(tuple(ac.manual_axes), dict(ac.mesh.shape)))
 
 
 def lower_partitioned(kp: "KernelPrimitive", ctx, *args, in_batched: Sequence[bool] | None = None, **kw):
@@ -120,8 +124,8 @@ def lower_partitioned(kp: "KernelPrimitive", ctx, *args, in_batched: Sequence[bo
     (in a loop over a vmapped call's batch). Not for the interpret backend under a
     multi-device jit: callbacks inside a custom_partitioning per-shard module index the
     wrong executable's callback table (a JAX limitation: it crashes), so there it lowers
-    unpartitioned: correct, but XLA gathers; nor under GSPMD in a partly manual shard_map
-    (:func:`gspmd_partly_manual`)."""
+    unpartitioned: correct, but XLA gathers; nor in a partly manual shard_map where JAX's
+    custom_partitioning fails (:func:`partly_manual_unpartitioned`)."""
     def body(*xs):
         if in_batched is None:
             return tuple(kp.local.bind(*xs, **kw))
@@ -131,7 +135,7 @@ def lower_partitioned(kp: "KernelPrimitive", ctx, *args, in_batched: Sequence[bo
         logging.warning("%s: backend 'interpret' under a multi-device jit runs unpartitioned "
                         "(operands are gathered); use shard_map, or backend 'xla'/'triton', to "
                         "keep it shard-local", kp.decl.name)
-    elif not gspmd_partly_manual(ctx):
+    elif not partly_manual_unpartitioned(ctx):
         body = partitioned(kp, body, [len(a.shape) - (in_batched is not None) for a in ctx.avals_out], in_batched)
     return mlir.lower_fun(lambda *xs: list(body(*xs)), multiple_results=True)(ctx, *args)
 

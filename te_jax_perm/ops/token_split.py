@@ -29,10 +29,10 @@ device, or inside a fully manual ``shard_map``, the call is the per-shard functi
 local as ``H`` is, and the per-shard function maps over its shard's batch items: each item
 runs per token shard as an unbatched call does. The ``interpret`` backend runs kernels in
 host callbacks, which cannot live in a partitioned module (a JAX limitation), so with it a
-multi-device program computes the unsharded (global) result instead; so does a call under
-GSPMD inside a ``shard_map`` manual over some mesh axes only (there JAX's custom_partitioning
-aborts the process): each manual shard dispatches all of its tokens, gathered along the
-automatic axes.
+multi-device program computes the unsharded (global) result instead; so does a call inside
+a ``shard_map`` manual over some mesh axes only where JAX's custom_partitioning fails (under
+GSPMD, where it aborts the process, or under Shardy with every automatic axis of size 1):
+each manual shard dispatches all of its tokens, gathered along any automatic axis.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from te_jax_perm.core import errors
 from te_jax_perm.core.manual_axes import vary_like
-from te_jax_perm.core.sharding import gspmd_partly_manual, spec_axes
+from te_jax_perm.core.sharding import partly_manual_unpartitioned, spec_axes
 from te_jax_perm._checks import first_order
 
 SPLIT = ("T", "R")
@@ -257,7 +257,7 @@ def _split_arrays(name: str, local: Callable, args: Sequence[jax.Array], arg_axe
     (``H`` and, under ``vmap``, the batch axes)."""
     sizes = {n: d for axes, a in zip(arg_axes, args) for n, d in zip(axes, a.shape)}
     sizes.update({n: d for axes, o in zip(out_axes, outs) for n, d in zip(axes, o.shape)})
-    if backend == "interpret" or any(sizes.get(n, 1) == 0 for n in SPLIT) or gspmd_partly_manual():
+    if backend == "interpret" or any(sizes.get(n, 1) == 0 for n in SPLIT) or partly_manual_unpartitioned():
         return first_order(name, lambda *xs: tuple(local(*xs)))(*args)
 
     def plans(mesh, arg_shapes, tokens) -> dict[int, tuple[tuple[int, Any], ...]]:
