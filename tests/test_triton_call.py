@@ -274,7 +274,7 @@ def test_compiles_parse_kernel_sources_under_the_source_lock(monkeypatch, tmp_pa
 
     from triton.runtime.jit import JITFunction
 
-    from te_jax_perm.core.interpret_backend import source_lock
+    from te_jax_perm.core.env import source_lock
     from te_jax_perm.core.launch import bind_call, configure
 
     def held_here():

@@ -39,7 +39,6 @@ from absl import logging
 
 from te_jax_perm.core import backends, env
 from te_jax_perm.core.declaration import Config, KernelDecl
-from te_jax_perm.core.interpret_backend import source_lock
 from te_jax_perm.core.launch import Call
 
 
@@ -48,7 +47,7 @@ def _source_hash(kernel: Any) -> str:
     # Triton parses a kernel's source (and its callees') the first time the kernel is hashed,
     # here by the cache below: under the lock the interpreter's launches parse under, as
     # lowerings in several threads would otherwise parse at once (see ``source_lock``).
-    with source_lock:
+    with env.source_lock:
         return _hashed_source(kernel)
 
 

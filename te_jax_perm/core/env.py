@@ -7,6 +7,9 @@ They are process-level settings, read when an op is traced or lowered (the sanit
 at import). ``jax.jit`` does not key its cache on them: a function it traced before a
 variable changed keeps what it was traced with. The scoped settings that override them
 (``use_backend``, ``autotune.autotuning`` and ``autotune.enable``) are in jit's cache key.
+
+Beside them, the process-wide Triton state every backend shares: the line-info switch of
+compiles and the lock that kernel-source parses take.
 """
 from __future__ import annotations
 
@@ -96,6 +99,14 @@ def triton_cache_dir_kept() -> Iterator[None]:
         else:
             os.environ["TRITON_CACHE_DIR"] = saved
 
+
+# Triton's interpreter keeps the grid position in one global builder, and XLA's CPU runtime
+# may run independent custom calls on different threads: interpreted launches must not
+# interleave. A launch also parses kernel sources (its first one of a kernel), and CPython
+# 3.11's parser fails ("AST constructor recursion depth mismatch") when threads parse at
+# once: whatever else parses a kernel's source (Triton's cache key, on a kernel's first
+# hash; Triton's compiler) holds it too.
+source_lock = threading.RLock()
 
 TRITON_LINE_INFO = "TRITON_DISABLE_LINE_INFO"
 _line_info_lock = threading.Lock()

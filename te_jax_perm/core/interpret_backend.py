@@ -27,13 +27,13 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from te_jax_perm.core import errors, hooks
+from te_jax_perm.core.env import source_lock
 from te_jax_perm.core.aliasing import preallocate
 from te_jax_perm.core.hooks import BufferInfo
 from te_jax_perm.core.kernel_args import OPERAND, OUTPUT, kernel_arguments
@@ -51,13 +51,6 @@ class HostPointer:
         return self.array.ctypes.data
 
 
-# Triton's interpreter keeps the grid position in one global builder, and XLA's CPU runtime
-# may run independent custom calls on different threads: launches must not interleave.
-# A launch also parses kernel sources (its first one of a kernel), and CPython 3.11's parser
-# fails ("AST constructor recursion depth mismatch") when threads parse at once: whatever
-# else parses a kernel's source (Triton's cache key, on a kernel's first hash; Triton's
-# compiler) holds it too.
-source_lock = threading.RLock()
 
 
 def launch_interpreted(kernel: Any, grid3: tuple[int, int, int], args: Mapping[str, Any],

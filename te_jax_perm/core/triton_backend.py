@@ -26,7 +26,6 @@ from packaging.version import Version
 from te_jax_perm.core import env
 from te_jax_perm.core.aliasing import preallocate
 from te_jax_perm.core.backends import BackendUnavailableError
-from te_jax_perm.core.interpret_backend import source_lock
 from te_jax_perm.core.kernel_args import SCALAR, kernel_arguments, scalar_type, signature
 from te_jax_perm.core.launch import Launch
 
@@ -161,7 +160,7 @@ def compiled_for(launch: Launch, compute_capability: int) -> CompiledKernel:
     # The cache's first hash of a kernel parses its source, and so does every compile
     # (Triton's code generator): under ``source_lock``, as lowerings in several threads would
     # otherwise parse at once.
-    with source_lock:
+    with env.source_lock:
         return compile_cached(launch_spec(launch), int(compute_capability))
 
 
