@@ -443,3 +443,41 @@ def test_ragged_all_to_all_supported_names_what_it_cannot_probe(devices):
     with pytest.raises(TypeError, match=r"ragged_all_to_all_supported: devices is \w+ .*; expected a non-empty "
                                         r"sequence of jax.Device"):
         ragged_all_to_all_supported(devices)
+
+
+def _tune(shapes, options=None):
+    from te_jax_perm.ops.chunk_sort import decl as chunk_decl
+    return te_jax_perm.autotune.tune(chunk_decl.sort_chunks, shapes, {}, "interpret",
+                                     *(() if options is None else (options,)))
+
+
+@pytest.mark.parametrize("call,error,message", [
+    # A string, None or an array would be read by its truth value: "off" turned tuning on.
+    (lambda: te_jax_perm.autotune.autotuning("off").__enter__(), TypeError,
+     r"^autotuning: on must be a static Python bool, got str 'off'$"),
+    (lambda: te_jax_perm.autotune.enable("off"), TypeError, r"^enable: on must be a static Python bool, got str 'off'$"),
+    (lambda: te_jax_perm.autotune.enable(None), TypeError, r"^enable: on must be a static Python bool, got NoneType None$"),
+    (lambda: te_jax_perm.sanitize.sanitize("no").__enter__(), TypeError,
+     r"^sanitize: raise_on_first must be a static Python bool, got str 'no'$"),
+    (lambda: te_jax_perm.sanitize.check(lambda: None, raise_on_first=None), TypeError,
+     r"^sanitize: raise_on_first must be a static Python bool, got NoneType None$"),
+    # Stored as given, a dict failed inside a later tuning naming no argument.
+    (lambda: te_jax_perm.autotune.enable(True, {"reps": 1}), TypeError,
+     r"^options is dict \{'reps': 1\}; expected a te_jax_perm.autotune.TuneOptions$"),
+    (lambda: _tune([((6, 8), np.uint32), ((6,), np.int32)], {"reps": 1}), TypeError,
+     r"^options is dict \{'reps': 1\}; expected a te_jax_perm.autotune.TuneOptions$"),
+    (lambda: _tune([(6, 8)]), TypeError,
+     r"^tune: shapes\[0\] is \(6, 8\); expected an array, a jax.ShapeDtypeStruct or a \(shape, dtype\) pair"),
+    (lambda: te_jax_perm.autotune.set_cache_dir(3), TypeError,
+     r"^path is int 3; expected a directory \(str or os.PathLike\), or None"),
+    # NumPy reads an array as its dtype: the result dtype was set by an array's.
+    (lambda: te_jax_perm.grouped_matmul(np.ones((6, 8)), np.ones((3, 8, 5)), [2, 2, 2],
+                                        preferred_element_type=jnp.zeros(3)), TypeError,
+     r"^preferred_element_type is ArrayImpl of shape \(3,\), not a dtype; expected e.g. jnp.float32 or None$"),
+], ids=["autotuning_str", "enable_str", "enable_none", "sanitize_str", "check_none", "enable_options_dict",
+        "tune_options_dict", "tune_bare_shape", "set_cache_dir_int", "preferred_element_type_array"])
+def test_switches_options_and_dtypes_are_checked_as_given(call, error, message):
+    before = te_jax_perm.autotune.enabled()
+    with pytest.raises(error, match=message):
+        call()
+    assert te_jax_perm.autotune.enabled() is before   # a refused switch changes nothing

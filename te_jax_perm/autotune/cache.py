@@ -211,6 +211,9 @@ def set_cache_dir(path: str | os.PathLike | None) -> None:
     read when a kernel is lowered: a function ``jax.jit`` compiled before keeps the configs
     it picked then."""
     global _dir_override
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path is {type(path).__name__} {path!r:.60}; expected a directory (str or os.PathLike), "
+                        "or None for TE_JAX_PERM_AUTOTUNE_CACHE or the default")
     _dir_override = None if path is None else os.fspath(path)
 
 

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from te_jax_perm import _checks
 from te_jax_perm.autotune import cache
 from te_jax_perm.autotune.pool import get_pool, make_job
 from te_jax_perm.autotune.trials import RUNNERS, initial_prealloc, make_inputs, run_trials, timed
@@ -140,12 +141,35 @@ def tune(kernel: Any, shapes: Sequence[Any], params: Mapping[str, Any] | None = 
     (arrays, ShapeDtypeStructs or ``(shape, dtype)`` pairs) and static ``params`` on
     :func:`tuning_backend` ``(backend)``; returns the cached result if present."""
     decl = declaration(kernel)
-    avals = [s if hasattr(s, "shape") and hasattr(s, "dtype") else jax.ShapeDtypeStruct(*s) for s in shapes]
+    avals = [_aval(i, s) for i, s in enumerate(shapes)]
     return tune_call(bind_call(decl, avals, dict(params or {}), tuning_backend(backend)), options)
+
+
+def _aval(i: int, s: Any) -> Any:
+    """``shapes[i]`` of :func:`tune` as a shaped value, or an error naming it (unpacked into
+    ``jax.ShapeDtypeStruct`` unchecked, a bare shape fails naming no argument)."""
+    if hasattr(s, "shape") and hasattr(s, "dtype"):
+        return s
+    try:
+        shape, dtype = s
+        return jax.ShapeDtypeStruct(shape, dtype)
+    except (TypeError, ValueError):
+        raise TypeError(f"tune: shapes[{i}] is {s!r}; expected an array, a jax.ShapeDtypeStruct or a (shape, dtype) "
+                        "pair, e.g. ((16, 96), np.float32)") from None
+
+
+def _checked_options(options: Any) -> TuneOptions:
+    """``options`` when it is a :class:`TuneOptions`; a dict or ``None`` would fail later,
+    inside a tuning, naming no argument."""
+    if not isinstance(options, TuneOptions):
+        raise TypeError(f"options is {type(options).__name__} {options!r:.60}; expected a "
+                        "te_jax_perm.autotune.TuneOptions")
+    return options
 
 
 def tune_call(call: Call, options: TuneOptions = TuneOptions()) -> TuneResult:
     """Tunes one bound call (see :func:`tune`)."""
+    options = _checked_options(options)
     if call.backend not in RUNNERS:
         raise ValueError(f"autotune: backend={call.backend!r} has no kernel configs to tune; expected one of "
                          f"{tuple(sorted(RUNNERS))}")
@@ -339,6 +363,9 @@ def enable(on: bool = True, options: TuneOptions | None = None) -> None:
     :func:`autotuning` block, the block's setting holds until it exits. A jitted function
     called after the setting changes is lowered again (``jax.jit`` keys its cache on it)."""
     global _options
+    on = _checks.check_static_bool("enable: on", on)
+    if options is not None:
+        options = _checked_options(options)
     _setting.set_global(on)
     if options is not None:
         _options = options
@@ -351,7 +378,7 @@ def autotuning(on: bool = True) -> Iterator[None]:
     and threads started inside it, keep their own setting. A jitted function called inside
     a block whose setting differs from the one it was lowered with is lowered again
     (``jax.jit`` keys its cache on it), so its misses are tuned."""
-    with _setting(bool(on)):
+    with _setting(_checks.check_static_bool("autotuning: on", on)):
         yield
 
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 from absl import logging
 
+from te_jax_perm import _checks
 from te_jax_perm.core import env, errors, hooks
 from te_jax_perm.core.hooks import BufferInfo
 from te_jax_perm.sanitize import tracer
@@ -74,7 +75,8 @@ def sanitize(raise_on_first: bool = False) -> Iterator[Report]:
     While open, the scope sees the launches of every thread in the process, not only this
     one's: a kernel runs in XLA's host callback, which need not run on the calling thread.
     """
-    session = _hub.open(raise_on_first)
+    # A string ("no") or None would otherwise be read by its truth value.
+    session = _hub.open(_checks.check_static_bool("sanitize: raise_on_first", raise_on_first))
     report = session[1]
     try:
         with jax.default_device(jax.devices("cpu")[0]):

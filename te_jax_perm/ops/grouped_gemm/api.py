@@ -177,6 +177,11 @@ def _out_dtype(preferred_element_type: Any) -> jnp.dtype:
     ``jax_enable_x64`` is on, as ``jnp.dot`` takes them: XLA's ragged dot would otherwise
     fail to lower on a 64-bit result it computed in 32 bits), or an error naming it (NumPy's
     names nothing)."""
+    if hasattr(preferred_element_type, "shape") and not isinstance(preferred_element_type, (type, jnp.dtype)):
+        # NumPy reads an array (or a scalar) as its dtype: an array passed here by mistake
+        # would set the result dtype without a word.
+        raise TypeError(f"preferred_element_type is {type(preferred_element_type).__name__} of shape "
+                        f"{tuple(preferred_element_type.shape)}, not a dtype; expected e.g. jnp.float32 or None")
     try:
         return jax.dtypes.canonicalize_dtype(jnp.dtype(preferred_element_type))
     except TypeError as e:
