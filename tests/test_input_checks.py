@@ -468,6 +468,10 @@ def _tune(shapes, options=None):
      r"^options is dict \{'reps': 1\}; expected a te_jax_perm.autotune.TuneOptions$"),
     (lambda: _tune([(6, 8)]), TypeError,
      r"^tune: shapes\[0\] is \(6, 8\); expected an array, a jax.ShapeDtypeStruct or a \(shape, dtype\) pair"),
+    (lambda: te_jax_perm.autotune.TuneOptions(reps=1.5), TypeError,
+     r"^TuneOptions.reps must be a static Python int, got float 1.5$"),
+    (lambda: te_jax_perm.autotune.TuneOptions(max_candidates=-1), ValueError,
+     r"^TuneOptions.max_candidates must be >= 0, got -1$"),
     (lambda: te_jax_perm.autotune.set_cache_dir(3), TypeError,
      r"^path is int 3; expected a directory \(str or os.PathLike\), or None"),
     # NumPy reads an array as its dtype: the result dtype was set by an array's.
@@ -475,7 +479,8 @@ def _tune(shapes, options=None):
                                         preferred_element_type=jnp.zeros(3)), TypeError,
      r"^preferred_element_type is ArrayImpl of shape \(3,\), not a dtype; expected e.g. jnp.float32 or None$"),
 ], ids=["autotuning_str", "enable_str", "enable_none", "sanitize_str", "check_none", "enable_options_dict",
-        "tune_options_dict", "tune_bare_shape", "set_cache_dir_int", "preferred_element_type_array"])
+        "tune_options_dict", "tune_bare_shape", "tune_options_reps_float", "tune_options_cap_negative",
+        "set_cache_dir_int", "preferred_element_type_array"])
 def test_switches_options_and_dtypes_are_checked_as_given(call, error, message):
     before = te_jax_perm.autotune.enabled()
     with pytest.raises(error, match=message):

@@ -60,6 +60,13 @@ class TuneOptions:
     force: bool = False              # re-tune even on a cache hit
     seed: int = 0
 
+    def __post_init__(self):
+        # Counts read as given: 1.5 timed launches failed every config inside the tuning (each
+        # logged as a failure) and a negative cap cut the candidates without a word.
+        for name in ("reps", "warmup", "max_candidates"):
+            if getattr(self, name) is not None:
+                _checks.check_static_int(f"TuneOptions.{name}", getattr(self, name), 0)
+
 
 @dataclasses.dataclass
 class TuneResult:
