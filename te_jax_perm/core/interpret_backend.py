@@ -51,8 +51,6 @@ class HostPointer:
         return self.array.ctypes.data
 
 
-
-
 def launch_interpreted(kernel: Any, grid3: tuple[int, int, int], args: Mapping[str, Any],
                        constexprs: Mapping[str, Any], *, name: str,
                        buffers: Sequence[BufferInfo] = ()) -> None:
