@@ -259,6 +259,34 @@ def test_token_sharded_moe_ffn_runs_each_shard_locally(partitioner, drop, align)
     assert collectives_in(bwd) == ["all-reduce"]
 
 
+@multidevice
+@pytest.mark.parametrize("batched", [False, True], ids=["unbatched", "vmapped"])
+def test_combine_probability_gradient_sums_over_a_split_hidden_axis(partitioner, batched):
+    """token_combine's merging_probs gradient is a dot product over the whole hidden axis:
+    with the hidden axis split (tokens replicated, or split along the other mesh axis) it
+    equals the unsharded gradient (each hidden slice's partial sum was returned as the
+    whole), as do the rows' gradients."""
+    import te_jax_perm
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("t", "h"))
+    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    x, rm, probs, _, _, dy = _moe_problem(32, 4, 8, 6, 2, seed=11)
+    b = (None,) if batched else ()
+    if batched:
+        x, rm, probs, dy = (jnp.stack([a, a[::-1]]) for a in (x, rm, probs, dy))
+
+    def loss(x, p, rm, dy):
+        def one(x, p, rm, dy):
+            rows, _, rid, _, _ = te_jax_perm.token_dispatch(x, rm, 64, backend="xla")
+            return jnp.sum(te_jax_perm.token_combine(rows, rid, merging_probs=p, backend="xla") * dy)
+        return (jax.vmap(one) if batched else one)(x, p, rm, dy).sum()
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    want = grad(x, probs, rm, dy)
+    for tok in (None, "t"):
+        got = grad(put(x, *b, tok, "h"), put(probs, *b, tok), put(rm, *b, tok), put(dy, *b, tok, "h"))
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
 def _all_reduced_shapes(hlo: str) -> list[tuple[int, ...]]:
     """The shapes of the arrays a compiled module's text all-reduces."""
     import re

@@ -12,7 +12,9 @@ and the matching combine (and both backward passes) run locally too: no collecti
 
 Axis names: ``"T"`` (tokens) and ``"R"`` (expert-sorted rows) are split together along
 the mesh axes that shard the tokens; ``"H"`` is local (sliced along whatever shards it, as
-every row mover is); any other axis is replicated. A per-shard partial sum (a weight's
+every row mover is; an op whose shard-local result sums over the hidden elements, as the
+combine's merging-probability gradient does, names its hidden axis otherwise); any other
+axis is replicated. A per-shard partial sum (a weight's
 gradient) is summed over the token shards; where the operand it follows (the weight)
 arrives split along a dimension by token mesh axes alone, as FSDP splits weights, the sum
 is reduce-scattered along that dimension over those axes (half an all-reduce's bytes on

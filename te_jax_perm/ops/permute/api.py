@@ -447,10 +447,15 @@ def _combine_fwd(inp, w, rid, backend):
 
 def _combine_bwd(backend, res, g):
     inp, w, rid, owner = res
+    # The merging probabilities' gradient is a dot product over all of a row's hidden
+    # elements: with them the hidden axis is not local (named "D": gathered where it is
+    # split, as the kernel's own rule does), else each hidden slice would return its
+    # partial sum as the whole gradient.
+    h = "H" if w is None else "D"
     g_inp, g_w = split_over_tokens("token_combine (backward)", _combine_bwd_local(backend),
                                    (g, rid, inp, owner, w, _unread_pad_of(rid)),
-                                   (("T", "H"), ("T", "W"), ("R", "H"), ("R",), ("T", "E"), ("E",)),
-                                   (("R", "H"), ("T", "E")), backend)
+                                   (("T", h), ("T", "W"), ("R", h), ("R",), ("T", "E"), ("E",)),
+                                   (("R", h), ("T", "E")), backend)
     return like_primal(g_inp, inp), like_primal(g_w, w), None
 
 
