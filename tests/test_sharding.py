@@ -466,6 +466,32 @@ def test_partly_manual_shard_map_runs_each_manual_shard_as_its_own_calls(partiti
         np.testing.assert_allclose(got[1 + j], sum(w[1][j] for w in want), rtol=1e-5, atol=1e-5)
 
 
+@multidevice
+def test_interpret_backend_in_a_partly_manual_shard_map_runs_or_names_gspmd(partitioner):
+    """The interpret backend's host callback in a shard_map manual over "d0" only: Shardy
+    runs it (each d0 shard's chunk sort on its own rows); under GSPMD XLA's partitioner
+    aborted the process on it (as JAX refuses its own callbacks there), so it raises our
+    error at trace time, naming the kernel, the axes and what to do."""
+    import te_jax_perm
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("d0", "d1"))
+    x = jnp.arange(16 * 4, dtype=jnp.float32).reshape(16, 4)
+    sort = lambda x: te_jax_perm.sort_chunks_by_index(x, jnp.array([1, 3], jnp.int32),  # noqa: E731
+                                                      jnp.array([1, 0], jnp.int32), backend="interpret")[0]
+    f = jax.jit(jax.shard_map(sort, mesh=mesh, in_specs=P("d0"), out_specs=P("d0"), axis_names={"d0"}))
+    if not partitioner:
+        with pytest.raises(ValueError, match=r"^chunk_sort_plan: backend 'interpret' runs a host callback, .* "
+                                             r"manual over mesh axes \['d0'\] only \(automatic axes \['d1'\] .* "
+                                             r"or backend 'xla'"):
+            f(_put_on(mesh, x, "d0"))
+        return
+    want = np.concatenate([np.asarray(x[i:i + 4])[[1, 2, 3, 0]] for i in range(0, 16, 4)])
+    np.testing.assert_array_equal(np.asarray(f(_put_on(mesh, x, "d0"))), want)
+
+
+def _put_on(mesh, x, *spec):
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
 def _dispatch_combine_layer(x, rm, p):
     """Dispatch with probs, scale the rows, combine: every output of both ops returned."""
     import te_jax_perm

@@ -75,6 +75,8 @@ class KernelPrimitive:
         operands = tuple(jnp.asarray(o) for o in operands)
         chosen = backends.resolve_backend(backend)
         call = bind_call(decl, [o.aval for o in operands], params, chosen)
+        if chosen == "interpret":
+            sharding.check_host_callback_allowed(decl.name)
         if decl.validate is not None:
             # Values are checked as given: under jit, jnp.asarray makes a NumPy constant a
             # tracer, whose values would be checked only in the checked mode.

@@ -118,6 +118,26 @@ def partly_manual_unpartitioned(ctx=None) -> bool:
             and _cannot_partition(tuple(ac.manual_axes), dict(ac.mesh.shape)))
 
 
+def check_host_callback_allowed(name: str) -> None:
+    """Raises a ``ValueError`` naming ``name`` for a call of the ``interpret`` backend (a
+    host callback) in a ``shard_map`` manual over some mesh axes only, with an automatic
+    axis of more than one device, under GSPMD: there XLA's partitioner aborts the process on
+    the callback (``Check failed: sharding.IsManualSubgroup()``), as JAX refuses its own
+    callbacks in such a shard_map. Shardy runs it (each device on the operands gathered
+    along the automatic axes). Checked at trace time, from the abstract mesh."""
+    if jax.config.jax_use_shardy_partitioner:
+        return
+    mesh = jax.sharding.get_abstract_mesh()
+    automatic = sorted(n for n, size in dict(mesh.shape).items() if n not in set(mesh.manual_axes) and size > 1)
+    if mesh.manual_axes and automatic:
+        raise ValueError(
+            f"{name}: backend 'interpret' runs a host callback, which XLA's GSPMD partitioner "
+            f"cannot place in a shard_map manual over mesh axes {sorted(mesh.manual_axes)} only (automatic "
+            f"axes {automatic} of more than one device; it aborts the process); expected a shard_map "
+            "manual over every mesh axis of more than one device (axis_names), Shardy "
+            "(jax_use_shardy_partitioner on), or backend 'xla'")
+
+
 def lower_partitioned(kp: "KernelPrimitive", ctx, *args, in_batched: Sequence[bool] | None = None, **kw):
     """Lowers a call of ``kp.prim``, or with ``in_batched`` of ``kp.vmapped``, through
     custom_partitioning per ``kp``'s axis names; the per-shard function binds ``kp.local``
