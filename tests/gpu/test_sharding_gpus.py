@@ -60,16 +60,21 @@ def _assert_same(got, want):
 
 
 @pytest.mark.parametrize("partitioner", [True, False], ids=["shardy", "gspmd"], indirect=True)
-def test_token_sharded_dispatch_combine_step_matches_xla(partitioner):
-    """Tokens split over every GPU: each shard dispatches its own tokens; the rows moved,
-    the loss and both gradients equal the xla backend's, with its collectives."""
+@pytest.mark.parametrize("split", ["tokens", "hidden"])
+def test_sharded_dispatch_combine_step_matches_xla(partitioner, split):
+    """Tokens split over every GPU (each shard dispatches its own tokens), or the hidden
+    axis (the rows move slice by slice; the probability gradient's dot products sum over
+    all of it): the rows moved, the loss and both gradients equal the xla backend's, with
+    its collectives."""
     mesh = Mesh(np.array(GPUS), ("d",))
     x, rm, probs, dy = _problem()
-    split = NamedSharding(mesh, P("d"))
-    got = _both(_dispatch_combine, (x, probs, rm, dy), [split] * 4)
+    rows, hidden, whole = (NamedSharding(mesh, P(*s)) for s in (("d",), (None, "d"), ()))
+    placed = [rows] * 4 if split == "tokens" else [hidden, whole, whole, hidden]
+    got = _both(_dispatch_combine, (x, probs, rm, dy), placed)
     _assert_same(got["triton"][0], got["xla"][0])
     assert got["triton"][1] == got["xla"][1]
-    assert "all-gather" not in got["triton"][1]
+    if split == "tokens":
+        assert "all-gather" not in got["triton"][1]
 
 
 def test_vmapped_token_sharded_dispatch_combine_matches_xla():
@@ -106,11 +111,12 @@ def test_token_sharded_moe_ffn_matches_xla():
 
 
 @pytest.mark.parametrize("partitioner", [True, False], ids=["shardy", "gspmd"], indirect=True)
-def test_partly_manual_shard_map_matches_xla(partitioner):
-    """A shard_map manual over one mesh axis of two (the other automatic, of size 1): under
-    GSPMD the kernels run unpartitioned there (JAX's custom_partitioning cannot), under
-    Shardy by their rules; both as the xla backend's."""
-    mesh = Mesh(np.array(GPUS).reshape(len(GPUS), 1), ("d0", "d1"))
+@pytest.mark.parametrize("manual_gpus", [len(GPUS), 1], ids=["automatic_axis_of_1", "automatic_axis_of_all"])
+def test_partly_manual_shard_map_matches_xla(partitioner, manual_gpus):
+    """A shard_map manual over one mesh axis of two, the other automatic: the kernels run
+    unpartitioned where JAX's custom_partitioning cannot (under GSPMD; under Shardy with the
+    automatic axis of size 1), else by their rules; each as the xla backend's."""
+    mesh = Mesh(np.array(GPUS).reshape(manual_gpus, len(GPUS) // manual_gpus), ("d0", "d1"))
     x, rm, probs, dy = _problem(4)
 
     def step(backend):
