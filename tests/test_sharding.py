@@ -488,6 +488,35 @@ def test_interpret_backend_in_a_partly_manual_shard_map_runs_or_names_gspmd(part
     np.testing.assert_array_equal(np.asarray(f(_put_on(mesh, x, "d0"))), want)
 
 
+@multidevice
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_partly_manual_shard_map_traced_under_shardy_and_lowered_under_gspmd_raises(backend):
+    """A program traced under Shardy inside a shard_map manual over "d0" only (where the ops
+    run partitioned, and the interpret backend's callback may run) and lowered after
+    jax_use_shardy_partitioner was turned off: our ValueError at lowering, naming the op
+    (XLA aborted the process there, as the choice was made at trace time)."""
+    import te_jax_perm
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("d0", "d1"))
+    x, rm, _, _, _, _ = _moe_problem(32, 4, 8, 6, 2)
+
+    def body(x, rm):
+        rows, _, rid, _, _ = te_jax_perm.token_dispatch(x, rm, 32, backend=backend)
+        return te_jax_perm.token_combine(rows, rid, backend=backend)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d0"),) * 2, out_specs=P("d0"), axis_names={"d0"}))
+    args = [_put_on(mesh, v, "d0") for v in (x, rm)]
+    old = jax.config.jax_use_shardy_partitioner
+    try:
+        jax.config.update("jax_use_shardy_partitioner", True)
+        traced = f.trace(*args)
+        jax.config.update("jax_use_shardy_partitioner", False)
+        message = (r"^token_dispatch: traced to run per token shard .*\(jax_use_shardy_partitioner changed"
+                   if backend == "xla" else r"^\w+: backend 'interpret' runs a host callback")
+        with pytest.raises(ValueError, match=message):
+            traced.lower()
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", old)
+
+
 def _put_on(mesh, x, *spec):
     return jax.device_put(x, NamedSharding(mesh, P(*spec)))
 

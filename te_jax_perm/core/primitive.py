@@ -111,6 +111,9 @@ class KernelPrimitive:
             return mlir.lower_fun(lambda *ops: decl.run_reference(ops, params, ctx.avals_out),
                                   multiple_results=True)(ctx, *args)
         fn = self._backend_fn(platform, backend)
+        if backend == "interpret":
+            # Again at lowering: a program traced under Shardy may be lowered under GSPMD.
+            sharding.check_host_callback_allowed(decl.name, ctx)
         # The launch is built here, once, and handed down: the backend derives nothing.
         call = bind_call(decl, ctx.avals_in, params, backend)
         launch = configure(call, select_config(call, config))

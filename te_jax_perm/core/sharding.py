@@ -109,30 +109,38 @@ def partly_manual_unpartitioned(ctx=None) -> bool:
     process; under Shardy it fails where every automatic axis has size 1. There the ops run
     unpartitioned: correct, XLA gathering along any automatic axis of more than one device.
     At lowering with ``ctx``, else at trace time from the abstract mesh."""
+    return _cannot_partition(*_manual_and_sizes(ctx))
+
+
+def _manual_and_sizes(ctx) -> tuple[tuple, dict]:
+    """The manual mesh axes and every mesh axis's size: at lowering with ``ctx``, else at
+    trace time from the abstract mesh."""
     if ctx is None:
         mesh = jax.sharding.get_abstract_mesh()
-        return _cannot_partition(mesh.manual_axes, dict(mesh.shape))
+        return tuple(mesh.manual_axes), dict(mesh.shape)
     from jax._src import sharding_impls
     ac = ctx.module_context.axis_context
-    return (isinstance(ac, sharding_impls.SPMDAxisContext)
-            and _cannot_partition(tuple(ac.manual_axes), dict(ac.mesh.shape)))
+    if not isinstance(ac, sharding_impls.SPMDAxisContext):
+        return (), {}
+    return tuple(ac.manual_axes), dict(ac.mesh.shape)
 
 
-def check_host_callback_allowed(name: str) -> None:
+def check_host_callback_allowed(name: str, ctx=None) -> None:
     """Raises a ``ValueError`` naming ``name`` for a call of the ``interpret`` backend (a
     host callback) in a ``shard_map`` manual over some mesh axes only, with an automatic
     axis of more than one device, under GSPMD: there XLA's partitioner aborts the process on
     the callback (``Check failed: sharding.IsManualSubgroup()``), as JAX refuses its own
     callbacks in such a shard_map. Shardy runs it (each device on the operands gathered
-    along the automatic axes). Checked at trace time, from the abstract mesh."""
+    along the automatic axes). Checked at trace time, from the abstract mesh, and again at
+    lowering with ``ctx`` (a program traced under Shardy may be lowered under GSPMD)."""
     if jax.config.jax_use_shardy_partitioner:
         return
-    mesh = jax.sharding.get_abstract_mesh()
-    automatic = sorted(n for n, size in dict(mesh.shape).items() if n not in set(mesh.manual_axes) and size > 1)
-    if mesh.manual_axes and automatic:
+    manual, sizes = _manual_and_sizes(ctx)
+    automatic = sorted(n for n, size in sizes.items() if n not in set(manual) and size > 1)
+    if manual and automatic:
         raise ValueError(
             f"{name}: backend 'interpret' runs a host callback, which XLA's GSPMD partitioner "
-            f"cannot place in a shard_map manual over mesh axes {sorted(mesh.manual_axes)} only (automatic "
+            f"cannot place in a shard_map manual over mesh axes {sorted(manual)} only (automatic "
             f"axes {automatic} of more than one device; it aborts the process); expected a shard_map "
             "manual over every mesh axis of more than one device (axis_names), Shardy "
             "(jax_use_shardy_partitioner on), or backend 'xla'")

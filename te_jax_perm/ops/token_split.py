@@ -44,6 +44,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 from jax.custom_batching import custom_vmap
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 from jax.experimental.custom_partitioning import CompoundFactor, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -333,4 +335,31 @@ def _split_arrays(name: str, local: Callable, args: Sequence[jax.Array], arg_axe
             (batch,) + tuple(local_names))), (True,) * len(outs)
 
     # custom_partitioning and custom_vmap drop the operands' varying axes inside jax.shard_map.
-    return first_order(name, lambda *xs: vary_like(batched(*xs), xs))(*args)
+    return first_order(name, lambda *xs: vary_like(batched(*_recheck(name, xs)), xs))(*args)
+
+
+# The choice above is made at trace time, under the partitioner then set; a program traced
+# under Shardy and lowered under GSPMD (jax_use_shardy_partitioner changed in between) would
+# reach XLA with a custom_partitioning call where it aborts the process. An identity on the
+# first operand checks the choice again at lowering and raises instead.
+_recheck_p = Primitive("te_jax_perm_token_split_recheck")
+_recheck_p.def_impl(lambda x, *, name: x)
+_recheck_p.def_abstract_eval(lambda x, *, name: x)
+batching.primitive_batchers[_recheck_p] = lambda xs, dims, *, name: (_recheck_p.bind(*xs, name=name), dims[0])
+
+
+def _recheck_lowering(ctx, x, *, name):
+    if partly_manual_unpartitioned(ctx):
+        raise ValueError(
+            f"{name}: traced to run per token shard inside a shard_map manual over some mesh axes only, and "
+            "lowered where JAX's custom_partitioning fails there (jax_use_shardy_partitioner changed between "
+            "tracing and lowering; under GSPMD XLA would abort the process); expected the same partitioner "
+            "setting at both (trace again after changing it)")
+    return [x]
+
+
+mlir.register_lowering(_recheck_p, _recheck_lowering)
+
+
+def _recheck(name: str, xs: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    return (_recheck_p.bind(xs[0], name=name), *xs[1:])
