@@ -75,6 +75,10 @@ def test_sharded_dispatch_combine_step_matches_xla(partitioner, split):
     assert got["triton"][1] == got["xla"][1]
     if split == "tokens":
         assert "all-gather" not in got["triton"][1]
+    else:
+        # Both backends share the split rule: against the unsharded step too (the rows'
+        # layout is the unsharded one when the tokens are whole).
+        _assert_same(got["triton"][0], jax.device_get(jax.jit(_dispatch_combine("xla"))(x, probs, rm, dy)))
 
 
 def test_vmapped_token_sharded_dispatch_combine_matches_xla():
