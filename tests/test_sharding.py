@@ -471,7 +471,7 @@ def test_interpret_backend_in_a_partly_manual_shard_map_runs_or_names_gspmd(part
     """The interpret backend's host callback in a shard_map manual over "d0" only: Shardy
     runs it (each d0 shard's chunk sort on its own rows); under GSPMD XLA's partitioner
     aborted the process on it (as JAX refuses its own callbacks there), so it raises our
-    error at trace time, naming the kernel, the axes and what to do."""
+    error when the program is lowered, naming the kernel, the axes and what to do."""
     import te_jax_perm
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("d0", "d1"))
     x = jnp.arange(16 * 4, dtype=jnp.float32).reshape(16, 4)

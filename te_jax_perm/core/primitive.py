@@ -75,8 +75,6 @@ class KernelPrimitive:
         operands = tuple(jnp.asarray(o) for o in operands)
         chosen = backends.resolve_backend(backend)
         call = bind_call(decl, [o.aval for o in operands], params, chosen)
-        if chosen == "interpret":
-            sharding.check_host_callback_allowed(decl.name)
         if decl.validate is not None:
             # Values are checked as given: under jit, jnp.asarray makes a NumPy constant a
             # tracer, whose values would be checked only in the checked mode.
@@ -112,7 +110,8 @@ class KernelPrimitive:
                                   multiple_results=True)(ctx, *args)
         fn = self._backend_fn(platform, backend)
         if backend == "interpret":
-            # Again at lowering: a program traced under Shardy may be lowered under GSPMD.
+            # At lowering, under the partitioner XLA will use (a program traced under Shardy
+            # may be lowered under GSPMD).
             sharding.check_host_callback_allowed(decl.name, ctx)
         # The launch is built here, once, and handed down: the backend derives nothing.
         call = bind_call(decl, ctx.avals_in, params, backend)

@@ -95,11 +95,17 @@ def _multi_device(ctx) -> bool:
     return False
 
 
+def _automatic_axes(manual_axes, axis_sizes: dict) -> dict:
+    """The automatic mesh axes and their sizes in a partly manual ``shard_map``; none where
+    no axis, or every axis, is manual."""
+    automatic = {n: size for n, size in axis_sizes.items() if n not in set(manual_axes)}
+    return automatic if manual_axes else {}
+
+
 def _cannot_partition(manual_axes, axis_sizes: dict) -> bool:
-    automatic = [n for n in axis_sizes if n not in set(manual_axes)]
-    if not manual_axes or not automatic:
-        return False
-    return not jax.config.jax_use_shardy_partitioner or all(axis_sizes[n] == 1 for n in automatic)
+    automatic = _automatic_axes(manual_axes, axis_sizes)
+    return bool(automatic) and (not jax.config.jax_use_shardy_partitioner
+                                or all(size == 1 for size in automatic.values()))
 
 
 def partly_manual_unpartitioned(ctx=None) -> bool:
@@ -125,19 +131,19 @@ def _manual_and_sizes(ctx) -> tuple[tuple, dict]:
     return tuple(ac.manual_axes), dict(ac.mesh.shape)
 
 
-def check_host_callback_allowed(name: str, ctx=None) -> None:
+def check_host_callback_allowed(name: str, ctx) -> None:
     """Raises a ``ValueError`` naming ``name`` for a call of the ``interpret`` backend (a
     host callback) in a ``shard_map`` manual over some mesh axes only, with an automatic
     axis of more than one device, under GSPMD: there XLA's partitioner aborts the process on
     the callback (``Check failed: sharding.IsManualSubgroup()``), as JAX refuses its own
     callbacks in such a shard_map. Shardy runs it (each device on the operands gathered
-    along the automatic axes). Checked at trace time, from the abstract mesh, and again at
-    lowering with ``ctx`` (a program traced under Shardy may be lowered under GSPMD)."""
+    along the automatic axes). Checked at lowering, with ``ctx``: under the partitioner XLA
+    will use, whatever was set when the program was traced."""
     if jax.config.jax_use_shardy_partitioner:
         return
     manual, sizes = _manual_and_sizes(ctx)
-    automatic = sorted(n for n, size in sizes.items() if n not in set(manual) and size > 1)
-    if manual and automatic:
+    automatic = sorted(n for n, size in _automatic_axes(manual, sizes).items() if size > 1)
+    if automatic:
         raise ValueError(
             f"{name}: backend 'interpret' runs a host callback, which XLA's GSPMD partitioner "
             f"cannot place in a shard_map manual over mesh axes {sorted(manual)} only (automatic "
