@@ -5,6 +5,7 @@ XLA_FLAGS must be set before jax starts, so the real tests run in a subprocess (
 test below); in the ordinary single-device run they are skipped.
 """
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -36,7 +37,11 @@ if MULTI:
 
 
 def _put(x, *spec):
-    return jax.device_put(x, NamedSharding(MESH, P(*spec)))
+    return _put_on(MESH, x, *spec)
+
+
+def _put_on(mesh, x, *spec):
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
 
 
 @multidevice
@@ -268,7 +273,7 @@ def test_combine_probability_gradient_sums_over_a_split_hidden_axis(partitioner,
     whole), as do the rows' gradients."""
     import te_jax_perm
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("t", "h"))
-    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    put = functools.partial(_put_on, mesh)
     x, rm, probs, _, _, dy = _moe_problem(32, 4, 8, 6, 2, seed=11)
     b = (None,) if batched else ()
     if batched:
@@ -320,7 +325,7 @@ def test_token_sharded_moe_ffn_reduce_scatters_fsdp_weight_gradients(partitioner
     import te_jax_perm
     shape, names, tok, spec_in, spec_out = _FSDP_CASES[case]
     mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
-    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    put = functools.partial(_put_on, mesh)
     t, e, h, f, k = 32, 4, 8, 8, 2
     x, rm, probs, w_in, w_out, dy = _moe_problem(t, e, h, f, k, seed=8)
     grad = jax.grad(lambda x, p, wi, wo, rm, dy: jnp.sum(te_jax_perm.moe_ffn(x, rm, p, wi, wo, t * k,
@@ -456,7 +461,7 @@ def test_partly_manual_shard_map_runs_each_manual_shard_as_its_own_calls(partiti
 
     f = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P("d0"),) * 4,
                               out_specs=(P("d0"),) * 3 + (P(),) * 2, axis_names={"d0"}))
-    got = f(*(jax.device_put(v, NamedSharding(mesh, P(*split))) for v in (x, rm, probs, dy)))
+    got = f(*(_put_on(mesh, v, *split) for v in (x, rm, probs, dy)))
     want = [step(*(v[16 * i:16 * (i + 1)] for v in (x, rm, probs)), w_in, w_out, dy[16 * i:16 * (i + 1)])
             for i in range(mesh_shape[0])]
     np.testing.assert_allclose(got[0], [w[0] for w in want], rtol=1e-5)
@@ -517,10 +522,6 @@ def test_partly_manual_shard_map_traced_under_shardy_and_lowered_under_gspmd_rai
         jax.config.update("jax_use_shardy_partitioner", old)
 
 
-def _put_on(mesh, x, *spec):
-    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
-
-
 def _dispatch_combine_layer(x, rm, p):
     """Dispatch with probs, scale the rows, combine: every output of both ops returned."""
     import te_jax_perm
@@ -536,7 +537,7 @@ def test_vmapped_token_sharded_dispatch_combine_runs_each_shard_locally(partitio
     call's collectives only; the batch axis stays split where it arrives split."""
     b, t, e, h = 2, 32, 4, 8
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("b", "d"))
-    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
+    put = functools.partial(_put_on, mesh)
     rng = np.random.default_rng(9)
     x = jnp.asarray(rng.standard_normal((b, t, h)), jnp.float32)
     rm = jnp.asarray(np.stack([top_k_map(rng.standard_normal((t, e)), 2) for _ in range(b)]))
