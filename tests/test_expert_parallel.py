@@ -4,8 +4,9 @@ gated activations, and data-parallel copies of the expert-parallel group.
 Runs in a subprocess (XLA_FLAGS must precede jax start-up).
 
 XLA:CPU has no ragged all-to-all, so on CPU the ragged exchange runs on an emulation of
-``jax.lax.ragged_all_to_all`` (its documented semantics, built from ``all_to_all``): that
-checks our offsets and sizes; the real collective is checked by the GPU test."""
+``jax.lax.ragged_all_to_all`` (its documented semantics, built from ``all_to_all``, and its
+typing rule: the result varies like the ``output`` buffer): that checks our offsets, sizes
+and types; the real collective is checked by the GPU test."""
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ from te_jax_perm.ops.moe_ffn.reference import ACTIVATIONS  # noqa: E402
 from te_jax_perm.parallel import EPConfig, ep_moe_layer, ep_moe_local, reference_moe_layer  # noqa: E402
 from te_jax_perm.parallel import exchange  # noqa: E402
 from te_jax_perm.parallel.a2a_support import ragged_all_to_all_supported, resolve_a2a  # noqa: E402
+from te_jax_perm.core.manual_axes import varying_axes  # noqa: E402
 from te_jax_perm.workloads import top_k_map
 
 EP, T, H, F = 8, 12, 16, 8
@@ -218,8 +220,15 @@ def test_interpret_backend_small():
 # -- ragged exchange -----------------------------------------------------------------------
 def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                 *, axis_name, axis_index_groups=None):
-    """``jax.lax.ragged_all_to_all`` as documented, one slice per peer, from dense collectives."""
+    """``jax.lax.ragged_all_to_all`` as documented, one slice per peer, from dense collectives.
+    The real collective's result has the varying axes of ``output``, whatever ``operand``
+    varies along; a result that wrongly claims to be the same on every device gets one
+    device's cotangent on all of them (values right, gradients wrong). The emulation's
+    result would vary either way, so it refuses such an ``output`` instead."""
     del recv_sizes, axis_index_groups
+    if missing := varying_axes(operand) - varying_axes(output):
+        raise AssertionError(f"ragged_all_to_all output varies along {set(varying_axes(output))}, operand also "
+                             f"along {set(missing)}; expected output typed as varying like operand")
     m = output.shape[0]
     pos = jnp.arange(m, dtype=jnp.int32)[None, :]                       # [1, M] receiver rows
     valid = (pos >= output_offsets[:, None]) & (pos < (output_offsets + send_sizes)[:, None])  # [ep, M]

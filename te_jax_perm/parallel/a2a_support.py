@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from te_jax_perm.parallel.exchange import ragged_output
+
 
 def ragged_all_to_all_supported(devices: Sequence[jax.Device]) -> bool:
     """True when a ragged all-to-all over ``devices`` compiles and gives the right result."""
@@ -59,7 +61,7 @@ def probe(devices: tuple) -> bool:
         # Rank r sends its rows [0, d+1) to rank d, placed there at rows [r*n, r*n + d + 1).
         me = jax.lax.axis_index("probe")
         sizes = jnp.arange(1, n + 1, dtype=jnp.int32)
-        out = jnp.zeros((n * n, 1), x.dtype)
+        out = ragged_output((n * n, 1), x)     # typed as the layer's exchange types it
         return jax.lax.ragged_all_to_all(x, out, jnp.zeros((n,), jnp.int32), sizes,
                                          jnp.full((n,), me * n, jnp.int32),
                                          jnp.full((n,), me + 1, jnp.int32), axis_name="probe")

@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from te_jax_perm.core.manual_axes import vary_like
+
 
 def _a2a_vec(v: jax.Array, axis: str) -> jax.Array:
     """[ep] -> [ep]: element d goes to rank d, which receives one element from every rank."""
@@ -45,7 +47,7 @@ def send_rows(rows: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: jax
     h = rows.shape[1]
     if mode == "ragged":
         me = jax.lax.axis_index(axis).astype(jnp.int32)
-        out = jnp.zeros((ep * cap, h), rows.dtype)
+        out = ragged_output((ep * cap, h), rows)
         return jax.lax.ragged_all_to_all(rows, out, rank_start, sent, jnp.full((ep,), me * cap, jnp.int32),
                                          recv, axis_name=axis)
     slot = jnp.arange(cap, dtype=jnp.int32)
@@ -65,7 +67,7 @@ def return_rows(back: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: j
     ep = sent.shape[0]
     cap = back.shape[0] // ep
     if mode == "ragged":
-        out = jnp.zeros((n, h), back.dtype)
+        out = ragged_output((n, h), back)
         # Where the rows go on their home rank: that rank's rank_start entry for this rank.
         home_offsets = _a2a_vec(rank_start, axis)
         return jax.lax.ragged_all_to_all(back, out, jnp.arange(ep, dtype=jnp.int32) * cap, recv,
@@ -75,3 +77,11 @@ def return_rows(back: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: j
     valid = slot[None, :] < sent[:, None]
     dst = jnp.where(valid, rank_start[:, None] + slot[None, :], n)
     return jnp.zeros((n, h), back.dtype).at[dst].set(ret, mode="drop")
+
+
+def ragged_output(shape: tuple[int, int], operand: jax.Array) -> jax.Array:
+    """The zeros ``ragged_all_to_all`` writes into, typed as varying like ``operand``.
+    JAX gives the collective's result the varying axes of this buffer, not of the rows it
+    receives: from a plain ``jnp.zeros`` the result would claim to be the same on every
+    device, and its gradient would then be one device's cotangent on all of them."""
+    return vary_like([jnp.zeros(shape, operand.dtype)], [operand])[0]
