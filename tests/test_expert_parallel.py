@@ -604,6 +604,26 @@ def test_probe_accepts_a_correct_ragged_collective_even_inside_jit(emulated_ragg
     assert seen == [True]
 
 
+@multidevice
+@pytest.mark.parametrize("broken", ["rows", "gradient"])
+def test_probe_refuses_a_collective_with_wrong_rows_or_a_wrong_gradient(monkeypatch, broken):
+    """Rows off by one, or right rows whose gradient never reaches the sender: either way
+    "auto" falls back to the dense exchange rather than train on wrong values."""
+    from te_jax_perm.parallel import a2a_support
+
+    def collective(*args, **kw):
+        y = _emulated_ragged_all_to_all(*args, **kw)
+        return y + 1 if broken == "rows" else jax.lax.stop_gradient(y)
+    monkeypatch.setattr(exchange.jax.lax, "ragged_all_to_all", collective)
+    devs = tuple(jax.devices()[:4])
+    a2a_support.forget_probes()
+    try:
+        assert not a2a_support.probe(devs)
+        assert resolve_a2a("auto", devs) == "dense"
+    finally:
+        a2a_support.forget_probes()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("a2a", ["dense", "ragged"])
 def test_gpu_all_devices(a2a):

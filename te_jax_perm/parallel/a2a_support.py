@@ -2,8 +2,9 @@
 
 XLA:CPU (jax 0.10) rejects the op at compile time ("HLO opcode `ragged-all-to-all` is not
 supported by XLA:CPU ThunkEmitter"); XLA:GPU implements it. Rather than keep a table of
-versions, the probe compiles and runs a tiny exchange on the devices in question and checks
-its result, and the answer is cached per (platform, device kind, device count).
+versions, the probe compiles and runs a tiny exchange on the devices in question, the
+layer's own, and checks its rows and its gradient; the answer is cached per (platform,
+device kind, device count).
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from te_jax_perm.parallel.exchange import ragged_output
+from te_jax_perm.parallel.exchange import send_rows
 
 
 def ragged_all_to_all_supported(devices: Sequence[jax.Device]) -> bool:
-    """True when a ragged all-to-all over ``devices`` compiles and gives the right result."""
+    """True when a ragged all-to-all over ``devices`` compiles and gives the right rows and
+    gradient."""
     given = devices
     try:
         devices = tuple(devices)
@@ -53,37 +55,48 @@ def forget_probes() -> None:
 
 
 def probe(devices: tuple) -> bool:
-    """Runs the check once, uncached: a ragged all-to-all over ``devices`` gives the right rows."""
+    """Runs the check once, uncached: the layer's ragged exchange over ``devices`` delivers
+    the right rows, and its gradient brings each device's own cotangent home."""
     n = len(devices)
     mesh = Mesh(np.array(devices), ("probe",))
+    # Rank r sends d + 1 rows to rank d, from its rows start[d] .. start[d] + d (chunks side
+    # by side, as the layer's are), placed there at rows r*n .. r*n + d.
+    sizes = np.arange(1, n + 1, dtype=np.int32)
+    start = (np.cumsum(sizes) - sizes).astype(np.int32)
+    m = int(sizes.sum())
 
-    def body(x):
-        # Rank r sends its rows [0, d+1) to rank d, placed there at rows [r*n, r*n + d + 1).
-        me = jax.lax.axis_index("probe")
-        sizes = jnp.arange(1, n + 1, dtype=jnp.int32)
-        out = ragged_output((n * n, 1), x)     # typed as the layer's exchange types it
-        return jax.lax.ragged_all_to_all(x, out, jnp.zeros((n,), jnp.int32), sizes,
-                                         jnp.full((n,), me * n, jnp.int32),
-                                         jnp.full((n,), me + 1, jnp.int32), axis_name="probe")
+    def body(x, ct):
+        sent = jnp.asarray(sizes)
+        recv = jax.lax.all_to_all(sent, "probe", 0, 0, tiled=True)
+        y, vjp = jax.vjp(lambda x: send_rows(x, jnp.asarray(start), sent, recv, n, "probe", "ragged"), x)
+        return y, vjp(ct)[0]
 
-    x = np.tile(np.arange(n, dtype=np.float32)[:, None], (n, 1)) + 100 * np.repeat(
-        np.arange(n, dtype=np.float32), n)[:, None]            # rank r's row i = 100 r + i
+    # Every value distinct and exact in float32: rank r's row i is 1000 r + i; the cotangent
+    # of rank d's row q is 1000 d + q + 0.5 (different on every device, as a loss's is).
+    x = (1000 * np.arange(n, dtype=np.float32)[:, None] + np.arange(m, dtype=np.float32)[None, :]).reshape(-1, 1)
+    ct = (1000 * np.arange(n, dtype=np.float32)[:, None] + np.arange(n * n, dtype=np.float32)[None, :]
+          + 0.5).reshape(-1, 1)
     try:
         # Compiled ahead of time and called as an executable: this also runs for real when
         # first asked while tracing a jitted caller (ep_moe_layer with a2a="auto").
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("probe"), out_specs=P("probe")))
-        compiled = fn.lower(jax.ShapeDtypeStruct(x.shape, x.dtype)).compile()
-        got = np.asarray(compiled(x)).reshape(n, n, n)         # [dst, src, slot]
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("probe"), P("probe")),
+                                   out_specs=(P("probe"), P("probe"))))
+        compiled = fn.lower(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, ct))).compile()
+        got, grad = (np.asarray(a).reshape(n, -1) for a in compiled(x, ct))
     except Exception as e:  # noqa: BLE001 - any failure to compile or run means "unsupported"
         logging.info("ragged_all_to_all probe failed: %s", str(e).splitlines()[0] if str(e) else type(e))
         return False
-    slot = np.arange(n)
-    want = np.where(slot[None, None, :] <= np.arange(n)[:, None, None],
-                    100.0 * np.arange(n)[None, :, None] + slot[None, None, :], 0.0)
-    ok = bool(np.array_equal(got, want))
-    if not ok:
-        logging.warning("ragged_all_to_all probe ran but returned a wrong result; not using it")
-    return ok
+    x, ct = x.reshape(n, m), ct.reshape(n, n * n)
+    want, want_grad = np.zeros_like(ct), np.zeros_like(x)
+    for r in range(n):
+        for d in range(n):
+            want[d, r * n:r * n + d + 1] = x[r, start[d]:start[d] + d + 1]
+            want_grad[r, start[d]:start[d] + d + 1] = ct[d, r * n:r * n + d + 1]
+    for what, g, w in (("rows", got, want), ("gradient", grad, want_grad)):
+        if not np.array_equal(g, w):
+            logging.warning("ragged_all_to_all probe ran but returned a wrong %s; not using it", what)
+            return False
+    return True
 
 
 def resolve_a2a(mode: str, devices: Sequence[jax.Device]) -> str:

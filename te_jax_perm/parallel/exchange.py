@@ -47,7 +47,7 @@ def send_rows(rows: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: jax
     h = rows.shape[1]
     if mode == "ragged":
         me = jax.lax.axis_index(axis).astype(jnp.int32)
-        out = ragged_output((ep * cap, h), rows)
+        out = _ragged_output((ep * cap, h), rows)
         return jax.lax.ragged_all_to_all(rows, out, rank_start, sent, jnp.full((ep,), me * cap, jnp.int32),
                                          recv, axis_name=axis)
     slot = jnp.arange(cap, dtype=jnp.int32)
@@ -67,7 +67,7 @@ def return_rows(back: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: j
     ep = sent.shape[0]
     cap = back.shape[0] // ep
     if mode == "ragged":
-        out = ragged_output((n, h), back)
+        out = _ragged_output((n, h), back)
         # Where the rows go on their home rank: that rank's rank_start entry for this rank.
         home_offsets = _a2a_vec(rank_start, axis)
         return jax.lax.ragged_all_to_all(back, out, jnp.arange(ep, dtype=jnp.int32) * cap, recv,
@@ -79,7 +79,7 @@ def return_rows(back: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: j
     return jnp.zeros((n, h), back.dtype).at[dst].set(ret, mode="drop")
 
 
-def ragged_output(shape: tuple[int, int], operand: jax.Array) -> jax.Array:
+def _ragged_output(shape: tuple[int, int], operand: jax.Array) -> jax.Array:
     """The zeros ``ragged_all_to_all`` writes into, typed as varying like ``operand``.
     JAX gives the collective's result the varying axes of this buffer, not of the rows it
     receives: from a plain ``jnp.zeros`` the result would claim to be the same on every
