@@ -463,6 +463,29 @@ def _local_on(mesh, cfg):
                          out_specs=P("ep"))
 
 
+@multidevice
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("a2a", ["dense", "ragged"])
+def test_ep_moe_local_in_a_users_shard_map_matches_the_reference(emulated_ragged, a2a, check_vma):
+    """Output and all four gradients, whether the user's shard_map checks varying axes or
+    not (unchecked, no value is typed as varying, and the exchange must not depend on it)."""
+    from jax.sharding import PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:EP]), ("ep",))
+    x, rm, probs, w_in, w_out = _problem(EP, T, 16, 3, "skewed", 13)
+    cfg = EPConfig(num_out_tokens=2 * T, capacity=5, a2a=a2a, backend="xla")
+    local = jax.shard_map(lambda x, rm, p, a, b: ep_moe_local(x, rm, p, a, b, cfg=cfg), mesh=mesh,
+                          in_specs=(P("ep"),) * 5, out_specs=P("ep"), check_vma=check_vma)
+    layer = lambda x, p, a, b: local(x, rm, p, a, b)
+    ref = lambda x, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=EP, num_out_tokens=2 * T, capacity=5)
+    args = (x, probs, w_in, w_out)
+    ct = jnp.asarray(np.random.default_rng(14).standard_normal(x.shape), jnp.float32)
+    got, g = jax.jit(lambda *a: _fwd_and_grads(layer, a, ct))(*args)
+    want, gr = jax.jit(lambda *a: _fwd_and_grads(ref, a, ct))(*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for name, a, b in zip(("x", "probs", "w_in", "w_out"), g, gr):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_ep_moe_local_names_what_it_cannot_take_on_one_device():
     """ep_moe_local checks its per-device arguments as ep_moe_layer checks its own: here on a
     one-device mesh, where this device's share is the whole."""

@@ -79,10 +79,13 @@ def probe(devices: tuple) -> bool:
     try:
         # Compiled ahead of time and called as an executable: this also runs for real when
         # first asked while tracing a jitted caller (ep_moe_layer with a2a="auto").
+        # Its own mesh, also when asked while a caller's shard_map is being traced (ep_moe_local),
+        # whose mesh is then the context's.
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("probe"), P("probe")),
                                    out_specs=(P("probe"), P("probe"))))
-        compiled = fn.lower(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, ct))).compile()
-        got, grad = (np.asarray(a).reshape(n, -1) for a in compiled(x, ct))
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            compiled = fn.lower(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, ct))).compile()
+            got, grad = (np.asarray(a).reshape(n, -1) for a in compiled(x, ct))
     except Exception as e:  # noqa: BLE001 - any failure to compile or run means "unsupported"
         logging.info("ragged_all_to_all probe failed: %s", str(e).splitlines()[0] if str(e) else type(e))
         return False
