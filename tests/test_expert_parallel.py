@@ -463,27 +463,46 @@ def _local_on(mesh, cfg):
                          out_specs=P("ep"))
 
 
+def _check_local(devices, a2a, check_vma, backend="xla", t=T, rtol=1e-4, atol=1e-5):
+    """``ep_moe_local`` inside the user's own ``shard_map`` over ``devices``: output and all
+    four gradients against the reference."""
+    from jax.sharding import PartitionSpec as P
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("ep",))
+    x, rm, probs, w_in, w_out = _problem(n, t, 2 * n, 3, "skewed", 13)
+    cfg = EPConfig(num_out_tokens=2 * t, capacity=t // 2, a2a=a2a, backend=backend)
+    local = jax.shard_map(lambda x, rm, p, a, b: ep_moe_local(x, rm, p, a, b, cfg=cfg), mesh=mesh,
+                          in_specs=(P("ep"),) * 5, out_specs=P("ep"), check_vma=check_vma)
+    layer = lambda x, p, a, b: local(x, rm, p, a, b)
+    ref = lambda x, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=n, num_out_tokens=2 * t, capacity=t // 2)
+    args = (x, probs, w_in, w_out)
+    ct = jnp.asarray(np.random.default_rng(14).standard_normal(x.shape), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        got, g = jax.jit(lambda *a: _fwd_and_grads(layer, a, ct))(*args)
+        want, gr = jax.jit(lambda *a: _fwd_and_grads(ref, a, ct))(*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=atol)
+    for name, a, b in zip(("x", "probs", "w_in", "w_out"), g, gr):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol, err_msg=name)
+
+
 @multidevice
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("a2a", ["dense", "ragged"])
 def test_ep_moe_local_in_a_users_shard_map_matches_the_reference(emulated_ragged, a2a, check_vma):
     """Output and all four gradients, whether the user's shard_map checks varying axes or
     not (unchecked, no value is typed as varying, and the exchange must not depend on it)."""
-    from jax.sharding import PartitionSpec as P
-    mesh = Mesh(np.array(jax.devices()[:EP]), ("ep",))
-    x, rm, probs, w_in, w_out = _problem(EP, T, 16, 3, "skewed", 13)
-    cfg = EPConfig(num_out_tokens=2 * T, capacity=5, a2a=a2a, backend="xla")
-    local = jax.shard_map(lambda x, rm, p, a, b: ep_moe_local(x, rm, p, a, b, cfg=cfg), mesh=mesh,
-                          in_specs=(P("ep"),) * 5, out_specs=P("ep"), check_vma=check_vma)
-    layer = lambda x, p, a, b: local(x, rm, p, a, b)
-    ref = lambda x, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=EP, num_out_tokens=2 * T, capacity=5)
-    args = (x, probs, w_in, w_out)
-    ct = jnp.asarray(np.random.default_rng(14).standard_normal(x.shape), jnp.float32)
-    got, g = jax.jit(lambda *a: _fwd_and_grads(layer, a, ct))(*args)
-    want, gr = jax.jit(lambda *a: _fwd_and_grads(ref, a, ct))(*args)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    for name, a, b in zip(("x", "probs", "w_in", "w_out"), g, gr):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5, err_msg=name)
+    _check_local(jax.devices()[:EP], a2a, check_vma)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_gpu_ep_moe_local_in_a_users_shard_map(check_vma):
+    """On every GPU of the machine (>= 2): the probe runs while the user's shard_map is
+    traced, and the ragged exchange it finds works gives the reference's gradients."""
+    devs = jax.devices()
+    if len(devs) < 2:
+        pytest.skip("needs at least 2 GPUs")
+    _check_local(devs, "ragged", check_vma, backend="triton", t=32, atol=1e-4)
 
 
 def test_ep_moe_local_names_what_it_cannot_take_on_one_device():
