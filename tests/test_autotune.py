@@ -358,6 +358,30 @@ def test_cached_winner_invalid_for_exact_dims_is_skipped(tmp_cache):
     assert pick(decl, entry, {"T": 32, "H": 16}, {}) != Config.make(BS=64, BT=4)
 
 
+def _tune_inside_shard_map(backend, devices):
+    """A fresh kernel (out(=0) += x) called inside a jitted shard_map with tuning on: it
+    tunes while JAX traces the shard_map's body, whose mesh is then the context's, and the
+    trials (programs of their own) must compile and run there all the same."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    prim = declare(K.accumulate_decl(name=f"tuned_in_shard_map_{backend}"))
+    mesh = Mesh(np.array(devices[:1]), ("d",))
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((48, 10)).astype(np.float32), device=devices[0])
+    with autotune.autotuning(True):
+        y = jax.jit(jax.shard_map(lambda a: prim(a, backend=backend)[0], mesh=mesh, in_specs=P("d"),
+                                  out_specs=P("d")))(x)
+    assert autotune.stats["tunes"] == 1 and autotune.stats["trials"] >= 2, dict(autotune.stats)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))   # applied exactly once
+
+
+def test_tunes_on_miss_while_a_shard_map_is_traced(tmp_cache, on_cpu):
+    _tune_inside_shard_map("interpret", jax.devices("cpu"))
+
+
+@pytest.mark.gpu
+def test_gpu_tunes_on_miss_while_a_shard_map_is_traced(tmp_cache):
+    _tune_inside_shard_map("triton", jax.devices("gpu"))
+
+
 @pytest.mark.gpu
 def test_gpu_trials_restore_donated_buffers_and_need_no_torch(tmp_path):
     """On the GPU, trials run through the backend's own XLA call with torch unimportable:
