@@ -146,6 +146,21 @@ def test_wrong_dtype_names_argument():
         gather_rows(src, idx.astype(jnp.float32), backend="xla")
 
 
+def test_operands_that_are_options_or_too_many_name_the_kernel():
+    """A backend name given positionally, a None, or one array too many: the kernel's own
+    error naming the operands (a string used to fail inside JAX's array conversion)."""
+    src, idx = _inputs(5, 16, 3, jnp.float32)
+    for args, message in [((src, idx, "xla"), r"^example_gather_rows: positional argument 2 is 'xla'; expected an array "
+                                              r"\(the operands are src, idx; pass backend, config and params by "
+                                              r"keyword\)"),
+                          ((src, "xla"), r"^example_gather_rows: argument 'idx' is 'xla'; expected an array"),
+                          ((src, None), r"^example_gather_rows: argument 'idx' is None; expected an array"),
+                          ((src, idx, idx), r"^example_gather_rows: expected 2 operands \(src, idx\), got 3"),
+                          ((src,), r"^example_gather_rows: expected 2 operands \(src, idx\), got 1")]:
+        with pytest.raises(TypeError, match=message):
+            gather_rows(*args, backend="xla")
+
+
 def test_mismatched_dims_name_both_arguments():
     values = jnp.arange(4, dtype=jnp.int32)
     from te_jax_perm.core import KernelDecl, Operand, Output, declare

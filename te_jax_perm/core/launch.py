@@ -32,12 +32,28 @@ _KIND = {
 }
 
 
+def check_operand_count(decl: KernelDecl, n: int) -> None:
+    if n != len(decl.operands):
+        raise TypeError(f"{decl.name}: expected {len(decl.operands)} operands "
+                        f"({', '.join(o.name for o in decl.operands)}), got {n}")
+
+
+def check_operands(decl: KernelDecl, operands: Sequence[Any]) -> None:
+    """No string or ``None`` among them, then their count: an option passed positionally (a
+    backend name) would otherwise fail inside JAX's array conversion, naming nothing of ours."""
+    names = ", ".join(o.name for o in decl.operands)
+    for i, v in enumerate(operands):
+        if v is None or isinstance(v, str):
+            which = f"argument {decl.operands[i].name!r}" if i < len(decl.operands) else f"positional argument {i}"
+            raise TypeError(f"{decl.name}: {which} is {v!r}; expected an array (the operands are {names}; pass "
+                            "backend, config and params by keyword)")
+    check_operand_count(decl, len(operands))
+
+
 def bind_dims(decl: KernelDecl, avals: Sequence[Any]) -> dict[str, int]:
     """Each operand's symbolic dims bound to sizes; errors name the kernel, the argument,
     the shape seen and the shape expected."""
-    if len(avals) != len(decl.operands):
-        raise TypeError(f"{decl.name}: expected {len(decl.operands)} operands "
-                        f"({', '.join(o.name for o in decl.operands)}), got {len(avals)}")
+    check_operand_count(decl, len(avals))
     dims: dict[str, int] = {}
     where: dict[str, str] = {}
     for op, aval in zip(decl.operands, avals):

@@ -18,7 +18,7 @@ from jax.interpreters import batching, mlir
 
 from te_jax_perm.core import backends, checks, sharding
 from te_jax_perm.core.declaration import Config, KernelDecl
-from te_jax_perm.core.launch import bind_call, configure, select_config
+from te_jax_perm.core.launch import bind_call, check_operands, configure, select_config
 from te_jax_perm.core.manual_axes import plain_avals, vary_like
 
 _RESERVED = ("backend", "config")
@@ -72,6 +72,7 @@ class KernelPrimitive:
                  **params: Any) -> tuple[jax.Array, ...]:
         decl = self.decl
         given = operands
+        check_operands(decl, operands)
         operands = tuple(jnp.asarray(o) for o in operands)
         chosen = backends.resolve_backend(backend)
         call = bind_call(decl, [o.aval for o in operands], params, chosen)
