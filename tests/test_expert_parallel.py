@@ -637,13 +637,22 @@ def test_forget_probes_lets_auto_see_a_new_probe_answer(monkeypatch):
 
 
 @multidevice
-def test_probe_accepts_a_correct_ragged_collective_even_inside_jit(emulated_ragged):
+def test_probe_accepts_a_correct_ragged_collective_inside_jit_and_other_meshes(emulated_ragged):
+    """Asked while a jit is traced, or with another mesh in context (a larger one set with
+    jax.set_mesh, or a shard_map's being traced), the probe still runs its own program."""
+    from jax.sharding import PartitionSpec as P
     from te_jax_perm.parallel.a2a_support import probe
     devs = tuple(jax.devices()[:4])
     assert probe(devs)
     seen = []
     jax.jit(lambda x: seen.append(probe(devs)) or x)(jnp.ones(2))
-    assert seen == [True]
+    big = Mesh(np.array(jax.devices()[:EP]).reshape(2, 4), ("data", "ep"))
+    with jax.set_mesh(big):
+        seen.append(probe(devs))
+        jax.jit(lambda x: seen.append(probe(devs)) or x)(jnp.ones(2))
+    jax.shard_map(lambda x: seen.append(probe(devs)) or x, mesh=big, in_specs=P("ep"), out_specs=P("ep"))(
+        jnp.ones(8))
+    assert seen == [True] * 4
 
 
 @multidevice

@@ -56,7 +56,27 @@ def forget_probes() -> None:
 
 def probe(devices: tuple) -> bool:
     """Runs the check once, uncached: the layer's ragged exchange over ``devices`` delivers
-    the right rows, and its gradient brings each device's own cotangent home."""
+    the right rows, and its gradient brings each device's own cotangent home.
+
+    It runs in a thread of its own: JAX's mesh context (``jax.set_mesh``, or the mesh of a
+    ``shard_map`` whose body is being traced) and its trace state belong to the calling
+    thread, and the probe's program, over a mesh of its own, must see neither."""
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append(_probe(devices))
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            outcome.append(e)
+    worker = threading.Thread(target=run, name="te_jax_perm_ragged_probe")
+    worker.start()
+    worker.join()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
+def _probe(devices: tuple) -> bool:
     n = len(devices)
     mesh = Mesh(np.array(devices), ("probe",))
     # Rank r sends d + 1 rows to rank d, from its rows start[d] .. start[d] + d (chunks side
@@ -77,15 +97,9 @@ def probe(devices: tuple) -> bool:
     ct = (1000 * np.arange(n, dtype=np.float32)[:, None] + np.arange(n * n, dtype=np.float32)[None, :]
           + 0.5).reshape(-1, 1)
     try:
-        # Compiled ahead of time and called as an executable: this also runs for real when
-        # first asked while tracing a jitted caller (ep_moe_layer with a2a="auto").
-        # Its own mesh, also when asked while a caller's shard_map is being traced (ep_moe_local),
-        # whose mesh is then the context's.
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("probe"), P("probe")),
                                    out_specs=(P("probe"), P("probe"))))
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            compiled = fn.lower(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, ct))).compile()
-            got, grad = (np.asarray(a).reshape(n, -1) for a in compiled(x, ct))
+        got, grad = (np.asarray(a).reshape(n, -1) for a in fn(x, ct))
     except Exception as e:  # noqa: BLE001 - any failure to compile or run means "unsupported"
         logging.info("ragged_all_to_all probe failed: %s", str(e).splitlines()[0] if str(e) else type(e))
         return False
