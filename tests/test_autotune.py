@@ -358,28 +358,34 @@ def test_cached_winner_invalid_for_exact_dims_is_skipped(tmp_cache):
     assert pick(decl, entry, {"T": 32, "H": 16}, {}) != Config.make(BS=64, BT=4)
 
 
-def _tune_inside_shard_map(backend, devices):
-    """A fresh kernel (out(=0) += x) called inside a jitted shard_map with tuning on: it
-    tunes while JAX traces the shard_map's body, whose mesh is then the context's, and the
-    trials (programs of their own) must compile and run there all the same."""
+def _tune_inside_a_mesh_context(backend, devices, context):
+    """A fresh kernel (out(=0) += x) called with tuning on while another program is traced
+    with a mesh in context: inside a jitted shard_map's body, or a jit under ``jax.set_mesh``.
+    The trials, programs of their own, must compile and run there all the same."""
     from jax.sharding import Mesh, PartitionSpec as P
-    prim = declare(K.accumulate_decl(name=f"tuned_in_shard_map_{backend}"))
+    prim = declare(K.accumulate_decl(name=f"tuned_in_{context}_{backend}"))
     mesh = Mesh(np.array(devices[:1]), ("d",))
     x = jnp.asarray(np.random.default_rng(2).standard_normal((48, 10)).astype(np.float32), device=devices[0])
+    call = lambda a: prim(a, backend=backend)[0]   # noqa: E731
     with autotune.autotuning(True):
-        y = jax.jit(jax.shard_map(lambda a: prim(a, backend=backend)[0], mesh=mesh, in_specs=P("d"),
-                                  out_specs=P("d")))(x)
+        if context == "shard_map":
+            y = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x)
+        else:
+            with jax.set_mesh(mesh):
+                y = jax.jit(call)(x)
     assert autotune.stats["tunes"] == 1 and autotune.stats["trials"] >= 2, dict(autotune.stats)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))   # applied exactly once
 
 
-def test_tunes_on_miss_while_a_shard_map_is_traced(tmp_cache, on_cpu):
-    _tune_inside_shard_map("interpret", jax.devices("cpu"))
+@pytest.mark.parametrize("context", ["shard_map", "set_mesh"])
+def test_tunes_on_miss_with_a_mesh_in_context(tmp_cache, on_cpu, context):
+    _tune_inside_a_mesh_context("interpret", jax.devices("cpu"), context)
 
 
 @pytest.mark.gpu
-def test_gpu_tunes_on_miss_while_a_shard_map_is_traced(tmp_cache):
-    _tune_inside_shard_map("triton", jax.devices("gpu"))
+@pytest.mark.parametrize("context", ["shard_map", "set_mesh"])
+def test_gpu_tunes_on_miss_with_a_mesh_in_context(tmp_cache, context):
+    _tune_inside_a_mesh_context("triton", jax.devices("gpu"), context)
 
 
 @pytest.mark.gpu
