@@ -286,8 +286,6 @@ def test_layouts_the_layer_cannot_split_are_named_before_shard_map():
            ((x[:, :15], rm, probs, w1[:, :15], w2[:, :, :15], mesh2, EPConfig(data_axes="data", fsdp_axes="data")),
             r"x has H = 15 columns, which the 2 pieces of EPConfig.fsdp_axes = \('data',\) cannot split evenly"),
            ((x, rm, probs, w1, w2, mesh, EPConfig(capacity=-1)), r"EPConfig.capacity = -1; expected None or an int >= 0"),
-           ((x, rm, probs, w1, w2, mesh, EPConfig(num_out_tokens=2.5)),
-            r"EPConfig.num_out_tokens = 2.5; expected None or an int >= 0"),
            ((x, jnp.asarray(rm, jnp.int32) * 3, probs, w1, w2, mesh, EPConfig()),
             r"routing_map holds values other than 0 and 1 \(e.g. \[3\]\)"),
            ((x, rm, probs, w1, w2, mesh, EPConfig(a2a="ragged")), "ragged_all_to_all does not run on these cpu devices")]
@@ -298,6 +296,9 @@ def test_layouts_the_layer_cannot_split_are_named_before_shard_map():
     for args, message in bad:
         with pytest.raises(ValueError, match=message):
             ep_moe_layer(*args[:6], cfg=args[6])
+    for v in (2.5, True):   # the wrong type: TypeError, as the ops raise for sizes
+        with pytest.raises(TypeError, match=rf"EPConfig.num_out_tokens = {v}; expected None or an int >= 0"):
+            ep_moe_layer(x, rm, probs, w1, w2, mesh=mesh, cfg=EPConfig(num_out_tokens=v))
     # Types: dtypes as moe_ffn takes them (integer probs gave an all-zero layer), a mesh.
     for args, message in [((x, rm, jnp.asarray(probs, jnp.int32), w1, w2, mesh),
                            "probs has dtype int32; expected bfloat16, float16 or float32"),
@@ -526,8 +527,6 @@ def test_ep_moe_local_names_what_it_cannot_take_on_one_device():
             r"EPConfig.activation='swish'; expected one of \('silu_glu'"),
            ((x, rm, probs, w1, w2), dataclasses.replace(cfg, capacity=-1),
             r"EPConfig.capacity = -1; expected None or an int >= 0"),
-           ((x, rm, probs, w1, w2), dataclasses.replace(cfg, num_out_tokens=2.5),
-            r"EPConfig.num_out_tokens = 2.5; expected None or an int >= 0"),
            ((x, rm, probs, w1, w2), dataclasses.replace(cfg, num_out_tokens=2**40),
             r"EPConfig.num_out_tokens = 1099511627776 makes 1099511627776 dispatch rows per device"),
            ((x, rm, probs, w1, w2), dataclasses.replace(cfg, backend="cuda"),
@@ -541,6 +540,8 @@ def test_ep_moe_local_names_what_it_cannot_take_on_one_device():
     for args, c, message in bad:
         with pytest.raises(ValueError, match=message):
             _local_on(mesh, c)(*args)
+    with pytest.raises(TypeError, match=r"EPConfig.capacity = 2.5; expected None or an int >= 0"):
+        _local_on(mesh, dataclasses.replace(cfg, capacity=2.5))(x, rm, probs, w1, w2)
     for args, c, message in [((x, rm, jnp.asarray(probs, jnp.int32), w1, w2), cfg,
                               "probs has dtype int32; expected bfloat16, float16 or float32"),
                              ((jnp.asarray(x, jnp.int32), rm, probs, w1, w2), cfg,

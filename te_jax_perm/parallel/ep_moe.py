@@ -277,7 +277,13 @@ def _check_config(cfg: EPConfig) -> None:
     check_activation("EPConfig.activation", cfg.activation)
     for field in ("num_out_tokens", "capacity"):
         v = getattr(cfg, field)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+        if v is None:
+            continue
+        # A float or a bool is the wrong type (TypeError, as the ops raise for sizes); a
+        # negative int the wrong value.
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"EPConfig.{field} = {v!r}; expected None or an int >= 0")
+        if v < 0:
             raise ValueError(f"EPConfig.{field} = {v!r}; expected None or an int >= 0")
 
 
