@@ -8,6 +8,7 @@ device kind, device count).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from typing import Sequence
 
@@ -61,19 +62,8 @@ def probe(devices: tuple) -> bool:
     It runs in a thread of its own: JAX's mesh context (``jax.set_mesh``, or the mesh of a
     ``shard_map`` whose body is being traced) and its trace state belong to the calling
     thread, and the probe's program, over a mesh of its own, must see neither."""
-    outcome: list = []
-
-    def run():
-        try:
-            outcome.append(_probe(devices))
-        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-            outcome.append(e)
-    worker = threading.Thread(target=run, name="te_jax_perm_ragged_probe")
-    worker.start()
-    worker.join()
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0]
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="te_jax_perm_ragged_probe") as worker:
+        return worker.submit(_probe, devices).result()     # its exception, if any, raised here
 
 
 def _probe(devices: tuple) -> bool:
