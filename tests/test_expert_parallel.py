@@ -76,15 +76,20 @@ def _check(e, k, routing, num_out_tokens, capacity, backend="xla", a2a="dense", 
     layer = lambda x, p, a, b: ep_moe_layer(x, rm, p, a, b, mesh=mesh, cfg=cfg)
     ref = lambda x, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=ep, data=copies, num_out_tokens=num_out_tokens,
                                                  capacity=capacity, **act)
-    args = (x, probs, w_in, w_out)
-    ct = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(x.shape), jnp.float32)
+    return _matches_reference(layer, ref, (x, probs, w_in, w_out), seed + 1, rtol, atol, 10 * rtol)
+
+
+def _matches_reference(layer, ref, args, ct_seed, rtol, atol, grad_rtol):
+    """``layer``'s output and its gradients in all of ``args`` (x, probs, w_in, w_out) against
+    ``ref``'s, for one random cotangent; returns the layer's compiled HLO."""
+    ct = jnp.asarray(np.random.default_rng(ct_seed).standard_normal(args[0].shape), jnp.float32)
     # One compile per side: forward and gradients in the same program.
     compiled = jax.jit(lambda *a: _fwd_and_grads(layer, a, ct)).lower(*args).compile()
     got, g = compiled(*args)
     want, gr = jax.jit(lambda *a: _fwd_and_grads(ref, a, ct))(*args)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=atol)
     for name, a, b in zip(("x", "probs", "w_in", "w_out"), g, gr):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=10 * rtol, atol=atol, err_msg=name)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=grad_rtol, atol=atol, err_msg=name)
     return compiled.as_text()
 
 
@@ -476,14 +481,8 @@ def _check_local(devices, a2a, check_vma, backend="xla", t=T, rtol=1e-4, atol=1e
                           in_specs=(P("ep"),) * 5, out_specs=P("ep"), check_vma=check_vma)
     layer = lambda x, p, a, b: local(x, rm, p, a, b)
     ref = lambda x, p, a, b: reference_moe_layer(x, rm, p, a, b, ep=n, num_out_tokens=2 * t, capacity=t // 2)
-    args = (x, probs, w_in, w_out)
-    ct = jnp.asarray(np.random.default_rng(14).standard_normal(x.shape), jnp.float32)
     with jax.default_matmul_precision("highest"):
-        got, g = jax.jit(lambda *a: _fwd_and_grads(layer, a, ct))(*args)
-        want, gr = jax.jit(lambda *a: _fwd_and_grads(ref, a, ct))(*args)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=rtol, atol=atol)
-    for name, a, b in zip(("x", "probs", "w_in", "w_out"), g, gr):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol, err_msg=name)
+        _matches_reference(layer, ref, (x, probs, w_in, w_out), 14, rtol, atol, rtol)
 
 
 @multidevice
