@@ -225,20 +225,29 @@ def test_interpret_backend_small():
 # -- ragged exchange -----------------------------------------------------------------------
 def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                 *, axis_name, axis_index_groups=None):
-    """``jax.lax.ragged_all_to_all`` as documented, one slice per peer, from dense collectives.
-    The real collective's result has the varying axes of ``output``, whatever ``operand``
-    varies along; a result that wrongly claims to be the same on every device gets one
-    device's cotangent on all of them (values right, gradients wrong). The emulation's
-    result would vary either way, so it refuses such an ``output`` instead."""
-    del recv_sizes, axis_index_groups
+    """``jax.lax.ragged_all_to_all`` as documented, any number of slices per peer (the
+    offsets and sizes are peer-major), from dense collectives. The real collective's result
+    has the varying axes of ``output``, whatever ``operand`` varies along; a result that
+    wrongly claims to be the same on every device gets one device's cotangent on all of them
+    (values right, gradients wrong). The emulation's result would vary either way, so it
+    refuses such an ``output`` instead."""
+    del axis_index_groups
     if missing := varying_axes(operand) - varying_axes(output):
         raise AssertionError(f"ragged_all_to_all output varies along {set(varying_axes(output))}, operand also "
                              f"along {set(missing)}; expected output typed as varying like operand")
+    ep = jax.lax.axis_size(axis_name)
     m = output.shape[0]
-    pos = jnp.arange(m, dtype=jnp.int32)[None, :]                       # [1, M] receiver rows
-    valid = (pos >= output_offsets[:, None]) & (pos < (output_offsets + send_sizes)[:, None])  # [ep, M]
-    src = jnp.clip(input_offsets[:, None] + pos - output_offsets[:, None], 0, operand.shape[0] - 1)
+    in_off, size, out_off = (a.reshape(ep, -1, 1) for a in (input_offsets, send_sizes, output_offsets))
+    pos = jnp.arange(m, dtype=jnp.int32)[None, None, :]                 # receiver rows
+    hit = (pos >= out_off) & (pos < out_off + size)                    # [ep, slices, M]
+    # Slices to one peer do not overlap: at most one holds each receiver row.
+    src = jnp.clip(jnp.where(hit, in_off + pos - out_off, 0).sum(1), 0, operand.shape[0] - 1)  # [ep, M]
+    valid = hit.any(1)
     buf = jnp.where(valid[..., None], operand[src], jnp.zeros((), operand.dtype))
+    # recv_sizes must be what each peer sends this device, slice by slice (XLA's one-shot
+    # kernel ignores them, its NCCL path relies on them): anything else poisons the result.
+    told = jax.lax.all_to_all(send_sizes.reshape(ep, -1), axis_name, 0, 0).reshape(-1)
+    buf = jnp.where((told != recv_sizes).any(), jnp.nan, buf)
     buf = jax.lax.all_to_all(buf, axis_name, 0, 0)                      # [ep(src), M, H]
     mask = jax.lax.all_to_all(valid, axis_name, 0, 0)
     return jnp.where(mask.any(0)[:, None], buf.sum(0), output)
@@ -252,6 +261,51 @@ def emulated_ragged(monkeypatch):
     monkeypatch.setattr(exchange.jax.lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
     yield
     forget_probes()
+
+
+def _exchange_both_ways(devices, mode, seed=3, ep_cap=9, h=5):
+    """Rows out by ``send_rows`` and home again by ``return_rows`` over ``devices``, for
+    random chunk sizes (some empty, some full, the rest cut at odd places), with the
+    gradient of a weighted sum of both results; numpy arrays back."""
+    from jax.sharding import PartitionSpec as P
+    from te_jax_perm.parallel.exchange import return_rows, send_rows
+    ep, cap = len(devices), ep_cap
+    rng = np.random.default_rng(seed)
+    sent = rng.integers(0, cap + 1, (ep, ep)).astype(np.int32)
+    sent[0, :] = cap
+    sent[:, 1] = 0
+    n = int(sent.sum(1).max()) + 2                                     # spare rows past the chunks
+    rank_start = (np.cumsum(sent, 1) - sent).astype(np.int32)
+    recv = np.ascontiguousarray(sent.T)
+    x = rng.standard_normal((ep * n, h)).astype(np.float32)
+    w_out, w_home = rng.standard_normal((ep * ep * cap, h)), rng.standard_normal((ep * n, h))
+
+    def body(x, s0, s, r, wo, wh):
+        def f(x):
+            out = send_rows(x, s0, s, r, cap, "ep", mode)
+            home = return_rows(out * 2.0, s0, s, r, n, "ep", mode)
+            return (out * wo).sum() + (home * wh).sum(), (out, home)
+        (_, (out, home)), g = jax.value_and_grad(f, has_aux=True)(x)
+        return out, home, g
+
+    mesh = Mesh(np.array(devices), ("ep",))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 6, out_specs=(P("ep"),) * 3))
+    args = (x, rank_start.reshape(-1), sent.reshape(-1), recv.reshape(-1), w_out.astype(np.float32),
+            w_home.astype(np.float32))
+    return [np.asarray(a) for a in fn(*args)]
+
+
+@multidevice
+@pytest.mark.parametrize("slices", [1, 2, 4, 256])
+def test_ragged_exchange_in_slices_moves_what_the_dense_one_moves(emulated_ragged, monkeypatch, slices):
+    """However many slices each destination's rows go in (one row each, several rows with a
+    short last one, one slice for all), the ragged exchange delivers the dense exchange's
+    rows there and back, and the same gradient."""
+    devices = jax.devices()[:4]
+    want = _exchange_both_ways(devices, "dense")
+    monkeypatch.setattr(exchange, "UPDATES_PER_PEER", slices)
+    for got, w in zip(_exchange_both_ways(devices, "ragged"), want):
+        np.testing.assert_array_equal(got, w)
 
 
 @multidevice
@@ -673,6 +727,20 @@ def test_probe_refuses_a_collective_with_wrong_rows_or_a_wrong_gradient(monkeypa
         assert resolve_a2a("auto", devs) == "dense"
     finally:
         a2a_support.forget_probes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slices", [1, 4, 256])
+def test_gpu_ragged_exchange_in_slices_moves_what_the_dense_one_moves(monkeypatch, slices):
+    """XLA's real ragged all-to-all, its rows in 1, 4 or 256 slices per destination, against
+    the dense exchange on every GPU of the machine (>= 2)."""
+    devs = jax.devices()
+    if len(devs) < 2:
+        pytest.skip("needs at least 2 GPUs")
+    want = _exchange_both_ways(devs, "dense", ep_cap=600, h=40)
+    monkeypatch.setattr(exchange, "UPDATES_PER_PEER", slices)
+    for got, w in zip(_exchange_both_ways(devs, "ragged", ep_cap=600, h=40), want):
+        np.testing.assert_array_equal(got, w)
 
 
 @pytest.mark.gpu
