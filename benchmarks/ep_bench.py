@@ -45,7 +45,7 @@ def exchange_ms(sz: example.Sizes, mesh, rm_host, mode: str, steps: int) -> floa
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from te_jax_perm.parallel.exchange import send_rows
+    from te_jax_perm.parallel.exchange import ragged_slices, send_rows
 
     ep, cap = sz.ep, sz.cap
     rows_to, sent = routed_and_sent(sz, rm_host)
@@ -54,7 +54,8 @@ def exchange_ms(sz: example.Sizes, mesh, rm_host, mode: str, steps: int) -> floa
     shard = NamedSharding(mesh, P(mesh.axis_names))
     rows = jax.device_put(jnp.zeros((sz.n_dev * sz.num_out, sz.hidden), sz.dtype), shard)
     args = [jax.device_put(a.reshape(-1), shard) for a in (rank_start, sent, recv)]
-    body = lambda r, s0, s, rv: send_rows(r, s0, s, rv, cap, "ep", mode)
+    slices = ragged_slices(tuple(mesh.devices.flat))
+    body = lambda r, s0, s, rv: send_rows(r, s0, s, rv, cap, "ep", mode, slices)
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(mesh.axis_names),) * 4, out_specs=P(mesh.axis_names)))
     return median_wall_ms(fn, (rows, *args), steps)
 

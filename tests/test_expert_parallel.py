@@ -263,7 +263,7 @@ def emulated_ragged(monkeypatch):
     forget_probes()
 
 
-def _exchange_both_ways(devices, mode, seed=3, ep_cap=9, h=5):
+def _exchange_both_ways(devices, mode, slices=1, seed=3, ep_cap=9, h=5):
     """Rows out by ``send_rows`` and home again by ``return_rows`` over ``devices``, for
     random chunk sizes (some empty, some full, the rest cut at odd places), with the
     gradient of a weighted sum of both results; numpy arrays back."""
@@ -282,8 +282,8 @@ def _exchange_both_ways(devices, mode, seed=3, ep_cap=9, h=5):
 
     def body(x, s0, s, r, wo, wh):
         def f(x):
-            out = send_rows(x, s0, s, r, cap, "ep", mode)
-            home = return_rows(out * 2.0, s0, s, r, n, "ep", mode)
+            out = send_rows(x, s0, s, r, cap, "ep", mode, slices)
+            home = return_rows(out * 2.0, s0, s, r, n, "ep", mode, slices)
             return (out * wo).sum() + (home * wh).sum(), (out, home)
         (_, (out, home)), g = jax.value_and_grad(f, has_aux=True)(x)
         return out, home, g
@@ -297,23 +297,42 @@ def _exchange_both_ways(devices, mode, seed=3, ep_cap=9, h=5):
 
 @multidevice
 @pytest.mark.parametrize("slices", [1, 2, 4, 256])
-def test_ragged_exchange_in_slices_moves_what_the_dense_one_moves(emulated_ragged, monkeypatch, slices):
+def test_ragged_exchange_in_slices_moves_what_the_dense_one_moves(emulated_ragged, slices):
     """However many slices each destination's rows go in (one row each, several rows with a
     short last one, one slice for all), the ragged exchange delivers the dense exchange's
     rows there and back, and the same gradient."""
     devices = jax.devices()[:4]
     want = _exchange_both_ways(devices, "dense")
-    monkeypatch.setattr(exchange, "UPDATES_PER_PEER", slices)
-    for got, w in zip(_exchange_both_ways(devices, "ragged"), want):
+    for got, w in zip(_exchange_both_ways(devices, "ragged", slices), want):
         np.testing.assert_array_equal(got, w)
 
 
 @multidevice
 @pytest.mark.parametrize("e,k,routing,num_out_tokens,capacity",
                          [(16, 3, "empty", None, None), (8, 2, "skewed", 15, 3)])
-def test_ragged_exchange_matches_reference(emulated_ragged, e, k, routing, num_out_tokens, capacity):
+def test_ragged_exchange_matches_reference(emulated_ragged, monkeypatch, e, k, routing, num_out_tokens, capacity):
+    assert ragged_all_to_all_supported(tuple(jax.devices()[:EP]))     # probed now, not recorded below
+    slices = []
+
+    def recorded(operand, output, input_offsets, *args, **kw):
+        slices.append(input_offsets.shape[0] // EP)
+        return _emulated_ragged_all_to_all(operand, output, input_offsets, *args, **kw)
+    monkeypatch.setattr(exchange.jax.lax, "ragged_all_to_all", recorded)
     hlo = _check(e, k, routing, num_out_tokens, capacity, a2a="ragged", seed=7)
     assert "all-to-all" in hlo
+    # The layer's devices are all this process's: each destination's rows go in as many
+    # slices as XLA's one-shot kernel wants, or as the capacity has rows.
+    cap = EPConfig(num_out_tokens=num_out_tokens, capacity=capacity).sizes(T, e, e // EP)[1]
+    assert slices and set(slices) == {min(exchange.UPDATES_PER_PEER, cap)}
+
+
+def test_ragged_slices_are_one_per_destination_across_processes():
+    class Device:
+        def __init__(self, process_index):
+            self.process_index = process_index
+    assert exchange.ragged_slices(jax.devices()[:1]) == exchange.UPDATES_PER_PEER > 1
+    assert exchange.ragged_slices([Device(0), Device(0)]) == exchange.UPDATES_PER_PEER
+    assert exchange.ragged_slices([Device(0), Device(1)]) == 1
 
 
 @multidevice
@@ -468,7 +487,7 @@ def test_the_layer_takes_its_meshs_default_backend(on_cpu, monkeypatch):
 
 class _FakeGpu:
     """A device as JAX lists one, for a host whose default devices are GPUs."""
-    platform, device_kind = "gpu", "NVIDIA H200"
+    platform, device_kind, process_index = "gpu", "NVIDIA H200", 0
 
     def __init__(self, i):
         self.id = i
@@ -731,15 +750,14 @@ def test_probe_refuses_a_collective_with_wrong_rows_or_a_wrong_gradient(monkeypa
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("slices", [1, 4, 256])
-def test_gpu_ragged_exchange_in_slices_moves_what_the_dense_one_moves(monkeypatch, slices):
+def test_gpu_ragged_exchange_in_slices_moves_what_the_dense_one_moves(slices):
     """XLA's real ragged all-to-all, its rows in 1, 4 or 256 slices per destination, against
     the dense exchange on every GPU of the machine (>= 2)."""
     devs = jax.devices()
     if len(devs) < 2:
         pytest.skip("needs at least 2 GPUs")
     want = _exchange_both_ways(devs, "dense", ep_cap=600, h=40)
-    monkeypatch.setattr(exchange, "UPDATES_PER_PEER", slices)
-    for got, w in zip(_exchange_both_ways(devs, "ragged", ep_cap=600, h=40), want):
+    for got, w in zip(_exchange_both_ways(devs, "ragged", slices, ep_cap=600, h=40), want):
         np.testing.assert_array_equal(got, w)
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from te_jax_perm.parallel.exchange import send_rows
+from te_jax_perm.parallel.exchange import ragged_slices, send_rows
 
 
 def ragged_all_to_all_supported(devices: Sequence[jax.Device]) -> bool:
@@ -74,11 +74,12 @@ def _probe(devices: tuple) -> bool:
     sizes = np.arange(1, n + 1, dtype=np.int32)
     start = (np.cumsum(sizes) - sizes).astype(np.int32)
     m = int(sizes.sum())
+    slices = ragged_slices(devices)   # as the layer slices them over these devices
 
     def body(x, ct):
         sent = jnp.asarray(sizes)
         recv = jax.lax.all_to_all(sent, "probe", 0, 0, tiled=True)
-        y, vjp = jax.vjp(lambda x: send_rows(x, jnp.asarray(start), sent, recv, n, "probe", "ragged"), x)
+        y, vjp = jax.vjp(lambda x: send_rows(x, jnp.asarray(start), sent, recv, n, "probe", "ragged", slices), x)
         return y, vjp(ct)[0]
 
     # Every value distinct and exact in float32: rank r's row i is 1000 r + i; the cotangent

@@ -50,7 +50,7 @@ from te_jax_perm.ops.moe_ffn.reference import activate, check_activation, check_
 from te_jax_perm.ops.permute.api import permute_with_mask_map, unpermute_with_mask_map
 from te_jax_perm.ops.row_id_map.api import checked_routing_map, make_row_id_map
 from te_jax_perm.parallel.a2a_support import resolve_a2a
-from te_jax_perm.parallel.exchange import return_rows, send_rows
+from te_jax_perm.parallel.exchange import ragged_slices, return_rows, send_rows
 
 @dataclasses.dataclass(frozen=True)
 class EPConfig:
@@ -158,7 +158,7 @@ def ep_moe_local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
     # As in ep_moe_layer: ops left on the default backend take the one for the mesh's
     # platform (each op resolves its backend when traced, inside this scope).
     with use_backend(resolve_backend(cfg.backend, platform)):
-        return _local(x, routing_map, probs, w_in, w_out, cfg)
+        return _local(x, routing_map, probs, w_in, w_out, cfg, ragged_slices(devices))
 
 
 def _shard_map_devices(ep: int) -> tuple[str | None, tuple[jax.Device, ...]]:
@@ -179,9 +179,9 @@ def _shard_map_devices(ep: int) -> tuple[str | None, tuple[jax.Device, ...]]:
 
 
 def _local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Array, w_out: jax.Array,
-           cfg: EPConfig) -> jax.Array:
+           cfg: EPConfig, slices: int) -> jax.Array:
     """:func:`ep_moe_local` on checked arguments, with ``cfg.a2a`` resolved to ``"dense"``
-    or ``"ragged"``."""
+    or ``"ragged"`` and the ragged exchange's ``slices`` per destination."""
     ep = jax.lax.axis_size(cfg.axis)
     t, e, el = x.shape[0], routing_map.shape[1], w_in.shape[0]
     n, cap = cfg.sizes(t, e, el)
@@ -198,7 +198,7 @@ def _local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Arr
     rank_start = (jnp.cumsum(kr.sum(1)) - kr.sum(1)).astype(jnp.int32)
     recv_sizes = jax.lax.all_to_all(sent, cfg.axis, 0, 0)              # [ep(src), E_l]
     sent_tot, recv_tot = sent.sum(1).astype(jnp.int32), recv_sizes.sum(1).astype(jnp.int32)
-    recv = send_rows(rows, rank_start, sent_tot, recv_tot, cap, cfg.axis, mode)  # [ep*C, H]
+    recv = send_rows(rows, rank_start, sent_tot, recv_tot, cap, cfg.axis, mode, slices)  # [ep*C, H]
 
     # 3. (source rank, local expert) -> (local expert, source rank)
     pad = cap - recv_sizes.sum(1)
@@ -214,7 +214,7 @@ def _local(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: jax.Arr
 
     # 5. back home and combine
     back, _ = sort_chunks_by_map(y, smap, is_forward=False, backend=be)
-    home = return_rows(back, rank_start, sent_tot, recv_tot, n, cfg.axis, mode)
+    home = return_rows(back, rank_start, sent_tot, recv_tot, n, cfg.axis, mode, slices)
     weights = jnp.where(routing_map, probs, 0.0).astype(jnp.float32)
     return unpermute_with_mask_map(home, rid, merging_probs=weights, tokens_per_expert=kept, backend=be)
 
@@ -257,7 +257,7 @@ def ep_moe_layer(x: jax.Array, routing_map: jax.Array, probs: jax.Array, w_in: j
         if fsdp:   # whole weights for the GEMMs; the gather's transpose reduce-scatters the gradients
             w_in = jax.lax.all_gather(w_in, fsdp, axis=1, tiled=True)
             w_out = jax.lax.all_gather(w_out, fsdp, axis=2, tiled=True)
-        return _local(x, routing_map, probs, w_in, w_out, cfg)
+        return _local(x, routing_map, probs, w_in, w_out, cfg, ragged_slices(group))
 
     # Ops left on the default backend (cfg.backend or cfg.gemm None) take the one for the
     # mesh's devices: each op resolves its backend when the body is traced, inside this scope.

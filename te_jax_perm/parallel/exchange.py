@@ -9,25 +9,35 @@ elsewhere). They differ in what crosses the wire:
   the static capacity ``C``; runs everywhere.
 * ``ragged``: ``jax.lax.ragged_all_to_all`` straight from the dispatch buffer, exactly the
   kept rows per destination (offsets and sizes come from the per-expert row counts); no
-  padding is sent, no send buffer is built. Each destination's rows go as up to
-  :data:`UPDATES_PER_PEER` slices (see there why). Needs backend support (see
+  padding is sent, no send buffer is built. Each destination's rows go as up to ``slices``
+  slices (:func:`ragged_slices` says how many, and why). Needs backend support (see
   :mod:`te_jax_perm.parallel.a2a_support`).
 
 Rows of the dispatch buffer past the kept rows are never read (they may be uninitialised).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 
 from te_jax_perm.core.manual_axes import vary_like
 
-#: Slices per destination of the ragged exchange. XLA's one-shot ragged all-to-all kernel
-#: (its path between the devices of one process) runs one 128-thread block per slice: with
-#: each destination's rows as one slice, two H200s moved 16384 rows of 4096 bf16 per peer in
-#: 50 ms, where the dense all_to_all took 1.6 ms; cut into 256 slices, 1.4 ms, and forward
-#: plus backward 2.1 ms against the dense exchange's 7.1 ms. Empty slices cost next to nothing.
+#: Slices per destination of the ragged exchange between the devices of one process. There
+#: XLA runs its one-shot ragged all-to-all kernel, one 128-thread block per slice: with each
+#: destination's rows as one slice, two H200s moved 16384 rows of 4096 bf16 per peer in 50 ms,
+#: where the dense all_to_all took 1.6 ms; cut into 256 slices, 1.4 ms, and forward plus
+#: backward 2.1 ms against the dense exchange's 7.1 ms. Empty slices cost next to nothing there.
 UPDATES_PER_PEER = 256
+
+
+def ragged_slices(devices: Sequence[jax.Device]) -> int:
+    """Slices per destination for a ragged exchange over ``devices``:
+    :data:`UPDATES_PER_PEER` where they all belong to one process, else 1. Across processes
+    XLA sends every slice as a send/receive pair of its own, empty ones included, so there
+    one slice per destination is the cheapest."""
+    return UPDATES_PER_PEER if len({d.process_index for d in devices}) == 1 else 1
 
 
 def _a2a_vec(v: jax.Array, axis: str) -> jax.Array:
@@ -36,7 +46,7 @@ def _a2a_vec(v: jax.Array, axis: str) -> jax.Array:
 
 
 def send_rows(rows: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: jax.Array, cap: int,
-              axis: str, mode: str) -> jax.Array:
+              axis: str, mode: str, slices: int) -> jax.Array:
     """Delivers each destination's chunk of ``rows``.
 
     Args:
@@ -47,6 +57,8 @@ def send_rows(rows: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: jax
       cap: static rows per (source, destination) slot.
       axis: mesh axis name.
       mode: ``"dense"`` or ``"ragged"``.
+      slices: the ragged exchange's slices per destination (:func:`ragged_slices`); the
+        dense one ignores it.
 
     Returns:
       ``[ep * cap, H]``: source ``s``'s rows at ``s*cap``, zeros after them.
@@ -55,7 +67,7 @@ def send_rows(rows: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: jax
     h = rows.shape[1]
     if mode == "ragged":
         me = jax.lax.axis_index(axis).astype(jnp.int32)
-        u = _slices(cap)
+        u = max(1, min(slices, cap))   # no more slices than a chunk can have rows
         in_off, send_sizes = _sliced(rank_start, sent, u)
         out_off, _ = _sliced(jnp.full((ep,), me * cap, jnp.int32), sent, u)
         _, recv_sizes = _sliced(jnp.zeros((ep,), jnp.int32), recv, u)
@@ -69,7 +81,7 @@ def send_rows(rows: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: jax
 
 
 def return_rows(back: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: jax.Array, n: int,
-                axis: str, mode: str) -> jax.Array:
+                axis: str, mode: str, slices: int) -> jax.Array:
     """The inverse of :func:`send_rows`: ``[ep * cap, H]`` in receive layout -> ``[n, H]`` home.
 
     Rows that were not sent (dropped, or past the kept rows) are zero.
@@ -78,7 +90,7 @@ def return_rows(back: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: j
     ep = sent.shape[0]
     cap = back.shape[0] // ep
     if mode == "ragged":
-        u = _slices(cap)
+        u = max(1, min(slices, cap))   # no more slices than a chunk can have rows
         # Where the rows go on their home rank: that rank's rank_start entry for this rank.
         # Sliced as the rows were sliced on the way out: the sizes are the same counts.
         in_off, send_sizes = _sliced(jnp.arange(ep, dtype=jnp.int32) * cap, recv, u)
@@ -99,11 +111,6 @@ def _ragged_output(shape: tuple[int, int], operand: jax.Array) -> jax.Array:
     receives: from a plain ``jnp.zeros`` the result would claim to be the same on every
     device, and its gradient would then be one device's cotangent on all of them."""
     return vary_like([jnp.zeros(shape, operand.dtype)], [operand])[0]
-
-
-def _slices(cap: int) -> int:
-    """Slices per destination: :data:`UPDATES_PER_PEER`, fewer where a chunk holds fewer rows."""
-    return max(1, min(UPDATES_PER_PEER, cap))
 
 
 def _sliced(start: jax.Array, count: jax.Array, u: int) -> tuple[jax.Array, jax.Array]:
