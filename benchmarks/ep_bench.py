@@ -13,6 +13,7 @@ over the 1-device group's step.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 from typing import Any
 
@@ -27,7 +28,8 @@ flags.DEFINE_integer("steps", None, "timed training steps per measurement (defau
                      lower_bound=1)
 flags.DEFINE_bool("weak_scaling", False, "also time 1, 2, 4, .. devices at the same tokens per device and "
                   "report each step time over the 1-device one")
-flags.DEFINE_string("json_out", None, "also write the results as JSON to this file")
+flags.DEFINE_string("json_out", None, "also write the results as JSON to this file, and a chart of them "
+                    "beside it (the same name ending in .png)")
 
 
 def routed_and_sent(sz: example.Sizes, rm_host):
@@ -120,7 +122,33 @@ def main(argv: list[str]) -> int:
                       f"step ({base:.2f} ms)")
     if FLAGS.json_out:
         write_json(FLAGS.json_out, results)
+        plot(results, os.path.splitext(FLAGS.json_out)[0] + ".png")
     return 0
+
+
+def plot(results: dict, path: str) -> None:
+    """Per device count and exchange: the step's median time, and the time of the four row
+    exchanges a step makes had each run alone (``results`` as written by ``--json_out``)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    bars = [(f"{r['devices']} dev, E={r['experts']}\n{mode}", m["step_ms"], 4 * m["exchange_ms"])
+            for r in results["runs"] for mode, m in r["modes"].items()]
+    fig, ax = plt.subplots(figsize=(1.3 * len(bars) + 2, 4))
+    xs = range(len(bars))
+    ax.bar([x - 0.2 for x in xs], [b[1] for b in bars], 0.4, label="train step (fwd+bwd), median")
+    ax.bar([x + 0.2 for x in xs], [b[2] for b in bars], 0.4, label="4 row exchanges, each timed alone")
+    for x, b in zip(xs, bars):
+        ax.annotate(f"{b[1]:.2f}", (x - 0.2, b[1]), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(xs), [b[0] for b in bars], fontsize=8)
+    ax.set_ylabel("ms per device")
+    sz = results["sizes"]
+    ax.set_title(f"expert-parallel MoE layer on {results['device']}\ntop-{sz['topk']}, T={sz['tokens']} per "
+                 f"device, H={sz['hidden']}, F={sz['ffn']}, {sz['dtype']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

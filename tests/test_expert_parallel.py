@@ -853,7 +853,8 @@ def test_example_runs_when_the_layer_fits():
 
 def test_benchmark_times_the_example_layer_and_weak_scales(tmp_path):
     """benchmarks/ep_bench.py on the example's layer and flags: the step and one exchange
-    timed per mode at 1, 2 and 4 devices, each over the 1-device step, written as JSON."""
+    timed per mode at 1, 2 and 4 devices, each over the 1-device step, written as JSON and
+    charted beside it."""
     out_json = tmp_path / "ep.json"
     proc = _run_example("--cpu_devices=4", "--tokens=48", "--hidden=32", "--ffn=32", "--experts=8",
                         "--device_memory_gib=1", "--weak_scaling", "--steps=1", f"--json_out={out_json}", bench=True)
@@ -865,6 +866,7 @@ def test_benchmark_times_the_example_layer_and_weak_scales(tmp_path):
     assert [r["devices"] for r in runs] == [1, 2, 4] and runs[0]["experts"] == 2
     assert all(m["step_ms"] > 0 and m["exchange_ms"] > 0 for r in runs for m in r["modes"].values())
     assert all("weak_scaling_ratio" in m for r in runs[1:] for m in r["modes"].values())
+    assert (tmp_path / "ep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_example_takes_its_default_activation_from_the_layer():
