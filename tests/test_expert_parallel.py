@@ -697,6 +697,20 @@ def test_resolve_a2a_refuses_ragged_where_it_does_not_run(monkeypatch):
         a2a_support.forget_probes()
 
 
+def test_several_processes_build_the_same_exchange_unprobed(monkeypatch):
+    """Under several JAX processes no probe runs (it could not reach other processes'
+    devices, nor promise each process the same answer): "auto" is dense everywhere,
+    "ragged" is taken as asked, and a wrong mode is still named."""
+    from te_jax_perm.parallel import a2a_support
+    monkeypatch.setattr(a2a_support, "probe", lambda devices: pytest.fail("probed under several processes"))
+    monkeypatch.setattr(a2a_support.jax, "process_count", lambda: 2)
+    a2a_support.forget_probes()
+    devs = tuple(jax.devices()[:1])
+    assert [resolve_a2a(m, devs) for m in ("auto", "ragged", "dense")] == ["dense", "ragged", "dense"]
+    with pytest.raises(ValueError, match="EPConfig.a2a = 'sparse'; expected"):
+        resolve_a2a("sparse", devs)
+
+
 def test_forget_probes_lets_auto_see_a_new_probe_answer(monkeypatch):
     from te_jax_perm.parallel import a2a_support
     devs = tuple(jax.devices()[:1])

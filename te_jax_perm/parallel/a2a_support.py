@@ -115,6 +115,10 @@ def resolve_a2a(mode: str, devices: Sequence[jax.Device]) -> str:
     ``devices``, else ``"dense"``; ``"ragged"`` on devices without it raises here, where XLA
     would refuse it only when compiling the program.
 
+    Where JAX runs several processes, every process must build the same exchange, and a
+    probe could not run on other processes' devices, nor be sure to find the same answer
+    in each: there ``"auto"`` is ``"dense"`` and ``"ragged"`` is taken as asked, unprobed.
+
     Raises:
       ValueError: ``mode`` is not ``"dense"``, ``"ragged"`` or ``"auto"``, or is
         ``"ragged"`` where ``devices`` cannot run a ragged all-to-all.
@@ -123,6 +127,8 @@ def resolve_a2a(mode: str, devices: Sequence[jax.Device]) -> str:
         raise ValueError(f"EPConfig.a2a = {mode!r}; expected 'dense', 'ragged' or 'auto'")
     if mode == "dense":
         return mode
+    if jax.process_count() > 1:
+        return "ragged" if mode == "ragged" else "dense"
     devices = tuple(devices)
     supported = ragged_all_to_all_supported(devices)
     if mode == "ragged" and not supported:

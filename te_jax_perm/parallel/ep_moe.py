@@ -78,7 +78,8 @@ class EPConfig:
         GPU, and so does ``ep_moe_local`` where JAX tells it the mesh's platform).
       a2a: how rows cross devices: ``"dense"`` (``all_to_all`` of capacity-padded chunks),
         ``"ragged"`` (``ragged_all_to_all``, exactly the kept rows; needs backend support)
-        or ``"auto"`` (ragged where a probe finds it works, else dense). Same results.
+        or ``"auto"`` (ragged where a probe finds it works, else dense; dense where JAX runs
+        several processes, which must all build the same exchange). Same results.
       gemm: the grouped GEMM of the experts, ``grouped_matmul``'s ``backend``: ``"triton"``,
         ``"interpret"``, ``"xla"`` or ``"tokamax"`` (``None``: its default, the op backend in
         effect (``backend`` above), or ``"xla"`` for dtypes the kernels do not compute in).
