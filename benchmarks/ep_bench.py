@@ -6,7 +6,8 @@ The layer, its sizes and flags are ``examples/moe_expert_parallel.py``'s (import
 run the example first for its check against the single-device reference). For each
 all-to-all mode this times the compiled fwd+bwd step (median of --steps calls, each blocked
 until done), one forward row exchange of the same rows measured on its own, and reports the
-rows on the wire. With --weak_scaling it also times expert-parallel groups of 1, 2, 4, ...
+rows on the wire; on GPUs also the step's kernel time from a profile, and the exchange
+kernels' part of it. With --weak_scaling it also times expert-parallel groups of 1, 2, 4, ...
 devices (each copied --data times) at the same tokens and experts per device, and each step
 over the 1-device group's step.
 """
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import statistics
 from typing import Any
 
 from absl import flags
 
+from benchmarks import trace_stats
 from benchmarks.results_io import write_json
 from benchmarks.timing import median_wall_ms, wall_ms
 from examples import moe_expert_parallel as example
@@ -78,6 +81,8 @@ def time_config(sz: example.Sizes, devices, modes: list[str], backend: str, step
         r["step_ms"] = statistics.median(times)
         r["step_ms_min_max"] = (min(times), max(times))
         r["exchange_ms"] = exchange_ms(sz, mesh, rm_host, mode, steps)
+        if devices[0].platform == "gpu":
+            r.update(step_kernels(lambda: jax.block_until_ready(compiled(*args)), steps, sz.n_dev))
         r["rows_on_wire_per_device"] = ([sz.ep * sz.cap] * sz.n_dev if mode == "dense"
                                         else kept.sum(1).astype(int).tolist())
         res["modes"][mode] = r
@@ -86,7 +91,26 @@ def time_config(sz: example.Sizes, devices, modes: list[str], backend: str, step
               f"(a training step makes 4: there and back, forward and backward = {4 * r['exchange_ms']:.2f} ms, "
               f"{400 * r['exchange_ms'] / r['step_ms']:.0f}% of the step if none overlaps); rows on the wire per "
               f"device {r['rows_on_wire_per_device']}" + (" (padded to capacity)" if mode == "dense" else " (kept rows)"))
+        if "step_kernel_ms" in r:
+            print(f"    profiler, per device: kernels {r['step_kernel_ms']:.2f} ms a step, of which the exchanges' "
+                  f"{r['exchange_kernel_ms']:.2f} ms; some kernel busy {r['step_busy_ms']:.2f} ms")
     return res
+
+
+# Kernels of the row exchanges: NCCL's, and XLA's own ragged all-to-all kernel.
+_EXCHANGE_KERNEL = re.compile(r"nccl|ragged", re.I)
+
+
+def step_kernels(step, steps: int, n_dev: int) -> dict[str, float]:
+    """The step's device time from a profile of ``steps`` calls, each waited for, per device
+    (the devices' sum over ``n_dev``): every kernel's time summed, the exchange kernels' part
+    of it, and how long at least one kernel ran (below the sum where kernels overlap)."""
+    stats = trace_stats.profile(step, steps)
+    per_device_ms = lambda ns: ns / stats.steps / n_dev / 1e6
+    return {"step_kernel_ms": per_device_ms(sum(stats.kernel_ns.values())),
+            "exchange_kernel_ms": per_device_ms(sum(ns for k, ns in stats.kernel_ns.items()
+                                                    if _EXCHANGE_KERNEL.search(k))),
+            "step_busy_ms": per_device_ms(stats.busy_ns)}
 
 
 def weak_counts(n: int) -> list[int]:
@@ -132,14 +156,16 @@ def plot(results: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    bars = [(f"{r['devices']} dev, E={r['experts']}\n{mode}", m["step_ms"], 4 * m["exchange_ms"])
-            for r in results["runs"] for mode, m in r["modes"].items()]
-    fig, ax = plt.subplots(figsize=(1.3 * len(bars) + 2, 4))
+    bars = [(f"{r['devices']} dev, E={r['experts']}\n{mode}", m["step_ms"], m.get("step_kernel_ms"),
+             4 * m["exchange_ms"]) for r in results["runs"] for mode, m in r["modes"].items()]
+    fig, ax = plt.subplots(figsize=(1.6 * len(bars) + 2, 4))
     xs = range(len(bars))
-    ax.bar([x - 0.2 for x in xs], [b[1] for b in bars], 0.4, label="train step (fwd+bwd), median")
-    ax.bar([x + 0.2 for x in xs], [b[2] for b in bars], 0.4, label="4 row exchanges, each timed alone")
+    ax.bar([x - 0.27 for x in xs], [b[1] for b in bars], 0.27, label="train step (fwd+bwd), median wall")
+    if all(b[2] is not None for b in bars):
+        ax.bar(list(xs), [b[2] for b in bars], 0.27, label="its kernels (profiler)")
+    ax.bar([x + 0.27 for x in xs], [b[3] for b in bars], 0.27, label="4 row exchanges, each timed alone")
     for x, b in zip(xs, bars):
-        ax.annotate(f"{b[1]:.2f}", (x - 0.2, b[1]), ha="center", va="bottom", fontsize=7)
+        ax.annotate(f"{b[1]:.2f}", (x - 0.27, b[1]), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(list(xs), [b[0] for b in bars], fontsize=8)
     ax.set_ylabel("ms per device")
     sz = results["sizes"]
