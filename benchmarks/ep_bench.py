@@ -107,10 +107,13 @@ def step_kernels(step, steps: int, n_dev: int) -> dict[str, float]:
     of it, and how long at least one kernel ran (below the sum where kernels overlap)."""
     stats = trace_stats.profile(step, steps)
     per_device_ms = lambda ns: ns / stats.steps / n_dev / 1e6
+    top = sorted(stats.kernel_ns.items(), key=lambda kv: -kv[1])[:15]
     return {"step_kernel_ms": per_device_ms(sum(stats.kernel_ns.values())),
             "exchange_kernel_ms": per_device_ms(sum(ns for k, ns in stats.kernel_ns.items()
                                                     if _EXCHANGE_KERNEL.search(k))),
-            "step_busy_ms": per_device_ms(stats.busy_ns)}
+            "step_busy_ms": per_device_ms(stats.busy_ns),
+            # Where the time goes: the longest kernels, ms a step per device.
+            "top_kernels_ms": [(k, per_device_ms(ns)) for k, ns in top]}
 
 
 def weak_counts(n: int) -> list[int]:
