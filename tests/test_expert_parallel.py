@@ -263,36 +263,67 @@ def emulated_ragged(monkeypatch):
     forget_probes()
 
 
-def _exchange_both_ways(devices, mode, slices=1, seed=3, ep_cap=9, h=5):
-    """Rows out by ``send_rows`` and home again by ``return_rows`` over ``devices``, for
-    random chunk sizes (some empty, some full, the rest cut at odd places), with the
-    gradient of a weighted sum of both results; numpy arrays back."""
-    from jax.sharding import PartitionSpec as P
-    from te_jax_perm.parallel.exchange import return_rows, send_rows
-    ep, cap = len(devices), ep_cap
+def _exchange_case(ep, seed=3, cap=9, h=5):
+    """Random chunk sizes for ``ep`` devices (some empty, some full, the rest cut at odd
+    places) and rows and loss weights for :func:`_exchange_both_ways`, as numpy arrays."""
     rng = np.random.default_rng(seed)
     sent = rng.integers(0, cap + 1, (ep, ep)).astype(np.int32)
     sent[0, :] = cap
     sent[:, 1] = 0
     n = int(sent.sum(1).max()) + 2                                     # spare rows past the chunks
-    rank_start = (np.cumsum(sent, 1) - sent).astype(np.int32)
-    recv = np.ascontiguousarray(sent.T)
-    x = rng.standard_normal((ep * n, h)).astype(np.float32)
-    w_out, w_home = rng.standard_normal((ep * ep * cap, h)), rng.standard_normal((ep * n, h))
+    return dict(cap=cap, n=n, sent=sent, rank_start=(np.cumsum(sent, 1) - sent).astype(np.int32),
+                x=rng.standard_normal((ep, n, h)).astype(np.float32),
+                w_out=rng.standard_normal((ep, ep * cap, h)).astype(np.float32),
+                w_home=rng.standard_normal((ep, n, h)).astype(np.float32))
+
+
+def _exchange_both_ways(devices, mode, case, slices=1):
+    """Rows out by ``send_rows`` and home again (doubled) by ``return_rows`` over
+    ``devices``, with the gradient of ``sum(out * w_out) + sum(home * w_home)``; numpy
+    ``[ep, ...]`` arrays back, and the program's jaxpr as text."""
+    from jax.sharding import PartitionSpec as P
+    from te_jax_perm.parallel.exchange import return_rows, send_rows
+    cap, n = case["cap"], case["n"]
 
     def body(x, s0, s, r, wo, wh):
+        x, wo, wh = x[0], wo[0], wh[0]
+
         def f(x):
             out = send_rows(x, s0, s, r, cap, "ep", mode, slices)
             home = return_rows(out * 2.0, s0, s, r, n, "ep", mode, slices)
             return (out * wo).sum() + (home * wh).sum(), (out, home)
         (_, (out, home)), g = jax.value_and_grad(f, has_aux=True)(x)
-        return out, home, g
+        return out[None], home[None], g[None]
 
     mesh = Mesh(np.array(devices), ("ep",))
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 6, out_specs=(P("ep"),) * 3))
-    args = (x, rank_start.reshape(-1), sent.reshape(-1), recv.reshape(-1), w_out.astype(np.float32),
-            w_home.astype(np.float32))
-    return [np.asarray(a) for a in fn(*args)]
+    args = (case["x"], case["rank_start"].reshape(-1), case["sent"].reshape(-1),
+            np.ascontiguousarray(case["sent"].T).reshape(-1), case["w_out"], case["w_home"])
+    return [np.asarray(a) for a in fn(*args)], str(jax.make_jaxpr(fn)(*args))
+
+
+@multidevice
+def test_dense_exchange_moves_rows_and_gradients_as_numpy_says():
+    """Source s's chunk for destination d lands at d's rows s*cap.., zeros after it; home
+    again, at the rows it left; rows not sent (spare rows past the chunks) stay zero and
+    get no gradient. Both ways and in the gradient the rows are gathered, never scattered
+    (XLA's scatters were the dense exchange's slowest part on GPUs)."""
+    ep = 4
+    c = _exchange_case(ep)
+    (out, home, grad), jaxpr = _exchange_both_ways(jax.devices()[:ep], "dense", c)
+    assert " gather[" in jaxpr and "scatter" not in jaxpr
+    cap, x = c["cap"], c["x"]
+    want_out, want_home, want_grad = np.zeros_like(out), np.zeros_like(home), np.zeros_like(grad)
+    for s in range(ep):
+        for d in range(ep):
+            rows = slice(c["rank_start"][s, d], c["rank_start"][s, d] + c["sent"][s, d])
+            slots = slice(s * cap, s * cap + c["sent"][s, d])
+            want_out[d, slots] = x[s, rows]
+            want_home[s, rows] = 2 * x[s, rows]
+            want_grad[s, rows] = c["w_out"][d, slots] + 2 * c["w_home"][s, rows]
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(home, want_home)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-6, atol=1e-6)
 
 
 @multidevice
@@ -302,8 +333,9 @@ def test_ragged_exchange_in_slices_moves_what_the_dense_one_moves(emulated_ragge
     short last one, one slice for all), the ragged exchange delivers the dense exchange's
     rows there and back, and the same gradient."""
     devices = jax.devices()[:4]
-    want = _exchange_both_ways(devices, "dense")
-    for got, w in zip(_exchange_both_ways(devices, "ragged", slices), want):
+    case = _exchange_case(len(devices))
+    want, _ = _exchange_both_ways(devices, "dense", case)
+    for got, w in zip(_exchange_both_ways(devices, "ragged", case, slices)[0], want):
         np.testing.assert_array_equal(got, w)
 
 
@@ -770,8 +802,9 @@ def test_gpu_ragged_exchange_in_slices_moves_what_the_dense_one_moves(slices):
     devs = jax.devices()
     if len(devs) < 2:
         pytest.skip("needs at least 2 GPUs")
-    want = _exchange_both_ways(devs, "dense", ep_cap=600, h=40)
-    for got, w in zip(_exchange_both_ways(devs, "ragged", slices, ep_cap=600, h=40), want):
+    case = _exchange_case(len(devs), cap=600, h=40)
+    want, _ = _exchange_both_ways(devs, "dense", case)
+    for got, w in zip(_exchange_both_ways(devs, "ragged", case, slices)[0], want):
         np.testing.assert_array_equal(got, w)
 
 

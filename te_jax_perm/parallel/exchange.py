@@ -51,7 +51,7 @@ def send_rows(rows: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: jax
 
     Args:
       rows: ``[n, H]`` dispatch buffer, chunk for rank ``d`` at ``rank_start[d]``.
-      rank_start: int32 ``[ep]``.
+      rank_start: int32 ``[ep]``, non-decreasing: the chunks lie side by side in rank order.
       sent: int32 ``[ep]`` rows sent to each rank (``<= cap``).
       recv: int32 ``[ep]`` rows received from each rank (``all_to_all`` of ``sent``).
       cap: static rows per (source, destination) slot.
@@ -73,11 +73,9 @@ def send_rows(rows: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: jax
         _, recv_sizes = _sliced(jnp.zeros((ep,), jnp.int32), recv, u)
         out = _ragged_output((ep * cap, h), rows)
         return jax.lax.ragged_all_to_all(rows, out, in_off, send_sizes, out_off, recv_sizes, axis_name=axis)
-    slot = jnp.arange(cap, dtype=jnp.int32)
-    valid = slot[None, :] < sent[:, None]                               # [ep, C]
-    src = jnp.where(valid, rank_start[:, None] + slot[None, :], 0)
-    send = jnp.where(valid[..., None], rows[src], jnp.zeros((), rows.dtype))
-    return jax.lax.all_to_all(send, axis, 0, 0).reshape(ep * cap, h)
+    slots = _slot_rows(rank_start, sent, cap)
+    send = _move_rows(rows, *slots, *_row_slots(rank_start, sent, cap, rows.shape[0]))
+    return jax.lax.all_to_all(send.reshape(ep, cap, h), axis, 0, 0).reshape(ep * cap, h)
 
 
 def return_rows(back: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: jax.Array, n: int,
@@ -98,11 +96,58 @@ def return_rows(back: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: j
         _, recv_sizes = _sliced(jnp.zeros((ep,), jnp.int32), sent, u)
         out = _ragged_output((n, h), back)
         return jax.lax.ragged_all_to_all(back, out, in_off, send_sizes, out_off, recv_sizes, axis_name=axis)
-    ret = jax.lax.all_to_all(back.reshape(ep, cap, h), axis, 0, 0)    # [ep(dst), C, H]
-    slot = jnp.arange(cap, dtype=jnp.int32)
-    valid = slot[None, :] < sent[:, None]
-    dst = jnp.where(valid, rank_start[:, None] + slot[None, :], n)
-    return jnp.zeros((n, h), back.dtype).at[dst].set(ret, mode="drop")
+    ret = jax.lax.all_to_all(back.reshape(ep, cap, h), axis, 0, 0).reshape(ep * cap, h)   # [(dst, slot), H]
+    return _move_rows(ret, *_row_slots(rank_start, sent, cap, n), *_slot_rows(rank_start, sent, cap))
+
+
+# The dense exchange places rows with gathers both ways. Written as XLA's gather and scatter
+# (a row gather whose gradient is a scatter-add, a scatter to bring rows home), the scatters
+# alone took 5.8 ms of a 21.7 ms training step on two H200s; each placement here is a gather
+# whose gradient is the gather the other way, as the chunks never overlap.
+
+def _slot_rows(rank_start: jax.Array, sent: jax.Array, cap: int) -> tuple[jax.Array, jax.Array]:
+    """For each ``(destination, slot)`` of the ``[ep * cap]`` send layout: the dispatch row
+    it holds, and whether it holds one (slot ``< sent``)."""
+    slot = jnp.arange(cap, dtype=jnp.int32)[None, :]
+    ok = slot < sent[:, None]                                           # [ep, C]
+    return jnp.where(ok, rank_start[:, None] + slot, 0).reshape(-1), ok.reshape(-1)
+
+
+def _row_slots(rank_start: jax.Array, sent: jax.Array, cap: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """For each of the ``n`` dispatch rows: its ``(destination, slot)`` as ``d * cap + slot``,
+    and whether it is sent. Row ``i`` belongs to the last rank whose chunk starts at or before
+    it (empty chunks share their start with the next one)."""
+    i = jnp.arange(n, dtype=jnp.int32)
+    d = jnp.clip(jnp.searchsorted(rank_start, i, side="right").astype(jnp.int32) - 1, 0, sent.shape[0] - 1)
+    slot = i - rank_start[d]
+    ok = (slot >= 0) & (slot < sent[d])
+    return jnp.where(ok, d * cap + slot, 0), ok
+
+
+def _take_rows(x: jax.Array, src: jax.Array, ok: jax.Array) -> jax.Array:
+    if x.shape[0] == 0:     # capacity 0: nothing is sent, and there is nothing to gather from
+        return vary_like([jnp.zeros((src.shape[0], *x.shape[1:]), x.dtype)], [x])[0]
+    return jnp.where(ok[:, None], x[src], jnp.zeros((), x.dtype))
+
+
+@jax.custom_vjp
+def _move_rows(x: jax.Array, src: jax.Array, ok: jax.Array, back_src: jax.Array, back_ok: jax.Array) -> jax.Array:
+    """Row ``r`` of the result is ``x[src[r]]`` where ``ok[r]``, else zero. ``(back_src,
+    back_ok)`` is the same map read the other way (row ``q`` of ``x`` went to result row
+    ``back_src[q]`` where ``back_ok[q]``), so the gradient is a gather too."""
+    return _take_rows(x, src, ok)
+
+
+def _move_rows_fwd(x, src, ok, back_src, back_ok):
+    return _take_rows(x, src, ok), (back_src, back_ok)
+
+
+def _move_rows_bwd(res, g):
+    back_src, back_ok = res
+    return _take_rows(g, back_src, back_ok), None, None, None, None
+
+
+_move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
 
 
 def _ragged_output(shape: tuple[int, int], operand: jax.Array) -> jax.Array:
