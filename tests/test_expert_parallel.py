@@ -355,15 +355,15 @@ def test_ragged_exchange_matches_reference(emulated_ragged, monkeypatch, e, k, r
     # The layer's devices are all this process's: each destination's rows go in as many
     # slices as XLA's one-shot kernel wants, or as the capacity has rows.
     cap = EPConfig(num_out_tokens=num_out_tokens, capacity=capacity).sizes(T, e, e // EP)[1]
-    assert slices and set(slices) == {min(exchange.UPDATES_PER_PEER, cap)}
+    assert slices and set(slices) == {min(exchange.SLICES_PER_PEER, cap)}
 
 
 def test_ragged_slices_are_one_per_destination_across_processes():
     class Device:
         def __init__(self, process_index):
             self.process_index = process_index
-    assert exchange.ragged_slices(jax.devices()[:1]) == exchange.UPDATES_PER_PEER > 1
-    assert exchange.ragged_slices([Device(0), Device(0)]) == exchange.UPDATES_PER_PEER
+    assert exchange.ragged_slices(jax.devices()[:1]) == exchange.SLICES_PER_PEER > 1
+    assert exchange.ragged_slices([Device(0), Device(0)]) == exchange.SLICES_PER_PEER
     assert exchange.ragged_slices([Device(0), Device(1)]) == 1
 
 

@@ -29,15 +29,15 @@ from te_jax_perm.core.manual_axes import vary_like
 #: destination's rows as one slice, two H200s moved 16384 rows of 4096 bf16 per peer in 50 ms,
 #: where the dense all_to_all took 1.6 ms; cut into 256 slices, 1.4 ms, and forward plus
 #: backward 2.1 ms against the dense exchange's 7.1 ms. Empty slices cost next to nothing there.
-UPDATES_PER_PEER = 256
+SLICES_PER_PEER = 256
 
 
 def ragged_slices(devices: Sequence[jax.Device]) -> int:
     """Slices per destination for a ragged exchange over ``devices``:
-    :data:`UPDATES_PER_PEER` where they all belong to one process, else 1. Across processes
+    :data:`SLICES_PER_PEER` where they all belong to one process, else 1. Across processes
     XLA sends every slice as a send/receive pair of its own, empty ones included, so there
     one slice per destination is the cheapest."""
-    return UPDATES_PER_PEER if len({d.process_index for d in devices}) == 1 else 1
+    return SLICES_PER_PEER if len({d.process_index for d in devices}) == 1 else 1
 
 
 def _a2a_vec(v: jax.Array, axis: str) -> jax.Array:
