@@ -67,12 +67,8 @@ def send_rows(rows: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: jax
     h = rows.shape[1]
     if mode == "ragged":
         me = jax.lax.axis_index(axis).astype(jnp.int32)
-        u = max(1, min(slices, cap))   # no more slices than a chunk can have rows
-        in_off, send_sizes = _sliced(rank_start, sent, u)
-        out_off, _ = _sliced(jnp.full((ep,), me * cap, jnp.int32), sent, u)
-        _, recv_sizes = _sliced(jnp.zeros((ep,), jnp.int32), recv, u)
-        out = _ragged_output((ep * cap, h), rows)
-        return jax.lax.ragged_all_to_all(rows, out, in_off, send_sizes, out_off, recv_sizes, axis_name=axis)
+        return _ragged(rows, ep * cap, rank_start, jnp.full((ep,), me * cap, jnp.int32), sent, recv, cap,
+                       slices, axis)
     slots = _slot_rows(rank_start, sent, cap)
     send = _move_rows(rows, *slots, *_row_slots(rank_start, sent, cap, rows.shape[0]))
     return jax.lax.all_to_all(send.reshape(ep, cap, h), axis, 0, 0).reshape(ep * cap, h)
@@ -88,14 +84,10 @@ def return_rows(back: jax.Array, rank_start: jax.Array, sent: jax.Array, recv: j
     ep = sent.shape[0]
     cap = back.shape[0] // ep
     if mode == "ragged":
-        u = max(1, min(slices, cap))   # no more slices than a chunk can have rows
         # Where the rows go on their home rank: that rank's rank_start entry for this rank.
         # Sliced as the rows were sliced on the way out: the sizes are the same counts.
-        in_off, send_sizes = _sliced(jnp.arange(ep, dtype=jnp.int32) * cap, recv, u)
-        out_off, _ = _sliced(_a2a_vec(rank_start, axis), recv, u)
-        _, recv_sizes = _sliced(jnp.zeros((ep,), jnp.int32), sent, u)
-        out = _ragged_output((n, h), back)
-        return jax.lax.ragged_all_to_all(back, out, in_off, send_sizes, out_off, recv_sizes, axis_name=axis)
+        return _ragged(back, n, jnp.arange(ep, dtype=jnp.int32) * cap, _a2a_vec(rank_start, axis), recv, sent,
+                       cap, slices, axis)
     ret = jax.lax.all_to_all(back.reshape(ep, cap, h), axis, 0, 0).reshape(ep * cap, h)   # [(dst, slot), H]
     return _move_rows(ret, *_row_slots(rank_start, sent, cap, n), *_slot_rows(rank_start, sent, cap))
 
@@ -126,7 +118,7 @@ def _row_slots(rank_start: jax.Array, sent: jax.Array, cap: int, n: int) -> tupl
 
 def _take_rows(x: jax.Array, src: jax.Array, ok: jax.Array) -> jax.Array:
     if x.shape[0] == 0:     # capacity 0: nothing is sent, and there is nothing to gather from
-        return vary_like([jnp.zeros((src.shape[0], *x.shape[1:]), x.dtype)], [x])[0]
+        return _zeros_varying_like((src.shape[0], *x.shape[1:]), x)
     return jnp.where(ok[:, None], x[src], jnp.zeros((), x.dtype))
 
 
@@ -150,20 +142,34 @@ def _move_rows_bwd(res, g):
 _move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
 
 
-def _ragged_output(shape: tuple[int, int], operand: jax.Array) -> jax.Array:
-    """The zeros ``ragged_all_to_all`` writes into, typed as varying like ``operand``.
-    JAX gives the collective's result the varying axes of this buffer, not of the rows it
-    receives: from a plain ``jnp.zeros`` the result would claim to be the same on every
-    device, and its gradient would then be one device's cotangent on all of them."""
-    return vary_like([jnp.zeros(shape, operand.dtype)], [operand])[0]
+def _ragged(x: jax.Array, out_rows: int, src_start: jax.Array, dst_start: jax.Array, count: jax.Array,
+            recv: jax.Array, cap: int, slices: int, axis: str) -> jax.Array:
+    """``ragged_all_to_all`` of ``count[d]`` rows of ``x`` from ``src_start[d]`` to rank
+    ``d``'s rows from ``dst_start[d]`` of an ``[out_rows, H]`` result, ``recv[s]`` rows
+    arriving from rank ``s``, each chunk in up to ``slices`` slices."""
+    u = max(1, min(slices, cap))   # no more slices than a chunk can have rows
+    done, sizes = _cuts(count, u)
+    # The output typed as varying like the rows: JAX gives the collective's result the
+    # varying axes of this buffer, not of the rows it receives; from a plain jnp.zeros the
+    # result would claim to be the same on every device, and its gradient would then be one
+    # device's cotangent on all of them.
+    out = _zeros_varying_like((out_rows, x.shape[1]), x)
+    return jax.lax.ragged_all_to_all(x, out, (src_start[:, None] + done).reshape(-1), sizes.reshape(-1),
+                                     (dst_start[:, None] + done).reshape(-1), _cuts(recv, u)[1].reshape(-1),
+                                     axis_name=axis)
 
 
-def _sliced(start: jax.Array, count: jax.Array, u: int) -> tuple[jax.Array, jax.Array]:
-    """``[ep]`` chunks (first row, rows) -> ``[ep * u]`` slices of ``ceil(count / u)`` rows
-    (the last ones shorter or empty), destination-major as ``ragged_all_to_all`` reads them.
-    Sender and receiver slice the same count alike, so their slice sizes agree. An empty
-    slice starts at its chunk's end, never past it."""
+def _cuts(count: jax.Array, u: int) -> tuple[jax.Array, jax.Array]:
+    """``[ep]`` chunk sizes -> ``[ep, u]`` slices of ``ceil(count / u)`` rows (the last ones
+    shorter or empty): each slice's first row within its chunk, and its rows; destination-
+    major when flattened, as ``ragged_all_to_all`` reads them. Sender and receiver cut the
+    same count alike, so their slice sizes agree. An empty slice starts at its chunk's end,
+    never past it."""
     q = (count + u - 1) // u
-    done = jnp.minimum(jnp.arange(u, dtype=jnp.int32)[None, :] * q[:, None], count[:, None])  # [ep, u]
-    size = jnp.minimum(count[:, None] - done, q[:, None])
-    return (start[:, None] + done).reshape(-1), size.reshape(-1)
+    done = jnp.minimum(jnp.arange(u, dtype=jnp.int32)[None, :] * q[:, None], count[:, None])
+    return done, jnp.minimum(count[:, None] - done, q[:, None])
+
+
+def _zeros_varying_like(shape: tuple[int, ...], operand: jax.Array) -> jax.Array:
+    """Zeros of ``operand``'s dtype, typed as varying along the mesh axes it varies along."""
+    return vary_like([jnp.zeros(shape, operand.dtype)], [operand])[0]
